@@ -1,0 +1,64 @@
+"""cupy_ipcpool: share CuPy arrays between processes on one machine with no copies.
+
+A ring of CUDA VMM buffers exported as POSIX file descriptors; peers map them
+once and receive frames as ``cupy.ndarray`` views.  Importing this package
+needs no GPU; every GPU call raises :class:`CudaUnavailableError` where there
+is none.
+"""
+
+from ._allocator import AllocationScope, SlotArena, allocating
+from ._compat import IPCBufferManager
+from ._errors import (
+    CudaError,
+    CudaOutOfMemoryError,
+    CudaUnavailableError,
+    DescriptorError,
+    EndOfStream,
+    ForkedProcessError,
+    IpcPoolError,
+    NotShareableError,
+    PeerRefusedError,
+    PoolClosedError,
+    ProtocolError,
+    SlotBusyError,
+    SlotFullError,
+    StaleHandleError,
+    TeardownWarning,
+    TransportError,
+    UnsupportedDeviceError,
+)
+from ._handles import ArrayHandle, PoolDescriptor
+from ._peer import PeerPool, attach
+from ._pool import IpcPool
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AllocationScope",
+    "ArrayHandle",
+    "CudaError",
+    "CudaOutOfMemoryError",
+    "CudaUnavailableError",
+    "DescriptorError",
+    "EndOfStream",
+    "ForkedProcessError",
+    "IPCBufferManager",
+    "IpcPool",
+    "IpcPoolError",
+    "NotShareableError",
+    "PeerPool",
+    "PeerRefusedError",
+    "PoolClosedError",
+    "PoolDescriptor",
+    "ProtocolError",
+    "SlotArena",
+    "SlotBusyError",
+    "SlotFullError",
+    "StaleHandleError",
+    "TeardownWarning",
+    "TransportError",
+    "UnsupportedDeviceError",
+    "__version__",
+    "allocating",
+    "attach",
+]

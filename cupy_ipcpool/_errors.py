@@ -1,0 +1,176 @@
+"""The exception hierarchy of cupy_ipcpool.
+
+Every error the library raises derives from :class:`IpcPoolError`.  All of them
+pickle (so they cross process boundaries in worker pools and tests): each class
+either keeps the default ``Exception`` pickling (one message argument) or
+defines ``__reduce__``.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+from typing import Any
+
+
+class IpcPoolError(Exception):
+    """Base class of every error raised by cupy_ipcpool."""
+
+
+class CudaUnavailableError(IpcPoolError):
+    """No usable CUDA driver, device, or binding package in this process.
+
+    Raised by every GPU entry point when the machine has no driver, no device,
+    or when ``cuda-bindings`` / ``cupy`` cannot be imported.  The message says
+    what is missing.
+    """
+
+
+class CudaError(IpcPoolError):
+    """A CUDA driver call failed.
+
+    Attributes
+    ----------
+    call:
+        Name of the driver function, e.g. ``"cuMemMap"``.
+    code:
+        The numeric ``CUresult``.
+    name:
+        The enum name, e.g. ``"CUDA_ERROR_INVALID_VALUE"``.
+    """
+
+    def __init__(self, call: str, code: int, name: str, detail: str = "") -> None:
+        self.call = call
+        self.code = int(code)
+        self.name = name
+        self.detail = detail
+        msg = f"{call}: {name} ({self.code})"
+        if detail:
+            msg += f": {detail}"
+        super().__init__(msg)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.call, self.code, self.name, self.detail))
+
+
+class CudaOutOfMemoryError(CudaError, MemoryError):
+    """The device could not provide the requested physical memory."""
+
+
+class UnsupportedDeviceError(IpcPoolError):
+    """The device lacks a capability the library needs (VMM, POSIX-fd handles...)."""
+
+
+class PoolClosedError(IpcPoolError):
+    """The pool (or peer pool, publisher, subscriber) was used after ``close()``."""
+
+
+class ForkedProcessError(IpcPoolError):
+    """A pool was used in a child created by ``fork``.
+
+    CUDA state does not survive ``fork``; use the ``spawn`` or ``forkserver``
+    start method and share the pool with a descriptor instead.
+    """
+
+
+class DescriptorError(IpcPoolError, ValueError):
+    """A descriptor, array handle or wire message is malformed or inconsistent.
+
+    Raised for every input from another process that fails validation: bad
+    version, truncated or oversized data, out-of-range fields, shapes or offsets
+    that do not fit the slot.
+    """
+
+
+class StaleHandleError(DescriptorError):
+    """An array handle refers to an older generation of its slot."""
+
+
+class TransportError(IpcPoolError, OSError):
+    """Moving file descriptors between processes failed.
+
+    Keeps the ``errno`` of the failing system call and adds the fix to the
+    message, e.g. ``EPERM`` from ``pidfd_getfd`` names the ptrace policy,
+    ``CAP_SYS_PTRACE`` and the socket transport.
+    """
+
+    def __init__(self, err: int, message: str) -> None:
+        super().__init__(err, message)
+
+    def __str__(self) -> str:
+        name = _errno.errorcode.get(self.errno or 0, str(self.errno))
+        return f"[{name}] {self.strerror}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.errno, self.strerror))
+
+
+class PeerRefusedError(TransportError):
+    """A peer was refused: its uid is not allowed, or it spoke out of protocol."""
+
+    def __init__(self, message: str, err: int = _errno.EACCES) -> None:
+        super().__init__(err, message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.strerror, self.errno))
+
+
+class SlotBusyError(IpcPoolError, TimeoutError):
+    """No slot became free in time: local arrays or peer leases still hold them."""
+
+
+class SlotFullError(IpcPoolError, MemoryError):
+    """An allocation does not fit in the remaining space of the current slot."""
+
+    def __init__(self, requested: int, remaining: int, slot: int, slot_nbytes: int) -> None:
+        self.requested = requested
+        self.remaining = remaining
+        self.slot = slot
+        self.slot_nbytes = slot_nbytes
+        super().__init__(
+            f"allocation of {requested} bytes does not fit in slot {slot}: "
+            f"{remaining} of {slot_nbytes} bytes remain; use a larger slot_nbytes, "
+            f"release arrays allocated in this slot, or pass overflow='spill'"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.requested, self.remaining, self.slot, self.slot_nbytes))
+
+
+class NotShareableError(IpcPoolError, ValueError):
+    """The array's memory does not lie inside the pool, so no peer can map it."""
+
+
+class ProtocolError(IpcPoolError):
+    """A peer sent a message that is malformed or out of protocol."""
+
+
+class EndOfStream(IpcPoolError):
+    """The publisher closed or died: no more frames will arrive.
+
+    Frames already received stay readable.
+    """
+
+
+class TeardownWarning(RuntimeWarning):
+    """Releasing a resource failed during teardown; the resource may have leaked."""
+
+
+__all__ = [
+    "CudaError",
+    "CudaOutOfMemoryError",
+    "CudaUnavailableError",
+    "DescriptorError",
+    "EndOfStream",
+    "ForkedProcessError",
+    "IpcPoolError",
+    "NotShareableError",
+    "PeerRefusedError",
+    "PoolClosedError",
+    "ProtocolError",
+    "SlotBusyError",
+    "SlotFullError",
+    "StaleHandleError",
+    "TeardownWarning",
+    "TransportError",
+    "UnsupportedDeviceError",
+]

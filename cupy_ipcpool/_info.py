@@ -1,0 +1,113 @@
+"""``python -m cupy_ipcpool info``: what this machine offers the library."""
+
+from __future__ import annotations
+
+import os
+import platform
+from importlib import metadata
+
+from . import _driver
+from ._errors import CudaError, CudaUnavailableError
+
+CAP_SYS_PTRACE = 19
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _cupy_version() -> str:
+    for dist in ("cupy-cuda13x", "cupy-cuda12x", "cupy"):
+        v = _version(dist)
+        if v != "not installed":
+            return f"{v} ({dist})"
+    return "not installed"
+
+
+def ptrace_scope() -> int | None:
+    """Yama's ``kernel.yama.ptrace_scope`` (None where Yama is absent)."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def has_cap_sys_ptrace() -> bool:
+    """Whether this process's effective capabilities include ``CAP_SYS_PTRACE``."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_SYS_PTRACE & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def pidfd_summary() -> str:
+    """One line on whether ``pidfd_getfd`` can reach peers' fds from this process."""
+    scope = ptrace_scope()
+    cap = has_cap_sys_ptrace()
+    if not hasattr(os, "pidfd_open"):
+        return "unavailable (Python without os.pidfd_open); use transport='socket'"
+    scope_txt = "no Yama" if scope is None else f"Yama ptrace_scope={scope}"
+    if cap:
+        verdict = "likely (CAP_SYS_PTRACE held)"
+    elif scope in (None, 0):
+        verdict = "for peers of the same uid"
+    elif scope == 1:
+        verdict = "only for descendants (or CAP_SYS_PTRACE); use transport='socket' otherwise"
+    else:
+        verdict = "no; use transport='socket'"
+    return f"{verdict} [{scope_txt}, CAP_SYS_PTRACE={'yes' if cap else 'no'}]"
+
+
+def report() -> tuple[int, list[str]]:
+    """Return ``(exit code, lines)`` describing drivers, devices and transports."""
+    lines = [
+        f"cupy_ipcpool {_version('cupy_ipcpool')}  python {platform.python_version()}  "
+        f"kernel {platform.release()}",
+        f"cupy {_cupy_version()}  cuda-bindings {_version('cuda-bindings')}",
+        f"pidfd_getfd: {pidfd_summary()}",
+        "socket transport (SCM_RIGHTS): available",
+    ]
+    try:
+        version = _driver.driver_version()
+        count = _driver.device_count()
+    except CudaUnavailableError as exc:
+        lines.append(f"no GPU: {exc}")
+        return 1, lines
+    lines.append(f"driver CUDA version {version // 1000}.{version % 1000 // 10}, {count} device(s)")
+    if count == 0:
+        lines.append("no GPU: the driver sees no device")
+        return 1, lines
+    usable = 0
+    for i in range(count):
+        try:
+            d = _driver.device_info(i)
+        except CudaError as exc:
+            lines.append(f"  [{i}] query failed: {exc}")
+            continue
+        usable += d.usable
+        gran = f"{d.granularity} B" if d.granularity else "n/a"
+        lines.append(
+            f"  [{i}] {d.name} sm_{d.compute_capability[0]}{d.compute_capability[1]} "
+            f"{d.total_memory / 2**30:.1f} GiB uuid={d.uuid.hex()} VMM={'yes' if d.vmm else 'no'} "
+            f"POSIX-fd={'yes' if d.posix_fd else 'no'} fabric={'yes' if d.fabric else 'no'} "
+            f"granularity={gran}"
+        )
+    if not usable:
+        lines.append("no device supports VMM with POSIX-fd handles")
+        return 1, lines
+    return 0, lines
+
+
+def main() -> int:
+    """Print the report; return the exit code."""
+    code, lines = report()
+    print("\n".join(lines))
+    return code

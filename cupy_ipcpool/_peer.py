@@ -1,0 +1,310 @@
+"""attach(): import a pool's slots in another process, map them, view them as arrays."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import warnings
+import weakref
+from types import TracebackType
+from typing import Any
+
+from . import _driver
+from ._arrays import SlotRef, SlotRefs, cupy_module, view_unchecked
+from ._errors import (
+    DescriptorError,
+    ForkedProcessError,
+    PoolClosedError,
+    StaleHandleError,
+    TeardownWarning,
+    UnsupportedDeviceError,
+)
+from ._handles import ArrayHandle, PoolDescriptor
+from ._transport import fetch_fds
+from ._vmm import Allocation, UndoStack
+
+_CacheKey = tuple[bytes, int, int, int]
+
+
+class _ImportedSlots:
+    """The imported, mapped slots of one exporter pool on one local device.
+
+    Shared by every :class:`PeerPool` of the same pool in this process (the
+    import cache) and kept alive by the arrays over it.  Released when no peer
+    pool and no array uses it any more.
+    """
+
+    def __init__(self, key: _CacheKey, allocations: list[Allocation], pid: int) -> None:
+        self.key = key
+        self.allocations = allocations
+        self.ptrs = [a.ptr for a in allocations]
+        self.refs = SlotRefs(len(allocations))
+        self.refs.on_zero = self._maybe_release
+        self.attached = 0
+        self.pid = pid
+        self.released = False
+
+    def _maybe_release(self, _slot: int = -1) -> None:
+        with _cache_lock:
+            if self.attached == 0 and not any(self.refs.counts) and not self.released:
+                self.released = True
+                if _cache.get(self.key) is self:
+                    del _cache[self.key]
+                if os.getpid() == self.pid:
+                    for alloc in self.allocations:
+                        alloc.close()
+
+    def detach(self) -> None:
+        with _cache_lock:
+            self.attached -= 1
+        self._maybe_release()
+
+
+_cache: dict[_CacheKey, _ImportedSlots] = {}
+_cache_lock = threading.RLock()
+
+
+def _resolve_device(desc: PoolDescriptor, device: int | None) -> int:
+    home = _driver.ordinal_of_uuid(desc.device_uuid)
+    if device is None:
+        if home is None:
+            raise UnsupportedDeviceError(
+                "the exporter's GPU (uuid " + desc.device_uuid.hex() + ") is not visible in "
+                "this process; check CUDA_VISIBLE_DEVICES or pass device= with peer access"
+            )
+        return home
+    _driver.get_device(device)  # range check
+    if home is None:
+        raise UnsupportedDeviceError(
+            f"the exporter's GPU (uuid {desc.device_uuid.hex()}) is not visible here, so "
+            f"device {device} cannot be granted access to its memory"
+        )
+    if device != home and not _driver.can_access_peer(device, home):
+        raise UnsupportedDeviceError(
+            f"device {device} has no peer access to device {home}, where the pool lives"
+        )
+    return device
+
+
+def _import_all(desc: PoolDescriptor, device: int, transport: str) -> list[Allocation]:
+    fds = desc.take_local_fds()
+    if fds is None:
+        fds = fetch_fds(
+            pid=desc.exporter_pid,
+            start_time=desc.exporter_start_time,
+            fds=desc.fds,
+            socket_path=desc.socket_path,
+            token=desc.pool_id,
+            method=transport,
+        )
+    try:
+        if len(fds) != desc.num_slots:
+            raise DescriptorError(f"got {len(fds)} fds for a pool of {desc.num_slots} slots")
+        with UndoStack() as undo:
+            allocations = []
+            for fd in fds:
+                alloc = Allocation.import_fd(fd, desc.alloc_nbytes, device)
+                undo.push(alloc.close)
+                allocations.append(alloc)
+            undo.commit()
+        return allocations
+    finally:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+class PeerPool:
+    """A pool exported by another process, mapped into this one.
+
+    Made by :func:`attach`.  Hands out ``cupy.ndarray`` views from
+    :class:`ArrayHandle` objects with the same bounds checks as the producer.
+    The mapped memory stays valid after the exporter exits (even if killed):
+    the import holds the physical memory.
+    """
+
+    def __init__(self, desc: PoolDescriptor, slots: _ImportedSlots, device: int) -> None:
+        self._desc = desc
+        self._slots = slots
+        self._device = device
+        self._pid = os.getpid()
+        self._seen_generation = [0] * desc.num_slots
+        self._closed = False
+        self._cp = cupy_module()
+        self._finalizer = weakref.finalize(self, slots.detach)
+
+    @property
+    def descriptor(self) -> PoolDescriptor:
+        """The descriptor this peer pool was attached from."""
+        return self._desc
+
+    @property
+    def num_slots(self) -> int:
+        """Number of slots."""
+        return self._desc.num_slots
+
+    @property
+    def slot_nbytes(self) -> int:
+        """Usable bytes per slot."""
+        return self._desc.slot_nbytes
+
+    @property
+    def device(self) -> int:
+        """The local device ordinal the slots are mapped for."""
+        return self._device
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
+    def _check(self) -> None:
+        if self._closed:
+            raise PoolClosedError("the PeerPool is closed")
+        if os.getpid() != self._pid:
+            raise ForkedProcessError(
+                "this PeerPool was attached in another process; attach again in the child"
+            )
+
+    def ptr(self, slot: int) -> int:
+        """Device pointer of ``slot`` in this process."""
+        self._check()
+        if not 0 <= slot < self._desc.num_slots:
+            raise IndexError(f"slot {slot} out of range for {self._desc.num_slots} slots")
+        return self._slots.ptrs[slot]
+
+    def array(self, handle: ArrayHandle) -> Any:
+        """The ``cupy.ndarray`` that ``handle`` describes, over the mapped slot.
+
+        Raises
+        ------
+        DescriptorError
+            The handle's slot, offset, shape or strides do not fit the pool.
+        StaleHandleError
+            A newer generation of the slot has been seen already.
+        """
+        self._check()
+        slot = handle.slot
+        if slot >= self._desc.num_slots:
+            raise DescriptorError(
+                f"handle names slot {slot}; the pool has {self._desc.num_slots} slots"
+            )
+        seen = self._seen_generation[slot]
+        if handle.generation < seen:
+            raise StaleHandleError(
+                f"handle for slot {slot} is of generation {handle.generation}; generation "
+                f"{seen} has been received since, so its memory was reused"
+            )
+        handle.check_fits(self._desc.slot_nbytes)
+        self._seen_generation[slot] = handle.generation
+        owner = SlotRef(self._slots, self._slots.refs, slot)
+        return view_unchecked(
+            self._cp, self._slots.ptrs[slot], self._desc.slot_nbytes, owner, self._device, handle
+        )
+
+    def local_refs(self, slot: int) -> int:
+        """Number of live arrays over ``slot`` in this process."""
+        return self._slots.refs.counts[slot]
+
+    def close(self) -> None:
+        """Detach; the mappings go when no peer pool or array in this process uses them.
+
+        Idempotent and never raises.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._finalizer()
+        except Exception as exc:  # pragma: no cover - teardown never raises
+            warnings.warn(f"closing PeerPool failed: {exc}", TeardownWarning, stacklevel=2)
+
+    def __enter__(self) -> PeerPool:
+        self._check()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"PeerPool(exporter_pid={self._desc.exporter_pid}, num_slots={self.num_slots}, "
+            f"slot_nbytes={self.slot_nbytes}, device={self._device}"
+            f"{', closed' if self._closed else ''})"
+        )
+
+
+def attach(
+    descriptor: PoolDescriptor, *, device: int | None = None, transport: str = "auto"
+) -> PeerPool:
+    """Map a peer's pool into this process.
+
+    Fetches the slot fds (``pidfd_getfd``, or ``SCM_RIGHTS`` over the exporter's
+    socket; ``"auto"`` tries pidfd then falls back on ``EPERM``/``ENOSYS``),
+    imports each with ``cuMemImportFromShareableHandle``, reserves and maps an
+    address range, grants read-write access on ``device`` and closes the fds.
+    Each slot is imported once per process and local device: attaching the
+    same pool again reuses the mappings (the cache key holds the pool's random
+    id, the exporter pid and its start time, so a recycled pid or a recreated
+    pool never hits a stale entry).
+
+    Parameters
+    ----------
+    descriptor:
+        From :meth:`IpcPool.descriptor` (bytes via ``PoolDescriptor.from_bytes``,
+        or unpickled, in which case it carries its fds).
+    device:
+        Local device to map on; default: the exporter's device (by UUID).
+        Another GPU works where it has peer access to that one.
+    transport:
+        ``"auto"``, ``"pidfd"`` or ``"socket"``.
+
+    Raises
+    ------
+    TransportError
+        The fds could not be fetched (the message says why and what to do).
+    UnsupportedDeviceError
+        ``device`` cannot access the pool's GPU.
+    CudaError
+        Import or mapping failed; nothing is left mapped.
+    """
+    if not isinstance(descriptor, PoolDescriptor):
+        raise TypeError(f"attach() needs a PoolDescriptor, not {type(descriptor).__name__}")
+    descriptor.validate()
+    local = _resolve_device(descriptor, device)
+    key: _CacheKey = (
+        descriptor.pool_id,
+        descriptor.exporter_pid,
+        descriptor.exporter_start_time,
+        local,
+    )
+    with _cache_lock:
+        slots = _cache.get(key)
+        if slots is not None and not slots.released:
+            slots.attached += 1
+            for fd in descriptor.take_local_fds() or ():  # already mapped: not needed
+                os.close(fd)
+            return PeerPool(descriptor, slots, local)
+    allocations = _import_all(descriptor, local, transport)
+    with _cache_lock:
+        existing = _cache.get(key)
+        if existing is not None and not existing.released:
+            for alloc in allocations:  # lost a race with another thread: keep theirs
+                alloc.close()
+            slots = existing
+        else:
+            slots = _cache[key] = _ImportedSlots(key, allocations, os.getpid())
+        slots.attached += 1
+    return PeerPool(descriptor, slots, local)
+
+
+def cached_imports() -> int:
+    """Number of pools currently imported in this process (for tests and debugging)."""
+    with _cache_lock:
+        return len(_cache)

@@ -1,0 +1,201 @@
+"""One shareable VMM allocation: create / export / import / reserve / map / access / release.
+
+Every multi-step driver sequence runs under an :class:`UndoStack`, so a failure
+at any step leaves nothing behind.  :class:`Allocation` owns a physical
+allocation handle, its mapped address range and (optionally) an exported fd,
+and releases them in order: unmap, free the address range, release the handle,
+close the fd.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any
+
+from . import _driver
+from ._errors import TeardownWarning
+
+
+def round_up(nbytes: int, granularity: int) -> int:
+    """Round ``nbytes`` up to a multiple of ``granularity``.
+
+    An already aligned size is returned unchanged (the seed added a whole extra
+    granule in that case).
+
+    Raises
+    ------
+    ValueError
+        When ``nbytes`` is not positive or ``granularity`` is not positive.
+    """
+    if granularity <= 0:
+        raise ValueError(f"granularity must be positive, got {granularity}")
+    if nbytes <= 0:
+        raise ValueError(f"size must be positive, got {nbytes}")
+    return -(-nbytes // granularity) * granularity
+
+
+class UndoStack:
+    """Run registered undo steps in reverse unless :meth:`commit` was called.
+
+    Use as a context manager around a multi-step driver sequence::
+
+        with UndoStack() as undo:
+            h = create(); undo.push(release, h)
+            p = reserve(); undo.push(free, p)
+            undo.commit()
+
+    Undo steps never raise: a failing step is reported as a
+    :class:`TeardownWarning` and the remaining steps still run.
+    """
+
+    def __init__(self) -> None:
+        self._steps: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+
+    def push(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Register ``fn(*args)`` to run if the sequence fails."""
+        self._steps.append((fn, args))
+
+    def commit(self) -> None:
+        """Disarm: the sequence succeeded, keep everything."""
+        self._steps.clear()
+
+    def rollback(self) -> None:
+        """Run every registered step, newest first."""
+        while self._steps:
+            fn, args = self._steps.pop()
+            try:
+                fn(*args)
+            except Exception as exc:
+                warnings.warn(
+                    f"undo step {getattr(fn, '__name__', fn)} failed: {exc}",
+                    TeardownWarning,
+                    stacklevel=2,
+                )
+
+    def __enter__(self) -> UndoStack:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.rollback()
+
+
+def _posix_fd_type() -> Any:
+    handle_types = _driver.driver_module().CUmemAllocationHandleType
+    return handle_types.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+
+
+def _close_fd(fd: int) -> None:
+    os.close(fd)
+
+
+class Allocation:
+    """A physical allocation mapped read-write into this process, maybe with an fd.
+
+    Build one with :meth:`create` (a new exportable allocation) or
+    :meth:`import_fd` (map a peer's allocation).  :meth:`close` releases it.
+
+    Attributes
+    ----------
+    ptr:
+        Device address of the mapping.
+    size:
+        Mapped bytes (a multiple of the granularity).
+    fd:
+        The exported POSIX fd, or -1 (imports keep none).
+    device:
+        The ordinal of the device granted access.
+    """
+
+    __slots__ = ("_handle", "_mapped", "device", "fd", "ptr", "size")
+
+    def __init__(self, handle: Any, ptr: int, size: int, fd: int, device: int) -> None:
+        self._handle = handle
+        self.ptr = ptr
+        self.size = size
+        self.fd = fd
+        self.device = device
+        self._mapped = True
+
+    @classmethod
+    def create(cls, size: int, device: int, *, export: bool = True) -> Allocation:
+        """Create ``size`` bytes on ``device``, map them and export a POSIX fd.
+
+        ``size`` must already be a multiple of the granularity.
+        """
+        _driver.use_device(device)
+        prop = _driver.allocation_prop(device)
+        with UndoStack() as undo:
+            handle = _driver.call("cuMemCreate", size, prop, 0)
+            undo.push(_driver.call, "cuMemRelease", handle)
+            ptr = _map(handle, size, device, undo)
+            fd = -1
+            if export:
+                fd = int(_driver.call("cuMemExportToShareableHandle", handle, _posix_fd_type(), 0))
+                undo.push(_close_fd, fd)
+            undo.commit()
+        return cls(handle, ptr, size, fd, device)
+
+    @classmethod
+    def import_fd(cls, fd: int, size: int, device: int) -> Allocation:
+        """Import a peer's allocation from ``fd`` and map ``size`` bytes on ``device``.
+
+        The fd is not closed here; the caller owns it (the import holds the
+        physical memory on its own).
+        """
+        _driver.use_device(device)
+        with UndoStack() as undo:
+            handle = _driver.call("cuMemImportFromShareableHandle", fd, _posix_fd_type())
+            undo.push(_driver.call, "cuMemRelease", handle)
+            ptr = _map(handle, size, device, undo)
+            undo.commit()
+        return cls(handle, ptr, size, -1, device)
+
+    def close(self) -> None:
+        """Unmap, free the address range, release the handle, close the fd.
+
+        Idempotent; never raises (failures become :class:`TeardownWarning`).
+        """
+        if not self._mapped:
+            return
+        self._mapped = False
+        steps: Sequence[tuple[str, tuple[Any, ...]]] = (
+            ("cuMemUnmap", (self.ptr, self.size)),
+            ("cuMemAddressFree", (self.ptr, self.size)),
+            ("cuMemRelease", (self._handle,)),
+        )
+        for name, args in steps:
+            try:
+                _driver.call(name, *args)
+            except Exception as exc:
+                warnings.warn(f"{name} during close failed: {exc}", TeardownWarning, stacklevel=2)
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError as exc:
+                warnings.warn(
+                    f"closing exported fd {self.fd} failed: {exc}", TeardownWarning, stacklevel=2
+                )
+            self.fd = -1
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return not self._mapped
+
+
+def _map(handle: Any, size: int, device: int, undo: UndoStack) -> int:
+    """Reserve an address range, map ``handle`` into it and grant ``device`` access."""
+    ptr = _driver.call("cuMemAddressReserve", size, 0, 0, 0)
+    undo.push(_driver.call, "cuMemAddressFree", ptr, size)
+    _driver.call("cuMemMap", ptr, size, 0, handle, 0)
+    undo.push(_driver.call, "cuMemUnmap", ptr, size)
+    _driver.call("cuMemSetAccess", ptr, size, [_driver.access_desc(device)], 1)
+    return int(ptr)

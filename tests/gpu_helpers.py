@@ -1,0 +1,56 @@
+"""Helpers shared by the GPU-tier tests (imported lazily: CuPy kernels need a device)."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any
+
+FILL_SRC = r"""
+extern "C" __global__ void fill(unsigned int* out, unsigned long long n, unsigned int seed) {
+    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (; i < n; i += stride) out[i] = seed * 2654435761u + (unsigned int)i;
+}
+"""
+
+_kernels: dict[str, Any] = {}
+
+
+def fill(array: Any, seed: int) -> None:
+    """Write ``seed * 2654435761 + i`` into a uint32 array with a RawKernel."""
+    import cupy as cp
+
+    k = _kernels.get("fill")
+    if k is None:
+        k = _kernels["fill"] = cp.RawKernel(FILL_SRC, "fill")
+    n = array.size
+    k((min(1024, max(1, (n + 255) // 256)),), (256,), (array, cp.uint64(n), cp.uint32(seed)))
+
+
+def expected(n: int, seed: int) -> Any:
+    """The host-side values :func:`fill` writes."""
+    import numpy as np
+
+    i = np.arange(n, dtype=np.uint64)
+    return ((seed * 2654435761 + i) & 0xFFFFFFFF).astype(np.uint32)
+
+
+def fd_count() -> int:
+    """Open fds of this process."""
+    return len(os.listdir("/proc/self/fd"))
+
+
+def device_free(device: int = 0) -> int:
+    """Free device memory in bytes (driver view)."""
+    from cupy_ipcpool import _driver
+
+    return _driver.mem_info(device)[0]
+
+
+def report_exception(queue: Any) -> None:
+    """Send the current exception to the parent as (type name, message, traceback)."""
+    import sys
+
+    exc = sys.exc_info()[1]
+    queue.put(("error", type(exc).__name__, str(exc), traceback.format_exc()))

@@ -1,0 +1,237 @@
+"""GPU tier: the VMM ring pool (needs a CUDA device with VMM + POSIX-fd handles)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+import cupy_ipcpool as cip
+from cupy_ipcpool import _driver
+from tests.gpu_helpers import device_free, expected, fd_count, fill
+
+pytestmark = pytest.mark.gpu
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def cp():
+    import cupy
+
+    return cupy
+
+
+def test_kernel_write_and_read_back_every_slot(cp):
+    with cip.IpcPool(4, 3 * MiB + 17) as pool:
+        for slot in range(pool.num_slots):
+            a = pool.array(dtype=np.uint32, slot=slot)
+            assert a.data.ptr == pool.ptr(slot)
+            fill(a, seed=slot + 1)
+        cp.cuda.Device(0).synchronize()
+        for slot in range(pool.num_slots):
+            a = pool.array(dtype=np.uint32, slot=slot)
+            np.testing.assert_array_equal(cp.asnumpy(a), expected(a.size, slot + 1))
+
+
+def test_sizes_round_up_to_granularity_without_extra_granule():
+    gran = _driver.granularity(0)
+    with cip.IpcPool(1, gran) as pool:
+        assert pool.alloc_nbytes == gran  # aligned: no extra granule (seed bug)
+    with cip.IpcPool(1, gran + 1) as pool:
+        assert pool.alloc_nbytes == 2 * gran
+    with cip.IpcPool(2, 1) as pool:
+        assert pool.alloc_nbytes == gran
+        assert pool.slot_nbytes == 1
+
+
+def test_views_offsets_strides_and_bounds(cp):
+    with cip.IpcPool(2, 1 * MiB) as pool:
+        whole = pool.array(dtype=np.float32, slot=1)
+        whole[...] = cp.arange(whole.size, dtype=cp.float32)
+        view = pool.array((4, 8), np.float32, slot=1, offset=64)
+        np.testing.assert_array_equal(cp.asnumpy(view).ravel(), np.arange(16, 48, dtype=np.float32))
+        strided = pool.array((4,), np.float32, slot=1, strides=(16,))
+        np.testing.assert_array_equal(cp.asnumpy(strided), [0, 4, 8, 12])
+        with pytest.raises(cip.DescriptorError):
+            pool.array((MiB // 4 + 1,), np.float32, slot=1)  # one element past the end
+        with pytest.raises(cip.DescriptorError):
+            pool.array((4,), np.float32, slot=1, offset=2)  # misaligned
+        with pytest.raises(cip.DescriptorError):
+            pool.array((2,), np.float32, slot=1, offset=MiB - 4)
+        with pytest.raises(IndexError):
+            pool.array(slot=2)
+
+
+def test_next_wraps_and_tracks_generation():
+    with cip.IpcPool(3, MiB) as pool:
+        seen = [pool.current]
+        for _ in range(4):
+            seen.append(pool.next())
+        assert seen == [0, 1, 2, 0, 1]
+        assert pool.ptr() == pool.ptr(1)
+        pid, fd = pool.ipc_handle()
+        assert pid == os.getpid() and fd == pool.fd(1) and fd >= 0
+        assert pool.generation(0) == 1 and pool.generation(1) == 2
+
+
+def test_next_refuses_a_slot_with_a_live_array():
+    with cip.IpcPool(2, MiB) as pool:
+        held = pool.array(slot=1)
+        with pytest.raises(cip.SlotBusyError, match="slot 1"):
+            pool.next()
+        del held
+        gc.collect()
+        assert pool.next() == 1
+
+
+def test_dlpack_torch_sees_the_same_memory(cp):
+    torch = pytest.importorskip("torch")
+    with cip.IpcPool(1, MiB) as pool:
+        a = pool.array((256,), np.float32)
+        a[...] = 3.0
+        t = torch.from_dlpack(a)
+        assert t.data_ptr() == pool.ptr(0)
+        t.add_(1.0)
+        torch.cuda.synchronize()
+        assert float(a.sum()) == 256 * 4.0
+
+
+def test_close_returns_device_memory_and_fds():
+    gran = _driver.granularity(0)
+    pool = cip.IpcPool(1, 8 * MiB)  # warm up context and module state
+    pool.close()
+    fds0, free0 = fd_count(), device_free()
+    pool = cip.IpcPool(8, 64 * MiB)
+    assert fd_count() == fds0 + 8
+    assert device_free() <= free0 - 8 * 64 * MiB
+    pool.close()
+    pool.close()  # idempotent
+    assert fd_count() == fds0
+    assert abs(device_free() - free0) <= gran
+
+
+def test_use_after_close_raises():
+    pool = cip.IpcPool(1, MiB)
+    pool.close()
+    for call in (pool.next, pool.ptr, lambda: pool.array(), pool.descriptor):
+        with pytest.raises(cip.PoolClosedError):
+            call()
+
+
+def test_array_keeps_memory_alive_after_close(cp):
+    free0 = device_free()
+    pool = cip.IpcPool(1, 32 * MiB)
+    a = pool.array((4,), np.int32)
+    a[...] = cp.arange(4, dtype=cp.int32)
+    pool.close()
+    assert device_free() <= free0 - 32 * MiB  # still mapped: the array needs it
+    np.testing.assert_array_equal(cp.asnumpy(a), [0, 1, 2, 3])
+    del a
+    gc.collect()
+    assert abs(device_free() - free0) <= _driver.granularity(0)
+
+
+def test_finalizer_releases_a_forgotten_pool():
+    fds0, free0 = fd_count(), device_free()
+    pool = cip.IpcPool(2, 16 * MiB)
+    del pool
+    gc.collect()
+    assert fd_count() == fds0
+    assert abs(device_free() - free0) <= _driver.granularity(0)
+
+
+def test_200_create_close_cycles_do_not_grow():
+    cip.IpcPool(2, 4 * MiB).close()
+    fds0, free0 = fd_count(), device_free()
+    for _ in range(200):
+        with cip.IpcPool(2, 4 * MiB) as pool:
+            pool.array()
+    gc.collect()
+    assert fd_count() == fds0
+    assert abs(device_free() - free0) <= _driver.granularity(0)
+
+
+def test_failed_construction_leaves_nothing_behind():
+    total = _driver.device_info(0).total_memory
+    gran = _driver.granularity(0)
+    cip.IpcPool(1, MiB).close()
+    fds0, free0 = fd_count(), device_free()
+    slot = (total * 6 // 10) // gran * gran  # the second slot cannot fit
+    with pytest.raises(cip.CudaOutOfMemoryError):
+        cip.IpcPool(3, slot)
+    gc.collect()
+    assert fd_count() == fds0
+    assert abs(device_free() - free0) <= gran
+    with pytest.raises(ValueError, match="need"):
+        cip.IpcPool(2, total)  # rejected before anything is allocated
+    # and the device is still fully usable
+    with cip.IpcPool(1, slot) as pool:
+        assert pool.alloc_nbytes == slot
+
+
+def test_bad_device_is_rejected():
+    n = _driver.device_count()
+    with pytest.raises(ValueError, match="does not exist"):
+        cip.IpcPool(1, MiB, device=n)
+
+
+@pytest.mark.timeout(60)
+def test_use_in_forked_child_raises_clearly():
+    with cip.IpcPool(1, MiB) as pool:
+        r, w = os.pipe()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads: 3.12+
+            pid = os.fork()
+        if pid == 0:  # child: touch the pool, report, leave without running finalizers
+            try:
+                pool.ptr()
+                msg = "no error:"
+            except Exception as exc:
+                msg = f"{type(exc).__name__}:{exc}"
+            os.write(w, msg.encode())
+            os._exit(0)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            name, _, message = f.read().decode().partition(":")
+        _, status = os.waitpid(pid, 0)
+        assert name == "ForkedProcessError", message
+        assert "spawn" in message
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert pool.ptr() != 0  # the parent's pool is unharmed
+
+
+def test_seed_facade():
+    with cip.IPCBufferManager(3, MiB) as mgr:
+        p0 = mgr.getCurBufferPtr()
+        mgr.next()
+        assert mgr.getCurBufferPtr() != p0
+        pid, fd = mgr.getCurIpcMemHandle()
+        assert pid == os.getpid() and fd == mgr.fd(1)
+
+
+def test_handle_round_trip_in_process(cp):
+    with cip.IpcPool(2, MiB) as pool:
+        a = pool.array((16, 16), np.float32, slot=1)
+        a[...] = cp.arange(256, dtype=cp.float32).reshape(16, 16)
+        v = a[2:10:2, ::3]
+        h = pool.handle(v)
+        assert h.slot == 1 and h.strides == v.strides
+        w = pool.array_from_handle(h)
+        np.testing.assert_array_equal(cp.asnumpy(w), cp.asnumpy(v))
+        with pytest.raises(cip.NotShareableError):
+            pool.handle(cp.zeros(4))
+
+
+def test_info_cli_lists_the_device():
+    out = subprocess.run(
+        [sys.executable, "-m", "cupy_ipcpool", "info"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "VMM=yes" in out.stdout and "POSIX-fd=yes" in out.stdout
+    assert "granularity=" in out.stdout and "pidfd_getfd:" in out.stdout
