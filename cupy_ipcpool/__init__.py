@@ -30,8 +30,7 @@ from ._errors import (
 from ._handles import ArrayHandle, PoolDescriptor
 from ._peer import PeerPool, attach
 from ._pool import IpcPool
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "AllocationScope",

@@ -8,6 +8,7 @@ from importlib import metadata
 
 from . import _driver
 from ._errors import CudaError, CudaUnavailableError
+from ._version import __version__
 
 CAP_SYS_PTRACE = 19
 
@@ -69,7 +70,7 @@ def pidfd_summary() -> str:
 def report() -> tuple[int, list[str]]:
     """Return ``(exit code, lines)`` describing drivers, devices and transports."""
     lines = [
-        f"cupy_ipcpool {_version('cupy_ipcpool')}  python {platform.python_version()}  "
+        f"cupy_ipcpool {__version__}  python {platform.python_version()}  "
         f"kernel {platform.release()}",
         f"cupy {_cupy_version()}  cuda-bindings {_version('cuda-bindings')}",
         f"pidfd_getfd: {pidfd_summary()}",

@@ -1,0 +1,99 @@
+"""Benchmark harness: medians from pytest-benchmark, ratios against a baseline of the same run.
+
+Each benchmark records its median with the ``record`` fixture; the ratios in
+``RATIOS`` are printed at the end of the session (and written as JSON to
+``$BENCH_SUMMARY`` when set), with the issue's target beside each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+
+from cupy_ipcpool import _driver
+
+_medians: dict[str, float] = {}
+
+# (label, numerator, denominator, comparison, target): ratio = numerator / denominator
+RATIOS: list[tuple[str, str, str, str, float]] = [
+    ("write bandwidth slot/plain 64 MiB", "write_plain_64MiB", "write_slot_64MiB", ">=", 0.98),
+    ("write bandwidth slot/plain 1 GiB", "write_plain_1GiB", "write_slot_1GiB", ">=", 0.98),
+    ("construction per slot pool/raw", "construct_pool", "construct_raw", "<=", 1.10),
+    ("attach per slot ours/raw", "attach_pool", "attach_raw", "<=", 1.2),
+    ("legacy IPC per frame / ours", "frame_legacy_ipc", "frame_handle_to_array", ">=", 20.0),
+    ("small ops hook/default", "small_ops_hook", "small_ops_default", "<=", 1.5),
+    ("matmul 8192^2 default/hook", "matmul_default", "matmul_hook", ">=", 0.98),
+    ("elementwise 1 GiB default/hook", "ew1g_default", "ew1g_hook", ">=", 0.98),
+]
+# (label, name, target seconds)
+ABSOLUTE: list[tuple[str, str, float]] = [
+    ("handle -> cupy.ndarray in consumer", "frame_handle_to_array", 10e-6),
+]
+
+
+def _gpu_reason() -> str | None:
+    try:
+        _driver.require_vmm_device(0)
+    except Exception as exc:
+        return f"benchmarks need a VMM-capable GPU: {exc}"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reason = _gpu_reason()
+    if reason:
+        for item in items:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture
+def record(benchmark: Any):
+    """Call ``record(name)`` after running ``benchmark`` to keep its median (seconds)."""
+
+    def _record(name: str, scale: float = 1.0) -> None:
+        stats = getattr(benchmark, "stats", None)
+        if stats is not None:
+            _medians[name] = stats.stats.median * scale
+
+    return _record
+
+
+def record_value(name: str, seconds: float) -> None:
+    """Record a median measured outside pytest-benchmark (e.g. p50 of a latency series)."""
+    _medians[name] = seconds
+
+
+def _summary() -> tuple[list[str], dict[str, Any]]:
+    lines, out = [], {"medians_s": dict(_medians), "ratios": {}, "absolute": {}}
+    for label, num, den, op, target in RATIOS:
+        if num in _medians and den in _medians and _medians[den] > 0:
+            r = _medians[num] / _medians[den]
+            ok = r >= target if op == ">=" else r <= target
+            out["ratios"][label] = {"ratio": r, "target": f"{op} {target}", "met": ok}
+            lines.append(f"{label:<40} {r:8.3f}  (target {op} {target}) {'OK' if ok else 'MISSED'}")
+    for label, name, target in ABSOLUTE:
+        if name in _medians:
+            v = _medians[name]
+            ok = v <= target
+            out["absolute"][label] = {"median_s": v, "target_s": target, "met": ok}
+            lines.append(f"{label:<40} {v * 1e6:8.2f} us (target <= {target * 1e6:g} us) "
+                         f"{'OK' if ok else 'MISSED'}")
+    return lines, out
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    lines, out = _summary()
+    if not _medians:
+        return
+    terminalreporter.section("cupy_ipcpool benchmark medians and ratios")
+    for name, v in sorted(_medians.items()):
+        terminalreporter.write_line(f"{name:<40} {v * 1e6:12.2f} us")
+    for line in lines:
+        terminalreporter.write_line(line)
+    path = os.environ.get("BENCH_SUMMARY")
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=2)

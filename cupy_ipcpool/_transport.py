@@ -1,0 +1,854 @@
+"""Moving file descriptors between processes on one machine.
+
+Two transports carry the POSIX fds that back a pool's slots from the exporter
+to a peer:
+
+``pidfd``
+    The peer takes a copy of the exporter's fd directly with ``pidfd_open`` +
+    ``pidfd_getfd`` (Linux >= 5.6).  No cooperation from the exporter is needed,
+    but the kernel applies a ptrace access check: it fails with ``EPERM`` under
+    Yama ``ptrace_scope`` >= 1 (non-descendants), across uids, or in a container
+    without ``CAP_SYS_PTRACE``.
+``socket``
+    The exporter runs an :class:`FdServer` on a Unix socket and passes the fds
+    with ``SCM_RIGHTS``.  Works wherever both processes see the socket file.
+
+:func:`fetch_fds` picks one (``method="auto"`` tries ``pidfd`` first and falls
+back to the socket on ``EPERM``/``ENOSYS``).
+
+Socket protocol (all integers big-endian)::
+
+    request   b"FDS1" | u8 token_len (<= 64) | token
+    refusal   u8 status (1 = uid refused, 2 = bad token, 3 = bad request), then close
+    reply     u8 status (0) | u32 count, then ceil(count / 250) one-byte messages
+              b"F", each carrying up to 250 fds in one SCM_RIGHTS message
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import hmac
+import os
+import platform
+import select
+import shutil
+import socket
+import struct
+import tempfile
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Iterable, Sequence
+from types import TracebackType
+
+from cupy_ipcpool._errors import PeerRefusedError, TeardownWarning, TransportError
+
+__all__ = [
+    "FdServer",
+    "check_peer",
+    "fetch_fds",
+    "fetch_fds_over_socket",
+    "peer_credentials",
+    "pidfd_getfd",
+    "process_start_time",
+    "recv_fds",
+    "send_fds",
+]
+
+#: Request magic of the socket protocol, version 1.
+MAGIC = b"FDS1"
+#: Longest token the socket protocol accepts.
+MAX_TOKEN_LEN = 64
+#: Most fds sent in one SCM_RIGHTS message (the kernel's SCM_MAX_FD is 253).
+FDS_PER_MESSAGE = 250
+#: Kernel limit on fds in one SCM_RIGHTS message.
+SCM_MAX_FD = 253
+#: Most fds one reply may announce; guards the receiver against absurd counts.
+MAX_FDS_PER_REPLY = 1 << 16
+
+STATUS_OK = 0
+STATUS_UID_REFUSED = 1
+STATUS_BAD_TOKEN = 2
+STATUS_BAD_REQUEST = 3
+
+#: How long the server waits for a client's request.
+REQUEST_TIMEOUT_S = 5.0
+#: Most connections the server handles at once; further ones are closed at once.
+MAX_CONCURRENT_CONNECTIONS = 32
+
+_SYS_PIDFD_GETFD = {"x86_64": 438, "aarch64": 438, "arm64": 438}
+_COUNT = struct.Struct("!I")
+_CRED = struct.Struct("3i")
+_INT = struct.Struct("i")
+
+_libc: ctypes.CDLL | None = None
+
+
+def _errname(err: int) -> str:
+    return errno.errorcode.get(err, str(err))
+
+
+def process_start_time(pid: int) -> int:
+    """Return the start time of process ``pid`` in clock ticks since boot.
+
+    Together with the pid this names a process uniquely: a recycled pid gets a
+    different start time.
+
+    Parameters
+    ----------
+    pid:
+        Process id.
+
+    Returns
+    -------
+    int
+        Field 22 (``starttime``) of ``/proc/<pid>/stat``.
+
+    Raises
+    ------
+    TransportError
+        ``ESRCH`` when the process does not exist; ``EPROTO`` when the stat
+        file cannot be parsed.
+    """
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        raise TransportError(
+            errno.ESRCH, f"process {pid} does not exist (the exporter has exited)"
+        ) from None
+    except OSError as exc:
+        raise TransportError(
+            exc.errno or errno.EIO, f"cannot read /proc/{pid}/stat: {exc.strerror}"
+        ) from exc
+    # comm (field 2) may contain spaces and parentheses: split after the last ')'.
+    rest = stat[stat.rfind(b")") + 1 :].split()
+    # rest[0] is field 3 (state), so field 22 is rest[19].
+    try:
+        return int(rest[19])
+    except (IndexError, ValueError):
+        raise TransportError(errno.EPROTO, f"cannot parse /proc/{pid}/stat") from None
+
+
+def _syscall_pidfd_getfd(pidfd: int, target_fd: int) -> int:
+    global _libc
+    nr = _SYS_PIDFD_GETFD.get(platform.machine())
+    if nr is None:
+        raise TransportError(
+            errno.ENOSYS,
+            f"pidfd_getfd: unknown syscall number on {platform.machine()}; "
+            'use the socket transport (transport="socket")',
+        )
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    fd = int(_libc.syscall(ctypes.c_long(nr), ctypes.c_int(pidfd), ctypes.c_int(target_fd), 0))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return fd
+
+
+def _pidfd_error(err: int, pid: int, target_fd: int, call: str) -> TransportError:
+    where = f"{call}(pid={pid}, fd={target_fd})"
+    if err == errno.EPERM:
+        msg = (
+            f"{where}: the kernel's ptrace access check refused (Yama "
+            "kernel.yama.ptrace_scope >= 1 for non-descendant processes, a different uid, "
+            "or no CAP_SYS_PTRACE in a container); run both processes as the same user "
+            "with ptrace_scope 0, add CAP_SYS_PTRACE (docker run --cap-add=SYS_PTRACE), "
+            'or use the socket transport (transport="socket")'
+        )
+    elif err == errno.ENOSYS:
+        msg = (
+            f"{where}: not supported by this kernel (pidfd_getfd needs Linux >= 5.6); "
+            'use the socket transport (transport="socket")'
+        )
+    elif err == errno.ESRCH:
+        msg = f"{where}: the exporter process has exited"
+    elif err == errno.EBADF:
+        msg = f"{where}: fd {target_fd} is no longer open in the exporter (pool closed?)"
+    else:
+        msg = f"{where}: {_errname(err)}: {os.strerror(err)}"
+    return TransportError(err, msg)
+
+
+def pidfd_getfd(pid: int, target_fd: int, *, start_time: int | None = None) -> int:
+    """Duplicate fd ``target_fd`` of process ``pid`` into this process.
+
+    Parameters
+    ----------
+    pid:
+        The exporter's process id.
+    target_fd:
+        The fd number in the exporter.
+    start_time:
+        The exporter's :func:`process_start_time`.  When given it is checked
+        after the pidfd is open, so a recycled pid can never yield another
+        process's fd.
+
+    Returns
+    -------
+    int
+        A new close-on-exec fd owned by the caller.
+
+    Raises
+    ------
+    TransportError
+        With the errno of the failing call and the fix: ``EPERM`` (ptrace
+        policy, ``CAP_SYS_PTRACE``, socket transport), ``ENOSYS`` (kernel older
+        than 5.6), ``ESRCH`` (exporter exited or pid reused), ``EBADF`` (fd no
+        longer open in the exporter).
+    """
+    pid = int(pid)
+    target_fd = int(target_fd)
+    try:
+        pidfd = os.pidfd_open(pid)
+    except AttributeError:
+        raise _pidfd_error(errno.ENOSYS, pid, target_fd, "pidfd_open") from None
+    except OSError as exc:
+        raise _pidfd_error(exc.errno or errno.EIO, pid, target_fd, "pidfd_open") from None
+    try:
+        if start_time is not None and process_start_time(pid) != start_time:
+            raise TransportError(
+                errno.ESRCH,
+                f"exporter exited and its pid was reused: process {pid} has a different "
+                "start time than the exporter",
+            )
+        try:
+            return _syscall_pidfd_getfd(pidfd, target_fd)
+        except TransportError:
+            raise
+        except OSError as exc:
+            err = exc.errno or errno.EIO
+            if err == errno.EBADF and _process_gone(pid):
+                err = errno.ESRCH  # older kernels say EBADF for an exiting process
+            raise _pidfd_error(err, pid, target_fd, "pidfd_getfd") from None
+    finally:
+        os.close(pidfd)
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (reaped, zombie or dead)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True
+    rest = stat[stat.rfind(b")") + 1 :].split()
+    return not rest or rest[0] in (b"Z", b"X", b"x")
+
+
+def _close_all(fds: Iterable[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def send_fds(sock: socket.socket, data: bytes, fds: Sequence[int]) -> None:
+    """Send ``data`` with ``fds`` attached in one ``SCM_RIGHTS`` message.
+
+    Parameters
+    ----------
+    sock:
+        A connected ``AF_UNIX`` socket.
+    data:
+        At least one byte when ``fds`` is not empty (a stream socket carries
+        ancillary data only with data).
+    fds:
+        At most 253 (``SCM_MAX_FD``) fds; the caller keeps ownership.
+
+    Raises
+    ------
+    ValueError
+        Too many fds, or fds without data.
+    OSError
+        From the socket.
+    """
+    fds = [int(fd) for fd in fds]
+    if len(fds) > SCM_MAX_FD:
+        raise ValueError(f"at most {SCM_MAX_FD} fds fit in one SCM_RIGHTS message, got {len(fds)}")
+    if fds and not data:
+        raise ValueError("fds need at least one byte of data to travel with")
+    if not fds:
+        sock.sendall(data)
+        return
+    sent = socket.send_fds(sock, [data], fds)
+    if sent < len(data):
+        sock.sendall(data[sent:])
+
+
+def recv_fds(sock: socket.socket, maxlen: int, maxfds: int) -> tuple[bytes, list[int]]:
+    """Receive up to ``maxlen`` bytes and up to ``maxfds`` fds.
+
+    Received fds are close-on-exec and owned by the caller.  On every error
+    path the fds that arrived are closed.
+
+    Parameters
+    ----------
+    sock:
+        A connected ``AF_UNIX`` socket.
+    maxlen:
+        Most bytes to read.
+    maxfds:
+        Most fds expected.
+
+    Returns
+    -------
+    tuple[bytes, list[int]]
+        The data (empty at end of stream) and the fds.
+
+    Raises
+    ------
+    TransportError
+        ``EMSGSIZE`` when more fds were sent than ``maxfds`` (the control data
+        was truncated).
+    OSError
+        From the socket.
+    """
+    # socket.recv_fds ignores its flags argument before Python 3.12, so call
+    # recvmsg directly to pass MSG_CMSG_CLOEXEC.  CMSG_LEN (not CMSG_SPACE)
+    # makes the kernel install at most ``maxfds`` fds and flag MSG_CTRUNC beyond.
+    data, ancdata, flags, _ = sock.recvmsg(
+        maxlen, socket.CMSG_LEN(maxfds * _INT.size), socket.MSG_CMSG_CLOEXEC
+    )
+    fds: list[int] = []
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            whole = len(payload) - len(payload) % _INT.size
+            fds.extend(struct.unpack(f"{whole // _INT.size}i", payload[:whole]))
+    if flags & socket.MSG_CTRUNC or len(fds) > maxfds:
+        _close_all(fds)
+        raise TransportError(
+            errno.EMSGSIZE,
+            f"received more fds than the {maxfds} expected (control data truncated); "
+            "the peer does not speak this protocol",
+        )
+    return data, fds
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """Return ``(pid, uid, gid)`` of the peer of a connected Unix socket (``SO_PEERCRED``)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
+    pid, uid, gid = _CRED.unpack(raw)
+    return pid, uid, gid
+
+
+def check_peer(sock: socket.socket, allowed_uids: frozenset[int]) -> tuple[int, int, int]:
+    """Return the peer's ``(pid, uid, gid)`` if its uid is in ``allowed_uids``.
+
+    Raises
+    ------
+    PeerRefusedError
+        The peer's uid is not allowed; the message names its pid and uid and
+        the allowed uids.
+    """
+    pid, uid, gid = peer_credentials(sock)
+    if uid not in allowed_uids:
+        raise PeerRefusedError(
+            f"peer process {pid} runs as uid {uid}, which is not allowed "
+            f"(allowed uids: {sorted(allowed_uids)})"
+        )
+    return pid, uid, gid
+
+
+def _check_token(token: bytes) -> bytes:
+    if not isinstance(token, (bytes, bytearray)):
+        raise TypeError(f"token must be bytes, not {type(token).__name__}")
+    if len(token) > MAX_TOKEN_LEN:
+        raise ValueError(f"token is {len(token)} bytes; at most {MAX_TOKEN_LEN} allowed")
+    return bytes(token)
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """Read exactly ``n`` bytes (no fds expected) before ``deadline``."""
+    buf = b""
+    while len(buf) < n:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("timed out")
+        sock.settimeout(remaining)
+        chunk, fds = recv_fds(sock, n - len(buf), 0)
+        if fds:  # unreachable with maxfds=0 (MSG_CTRUNC), kept for safety
+            _close_all(fds)
+            raise TransportError(errno.EPROTO, "unexpected fds from peer")
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return buf
+
+
+def _remove_files(path: str | None, ino: tuple[int, int] | None, directory: str | None) -> None:
+    """Unlink the server's socket (if it is still ours) and remove its directory."""
+    if path is not None and ino is not None:
+        try:
+            st = os.stat(path)
+            if (st.st_dev, st.st_ino) == ino:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            warnings.warn(f"FdServer: cannot unlink {path}: {exc}", TeardownWarning, stacklevel=2)
+    if directory is not None:
+        try:
+            shutil.rmtree(directory)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            warnings.warn(
+                f"FdServer: cannot remove {directory}: {exc}", TeardownWarning, stacklevel=2
+            )
+
+
+class FdServer:
+    """Serve a fixed list of fds over a Unix socket with ``SCM_RIGHTS``.
+
+    The exporter side of the socket transport.  A daemon thread accepts
+    connections; each one is handled in its own short-lived thread (at most
+    :data:`MAX_CONCURRENT_CONNECTIONS` at once, each with a
+    :data:`REQUEST_TIMEOUT_S` deadline), so a slow or malformed client never
+    stops the server from serving others.
+
+    Parameters
+    ----------
+    fds:
+        The fds to serve, in order.  The server does not own them and never
+        closes them; keep them open while the server runs.
+    token:
+        Shared secret (at most 64 bytes) a client must present.
+    path:
+        Where to bind the socket.  By default a private directory is made with
+        ``tempfile.mkdtemp(prefix="cupy_ipcpool-")`` and the socket is
+        ``fds.sock`` inside it.
+    allowed_uids:
+        Uids allowed to fetch (checked with ``SO_PEERCRED``).  The server's own
+        effective uid is always allowed (a same-uid process can read this
+        process's memory anyway).
+
+    Attributes
+    ----------
+    path:
+        The socket's path.
+
+    Notes
+    -----
+    Call :meth:`close` (or use ``with``): the accept thread keeps the server
+    alive until then.  If it is forgotten, the socket file and directory are
+    still removed at interpreter exit.
+
+    Permissions.  When only our own euid is allowed, the directory made by the
+    server is mode 0700 and the socket 0600: the file system already refuses
+    everyone else.  When other uids are allowed, the directory is 0711
+    (traversable, not listable) and the socket 0666, so other users can
+    connect; the uid check then rests on ``SO_PEERCRED`` (and the token).  The
+    socket is bound while its directory is still 0700 (or under a 0177 umask
+    when ``path`` is given), so it is never briefly more open than intended.
+    With an explicit ``path`` the caller's directory must be traversable by
+    the allowed uids.
+    """
+
+    def __init__(
+        self,
+        fds: Sequence[int],
+        *,
+        token: bytes,
+        path: str | None = None,
+        allowed_uids: Iterable[int] | None = None,
+    ) -> None:
+        self._fds = tuple(int(fd) for fd in fds)
+        if any(fd < 0 for fd in self._fds):
+            raise ValueError(f"fds must be non-negative, got {self._fds}")
+        self._token = _check_token(token)
+        euid = os.geteuid()
+        allowed = {euid} if allowed_uids is None else {int(u) for u in allowed_uids} | {euid}
+        self.allowed_uids: frozenset[int] = frozenset(allowed)
+        shared = self.allowed_uids != {euid}
+        self._closed = False
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._handlers: set[threading.Thread] = set()
+        self._slots = threading.BoundedSemaphore(MAX_CONCURRENT_CONNECTIONS)
+        self._dir: str | None = None
+        self._sock: socket.socket | None = None
+        self._wake_r = self._wake_w = -1
+        self._ino: tuple[int, int] | None = None
+        self._finalizer: weakref.finalize[..., FdServer] | None = None
+        try:
+            if path is None:
+                self._dir = tempfile.mkdtemp(prefix="cupy_ipcpool-")  # mode 0700
+                self.path = os.path.join(self._dir, "fds.sock")
+            else:
+                self.path = os.fspath(path)
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._bind(shared)
+            # the accept thread keeps this object alive, so the finalizer is
+            # what removes the files at interpreter exit if close() is forgotten
+            self._finalizer = weakref.finalize(self, _remove_files, self.path, self._ino, self._dir)
+            if self._dir is not None and shared:
+                os.chmod(self._dir, 0o711)
+            self._sock.listen(64)
+            self._wake_r, self._wake_w = os.pipe()
+            self._thread = threading.Thread(
+                target=self._accept_loop, name=f"cupy_ipcpool-FdServer({self.path})", daemon=True
+            )
+            self._thread.start()
+        except BaseException:
+            self._teardown()
+            raise
+
+    def _bind(self, shared: bool) -> None:
+        assert self._sock is not None
+        try:
+            if self._dir is not None:
+                self._sock.bind(self.path)  # the directory is still 0700
+            else:
+                old = os.umask(0o177)
+                try:
+                    self._sock.bind(self.path)
+                finally:
+                    os.umask(old)
+        except OSError as exc:
+            raise TransportError(
+                exc.errno or errno.EIO, f"cannot bind fd server socket {self.path}: {exc.strerror}"
+            ) from exc
+        st = os.stat(self.path)
+        self._ino = (st.st_dev, st.st_ino)
+        os.chmod(self.path, 0o666 if shared else 0o600)
+
+    # -- serving ---------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        poller = select.poll()
+        poller.register(self._sock.fileno(), select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        while not self._closed:
+            events = poller.poll()
+            if self._closed or any(fd == self._wake_r for fd, _ in events):
+                return
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                if self._closed:
+                    return
+                time.sleep(0.01)  # e.g. EMFILE: do not spin
+                continue
+            if not self._slots.acquire(blocking=False):
+                conn.close()  # too many connections in flight
+                continue
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    self._slots.release()
+                    return
+                self._conns.add(conn)
+                t = threading.Thread(target=self._handle, args=(conn,), daemon=True)
+                self._handlers.add(t)
+            t.start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        try:
+            with conn:
+                self._serve(conn)
+        except Exception:
+            pass  # a broken client costs only its own connection
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+                self._handlers.discard(threading.current_thread())
+            self._slots.release()
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(REQUEST_TIMEOUT_S)
+        try:
+            check_peer(conn, self.allowed_uids)
+        except PeerRefusedError:
+            conn.sendall(bytes([STATUS_UID_REFUSED]))
+            return
+        deadline = time.monotonic() + REQUEST_TIMEOUT_S
+        head = _recv_exact(conn, len(MAGIC) + 1, deadline)
+        if head[: len(MAGIC)] != MAGIC or head[-1] > MAX_TOKEN_LEN:
+            conn.sendall(bytes([STATUS_BAD_REQUEST]))
+            return
+        token = _recv_exact(conn, head[-1], deadline) if head[-1] else b""
+        if not hmac.compare_digest(token, self._token):
+            conn.sendall(bytes([STATUS_BAD_TOKEN]))
+            return
+        conn.sendall(bytes([STATUS_OK]) + _COUNT.pack(len(self._fds)))
+        for i in range(0, len(self._fds), FDS_PER_MESSAGE):
+            send_fds(conn, b"F", self._fds[i : i + FDS_PER_MESSAGE])
+
+    # -- teardown --------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop serving, unlink the socket and remove the directory made for it.
+
+        Idempotent; never raises (failures warn with :class:`TeardownWarning`).
+        The served fds are not closed.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            conns = list(self._conns)
+        if self._wake_w >= 0:
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"x")
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        thread = getattr(self, "_thread", None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(5.0)
+            if thread.is_alive():
+                warnings.warn(
+                    f"FdServer({self.path}): accept thread did not stop", TeardownWarning, 2
+                )
+        with self._lock:
+            handlers = list(self._handlers)
+        for t in handlers:
+            t.join(1.0)
+        self._teardown()
+
+    def _teardown(self) -> None:
+        self._closed = True
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._wake_r = self._wake_w = -1
+        if self._finalizer is not None:
+            self._finalizer()  # runs _remove_files once
+        else:
+            _remove_files(None, None, self._dir)
+        self._dir = None
+
+    def __enter__(self) -> FdServer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<FdServer {self.path!r} fds={len(self._fds)} {state}>"
+
+
+# -- client --------------------------------------------------------------------
+
+
+def fetch_fds_over_socket(
+    path: str, token: bytes, count: int, *, timeout: float = 10.0
+) -> list[int]:
+    """Fetch ``count`` fds from the :class:`FdServer` at ``path``.
+
+    Parameters
+    ----------
+    path:
+        The server's socket path.
+    token:
+        The server's token.
+    count:
+        How many fds the server must send.
+    timeout:
+        Seconds for the whole exchange.
+
+    Returns
+    -------
+    list[int]
+        Close-on-exec fds owned by the caller, in the server's order.
+
+    Raises
+    ------
+    PeerRefusedError
+        The server refused this uid (``EACCES``) or the token (``EACCES``), or
+        the request (``EPROTO``).
+    TransportError
+        ``ECONNREFUSED``/``ENOENT``: the exporter has exited or closed its fd
+        server; ``EACCES``: the socket's file permissions refuse this user;
+        ``ETIMEDOUT``; ``EPROTO``: the reply was malformed or had the wrong
+        number of fds.
+    """
+    token = _check_token(token)
+    count = int(count)
+    if not 0 <= count <= MAX_FDS_PER_REPLY:
+        raise ValueError(f"count must be in [0, {MAX_FDS_PER_REPLY}], got {count}")
+    deadline = time.monotonic() + timeout
+    fds: list[int] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+        except OSError as exc:
+            raise _connect_error(exc, path) from None
+        try:
+            sock.sendall(MAGIC + bytes([len(token)]) + token)
+            status = _recv_reply(sock, 1, deadline, fds)[0]
+            if status != STATUS_OK:
+                raise _refusal(status, path)
+            (announced,) = _COUNT.unpack(_recv_reply(sock, _COUNT.size, deadline, fds))
+            if announced != count:
+                raise TransportError(
+                    errno.EPROTO,
+                    f"fd server {path} serves {announced} fds, expected {count} "
+                    "(descriptor from a different pool?)",
+                )
+            nmsg = -(-count // FDS_PER_MESSAGE)
+            _recv_reply(sock, nmsg, deadline, fds)
+            if len(fds) != count:
+                raise TransportError(
+                    errno.EPROTO, f"fd server {path} sent {len(fds)} fds, expected {count}"
+                )
+            return fds
+        except BaseException as exc:
+            _close_all(fds)
+            if isinstance(exc, TimeoutError):
+                raise TransportError(
+                    errno.ETIMEDOUT, f"fd server {path} did not answer within {timeout} s"
+                ) from None
+            if isinstance(exc, EOFError):
+                raise TransportError(
+                    errno.ECONNRESET,
+                    f"fd server {path} closed the connection mid-reply (exporter exiting?)",
+                ) from None
+            if isinstance(exc, OSError) and not isinstance(exc, TransportError):
+                err = exc.errno or errno.EIO
+                raise TransportError(
+                    err, f"fd server {path}: {_errname(err)}: {exc.strerror}"
+                ) from exc
+            raise
+
+
+def _recv_reply(sock: socket.socket, n: int, deadline: float, fds: list[int]) -> bytes:
+    """Read exactly ``n`` bytes, appending every fd that arrives to ``fds``."""
+    buf = b""
+    while len(buf) < n:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("timed out")
+        sock.settimeout(remaining)
+        chunk, got = recv_fds(sock, n - len(buf), SCM_MAX_FD)
+        fds.extend(got)
+        if len(fds) > MAX_FDS_PER_REPLY:
+            raise TransportError(errno.EPROTO, "fd server sent too many fds")
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return buf
+
+
+def _connect_error(exc: OSError, path: str) -> TransportError:
+    err = exc.errno or errno.EIO
+    if err in (errno.ECONNREFUSED, errno.ENOENT):
+        msg = f"no fd server at {path}: the exporter has exited or closed its fd server"
+    elif err == errno.EACCES:
+        msg = (
+            f"cannot connect to fd server {path}: the socket's file permissions refuse "
+            f"this user (uid {os.geteuid()}); the exporter must allow this uid "
+            "(allowed_uids)"
+        )
+    elif isinstance(exc, TimeoutError):
+        err = errno.ETIMEDOUT
+        msg = f"connecting to fd server {path} timed out"
+    else:
+        msg = f"cannot connect to fd server {path}: {_errname(err)}: {exc.strerror}"
+    return TransportError(err, msg)
+
+
+def _refusal(status: int, path: str) -> TransportError:
+    if status == STATUS_UID_REFUSED:
+        return PeerRefusedError(
+            f"the exporter's fd server {path} refused this process's uid {os.geteuid()}; "
+            "the exporter must allow it (allowed_uids=...)"
+        )
+    if status == STATUS_BAD_TOKEN:
+        return PeerRefusedError(
+            f"the exporter's fd server {path} refused the token "
+            "(descriptor stale or from a different pool)"
+        )
+    if status == STATUS_BAD_REQUEST:
+        return PeerRefusedError(f"fd server {path} refused a malformed request", errno.EPROTO)
+    return TransportError(errno.EPROTO, f"fd server {path} sent unknown status {status}")
+
+
+def fetch_fds(
+    *,
+    pid: int,
+    start_time: int | None,
+    fds: Sequence[int],
+    socket_path: str | None,
+    token: bytes,
+    method: str = "auto",
+) -> list[int]:
+    """Fetch an exporter's fds by ``pidfd_getfd`` or over its :class:`FdServer`.
+
+    Parameters
+    ----------
+    pid, start_time:
+        The exporter process (``start_time`` guards against pid reuse; may be
+        None to skip the check).
+    fds:
+        The fd numbers in the exporter, in the order wanted.
+    socket_path:
+        The exporter's fd server socket, or None if it runs none.
+    token:
+        The fd server's token.
+    method:
+        ``"pidfd"``, ``"socket"`` or ``"auto"`` (pidfd, falling back to the
+        socket on ``EPERM``/``ENOSYS`` when ``socket_path`` is given).
+
+    Returns
+    -------
+    list[int]
+        Close-on-exec fds owned by the caller, one per entry of ``fds``.
+
+    Raises
+    ------
+    ValueError
+        Unknown ``method``.
+    TransportError
+        As :func:`pidfd_getfd` or :func:`fetch_fds_over_socket`.
+    """
+    if method not in ("auto", "pidfd", "socket"):
+        raise ValueError(f'method must be "auto", "pidfd" or "socket", got {method!r}')
+    if method == "socket":
+        if socket_path is None:
+            raise TransportError(
+                errno.EINVAL,
+                "socket transport requested but the exporter offers no fd server socket; "
+                'export with an fd server or use transport="pidfd"',
+            )
+        return fetch_fds_over_socket(socket_path, token, len(fds))
+    try:
+        return _fetch_all_pidfd(pid, start_time, fds)
+    except TransportError as exc:
+        if method == "pidfd" or socket_path is None:
+            raise
+        if exc.errno not in (errno.EPERM, errno.ENOSYS):
+            raise
+        pidfd_exc = exc
+    try:
+        return fetch_fds_over_socket(socket_path, token, len(fds))
+    except TransportError as exc:
+        raise exc from pidfd_exc
+
+
+def _fetch_all_pidfd(pid: int, start_time: int | None, fds: Sequence[int]) -> list[int]:
+    out: list[int] = []
+    try:
+        for fd in fds:
+            out.append(pidfd_getfd(pid, fd, start_time=start_time))
+    except BaseException:
+        _close_all(out)
+        raise
+    return out
