@@ -1,0 +1,318 @@
+"""Lease accounting for the ring: who holds which slot, and when a slot may be reused.
+
+:class:`LeaseBook` is a pure state machine (no I/O, no locks, no clocks).  A slot
+is *free* when no subscriber holds a lease on it and the producer holds no local
+reference to it (``hold``/``unhold``); only free slots are handed out for
+writing.  Leases are created by :meth:`LeaseBook.publishing` and returned by
+:meth:`LeaseBook.release` or, all at once, by :meth:`LeaseBook.remove_subscriber`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cupy_ipcpool._errors import ProtocolError
+
+BLOCK = "block"
+LATEST = "latest"
+
+
+@dataclass
+class _Subscriber:
+    mode: str
+    credit: int
+    leases: dict[int, int] = field(default_factory=dict)  # seq -> slot
+
+
+class LeaseBook:
+    """Lease and local-hold counts for ``num_slots`` slots.
+
+    Parameters
+    ----------
+    num_slots:
+        Number of slots in the ring (at least 1).
+
+    Notes
+    -----
+    Not thread-safe: the owner serialises calls.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be at least 1, not {num_slots}")
+        self.num_slots = num_slots
+        self._subs: dict[int, _Subscriber] = {}
+        # Per slot: subscribers holding a lease on its current frame, and that frame's seq.
+        self._holders: list[set[int]] = [set() for _ in range(num_slots)]
+        self._seq: list[int | None] = [None] * num_slots
+        self._holds: list[int] = [0] * num_slots
+        self._readers: list[list[int]] = [[] for _ in range(num_slots)]
+
+    # -- subscribers -------------------------------------------------------
+
+    def add_subscriber(self, sub_id: int, mode: str, credit: int) -> None:
+        """Register a subscriber.
+
+        Parameters
+        ----------
+        sub_id:
+            Unique id.
+        mode:
+            ``"block"`` (receives every frame; ``credit`` is informational, the
+            ring size bounds its leases) or ``"latest"`` (receives a frame only
+            while it holds fewer than ``credit`` leases).
+        credit:
+            Most outstanding leases for a ``"latest"`` subscriber (at least 1).
+
+        Raises
+        ------
+        ValueError
+            Duplicate id, unknown mode or credit below 1.
+        """
+        if sub_id in self._subs:
+            raise ValueError(f"subscriber {sub_id} is already registered")
+        if mode not in (BLOCK, LATEST):
+            raise ValueError(f"mode must be 'block' or 'latest', not {mode!r}")
+        if credit < 1:
+            raise ValueError(f"credit must be at least 1, not {credit}")
+        self._subs[sub_id] = _Subscriber(mode, credit)
+
+    def remove_subscriber(self, sub_id: int) -> list[int]:
+        """Forget a subscriber and return all its leases at once.
+
+        Parameters
+        ----------
+        sub_id:
+            The subscriber; an unknown id is ignored.
+
+        Returns
+        -------
+        list[int]
+            Slots that became free (no leases, no local holds) because of this.
+        """
+        sub = self._subs.pop(sub_id, None)
+        for readers in self._readers:
+            if sub_id in readers:
+                readers.remove(sub_id)
+        if sub is None:
+            return []
+        freed = []
+        for slot in sorted(set(sub.leases.values())):
+            holders = self._holders[slot]
+            holders.discard(sub_id)
+            if not holders:
+                self._seq[slot] = None
+                if not self._holds[slot]:
+                    freed.append(slot)
+        return freed
+
+    def subscribers(self) -> list[int]:
+        """Return the registered subscriber ids."""
+        return list(self._subs)
+
+    # -- local holds -------------------------------------------------------
+
+    def hold(self, slot: int) -> None:
+        """Count one more local reference (a live producer array) to ``slot``."""
+        self._check_slot(slot)
+        self._holds[slot] += 1
+
+    def unhold(self, slot: int) -> bool:
+        """Drop one local reference to ``slot``.
+
+        Returns
+        -------
+        bool
+            True when the slot became free.
+
+        Raises
+        ------
+        RuntimeError
+            The slot has no local hold.
+        """
+        self._check_slot(slot)
+        if self._holds[slot] == 0:
+            raise RuntimeError(f"unhold of slot {slot}, which has no local hold")
+        self._holds[slot] -= 1
+        return self.is_free(slot)
+
+    def holds(self, slot: int) -> int:
+        """Return the number of local holds on ``slot``."""
+        return self._holds[slot]
+
+    # -- frames ------------------------------------------------------------
+
+    def publishing(self, slot: int, seq: int) -> list[int]:
+        """Decide who receives frame ``seq`` in ``slot`` and record their leases.
+
+        Every ``"block"`` subscriber receives it; a ``"latest"`` subscriber
+        receives it only while it holds fewer than ``credit`` leases.  The
+        slot's ``readers_to_wait`` list is cleared.
+
+        Parameters
+        ----------
+        slot:
+            A slot without leases (local holds are allowed: the producer's own
+            arrays usually still live in the slot it publishes).
+        seq:
+            The frame's sequence number.
+
+        Returns
+        -------
+        list[int]
+            Subscriber ids that now hold a lease and must be sent the frame.
+
+        Raises
+        ------
+        RuntimeError
+            The slot still has leases (a bug in the caller).
+        """
+        self._check_slot(slot)
+        if self._holders[slot]:
+            raise RuntimeError(
+                f"slot {slot} published while subscribers {sorted(self._holders[slot])} "
+                f"still hold frame {self._seq[slot]}"
+            )
+        receivers = [
+            sub_id
+            for sub_id, sub in self._subs.items()
+            if sub.mode == BLOCK or len(sub.leases) < sub.credit
+        ]
+        for sub_id in receivers:
+            self._subs[sub_id].leases[seq] = slot
+        if receivers:
+            self._holders[slot].update(receivers)
+            self._seq[slot] = seq
+        self._readers[slot].clear()
+        return receivers
+
+    def release(self, sub_id: int, seq: int, slot: int) -> bool:
+        """Return subscriber ``sub_id``'s lease on frame ``seq`` in ``slot``.
+
+        Parameters
+        ----------
+        sub_id, seq, slot:
+            The lease, exactly as published.
+
+        Returns
+        -------
+        bool
+            True when the slot became free.
+
+        Raises
+        ------
+        ProtocolError
+            The subscriber is unknown or does not hold exactly that lease
+            (unknown seq, wrong slot, double release).
+        """
+        sub = self._subs.get(sub_id)
+        if sub is None:
+            raise ProtocolError(f"release from unknown subscriber {sub_id}")
+        held = sub.leases.get(seq)
+        if held is None:
+            raise ProtocolError(f"subscriber {sub_id} released frame {seq}, which it does not hold")
+        if held != slot:
+            raise ProtocolError(
+                f"subscriber {sub_id} released frame {seq} as slot {slot}, but it is in slot {held}"
+            )
+        del sub.leases[seq]
+        holders = self._holders[slot]
+        holders.discard(sub_id)
+        readers = self._readers[slot]
+        if sub_id not in readers:
+            readers.append(sub_id)
+        if holders:
+            return False
+        self._seq[slot] = None
+        return self._holds[slot] == 0
+
+    def cancel(self, sub_id: int, seq: int, slot: int) -> bool:
+        """Undo a lease that was never delivered (the frame could not be sent).
+
+        Unlike :meth:`release`, the subscriber is not added to the slot's
+        ``readers_to_wait`` (it never read the slot).
+
+        Returns
+        -------
+        bool
+            True when the slot became free.
+
+        Raises
+        ------
+        ProtocolError
+            The subscriber does not hold that lease.
+        """
+        sub = self._subs.get(sub_id)
+        if sub is None or sub.leases.get(seq) != slot:
+            raise ProtocolError(f"subscriber {sub_id} holds no lease on frame {seq} in slot {slot}")
+        del sub.leases[seq]
+        holders = self._holders[slot]
+        holders.discard(sub_id)
+        if holders:
+            return False
+        self._seq[slot] = None
+        return self._holds[slot] == 0
+
+    # -- queries -----------------------------------------------------------
+
+    def is_free(self, slot: int) -> bool:
+        """Return True when ``slot`` has no leases and no local holds."""
+        return not self._holders[slot] and self._holds[slot] == 0
+
+    def free_slots(self) -> list[int]:
+        """Return all free slots in index order."""
+        return [s for s in range(self.num_slots) if self.is_free(s)]
+
+    def leases(self, slot: int) -> list[tuple[int, int]]:
+        """Return the ``(sub_id, seq)`` leases on ``slot``, sorted by subscriber id."""
+        seq = self._seq[slot]
+        if seq is None:
+            return []
+        return [(sub_id, seq) for sub_id in sorted(self._holders[slot])]
+
+    def outstanding(self, sub_id: int) -> int:
+        """Return how many leases subscriber ``sub_id`` holds (0 when unknown)."""
+        sub = self._subs.get(sub_id)
+        return 0 if sub is None else len(sub.leases)
+
+    def held_by(self, sub_id: int) -> dict[int, int]:
+        """Return subscriber ``sub_id``'s leases as ``{seq: slot}``."""
+        sub = self._subs.get(sub_id)
+        return {} if sub is None else dict(sub.leases)
+
+    def readers_to_wait(self, slot: int) -> list[int]:
+        """Return subscribers that released ``slot`` since it was last published.
+
+        The producer's stream must wait on their read events before writing
+        the slot again.
+        """
+        return list(self._readers[slot])
+
+    def pick_free_slot(self, start: int) -> int | None:
+        """Scan round-robin from ``start`` for a free slot.
+
+        Parameters
+        ----------
+        start:
+            First slot to look at (taken modulo ``num_slots``).
+
+        Returns
+        -------
+        int or None
+            The first free slot, or None when every slot is leased or held.
+        """
+        n = self.num_slots
+        holders = self._holders
+        holds = self._holds
+        for i in range(n):
+            slot = (start + i) % n
+            if not holders[slot] and not holds[slot]:
+                return slot
+        return None
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} is outside 0..{self.num_slots - 1}")
+
+
+__all__ = ["BLOCK", "LATEST", "LeaseBook"]

@@ -1,0 +1,408 @@
+"""Wire format of the publish/subscribe channel: fixed ``struct`` layouts, no pickle.
+
+Every message is one ``SOCK_SEQPACKET`` datagram, little-endian, and starts with
+the same 4-byte header::
+
+    magic u16 = 0x4950 ('IP')   version u8 = 1   type u8
+
+followed by a body whose layout depends on the type:
+
+========  ==========================  =============================================
+type      direction                   body
+========  ==========================  =============================================
+HELLO=1   consumer -> producer        mode u8, credit u16, pid u32, len u32, payload
+WELCOME=2 producer -> consumer (+fds) sub_id u32, num_slots u32, next_seq u64,
+                                      len u32, payload
+REFUSE=3  producer -> consumer        len u32, reason (UTF-8)
+FRAME=4   producer -> consumer        seq u64, slot u32, len u32, payload
+RELEASE=5 consumer -> producer        seq u64, slot u32
+BYE=6     either side                 (empty)
+========  ==========================  =============================================
+
+Payloads are opaque bytes for the GPU layer.  :func:`decode` checks every field
+and raises only :class:`~cupy_ipcpool._errors.ProtocolError` on malformed input.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from cupy_ipcpool._errors import ProtocolError
+
+MAGIC = 0x4950
+VERSION = 1
+
+HELLO = 1
+WELCOME = 2
+REFUSE = 3
+FRAME = 4
+RELEASE = 5
+BYE = 6
+
+MODE_BLOCK = 0
+MODE_LATEST = 1
+MODE_NAMES = {MODE_BLOCK: "block", MODE_LATEST: "latest"}
+MODE_CODES = {name: code for code, name in MODE_NAMES.items()}
+
+MAX_HELLO_PAYLOAD = 64 * 1024
+MAX_WELCOME_PAYLOAD = 1024 * 1024
+MAX_REFUSE_REASON = 1024
+MAX_FRAME_PAYLOAD = 64 * 1024
+MAX_CREDIT = 0xFFFF
+MAX_SLOTS = 1 << 20
+
+_HEADER = struct.Struct("<HBB")
+_HELLO = struct.Struct("<HBBBHII")
+_WELCOME = struct.Struct("<HBBIIQI")
+_REFUSE = struct.Struct("<HBBI")
+_FRAME = struct.Struct("<HBBQII")
+_RELEASE = struct.Struct("<HBBQI")
+_BYE = _HEADER
+
+#: Largest datagram of each kind, for receive buffers.
+MAX_HELLO_SIZE = _HELLO.size + MAX_HELLO_PAYLOAD
+MAX_WELCOME_SIZE = _WELCOME.size + MAX_WELCOME_PAYLOAD
+MAX_REFUSE_SIZE = _REFUSE.size + MAX_REFUSE_REASON
+MAX_FRAME_SIZE = _FRAME.size + MAX_FRAME_PAYLOAD
+MAX_RELEASE_SIZE = _RELEASE.size
+
+_U64 = (1 << 64) - 1
+_U32 = (1 << 32) - 1
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A consumer asks to subscribe.
+
+    Attributes
+    ----------
+    mode:
+        ``MODE_BLOCK`` (every frame, the producer waits) or ``MODE_LATEST``
+        (frames are skipped while ``credit`` frames are outstanding).
+    credit:
+        Most frames the consumer holds at once (1..65535).
+    pid:
+        The consumer's pid as it sees itself (informational).
+    payload:
+        Opaque bytes for the GPU layer (at most 64 KiB).
+    """
+
+    mode: int
+    credit: int
+    pid: int
+    payload: bytes = b""
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """The producer adopts a consumer; slot fds travel alongside (SCM_RIGHTS).
+
+    Attributes
+    ----------
+    sub_id:
+        The subscriber id the producer assigned.
+    num_slots:
+        Number of slots in the ring.
+    next_seq:
+        Lower bound of the first frame's sequence number this consumer receives.
+    payload:
+        Opaque bytes for the GPU layer (at most 1 MiB).
+    """
+
+    sub_id: int
+    num_slots: int
+    next_seq: int
+    payload: bytes = b""
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """The producer refuses a consumer and says why."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One published frame: the consumer holds a lease on ``slot`` until it releases ``seq``.
+
+    Attributes
+    ----------
+    seq:
+        Sequence number, increasing across the producer's frames.
+    slot:
+        Index of the ring slot that holds the frame's data.
+    payload:
+        Opaque bytes for the GPU layer (at most 64 KiB).
+    """
+
+    seq: int
+    slot: int
+    payload: bytes = b""
+
+
+@dataclass(frozen=True)
+class Release:
+    """The consumer returns its lease on frame ``seq`` in ``slot``."""
+
+    seq: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class Bye:
+    """The sender closes the channel."""
+
+
+Message = Hello | Welcome | Refuse | Frame | Release | Bye
+
+
+def _check_len(what: str, n: int, limit: int) -> None:
+    if n > limit:
+        raise ValueError(f"{what} is {n} bytes, more than the limit of {limit}")
+
+
+def encode_hello(mode: int, credit: int, pid: int, payload: bytes = b"") -> bytes:
+    """Encode a HELLO message.
+
+    Parameters
+    ----------
+    mode:
+        ``MODE_BLOCK`` or ``MODE_LATEST``.
+    credit:
+        Most outstanding frames, 1..65535.
+    pid:
+        The sender's pid.
+    payload:
+        Opaque bytes, at most 64 KiB.
+
+    Returns
+    -------
+    bytes
+        The datagram.
+
+    Raises
+    ------
+    ValueError
+        A field is out of range.
+    """
+    if mode not in MODE_NAMES:
+        raise ValueError(f"mode must be {MODE_BLOCK} (block) or {MODE_LATEST} (latest), not {mode}")
+    if not 1 <= credit <= MAX_CREDIT:
+        raise ValueError(f"credit must be in 1..{MAX_CREDIT}, not {credit}")
+    _check_len("hello payload", len(payload), MAX_HELLO_PAYLOAD)
+    return _HELLO.pack(MAGIC, VERSION, HELLO, mode, credit, pid, len(payload)) + bytes(payload)
+
+
+def encode_welcome(sub_id: int, num_slots: int, next_seq: int, payload: bytes = b"") -> bytes:
+    """Encode a WELCOME message (the caller attaches the slot fds).
+
+    Parameters
+    ----------
+    sub_id, num_slots, next_seq:
+        See :class:`Welcome`.
+    payload:
+        Opaque bytes, at most 1 MiB.
+
+    Returns
+    -------
+    bytes
+        The datagram.
+
+    Raises
+    ------
+    ValueError
+        A field is out of range.
+    """
+    if not 1 <= num_slots <= MAX_SLOTS:
+        raise ValueError(f"num_slots must be in 1..{MAX_SLOTS}, not {num_slots}")
+    _check_len("welcome payload", len(payload), MAX_WELCOME_PAYLOAD)
+    head = _WELCOME.pack(MAGIC, VERSION, WELCOME, sub_id, num_slots, next_seq, len(payload))
+    return head + bytes(payload)
+
+
+def encode_refuse(reason: str) -> bytes:
+    """Encode a REFUSE message; a reason over 1 KiB of UTF-8 is cut (at a character boundary).
+
+    Parameters
+    ----------
+    reason:
+        Human-readable cause.
+
+    Returns
+    -------
+    bytes
+        The datagram.
+    """
+    raw = reason.encode("utf-8", "replace")
+    if len(raw) > MAX_REFUSE_REASON:
+        raw = raw[:MAX_REFUSE_REASON].decode("utf-8", "ignore").encode("utf-8")
+    return _REFUSE.pack(MAGIC, VERSION, REFUSE, len(raw)) + raw
+
+
+def encode_frame(seq: int, slot: int, payload: bytes = b"") -> bytes:
+    """Encode a FRAME message.
+
+    Parameters
+    ----------
+    seq, slot:
+        See :class:`Frame`.
+    payload:
+        Opaque bytes, at most 64 KiB.
+
+    Returns
+    -------
+    bytes
+        The datagram.
+
+    Raises
+    ------
+    ValueError
+        The payload is too large.
+    """
+    _check_len("frame payload", len(payload), MAX_FRAME_PAYLOAD)
+    return _FRAME.pack(MAGIC, VERSION, FRAME, seq, slot, len(payload)) + bytes(payload)
+
+
+def encode_release(seq: int, slot: int) -> bytes:
+    """Encode a RELEASE message.
+
+    Parameters
+    ----------
+    seq, slot:
+        The frame whose lease is returned.
+
+    Returns
+    -------
+    bytes
+        The datagram.
+    """
+    return _RELEASE.pack(MAGIC, VERSION, RELEASE, seq, slot)
+
+
+_BYE_BYTES = _BYE.pack(MAGIC, VERSION, BYE)
+
+
+def encode_bye() -> bytes:
+    """Encode a BYE message.
+
+    Returns
+    -------
+    bytes
+        The datagram.
+    """
+    return _BYE_BYTES
+
+
+def _payload(
+    data: bytes | bytearray | memoryview, head: int, length: int, limit: int, what: str
+) -> bytes:
+    if length > limit:
+        raise ProtocolError(f"{what} length {length} exceeds the limit of {limit} bytes")
+    if len(data) != head + length:
+        raise ProtocolError(
+            f"{what} length field says {length} bytes but the message carries {len(data) - head}"
+        )
+    return bytes(data[head:])
+
+
+def decode(data: bytes | bytearray | memoryview) -> Message:
+    """Decode and validate one datagram.
+
+    Parameters
+    ----------
+    data:
+        The received bytes.
+
+    Returns
+    -------
+    Message
+        One of :class:`Hello`, :class:`Welcome`, :class:`Refuse`, :class:`Frame`,
+        :class:`Release`, :class:`Bye`.
+
+    Raises
+    ------
+    ProtocolError
+        Wrong magic, version or type; truncated or trailing bytes; a length or
+        field out of range.  Nothing else is raised.
+    """
+    n = len(data)
+    if n < _HEADER.size:
+        raise ProtocolError(f"message of {n} bytes is shorter than the {_HEADER.size}-byte header")
+    magic, version, kind = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic 0x{magic:04x} (expected 0x{MAGIC:04x})")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported protocol version {version} (this side speaks {VERSION})")
+    if kind == FRAME:
+        if n < _FRAME.size:
+            raise ProtocolError(f"truncated FRAME ({n} bytes)")
+        _, _, _, seq, slot, length = _FRAME.unpack_from(data)
+        return Frame(seq, slot, _payload(data, _FRAME.size, length, MAX_FRAME_PAYLOAD, "FRAME"))
+    if kind == RELEASE:
+        if n != _RELEASE.size:
+            raise ProtocolError(f"RELEASE must be {_RELEASE.size} bytes, got {n}")
+        _, _, _, seq, slot = _RELEASE.unpack_from(data)
+        return Release(seq, slot)
+    if kind == BYE:
+        if n != _BYE.size:
+            raise ProtocolError(f"BYE must be {_BYE.size} bytes, got {n}")
+        return Bye()
+    if kind == HELLO:
+        if n < _HELLO.size:
+            raise ProtocolError(f"truncated HELLO ({n} bytes)")
+        _, _, _, mode, credit, pid, length = _HELLO.unpack_from(data)
+        if mode not in MODE_NAMES:
+            raise ProtocolError(f"HELLO has unknown mode {mode}")
+        if credit < 1:
+            raise ProtocolError("HELLO credit must be at least 1")
+        payload = _payload(data, _HELLO.size, length, MAX_HELLO_PAYLOAD, "HELLO")
+        return Hello(mode, credit, pid, payload)
+    if kind == WELCOME:
+        if n < _WELCOME.size:
+            raise ProtocolError(f"truncated WELCOME ({n} bytes)")
+        _, _, _, sub_id, num_slots, next_seq, length = _WELCOME.unpack_from(data)
+        if not 1 <= num_slots <= MAX_SLOTS:
+            raise ProtocolError(f"WELCOME num_slots {num_slots} is outside 1..{MAX_SLOTS}")
+        payload = _payload(data, _WELCOME.size, length, MAX_WELCOME_PAYLOAD, "WELCOME")
+        return Welcome(sub_id, num_slots, next_seq, payload)
+    if kind == REFUSE:
+        if n < _REFUSE.size:
+            raise ProtocolError(f"truncated REFUSE ({n} bytes)")
+        (length,) = struct.unpack_from("<I", data, _HEADER.size)
+        raw = _payload(data, _REFUSE.size, length, MAX_REFUSE_REASON, "REFUSE")
+        try:
+            reason = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ProtocolError(f"REFUSE reason is not valid UTF-8: {exc}") from None
+        return Refuse(reason)
+    raise ProtocolError(f"unknown message type {kind}")
+
+
+__all__ = [
+    "BYE",
+    "FRAME",
+    "HELLO",
+    "MAGIC",
+    "MODE_BLOCK",
+    "MODE_LATEST",
+    "REFUSE",
+    "RELEASE",
+    "VERSION",
+    "WELCOME",
+    "Bye",
+    "Frame",
+    "Hello",
+    "Message",
+    "Refuse",
+    "Release",
+    "Welcome",
+    "decode",
+    "encode_bye",
+    "encode_frame",
+    "encode_hello",
+    "encode_refuse",
+    "encode_release",
+    "encode_welcome",
+]

@@ -1,0 +1,268 @@
+"""Wire format and lease accounting: no sockets, no processes."""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cupy_ipcpool import _protocol as proto
+from cupy_ipcpool._errors import ProtocolError
+from cupy_ipcpool._leases import LeaseBook
+
+VALID = [
+    (
+        proto.encode_hello(proto.MODE_BLOCK, 64, 1234, b"events"),
+        proto.Hello(0, 64, 1234, b"events"),
+    ),
+    (proto.encode_hello(proto.MODE_LATEST, 1, 1), proto.Hello(1, 1, 1, b"")),
+    (
+        proto.encode_welcome(7, 4, 99, b"descriptor"),
+        proto.Welcome(7, 4, 99, b"descriptor"),
+    ),
+    (proto.encode_refuse("uid 5 is not allowed"), proto.Refuse("uid 5 is not allowed")),
+    (proto.encode_refuse("ünïcode ✓"), proto.Refuse("ünïcode ✓")),
+    (proto.encode_frame(2**64 - 1, 3, b"\x00" * 100), proto.Frame(2**64 - 1, 3, b"\x00" * 100)),
+    (proto.encode_frame(0, 0), proto.Frame(0, 0, b"")),
+    (proto.encode_release(42, 1), proto.Release(42, 1)),
+    (proto.encode_bye(), proto.Bye()),
+]
+
+
+@pytest.mark.parametrize(("data", "expected"), VALID)
+def test_round_trip(data: bytes, expected: proto.Message) -> None:
+    assert proto.decode(data) == expected
+    assert proto.decode(memoryview(data)) == expected
+    assert proto.decode(bytearray(data)) == expected
+
+
+def test_max_sizes_round_trip() -> None:
+    big = b"x" * proto.MAX_FRAME_PAYLOAD
+    assert proto.decode(proto.encode_frame(1, 2, big)).payload == big  # type: ignore[union-attr]
+    big = b"y" * proto.MAX_WELCOME_PAYLOAD
+    msg = proto.decode(proto.encode_welcome(1, 2, 3, big))
+    assert isinstance(msg, proto.Welcome)
+    assert msg.payload == big
+    assert len(proto.encode_refuse("z" * 5000)) == 8 + proto.MAX_REFUSE_REASON
+    # Cutting a long reason never splits a UTF-8 character.
+    assert isinstance(proto.decode(proto.encode_refuse("é" * 1000)), proto.Refuse)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: proto.encode_frame(0, 0, b"x" * (proto.MAX_FRAME_PAYLOAD + 1)),
+        lambda: proto.encode_hello(0, 1, 1, b"x" * (proto.MAX_HELLO_PAYLOAD + 1)),
+        lambda: proto.encode_hello(2, 1, 1),
+        lambda: proto.encode_hello(0, 0, 1),
+        lambda: proto.encode_hello(0, 70000, 1),
+        lambda: proto.encode_welcome(1, 0, 0),
+        lambda: proto.encode_welcome(1, 1, 0, b"x" * (proto.MAX_WELCOME_PAYLOAD + 1)),
+    ],
+)
+def test_encode_rejects_out_of_range(call: object) -> None:
+    with pytest.raises(ValueError):
+        call()  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"IP",
+        struct.pack("<HBB", 0x1234, 1, proto.BYE),
+        struct.pack("<HBB", proto.MAGIC, 2, proto.BYE),
+        struct.pack("<HBB", proto.MAGIC, 1, 0),
+        struct.pack("<HBB", proto.MAGIC, 1, 99),
+        # length fields over the limit or not matching the message
+        struct.pack("<HBBQII", proto.MAGIC, 1, proto.FRAME, 0, 0, proto.MAX_FRAME_PAYLOAD + 1),
+        struct.pack("<HBBQII", proto.MAGIC, 1, proto.FRAME, 0, 0, 5) + b"abcd",
+        struct.pack("<HBBQII", proto.MAGIC, 1, proto.FRAME, 0, 0, 3) + b"abcd",
+        struct.pack("<HBBBHII", proto.MAGIC, 1, proto.HELLO, 2, 1, 1, 0),
+        struct.pack("<HBBBHII", proto.MAGIC, 1, proto.HELLO, 0, 0, 1, 0),
+        struct.pack("<HBBIIQI", proto.MAGIC, 1, proto.WELCOME, 1, 0, 0, 0),
+        struct.pack("<HBBI", proto.MAGIC, 1, proto.REFUSE, 2) + b"\xff\xfe",
+        struct.pack("<HBBI", proto.MAGIC, 1, proto.REFUSE, 2000) + b"a" * 2000,
+        proto.encode_release(1, 1) + b"\x00",
+        proto.encode_bye() + b"\x00",
+    ],
+)
+def test_decode_rejects(data: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        proto.decode(data)
+
+
+def _decode_only_protocol_error(data: bytes) -> None:
+    with contextlib.suppress(ProtocolError):
+        proto.decode(data)
+
+
+@pytest.mark.parametrize(("data", "_expected"), VALID)
+def test_every_truncation_and_extension_rejected(data: bytes, _expected: object) -> None:
+    for cut in range(len(data)):
+        with pytest.raises(ProtocolError):
+            proto.decode(data[:cut])
+    for extra in (b"\x00", b"\xff" * 7):
+        with pytest.raises(ProtocolError):
+            proto.decode(data + extra)
+
+
+@pytest.mark.parametrize(("data", "_expected"), VALID)
+def test_every_bit_flip_decodes_or_raises_protocol_error(data: bytes, _expected: object) -> None:
+    for bit in range(min(len(data), 64) * 8):
+        flipped = bytearray(data)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        _decode_only_protocol_error(bytes(flipped))
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=200))
+def test_random_bytes_raise_only_protocol_error(data: bytes) -> None:
+    _decode_only_protocol_error(data)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.sampled_from([d for d, _ in VALID]), st.binary(max_size=40), st.integers(0, 200))
+def test_mutated_headers_raise_only_protocol_error(valid: bytes, junk: bytes, at: int) -> None:
+    at = min(at, len(valid))
+    _decode_only_protocol_error(valid[:at] + junk + valid[at + len(junk) :])
+    _decode_only_protocol_error(valid[:4] + junk)
+
+
+# -- LeaseBook --------------------------------------------------------------------
+
+
+def _book() -> LeaseBook:
+    book = LeaseBook(4)
+    book.add_subscriber(1, "block", 64)
+    book.add_subscriber(2, "latest", 1)
+    return book
+
+
+def test_block_gets_every_frame_latest_within_credit() -> None:
+    book = _book()
+    assert book.publishing(0, 0) == [1, 2]
+    assert book.publishing(1, 1) == [1]  # latest has its one credit out
+    assert book.outstanding(1) == 2
+    assert book.outstanding(2) == 1
+    assert book.leases(0) == [(1, 0), (2, 0)]
+    assert book.release(2, 0, 0) is False  # block subscriber still holds slot 0
+    assert book.publishing(2, 2) == [1, 2]
+    assert book.release(1, 0, 0) is True
+    assert book.is_free(0)
+    assert book.free_slots() == [0, 3]
+
+
+def test_latest_credit_two() -> None:
+    book = LeaseBook(4)
+    book.add_subscriber(5, "latest", 2)
+    assert [book.publishing(s, s) for s in range(4)] == [[5], [5], [], []]
+    assert book.free_slots() == [2, 3]
+    assert book.held_by(5) == {0: 0, 1: 1}
+
+
+def test_release_validation() -> None:
+    book = _book()
+    book.publishing(0, 10)
+    with pytest.raises(ProtocolError, match="does not hold"):
+        book.release(1, 11, 0)  # unknown seq
+    with pytest.raises(ProtocolError, match="slot"):
+        book.release(1, 10, 1)  # wrong slot
+    with pytest.raises(ProtocolError, match="unknown subscriber"):
+        book.release(9, 10, 0)
+    assert book.release(1, 10, 0) is False
+    with pytest.raises(ProtocolError):
+        book.release(1, 10, 0)  # double release
+    assert book.release(2, 10, 0) is True
+    with pytest.raises(ProtocolError):
+        book.release(2, 10, 0)
+
+
+def test_publishing_a_leased_slot_is_a_bug() -> None:
+    book = _book()
+    book.publishing(0, 0)
+    with pytest.raises(RuntimeError):
+        book.publishing(0, 1)
+
+
+def test_remove_subscriber_frees_its_slots() -> None:
+    book = _book()
+    book.publishing(0, 0)
+    book.publishing(1, 1)
+    book.hold(1)
+    book.release(2, 0, 0)
+    assert book.remove_subscriber(1) == [0]  # slot 1 is still held locally
+    assert book.leases(1) == []
+    assert not book.is_free(1)
+    assert book.unhold(1) is True
+    assert book.remove_subscriber(1) == []
+    assert book.free_slots() == [0, 1, 2, 3]
+
+
+def test_readers_to_wait() -> None:
+    book = _book()
+    book.publishing(0, 0)
+    assert book.readers_to_wait(0) == []
+    book.release(2, 0, 0)
+    book.release(1, 0, 0)
+    assert book.readers_to_wait(0) == [2, 1]
+    book.remove_subscriber(2)
+    assert book.readers_to_wait(0) == [1]
+    book.publishing(0, 1)
+    assert book.readers_to_wait(0) == []
+
+
+def test_cancel_does_not_count_as_reader() -> None:
+    book = _book()
+    book.publishing(0, 0)
+    assert book.cancel(2, 0, 0) is False
+    assert book.outstanding(2) == 0
+    assert book.cancel(1, 0, 0) is True
+    assert book.readers_to_wait(0) == []
+    with pytest.raises(ProtocolError):
+        book.cancel(1, 0, 0)
+
+
+def test_pick_free_slot_round_robin_and_holds() -> None:
+    book = LeaseBook(3)
+    assert book.pick_free_slot(0) == 0
+    assert book.pick_free_slot(2) == 2
+    assert book.pick_free_slot(3) == 0
+    book.hold(0)
+    book.hold(0)
+    assert book.pick_free_slot(0) == 1
+    book.add_subscriber(1, "block", 1)
+    book.publishing(1, 0)
+    book.publishing(2, 1)
+    assert book.pick_free_slot(0) is None
+    assert book.unhold(0) is False
+    assert book.unhold(0) is True
+    assert book.pick_free_slot(1) == 0
+    with pytest.raises(RuntimeError):
+        book.unhold(0)
+    with pytest.raises(IndexError):
+        book.hold(3)
+
+
+def test_publish_held_slot_allowed_but_not_free() -> None:
+    book = _book()
+    book.hold(0)
+    assert book.publishing(0, 0) == [1, 2]
+    book.release(1, 0, 0)
+    assert book.release(2, 0, 0) is False  # still held locally
+    assert book.unhold(0) is True
+
+
+def test_add_subscriber_validation() -> None:
+    book = _book()
+    with pytest.raises(ValueError):
+        book.add_subscriber(1, "block", 1)
+    with pytest.raises(ValueError):
+        book.add_subscriber(3, "sometimes", 1)
+    with pytest.raises(ValueError):
+        book.add_subscriber(3, "latest", 0)
+    with pytest.raises(ValueError):
+        LeaseBook(0)
