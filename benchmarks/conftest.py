@@ -27,10 +27,22 @@ RATIOS: list[tuple[str, str, str, str, float]] = [
     ("small ops hook/default", "small_ops_hook", "small_ops_default", "<=", 1.5),
     ("matmul 8192^2 default/hook", "matmul_default", "matmul_hook", ">=", 0.98),
     ("elementwise 1 GiB default/hook", "ew1g_default", "ew1g_hook", ">=", 0.98),
+    ("fan-out p50 4 subs / 1 sub", "fanout_p50_4", "fanout_p50_1", "<=", 2.0),
+    ("round trip p50 64 MiB / socket floor", "roundtrip_p50_64MiB", "socket_floor_p50", "<=", 3.0),
+    ("round trip p50 256 MiB / 1 MiB", "roundtrip_p50_256MiB", "roundtrip_p50_1MiB", "<=", 1.5),
 ]
 # (label, name, target seconds)
 ABSOLUTE: list[tuple[str, str, float]] = [
     ("handle -> cupy.ndarray in consumer", "frame_handle_to_array", 10e-6),
+    ("round trip p50 1 MiB", "roundtrip_p50_1MiB", 50e-6),
+    ("round trip p50 64 MiB", "roundtrip_p50_64MiB", 50e-6),
+    ("round trip p50 256 MiB", "roundtrip_p50_256MiB", 50e-6),
+]
+# (label, name, minimum): values that are rates, not seconds
+MINIMUMS: list[tuple[str, str, float]] = [
+    ("throughput 1 MiB frames/s", "throughput_fps_1MiB", 20000.0),
+    ("throughput 64 MiB frames/s", "throughput_fps_64MiB", 20000.0),
+    ("throughput 256 MiB frames/s", "throughput_fps_256MiB", 20000.0),
 ]
 
 
@@ -79,8 +91,18 @@ def _summary() -> tuple[list[str], dict[str, Any]]:
             v = _medians[name]
             ok = v <= target
             out["absolute"][label] = {"median_s": v, "target_s": target, "met": ok}
-            lines.append(f"{label:<40} {v * 1e6:8.2f} us (target <= {target * 1e6:g} us) "
-                         f"{'OK' if ok else 'MISSED'}")
+            lines.append(
+                f"{label:<40} {v * 1e6:8.2f} us (target <= {target * 1e6:g} us) "
+                f"{'OK' if ok else 'MISSED'}"
+            )
+    for label, name, minimum in MINIMUMS:
+        if name in _medians:
+            v = _medians[name]
+            ok = v >= minimum
+            out["absolute"][label] = {"value": v, "minimum": minimum, "met": ok}
+            lines.append(
+                f"{label:<40} {v:10.0f}    (target >= {minimum:g}) {'OK' if ok else 'MISSED'}"
+            )
     return lines, out
 
 
@@ -89,8 +111,12 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     if not _medians:
         return
     terminalreporter.section("cupy_ipcpool benchmark medians and ratios")
+    rates = {name for _, name, _ in MINIMUMS}
     for name, v in sorted(_medians.items()):
-        terminalreporter.write_line(f"{name:<40} {v * 1e6:12.2f} us")
+        if name in rates or name.startswith("throughput_fps"):
+            terminalreporter.write_line(f"{name:<40} {v:12.0f} /s")
+        else:
+            terminalreporter.write_line(f"{name:<40} {v * 1e6:12.2f} us")
     for line in lines:
         terminalreporter.write_line(line)
     path = os.environ.get("BENCH_SUMMARY")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import statistics
 
 import pytest
+from conftest import record_value
 
 import cupy_ipcpool as cip
 
@@ -42,38 +44,68 @@ def test_small_ops(benchmark, record, pool, hook):
     record("small_ops_hook" if hook else "small_ops_default")
 
 
-@pytest.mark.parametrize("hook", [False, True], ids=["default", "hook"])
-@pytest.mark.benchmark(group="large-ops")
-def test_matmul_8192(benchmark, record, pool, hook):
+def _interleaved_gpu_medians(pool, op, rounds):
+    """Run ``op`` alternately under the default pool and the hook; median GPU ms of each.
+
+    Timed with CUDA events around the op (GPU time), alternating so that clock
+    or thermal drift affects both variants alike.
+    """
+    import cupy as cp
+
+    times = {False: [], True: []}
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    for i in range(rounds + 2):
+        for hook in (False, True):
+            with _scope(pool, hook):
+                start.record()
+                out = op()
+                stop.record()
+            stop.synchronize()
+            if i >= 2:  # warm-up rounds
+                times[hook].append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
+            del out
+    return statistics.median(times[False]), statistics.median(times[True])
+
+
+def test_matmul_8192(pool):
     import cupy as cp
 
     a = cp.random.standard_normal((8192, 8192), dtype=cp.float32)
     b = cp.random.standard_normal((8192, 8192), dtype=cp.float32)
+    default, hook = _interleaved_gpu_medians(pool, lambda: a @ b, 15)
+    record_value("matmul_default", default)
+    record_value("matmul_hook", hook)
 
+
+def test_elementwise_1gib(pool):
+    import cupy as cp
+
+    x = cp.ones(256 * MiB, dtype=cp.float32)  # 1 GiB in, 1 GiB out
+    default, hook = _interleaved_gpu_medians(pool, lambda: x * 3.0, 30)
+    record_value("ew1g_default", default)
+    record_value("ew1g_hook", hook)
+
+
+@pytest.mark.benchmark(group="hook-breakdown")
+def test_hook_enter_exit(benchmark, record, pool):
     def run():
-        with _scope(pool, hook):
-            c = a @ b
-        cp.cuda.Device(0).synchronize()
-        del c
+        with pool.allocating():
+            pass
 
-    run()
-    benchmark.pedantic(run, rounds=10, warmup_rounds=2)
-    record("matmul_hook" if hook else "matmul_default")
+    benchmark(run)
+    record("hook_enter_exit")
 
 
 @pytest.mark.parametrize("hook", [False, True], ids=["default", "hook"])
-@pytest.mark.benchmark(group="large-ops")
-def test_elementwise_1gib(benchmark, record, pool, hook):
+@pytest.mark.benchmark(group="hook-breakdown")
+def test_alloc_free_1kib(benchmark, record, pool, hook):
     import cupy as cp
 
-    x = cp.ones(256 * MiB, dtype=cp.float32)  # 1 GiB
-
     def run():
-        with _scope(pool, hook):
-            y = x * 3.0
-        cp.cuda.Device(0).synchronize()
-        del y
+        for _ in range(100):
+            a = cp.empty(256, dtype=cp.float32)
+            del a
 
-    run()
-    benchmark.pedantic(run, rounds=20, warmup_rounds=2)
-    record("ew1g_hook" if hook else "ew1g_default")
+    with _scope(pool, hook):
+        benchmark(run)
+    record("alloc_free_hook" if hook else "alloc_free_default", 1 / 100)

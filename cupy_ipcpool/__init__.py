@@ -7,6 +7,7 @@ is none.
 """
 
 from ._allocator import AllocationScope, SlotArena, allocating
+from ._channel import Frame, Publisher, PublishFrame, Subscriber, subscribe
 from ._compat import IPCBufferManager
 from ._errors import (
     CudaError,
@@ -41,6 +42,7 @@ __all__ = [
     "DescriptorError",
     "EndOfStream",
     "ForkedProcessError",
+    "Frame",
     "IPCBufferManager",
     "IpcPool",
     "IpcPoolError",
@@ -50,14 +52,18 @@ __all__ = [
     "PoolClosedError",
     "PoolDescriptor",
     "ProtocolError",
+    "PublishFrame",
+    "Publisher",
     "SlotArena",
     "SlotBusyError",
     "SlotFullError",
     "StaleHandleError",
+    "Subscriber",
     "TeardownWarning",
     "TransportError",
     "UnsupportedDeviceError",
     "__version__",
     "allocating",
     "attach",
+    "subscribe",
 ]

@@ -50,15 +50,13 @@ class SlotArena:
         self.slot = slot
         self.alignment = alignment
         self._blocks: list[list[int]] = []  # [offset, size, live]; offsets increasing
+        self._top = 0
         self._lock = threading.RLock()
 
     @property
     def top(self) -> int:
         """First byte above the highest block that is not yet reclaimed."""
-        if not self._blocks:
-            return 0
-        off, size, _ = self._blocks[-1]
-        return off + size
+        return self._top
 
     @property
     def live_blocks(self) -> int:
@@ -67,7 +65,7 @@ class SlotArena:
 
     def remaining(self) -> int:
         """Bytes still available above the top (after alignment)."""
-        start = -(-self.top // self.alignment) * self.alignment
+        start = -(-self._top // self.alignment) * self.alignment
         return max(0, self.capacity - start)
 
     def alloc(self, nbytes: int) -> int:
@@ -82,25 +80,33 @@ class SlotArena:
         if nbytes < 0:
             raise ValueError(f"cannot allocate a negative size ({nbytes})")
         with self._lock:
-            start = -(-self.top // self.alignment) * self.alignment
+            align = self.alignment
+            start = (self._top + align - 1) & -align
             if start + nbytes > self.capacity:
                 raise SlotFullError(nbytes, self.remaining(), self.slot, self.capacity)
             # a zero-byte block still takes one byte, so every live block has its own offset
-            self._blocks.append([start, max(nbytes, 1), 1])
+            end = start + (nbytes or 1)
+            self._blocks.append([start, end - start, 1])
+            self._top = end
             return start
 
     def free(self, offset: int) -> None:
         """Free the block at ``offset``; reclaim freed space at the top."""
         with self._lock:
-            for i in range(len(self._blocks) - 1, -1, -1):
-                block = self._blocks[i]
-                if block[0] == offset and block[2]:
-                    block[2] = 0
-                    break
+            blocks = self._blocks
+            if blocks and blocks[-1][0] == offset and blocks[-1][2]:
+                blocks.pop()  # the common case: the newest block goes first
             else:
-                raise ValueError(f"no live block at offset {offset} in slot {self.slot}")
-            while self._blocks and not self._blocks[-1][2]:
-                self._blocks.pop()
+                for i in range(len(blocks) - 1, -1, -1):
+                    block = blocks[i]
+                    if block[0] == offset and block[2]:
+                        block[2] = 0
+                        break
+                else:
+                    raise ValueError(f"no live block at offset {offset} in slot {self.slot}")
+            while blocks and not blocks[-1][2]:
+                blocks.pop()
+            self._top = blocks[-1][0] + blocks[-1][1] if blocks else 0
 
 
 class _Block(SlotRef):

@@ -9,6 +9,7 @@ recycles the slot under it.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -37,22 +38,38 @@ def cupy_module() -> Any:
 
 
 class SlotRefs:
-    """Per-slot counts of live local references, with a condition to wait on."""
+    """Per-slot counts of live local references, with a condition to wait on.
+
+    ``transitions``, when set (a ``collections.deque``), receives the slot
+    index each time a count goes 0 -> 1 or 1 -> 0; the publisher drains it to
+    keep its lease book's local holds in step.  ``on_zero`` is called when a
+    count drops to zero.
+    """
 
     def __init__(self, num_slots: int) -> None:
         self.counts = [0] * num_slots
-        self.cond = threading.Condition(threading.RLock())
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
+        self.waiters = 0
         self.on_zero: Callable[[int], None] | None = None
+        self.transitions: deque[int] | None = None
 
     def incr(self, slot: int) -> None:
-        with self.cond:
-            self.counts[slot] += 1
+        with self.lock:
+            count = self.counts[slot] + 1
+            self.counts[slot] = count
+            if count == 1 and self.transitions is not None:
+                self.transitions.append(slot)
 
     def decr(self, slot: int) -> None:
-        with self.cond:
-            self.counts[slot] -= 1
-            if self.counts[slot] == 0:
-                self.cond.notify_all()
+        with self.lock:
+            count = self.counts[slot] - 1
+            self.counts[slot] = count
+            if count == 0:
+                if self.transitions is not None:
+                    self.transitions.append(slot)
+                if self.waiters:
+                    self.cond.notify_all()
                 if self.on_zero is not None:
                     self.on_zero(slot)
 

@@ -217,8 +217,19 @@ class DeviceInfo:
         return self.vmm and self.posix_fd and bool(self.granularity)
 
 
+_infos: dict[tuple[int, int], DeviceInfo] = {}
+
+
 def device_info(ordinal: int) -> DeviceInfo:
-    """Query name, UUID, memory and VMM / handle-type support of a device."""
+    """Name, UUID, memory and VMM / handle-type support of a device (cached per process)."""
+    key = (os.getpid(), ordinal)
+    info = _infos.get(key)
+    if info is None:
+        info = _infos[key] = _query_device_info(ordinal)
+    return info
+
+
+def _query_device_info(ordinal: int) -> DeviceInfo:
     dev = get_device(ordinal)
     raw_name = call("cuDeviceGetName", 256, dev)
     name = raw_name.split(b"\0", 1)[0].decode(errors="replace")
@@ -269,12 +280,20 @@ def require_vmm_device(ordinal: int) -> DeviceInfo:
     return info
 
 
+_uuid_ordinals: dict[tuple[int, bytes], int | None] = {}
+
+
 def ordinal_of_uuid(uuid: bytes) -> int | None:
-    """Return the ordinal of the visible device with this UUID, or None."""
-    for i in range(device_count()):
-        if bytes(call("cuDeviceGetUuid", get_device(i)).bytes) == uuid:
-            return i
-    return None
+    """Return the ordinal of the visible device with this UUID, or None (cached)."""
+    key = (os.getpid(), uuid)
+    if key not in _uuid_ordinals:
+        found = None
+        for i in range(device_count()):
+            if bytes(call("cuDeviceGetUuid", get_device(i)).bytes) == uuid:
+                found = i
+                break
+        _uuid_ordinals[key] = found
+    return _uuid_ordinals[key]
 
 
 def can_access_peer(ordinal: int, peer: int) -> bool:

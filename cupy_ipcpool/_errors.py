@@ -147,8 +147,17 @@ class ProtocolError(IpcPoolError):
 class EndOfStream(IpcPoolError):
     """The publisher closed or died: no more frames will arrive.
 
-    Frames already received stay readable.
+    Frames already received stay readable.  ``clean`` is True when the
+    publisher said goodbye (``close()``), False when the connection broke
+    (the publisher died, or a protocol error closed it).
     """
+
+    def __init__(self, message: str, clean: bool = False) -> None:
+        self.clean = clean
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.clean))
 
 
 class TeardownWarning(RuntimeWarning):

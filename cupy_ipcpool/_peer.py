@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import struct
 import threading
 import warnings
 import weakref
@@ -25,6 +26,9 @@ from ._transport import fetch_fds
 from ._vmm import Allocation, UndoStack
 
 _CacheKey = tuple[bytes, int, int, int]
+_U64 = struct.Struct("<Q")
+_HANDLE_FIXED = 22  # slot u32, generation u64, offset u64, ndim u8, dtype u8
+_GEOMETRY_CACHE = 1024
 
 
 class _ImportedSlots:
@@ -87,8 +91,11 @@ def _resolve_device(desc: PoolDescriptor, device: int | None) -> int:
     return device
 
 
-def _import_all(desc: PoolDescriptor, device: int, transport: str) -> list[Allocation]:
-    fds = desc.take_local_fds()
+def _import_all(
+    desc: PoolDescriptor, device: int, transport: str, fds: list[int] | None
+) -> list[Allocation]:
+    if fds is None:
+        fds = desc.take_local_fds()
     if fds is None:
         fds = fetch_fds(
             pid=desc.exporter_pid,
@@ -101,10 +108,12 @@ def _import_all(desc: PoolDescriptor, device: int, transport: str) -> list[Alloc
     try:
         if len(fds) != desc.num_slots:
             raise DescriptorError(f"got {len(fds)} fds for a pool of {desc.num_slots} slots")
+        _driver.use_device(device)
+        access = [_driver.access_desc(device)]
         with UndoStack() as undo:
             allocations = []
             for fd in fds:
-                alloc = Allocation.import_fd(fd, desc.alloc_nbytes, device)
+                alloc = Allocation.import_fd(fd, desc.alloc_nbytes, device, access=access)
                 undo.push(alloc.close)
                 allocations.append(alloc)
             undo.commit()
@@ -130,6 +139,7 @@ class PeerPool:
         self._device = device
         self._pid = os.getpid()
         self._seen_generation = [0] * desc.num_slots
+        self._geometry: dict[bytes, tuple[Any, ...]] = {}
         self._closed = False
         self._cp = cupy_module()
         self._finalizer = weakref.finalize(self, slots.detach)
@@ -203,6 +213,69 @@ class PeerPool:
             self._cp, self._slots.ptrs[slot], self._desc.slot_nbytes, owner, self._device, handle
         )
 
+    def arrays_from_wire(
+        self, data: bytes | memoryview, pos: int, count: int, owner: Any
+    ) -> tuple[list[Any], int]:
+        """Decode ``count`` packed handles at ``pos`` into arrays (the per-frame hot path).
+
+        Each array's memory is owned by ``owner`` (the frame's lease), which
+        must keep this peer pool alive.  A handle's geometry (slot, offset,
+        shape, strides, dtype) is validated against the slot once and cached;
+        the generation is checked on every call.
+
+        Returns
+        -------
+        (arrays, position after the last handle)
+
+        Raises
+        ------
+        DescriptorError, StaleHandleError
+            As :meth:`array`.
+        """
+        self._check()
+        cp = self._cp
+        unowned, memory_pointer, ndarray = cp.cuda.UnownedMemory, cp.cuda.MemoryPointer, cp.ndarray
+        cache = self._geometry
+        seen = self._seen_generation
+        ptrs = self._slots.ptrs
+        size = self._desc.slot_nbytes
+        device = self._device
+        n = len(data)
+        out = []
+        for _ in range(count):
+            if n - pos < _HANDLE_FIXED:
+                raise DescriptorError(f"array handle truncated at byte {pos} of {n}")
+            end = pos + _HANDLE_FIXED + 16 * data[pos + 20]
+            key = bytes(data[pos : pos + 4]) + bytes(data[pos + 12 : end])
+            geometry = cache.get(key)
+            if geometry is None:
+                handle, end = ArrayHandle.unpack_from(data, pos)
+                if handle.slot >= self._desc.num_slots:
+                    raise DescriptorError(
+                        f"handle names slot {handle.slot}; the pool has {self._desc.num_slots}"
+                    )
+                handle.check_fits(size)
+                geometry = (handle.slot, handle.offset, handle.shape, handle.strides, handle.dtype)
+                if len(cache) >= _GEOMETRY_CACHE:
+                    cache.clear()
+                cache[key] = geometry
+            slot = geometry[0]
+            (generation,) = _U64.unpack_from(data, pos + 4)
+            if generation < seen[slot]:
+                raise StaleHandleError(
+                    f"handle for slot {slot} is of generation {generation}; generation "
+                    f"{seen[slot]} has been received since, so its memory was reused"
+                )
+            seen[slot] = generation
+            mem = unowned(ptrs[slot], size, owner, device)
+            out.append(
+                ndarray(
+                    geometry[2], geometry[4], memory_pointer(mem, geometry[1]), strides=geometry[3]
+                )
+            )
+            pos = end
+        return out, pos
+
     def local_refs(self, slot: int) -> int:
         """Number of live arrays over ``slot`` in this process."""
         return self._slots.refs.counts[slot]
@@ -274,10 +347,30 @@ def attach(
     CudaError
         Import or mapping failed; nothing is left mapped.
     """
-    if not isinstance(descriptor, PoolDescriptor):
-        raise TypeError(f"attach() needs a PoolDescriptor, not {type(descriptor).__name__}")
-    descriptor.validate()
-    local = _resolve_device(descriptor, device)
+    return attach_fds(descriptor, None, device=device, transport=transport)
+
+
+def attach_fds(
+    descriptor: PoolDescriptor,
+    fds: list[int] | None,
+    *,
+    device: int | None = None,
+    transport: str = "auto",
+) -> PeerPool:
+    """:func:`attach` with the slot fds already in hand (``None``: fetch them).
+
+    Takes ownership of ``fds`` (they are closed once imported).  Used by the
+    channel, whose WELCOME message carries the fds.
+    """
+    try:
+        if not isinstance(descriptor, PoolDescriptor):
+            raise TypeError(f"attach() needs a PoolDescriptor, not {type(descriptor).__name__}")
+        descriptor.validate()
+        local = _resolve_device(descriptor, device)
+    except BaseException:
+        for fd in fds or ():
+            os.close(fd)
+        raise
     key: _CacheKey = (
         descriptor.pool_id,
         descriptor.exporter_pid,
@@ -288,10 +381,10 @@ def attach(
         slots = _cache.get(key)
         if slots is not None and not slots.released:
             slots.attached += 1
-            for fd in descriptor.take_local_fds() or ():  # already mapped: not needed
-                os.close(fd)
+            for fd in (fds if fds is not None else descriptor.take_local_fds()) or ():
+                os.close(fd)  # already mapped: not needed
             return PeerPool(descriptor, slots, local)
-    allocations = _import_all(descriptor, local, transport)
+    allocations = _import_all(descriptor, local, transport, fds)
     with _cache_lock:
         existing = _cache.get(key)
         if existing is not None and not existing.released:

@@ -8,7 +8,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from types import TracebackType
 from typing import Any
@@ -166,12 +166,16 @@ class IpcPool:
         self._pool_id = secrets.token_bytes(16)
         self._current = 0
         self._generation = [0] * num_slots
-        self._remote = [0] * num_slots
+        # set by a Publisher: number of peer leases on a slot
+        self._lease_probe: Callable[[int], int] | None = None
         self._lock = threading.RLock()
         mem = _PoolMemory(num_slots, self._pid)
+        _driver.use_device(device)
+        prop = _driver.allocation_prop(device)
+        access = [_driver.access_desc(device)]
         with UndoStack() as undo:
             for _ in range(num_slots):
-                alloc = Allocation.create(alloc_nbytes, device)
+                alloc = Allocation.create(alloc_nbytes, device, prop=prop, access=access)
                 undo.push(alloc.close)
                 mem.allocations.append(alloc)
             undo.commit()
@@ -265,13 +269,15 @@ class IpcPool:
         return self._mem.refs.counts[self._check_slot(slot)]
 
     def remote_leases(self, slot: int) -> int:
-        """Number of peer leases held on ``slot``."""
-        return self._remote[self._check_slot(slot)]
+        """Number of peer leases held on ``slot`` (through a :class:`Publisher`)."""
+        slot = self._check_slot(slot)
+        probe = self._lease_probe
+        return 0 if probe is None else probe(slot)
 
     def is_busy(self, slot: int) -> bool:
-        """True while a local array or a peer lease refers to ``slot``."""
+        """True while a local array, allocator block or peer lease refers to ``slot``."""
         slot = self._check_slot(slot)
-        return self._mem.refs.counts[slot] > 0 or self._remote[slot] > 0
+        return self._mem.refs.counts[slot] > 0 or self.remote_leases(slot) > 0
 
     def next(self, *, timeout: float | None = 0.0) -> int:
         """Advance to the next slot of the ring (wrapping) and return its index.
@@ -304,24 +310,18 @@ class IpcPool:
                 if remaining is not None and remaining <= 0:
                     raise SlotBusyError(
                         f"slot {slot} is still in use: {refs.counts[slot]} local array(s) or "
-                        f"allocator block(s) and {self._remote[slot]} peer lease(s) refer to "
-                        "it; drop those arrays, release the frames, or pass a timeout"
+                        f"allocator block(s) and {self.remote_leases(slot)} peer lease(s) "
+                        "refer to it; drop those arrays, release the frames, or pass a timeout"
                     )
-                refs.cond.wait(remaining)
+                refs.waiters += 1
+                try:
+                    # peer leases come back without a notify: re-check every 10 ms
+                    refs.cond.wait(0.01 if remaining is None else min(remaining, 0.01))
+                finally:
+                    refs.waiters -= 1
             self._generation[slot] += 1
             self._current = slot
         return slot
-
-    def _add_remote_lease(self, slot: int, n: int = 1) -> None:
-        with self._mem.refs.cond:
-            self._remote[slot] += n
-
-    def _drop_remote_lease(self, slot: int, n: int = 1) -> None:
-        with self._mem.refs.cond:
-            self._remote[slot] -= n
-            if self._remote[slot] <= 0:
-                self._remote[slot] = 0
-                self._mem.refs.cond.notify_all()
 
     # ----------------------------------------------------------------- arrays
     def _owner(self, slot: int) -> SlotRef:
@@ -374,6 +374,9 @@ class IpcPool:
 
     def locate(self, ptr: int) -> tuple[int, int] | None:
         """Return ``(slot, offset)`` of a device pointer inside the pool, or None."""
+        base = self._ptrs[self._current]
+        if base <= ptr < base + self._slot_nbytes:  # the common case: the current slot
+            return self._current, ptr - base
         for i, base in enumerate(self._ptrs):
             if base <= ptr < base + self._slot_nbytes:
                 return i, ptr - base

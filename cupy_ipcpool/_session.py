@@ -878,6 +878,7 @@ class SubscriberCore:
         allowed = frozenset({os.geteuid()} if allowed_uids is None else allowed_uids)
         self._held: dict[int, int] = {}
         self._eos: str | None = None
+        self._eos_clean = False
         self._closed = False
         self._fds: list[int] = []
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -1010,7 +1011,7 @@ class SubscriberCore:
         if self._closed:
             raise PoolClosedError("the subscriber is closed")
         if self._eos is not None:
-            raise EndOfStream(self._eos)
+            raise EndOfStream(self._eos, self._eos_clean)
         sock = self._sock
         deadline = None
         while True:
@@ -1044,16 +1045,17 @@ class SubscriberCore:
                 self._held[msg.seq] = msg.slot
                 return msg
             if type(msg) is proto.Bye:
-                self._end("the publisher said BYE")
+                self._end("the publisher said BYE", clean=True)
             raise ProtocolError(f"unexpected {type(msg).__name__} from the publisher")
         except ProtocolError as exc:
             self._eos = f"the connection was closed after a protocol error: {exc}"
             _close_subscriber(self._sock, [])
             raise
 
-    def _end(self, reason: str) -> NoReturn:
+    def _end(self, reason: str, clean: bool = False) -> NoReturn:
         self._eos = reason
-        raise EndOfStream(reason)
+        self._eos_clean = clean
+        raise EndOfStream(reason, clean)
 
     def release(self, seq: int, slot: int) -> None:
         """Return the lease on frame ``seq`` in ``slot``.

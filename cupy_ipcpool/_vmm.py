@@ -125,17 +125,23 @@ class Allocation:
         self._mapped = True
 
     @classmethod
-    def create(cls, size: int, device: int, *, export: bool = True) -> Allocation:
+    def create(
+        cls, size: int, device: int, *, export: bool = True, prop: Any = None, access: Any = None
+    ) -> Allocation:
         """Create ``size`` bytes on ``device``, map them and export a POSIX fd.
 
-        ``size`` must already be a multiple of the granularity.
+        ``size`` must already be a multiple of the granularity.  ``prop`` and
+        ``access`` (from :func:`_driver.allocation_prop` / ``access_desc``) may
+        be passed in when creating many allocations; the device's context must
+        then already be current.
         """
-        _driver.use_device(device)
-        prop = _driver.allocation_prop(device)
+        if prop is None:
+            _driver.use_device(device)
+            prop = _driver.allocation_prop(device)
         with UndoStack() as undo:
             handle = _driver.call("cuMemCreate", size, prop, 0)
             undo.push(_driver.call, "cuMemRelease", handle)
-            ptr = _map(handle, size, device, undo)
+            ptr = _map(handle, size, device, undo, access)
             fd = -1
             if export:
                 fd = int(_driver.call("cuMemExportToShareableHandle", handle, _posix_fd_type(), 0))
@@ -144,17 +150,19 @@ class Allocation:
         return cls(handle, ptr, size, fd, device)
 
     @classmethod
-    def import_fd(cls, fd: int, size: int, device: int) -> Allocation:
+    def import_fd(cls, fd: int, size: int, device: int, *, access: Any = None) -> Allocation:
         """Import a peer's allocation from ``fd`` and map ``size`` bytes on ``device``.
 
         The fd is not closed here; the caller owns it (the import holds the
-        physical memory on its own).
+        physical memory on its own).  With ``access`` given, the device's
+        context must already be current.
         """
-        _driver.use_device(device)
+        if access is None:
+            _driver.use_device(device)
         with UndoStack() as undo:
             handle = _driver.call("cuMemImportFromShareableHandle", fd, _posix_fd_type())
             undo.push(_driver.call, "cuMemRelease", handle)
-            ptr = _map(handle, size, device, undo)
+            ptr = _map(handle, size, device, undo, access)
             undo.commit()
         return cls(handle, ptr, size, -1, device)
 
@@ -191,11 +199,13 @@ class Allocation:
         return not self._mapped
 
 
-def _map(handle: Any, size: int, device: int, undo: UndoStack) -> int:
+def _map(handle: Any, size: int, device: int, undo: UndoStack, access: Any = None) -> int:
     """Reserve an address range, map ``handle`` into it and grant ``device`` access."""
     ptr = _driver.call("cuMemAddressReserve", size, 0, 0, 0)
     undo.push(_driver.call, "cuMemAddressFree", ptr, size)
     _driver.call("cuMemMap", ptr, size, 0, handle, 0)
     undo.push(_driver.call, "cuMemUnmap", ptr, size)
-    _driver.call("cuMemSetAccess", ptr, size, [_driver.access_desc(device)], 1)
+    if access is None:
+        access = [_driver.access_desc(device)]
+    _driver.call("cuMemSetAccess", ptr, size, access, 1)
     return int(ptr)

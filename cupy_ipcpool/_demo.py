@@ -1,0 +1,251 @@
+"""``python -m cupy_ipcpool demo``: a producer and N consumer processes passing frames.
+
+The producer is a synthetic camera: each frame is written by a kernel into a
+ring slot through the allocator hook, post-processed by a second small kernel
+(also into the slot), and published.  Each consumer, in its own process,
+receives the frames as ``cupy.ndarray`` views of the same memory, recomputes
+the expected content on its GPU and counts mismatching bytes without blocking
+its host thread, then releases the frame.  The producer prints live progress
+and a summary that says whether every received frame was verified.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import struct
+import sys
+import tempfile
+import time
+from typing import Any
+
+_META = struct.Struct("<QQ")  # seq, producer timestamp (CLOCK_MONOTONIC ns)
+_CAMERA_SRC = "out = (unsigned char)(((unsigned int)i * 2654435761u + seq * 40503u) >> 24)"
+_POST_SRC = "out = in ^ (unsigned char)0x5A"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the demo's options on ``parser``."""
+    parser.add_argument("--frame-mib", type=float, default=8.0, help="frame size in MiB")
+    parser.add_argument("--slots", type=int, default=8, help="ring slots")
+    parser.add_argument("--consumers", type=int, default=2, help="consumer processes")
+    parser.add_argument("--mode", choices=("block", "latest"), default="block")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds to publish")
+    parser.add_argument("--device", type=int, default=0)
+    parser.set_defaults(run=run)
+
+
+def _kernels(cp: Any) -> tuple[Any, Any]:
+    camera = cp.ElementwiseKernel("uint32 seq", "uint8 out", _CAMERA_SRC, "demo_camera")
+    post = cp.ElementwiseKernel("uint8 in", "uint8 out", _POST_SRC, "demo_post")
+    return camera, post
+
+
+def _consumer(address: str, mode: str, index: int, reports: Any) -> None:
+    """Consumer process: verify every received frame on the GPU, report stats."""
+    try:
+        import cupy as cp
+
+        import cupy_ipcpool as cip
+
+        camera, post = _kernels(cp)
+        received = 0
+        errors = cp.zeros((), dtype=cp.int64)
+        latencies: list[int] = []
+        last_report = time.monotonic()
+        with cip.subscribe(address, mode=mode) as sub:
+            reports.put(("ready", index, os.getpid()))
+            scratch = None
+            for frame in sub:
+                now = time.monotonic_ns()
+                seq, t_pub = _META.unpack(frame.metadata)
+                latencies.append(now - t_pub)
+                raw, processed = frame.arrays
+                if scratch is None or scratch.shape != raw.shape:
+                    scratch = cp.empty_like(raw)
+                camera(cp.uint32(seq), scratch)
+                errors += cp.count_nonzero(raw != scratch)
+                errors += cp.count_nonzero(processed != post(scratch))
+                frame.release()
+                received += 1
+                if now / 1e9 - last_report >= 0.5:
+                    reports.put(("progress", index, received, latencies))
+                    latencies = []
+                    last_report = now / 1e9
+            cp.cuda.get_current_stream().synchronize()
+            reports.put(("done", index, received, latencies, int(errors)))
+    except BaseException as exc:
+        reports.put(("error", index, f"{type(exc).__name__}: {exc}"))
+
+
+def _percentile(values: list[int], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return float(ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))])
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo; return 0 when every consumer verified every frame it received."""
+    from . import _driver
+    from ._errors import CudaUnavailableError, UnsupportedDeviceError
+
+    try:
+        _driver.require_vmm_device(args.device)
+    except (CudaUnavailableError, UnsupportedDeviceError, ValueError) as exc:
+        print(f"no GPU: {exc}")
+        return 1
+    if args.consumers < 1 or args.slots < 2 or args.frame_mib <= 0 or args.duration <= 0:
+        print("demo needs --consumers >= 1, --slots >= 2, --frame-mib > 0, --duration > 0")
+        return 2
+    import cupy as cp
+
+    import cupy_ipcpool as cip
+
+    nbytes = int(args.frame_mib * (1 << 20))
+    width = 1024
+    rows = max(1, nbytes // (width * 4))
+    shape = (rows, width, 4)
+    frame_bytes = rows * width * 4
+    tmpdir = tempfile.mkdtemp(prefix="cupy_ipcpool-demo-")
+    address = os.path.join(tmpdir, "demo.sock")
+    ctx = mp.get_context("spawn")
+    reports = ctx.Queue()
+    procs: list[Any] = []
+    camera, post = _kernels(cp)
+    print(
+        f"demo: {args.consumers} consumer(s), mode={args.mode}, frames {shape} uint8 "
+        f"({frame_bytes / 2**20:.1f} MiB, x2 arrays), {args.slots} slots, {args.duration:g} s",
+        flush=True,
+    )
+    published = 0
+    elapsed = 0.0
+    lat: list[int] = []
+    received = [0] * args.consumers
+    done: dict[int, tuple[int, int]] = {}
+    failures: list[str] = []
+
+    def drain(block_s: float = 0.0) -> None:
+        deadline = time.monotonic() + block_s
+        while True:
+            try:
+                msg = (
+                    reports.get(timeout=max(0.0, deadline - time.monotonic()))
+                    if block_s
+                    else reports.get_nowait()
+                )
+            except queue.Empty:
+                return
+            kind, index = msg[0], msg[1]
+            if kind == "progress":
+                received[index] = msg[2]
+                lat.extend(msg[3])
+            elif kind == "done":
+                received[index] = msg[2]
+                lat.extend(msg[3])
+                done[index] = (msg[2], msg[4])
+            elif kind == "error":
+                failures.append(f"consumer {index}: {msg[2]}")
+                done[index] = (received[index], -1)
+
+    try:
+        with (
+            cp.cuda.Device(args.device),
+            cip.IpcPool(args.slots, 2 * frame_bytes + 1024, device=args.device) as pool,
+            cip.Publisher(pool, address) as pub,
+        ):
+            for i in range(args.consumers):
+                p = ctx.Process(target=_consumer, args=(address, args.mode, i, reports))
+                p.start()
+                procs.append(p)
+            deadline = time.monotonic() + 120
+            while len(pub.subscribers) < args.consumers:
+                pub.poll(0.05)
+                drain()
+                if failures or time.monotonic() > deadline:
+                    raise RuntimeError("consumers did not subscribe: " + "; ".join(failures))
+            start = last = time.monotonic()
+            last_pub = 0
+            while time.monotonic() - start < args.duration:
+                with pub.frame(timeout=10.0) as f:
+                    with pool.allocating():
+                        raw = cp.empty(shape, dtype=cp.uint8)
+                        camera(cp.uint32(published), raw)
+                        processed = post(raw)
+                    f.publish(raw, processed, metadata=_META.pack(published, time.monotonic_ns()))
+                del raw, processed
+                published += 1
+                now = time.monotonic()
+                if now - last >= 1.0:
+                    drain()
+                    p50, p99 = _percentile(lat, 0.5), _percentile(lat, 0.99)
+                    print(
+                        f"t={now - start:5.1f}s  published {published:8d}  "
+                        f"{(published - last_pub) / (now - last):9.0f} frames/s  "
+                        f"received {'/'.join(str(r) for r in received)}  "
+                        f"latency p50 {p50 / 1e3:7.1f} us  p99 {p99 / 1e3:7.1f} us",
+                        flush=True,
+                    )
+                    lat.clear()
+                    last, last_pub = now, published
+            elapsed = time.monotonic() - start
+        # the publisher is closed: consumers see a clean end of stream
+        end = time.monotonic() + 60
+        while len(done) < args.consumers and time.monotonic() < end:
+            drain(0.5)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    ok = not failures and len(done) == args.consumers
+    lines = [
+        f"summary: published {published} frames in {elapsed:.1f} s "
+        f"({published / max(elapsed, 1e-9):.0f} frames/s, "
+        f"{published * frame_bytes * 2 / max(elapsed, 1e-9) / 1e9:.1f} GB/s handed over "
+        "without copies)"
+    ]
+    for i in range(args.consumers):
+        got, errs = done.get(i, (received[i], -1))
+        verified = errs == 0
+        ok = ok and verified and (got == published or args.mode == "latest") and got > 0
+        lines.append(
+            f"  consumer {i}: received {got} frames, "
+            + (
+                "all verified"
+                if verified
+                else f"{errs} mismatching bytes"
+                if errs > 0
+                else "did not finish"
+            )
+        )
+    lines += [f"  {f}" for f in failures]
+    lines.append(
+        "every received frame verified: "
+        + ("YES" if ok else "NO")
+        + (
+            ""
+            if args.mode == "latest"
+            else f" (block mode: all {published} frames delivered to every consumer)"
+            if ok
+            else ""
+        )
+    )
+    print("\n".join(lines), flush=True)
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo from the command line."""
+    parser = argparse.ArgumentParser(prog="python -m cupy_ipcpool demo")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

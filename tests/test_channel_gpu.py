@@ -1,0 +1,366 @@
+"""GPU tier: publish/subscribe frames between real processes."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import random
+import signal
+import struct
+import time
+
+import numpy as np
+import pytest
+
+import cupy_ipcpool as cip
+from tests.gpu_helpers import device_free, fd_count, fill, report_exception
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(240)]
+
+SPAWN = mp.get_context("spawn")
+SEQ = struct.Struct("<Q")
+
+SPIN_SRC = r"""
+extern "C" __global__ void spin_then_fill(unsigned int* out, unsigned long long n,
+                                          unsigned int value, long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    for (; i < n; i += (unsigned long long)gridDim.x * blockDim.x) out[i] = value;
+}
+"""
+
+
+@pytest.fixture
+def address(tmp_path):
+    return str(tmp_path / "chan.sock")
+
+
+def _start(target, *args):
+    q = SPAWN.Queue()
+    p = SPAWN.Process(target=target, args=(*args, q))
+    p.start()
+    return p, q
+
+
+def _get(q, timeout=120):
+    msg = q.get(timeout=timeout)
+    if msg[0] == "error":
+        pytest.fail(f"child raised {msg[1]}: {msg[2]}\n{msg[3]}")
+    return msg
+
+
+def _wait_subscribers(pub, n, timeout=60):
+    deadline = time.monotonic() + timeout
+    while len(pub.subscribers) < n:
+        pub.poll(0.05)
+        assert time.monotonic() < deadline, "subscribers did not join"
+
+
+# --------------------------------------------------------------------- ordering
+
+
+def _ordering_consumer(address, q):
+    try:
+        import cupy as cp
+
+        with cip.subscribe(address) as sub:
+            q.put(("ready",))
+            t0 = time.monotonic()
+            frame = sub.recv(timeout=60)
+            host_s = time.monotonic() - t0
+            status = cp.cuda.runtime.eventQuery(sub._frame_events[frame.slot])
+            values = cp.asnumpy(frame.array)  # ordered after the producer's kernel
+            frame.release()
+            q.put(("result", int(status), host_s, int(values.min()), int(values.max())))
+    except BaseException:
+        report_exception(q)
+
+
+def test_consumer_sees_final_values_without_blocking_its_host(address):
+    import cupy as cp
+
+    spin = cp.RawKernel(SPIN_SRC, "spin_then_fill")
+    with cip.IpcPool(2, 1 << 22) as pool, cip.Publisher(pool, address) as pub:
+        proc, q = _start(_ordering_consumer, address)
+        assert _get(q)[0] == "ready"
+        _wait_subscribers(pub, 1)
+        with pub.frame() as f:
+            a = f.array((1 << 20,), cp.uint32)
+            a.fill(1)
+            clock_hz = cp.cuda.Device(0).attributes["ClockRate"] * 1000
+            spin(
+                (132,),
+                (256,),
+                (a, cp.uint64(a.size), cp.uint32(0xC0FFEE), cp.int64(int(0.5 * clock_hz))),
+            )
+            f.publish(a)
+        del a
+        _, status, _host_s, lo, hi = _get(q)
+        proc.join(30)
+        assert status != 0, "the frame arrived only after the producer's kernel had finished"
+        assert lo == hi == 0xC0FFEE
+
+
+# ------------------------------------------------------------- content under load
+
+
+def _checking_consumer(address, mode, frames_wanted, slow, q):
+    try:
+        import cupy as cp
+
+        rng = random.Random(os.getpid())
+        got, bad, seqs = 0, [], []
+        with cip.subscribe(address, mode=mode) as sub:
+            q.put(("ready",))
+            for frame in sub:
+                (seq,) = SEQ.unpack(frame.metadata)
+                a = frame.array
+                first = cp.asnumpy(a)
+                if slow and rng.random() < 0.05:
+                    time.sleep(rng.random() * 0.004)
+                second = cp.asnumpy(a)
+                want = np.uint32(seq & 0xFFFFFFFF)
+                if not ((first == want).all() and (second == want).all()):
+                    bad.append(seq)
+                frame.release()
+                seqs.append(seq)
+                got += 1
+                if frames_wanted and got >= frames_wanted:
+                    break
+        q.put(("done", got, bad[:10], seqs))
+    except BaseException:
+        report_exception(q)
+
+
+def _produce(pub, pool, n, nbytes=1 << 16, timeout=30.0):
+    import cupy as cp
+
+    for seq in range(n):
+        with pub.frame(timeout=timeout) as f:
+            a = f.array((nbytes // 4,), cp.uint32)
+            a.fill(seq & 0xFFFFFFFF)
+            f.publish(a, metadata=SEQ.pack(seq))
+        del a
+
+
+@pytest.mark.parametrize("mode", ["block", "latest"])
+def test_held_slots_are_never_overwritten_under_load(address, mode):
+    n = 10_000
+    with cip.IpcPool(4, 1 << 16) as pool, cip.Publisher(pool, address) as pub:
+        proc, q = _start(_checking_consumer, address, mode, 0, True)
+        assert _get(q)[0] == "ready"
+        _wait_subscribers(pub, 1)
+        t0 = time.monotonic()
+        _produce(pub, pool, n, timeout=30.0 if mode == "block" else 0.5)
+        producer_s = time.monotonic() - t0
+        pub.close()
+        _, got, bad, seqs = _get(q)
+        proc.join(30)
+    assert bad == [], f"frames overwritten while held: {bad}"
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    if mode == "block":
+        assert got == n and seqs == list(range(n))
+    else:
+        assert 0 < got < n  # a slow latest subscriber skips frames
+        assert producer_s < 60
+
+
+def _holding_consumer(address, hold, q):
+    try:
+        with cip.subscribe(address) as sub:
+            q.put(("ready",))
+            frames = [sub.recv(timeout=60) for _ in range(hold)]
+            q.put(("holding", [f.seq for f in frames]))
+            time.sleep(3600)
+    except BaseException:
+        report_exception(q)
+
+
+def test_block_mode_backpressure_times_out_clearly(address):
+    with cip.IpcPool(2, 1 << 16) as pool, cip.Publisher(pool, address) as pub:
+        proc, q = _start(_holding_consumer, address, 2)
+        assert _get(q)[0] == "ready"
+        _wait_subscribers(pub, 1)
+        _produce(pub, pool, 2)
+        assert _get(q)[0] == "holding"
+        with pytest.raises(cip.SlotBusyError, match="holds slots"):
+            pub.acquire(timeout=0.3)
+        proc.kill()
+        proc.join(30)
+
+
+def test_subscriber_sigkill_returns_its_leases_within_a_second(address):
+    with cip.IpcPool(2, 1 << 16) as pool, cip.Publisher(pool, address) as pub:
+        proc, q = _start(_holding_consumer, address, 2)
+        assert _get(q)[0] == "ready"
+        _wait_subscribers(pub, 1)
+        _produce(pub, pool, 2)
+        assert _get(q)[0] == "holding"
+        assert pub.leases(0) == pub.leases(1) == 1
+        os.kill(proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        slot = pub.acquire(timeout=1.0)  # the dead subscriber's leases come back
+        assert time.monotonic() - t0 < 1.0
+        assert pub.leases(slot) == 0 and not pub.subscribers
+        proc.join(30)
+        _produce(pub, pool, 5)  # and the producer goes on
+
+
+def test_fan_out_to_four_and_late_subscriber(address):
+    n = 500
+    with cip.IpcPool(4, 1 << 16) as pool, cip.Publisher(pool, address) as pub:
+        children = [_start(_checking_consumer, address, "block", n, False) for _ in range(4)]
+        for _, q in children:
+            assert _get(q)[0] == "ready"
+        _wait_subscribers(pub, 4)
+        _produce(pub, pool, n)
+        late = _start(_checking_consumer, address, "block", 10, False)
+        assert _get(late[1])[0] == "ready"
+        _wait_subscribers(pub, 5)
+        first_late = n
+        _produce_from(pub, n, 10)
+        for proc, q in children:
+            _, got, bad, seqs = _get(q)
+            proc.join(30)
+            assert got == n and bad == [] and seqs == list(range(n))
+        _, got, bad, seqs = _get(late[1])
+        late[0].join(30)
+        assert bad == [] and seqs[0] >= first_late and got == 10
+
+
+def _produce_from(pub, start, count, nbytes=1 << 16):
+    import cupy as cp
+
+    for seq in range(start, start + count):
+        with pub.frame(timeout=30) as f:
+            a = f.array((nbytes // 4,), cp.uint32)
+            a.fill(seq)
+            f.publish(a, metadata=SEQ.pack(seq))
+        del a
+
+
+# --------------------------------------------------------------- producer death
+
+
+def _dying_producer(address, q):
+    try:
+        import cupy as cp
+
+        pool = cip.IpcPool(3, 1 << 20)
+        pub = cip.Publisher(pool, address)
+        q.put(("ready",))
+        while not pub.subscribers:
+            pub.poll(0.05)
+        for seq in range(2):
+            with pub.frame() as f:
+                a = f.array((1 << 18,), cp.uint32)
+                fill(a, seq + 1)
+                f.publish(a, metadata=SEQ.pack(seq))
+            del a
+        cp.cuda.Device(0).synchronize()
+        q.put(("published",))
+        time.sleep(3600)
+    except BaseException:
+        report_exception(q)
+
+
+def test_producer_sigkill_ends_the_stream_and_held_frames_stay_readable(address):
+    import cupy as cp
+
+    from tests.gpu_helpers import expected
+
+    proc, q = _start(_dying_producer, address)
+    assert _get(q)[0] == "ready"
+    sub = cip.subscribe(address)
+    frames = [sub.recv(timeout=60), sub.recv(timeout=60)]
+    assert _get(q)[0] == "published"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(30)
+    with pytest.raises(cip.EndOfStream) as info:
+        sub.recv(timeout=10)
+    assert not info.value.clean
+    for seq, frame in enumerate(frames):
+        np.testing.assert_array_equal(cp.asnumpy(frame.array), expected(1 << 18, seq + 1))
+        frame.release()  # no one to return it to: must not raise
+    sub.close()
+
+
+def test_clean_close_ends_iteration(address):
+    with cip.IpcPool(2, 1 << 16) as pool:
+        pub = cip.Publisher(pool, address)
+        proc, q = _start(_checking_consumer, address, "block", 0, False)
+        assert _get(q)[0] == "ready"
+        _wait_subscribers(pub, 1)
+        _produce(pub, pool, 20)
+        pub.close()
+        _, got, bad, _ = _get(q)
+        proc.join(30)
+        assert got == 20 and bad == []
+
+
+# ------------------------------------------------------------------- no growth
+
+
+def _counting_consumer(address, q):
+    try:
+        with cip.subscribe(address) as sub:
+            q.put(("ready",))
+            n = 0
+            for frame in sub:
+                frame.release()
+                n += 1
+                if n == 1000:
+                    gc.collect()
+                    fds0 = fd_count()
+        gc.collect()
+        q.put(("done", n, fds0, fd_count()))
+    except BaseException:
+        report_exception(q)
+
+
+def test_100k_frames_without_growth(address):
+    import cupy as cp
+
+    n = 100_000
+    with cip.IpcPool(8, 1 << 20) as pool:
+        pub = cip.Publisher(pool, address)
+        proc, q = _start(_counting_consumer, address)
+        assert _get(q)[0] == "ready"
+        _wait_subscribers(pub, 1)
+        marker = cp.zeros(1, dtype=cp.uint32)
+        for seq in range(n):
+            if seq == 1000:
+                cp.cuda.Device(0).synchronize()
+                gc.collect()
+                fds0, free0 = fd_count(), device_free()
+            with pub.frame(timeout=30) as f:
+                a = f.array((16,), cp.uint32)
+                a[:1] = marker
+                f.publish(a)
+            del a
+        cp.cuda.Device(0).synchronize()
+        gc.collect()
+        fds1, free1 = fd_count(), device_free()
+        pub.close()
+        _, got, c_fds0, c_fds1 = _get(q)
+        proc.join(30)
+    assert got == n
+    assert fds1 == fds0 and c_fds1 == c_fds0
+    assert free0 - free1 < (2 << 20)  # less than one granule over 99,000 frames
+
+
+def test_publish_rejects_arrays_outside_the_slot(address):
+    import cupy as cp
+
+    with cip.IpcPool(2, 1 << 16) as pool, cip.Publisher(pool, address) as pub:
+        with pytest.raises(RuntimeError, match="acquire"):
+            pub.publish(pool.array(slot=0))
+        with pub.frame() as f:
+            with pytest.raises(cip.NotShareableError):
+                f.publish(cp.zeros(4))
+            other = pool.array(slot=1 - f.slot)
+            with pytest.raises(cip.NotShareableError, match="slot"):
+                f.publish(other)
+            del other
