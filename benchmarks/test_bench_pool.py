@@ -16,8 +16,9 @@ REPEAT_KERNELS = 20
 def _writer():
     import cupy as cp
 
-    return cp.ElementwiseKernel("uint32 seed", "uint32 out", "out = seed + (unsigned int)i",
-                                "bench_write")
+    return cp.ElementwiseKernel(
+        "uint32 seed", "uint32 out", "out = seed + (unsigned int)i", "bench_write"
+    )
 
 
 @pytest.mark.parametrize(("label", "nbytes"), [("64MiB", 64 * MiB), ("1GiB", 1024 * MiB)])

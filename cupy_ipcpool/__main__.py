@@ -11,18 +11,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cupy_ipcpool")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="driver, devices, VMM / POSIX-fd support, fd transports")
-    try:
-        from ._demo import add_arguments as add_demo
-    except ImportError:  # pragma: no cover - demo module not built yet
-        add_demo = None
-    if add_demo is not None:
-        add_demo(sub.add_parser("demo", help="producer + consumers passing frames"))
-    try:
-        from ._bench import add_arguments as add_bench
-    except ImportError:  # pragma: no cover
-        add_bench = None
-    if add_bench is not None:
-        add_bench(sub.add_parser("bench", help="handoff latency against the alternatives"))
+    from ._bench import add_arguments as add_bench
+    from ._demo import add_arguments as add_demo
+
+    add_demo(sub.add_parser("demo", help="a producer and consumer processes passing frames"))
+    add_bench(sub.add_parser("bench", help="handoff latency against the alternatives"))
     args = parser.parse_args(argv)
     if args.command == "info":
         from ._info import main as info_main

@@ -1,0 +1,497 @@
+"""``python -m cupy_ipcpool bench``: handoff latency against the alternatives.
+
+Runs every lane (:mod:`.lanes`) between two spawned processes on one GPU for
+each frame size, then writes ``benchmarks.md``, ``benchmarks.json`` and
+``latency_vs_size.png`` to the output directory.  ``add_arguments`` registers
+the options on an ``argparse`` (sub)parser and sets ``run=main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from importlib import metadata
+from typing import Any
+
+from . import report
+from .harness import (
+    FAILED,
+    OK,
+    BenchConfig,
+    Measurement,
+    MiB,
+    Schedule,
+    percentile,
+    run_lane,
+    run_pair,
+)
+from .lanes import LANE_NAMES, AttachScanLane, CupyIpcPoolLane, get_lanes
+
+__all__ = [
+    "LANE_NAMES",
+    "BenchOptions",
+    "BenchResults",
+    "add_arguments",
+    "collect_environment",
+    "gpu_missing_reason",
+    "main",
+    "options_from_args",
+    "parse_lanes",
+    "parse_sizes",
+    "run_attach_scan",
+    "run_benchmark",
+    "run_fanout",
+    "write_outputs",
+]
+
+MODES: dict[str, dict[str, Any]] = {
+    "short": {"sizes_mib": (1, 64), "schedule": Schedule(warmup=5, iters=50, tput=50, checks=2)},
+    "full": {
+        "sizes_mib": (1, 4, 16, 64, 256, 1024),
+        "schedule": Schedule(warmup=20, iters=300, tput=300, checks=3),
+    },
+}
+ATTACH_SLOTS = (8, 64, 256, 1024)
+ATTACH_SLOT_NBYTES = 2 * MiB
+ATTACH_ITERS = 20
+FANOUT = (1, 2, 4, 8)
+FANOUT_NBYTES = 64 * MiB
+
+NOTES = (
+    "Every lane verifies every frame: the first and last elements on timed frames, every "
+    "element on warm-up and check frames. A lane whose data is wrong is FAILED, not timed.",
+    "cupy_ipcpool's throughput keeps up to num_slots frames in flight; the other lanes hand "
+    "over one frame at a time, as their round trip requires (host staging, legacy IPC and "
+    "cuda.core synchronise the producer's stream before the handoff; torch shares an event).",
+    "socket_floor sends a message the size of a cupy_ipcpool FRAME over the same socket kind "
+    "(SOCK_SEQPACKET) and one the size of a RELEASE back; inprocess_floor runs the same fill "
+    "and verification in one process.",
+)
+
+
+# --------------------------------------------------------------------- CLI
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """``"1,64,1024"`` -> frame sizes in MiB (positive ints; order kept, duplicates dropped).
+
+    Raises
+    ------
+    argparse.ArgumentTypeError
+        Not a comma-separated list of positive integers.
+    """
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            v = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"frame size {part!r} is not an integer (MiB)"
+            ) from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"frame size must be positive, got {v}")
+        if v not in out:
+            out.append(v)
+    if not out:
+        raise argparse.ArgumentTypeError("no frame size given")
+    return tuple(out)
+
+
+def parse_lanes(text: str) -> tuple[str, ...]:
+    """``"cupy_ipcpool,host_staging"`` -> lane names (checked against :data:`LANE_NAMES`).
+
+    Raises
+    ------
+    argparse.ArgumentTypeError
+        An unknown lane or an empty list.
+    """
+    names = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    if not names:
+        raise argparse.ArgumentTypeError("no lane given")
+    unknown = [n for n in names if n not in LANE_NAMES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown lane(s) {', '.join(unknown)}; choose from {', '.join(LANE_NAMES)}"
+        )
+    return names
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {v}")
+    return v
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the ``bench`` options on ``parser`` and set ``run=main``.
+
+    Parameters
+    ----------
+    parser:
+        The ``bench`` subparser (or any parser).
+    """
+    parser.add_argument(
+        "--mode",
+        choices=sorted(MODES),
+        default="full",
+        help="short: 1 and 64 MiB, few frames (< ~1 min); full: 1 MiB..1 GiB "
+        "and the scale figures (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--outdir",
+        default="./bench-out",
+        help="where benchmarks.md/.json and the plot go (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--lanes",
+        type=parse_lanes,
+        default=None,
+        help=f"comma-separated lanes (default: all): {','.join(LANE_NAMES)}",
+    )
+    parser.add_argument(
+        "--sizes",
+        type=parse_sizes,
+        default=None,
+        help="comma-separated frame sizes in MiB (default: by mode)",
+    )
+    parser.add_argument(
+        "--iters",
+        type=_positive_int,
+        default=None,
+        help="timed frames per lane and size, for latency and for throughput (default: by mode)",
+    )
+    parser.add_argument("--device", type=int, default=0, help="CUDA device (default: 0)")
+    parser.add_argument(
+        "--no-scale",
+        action="store_true",
+        help="skip the scale figures (attach cost, fan-out) in full mode",
+    )
+    parser.set_defaults(run=main)
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What to run; :func:`options_from_args` builds it from the command line."""
+
+    mode: str = "full"
+    outdir: str = "./bench-out"
+    lanes: tuple[str, ...] | None = None
+    sizes_mib: tuple[int, ...] | None = None
+    iters: int | None = None
+    device: int = 0
+    scale: bool | None = None  # default: in full mode only
+
+    def schedule(self) -> Schedule:
+        """Frames per phase for this mode, with ``iters`` applied."""
+        sched: Schedule = MODES[self.mode]["schedule"]
+        if self.iters is not None:
+            sched = replace(sched, iters=self.iters, tput=self.iters)
+        return sched
+
+    def sizes(self) -> tuple[int, ...]:
+        """Frame sizes in bytes."""
+        mib = self.sizes_mib or MODES[self.mode]["sizes_mib"]
+        return tuple(int(m) * MiB for m in mib)
+
+    def run_scale(self) -> bool:
+        """Whether the scale figures run."""
+        return self.mode == "full" if self.scale is None else self.scale
+
+
+def options_from_args(args: argparse.Namespace) -> BenchOptions:
+    """Turn parsed arguments into :class:`BenchOptions`."""
+    return BenchOptions(
+        mode=args.mode,
+        outdir=args.outdir,
+        lanes=args.lanes,
+        sizes_mib=args.sizes,
+        iters=args.iters,
+        device=args.device,
+        scale=False if getattr(args, "no_scale", False) else None,
+    )
+
+
+# --------------------------------------------------------------- environment
+def gpu_missing_reason(device: int = 0) -> str | None:
+    """Why there is no GPU to measure on (None when ``device`` exists)."""
+    try:
+        from .. import _driver
+
+        n = _driver.device_count()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if n <= device:
+        return f"no CUDA device {device} ({n} visible)"
+    return None
+
+
+def _dist_version(*dists: str) -> str:
+    for d in dists:
+        try:
+            return f"{metadata.version(d)} ({d})"
+        except metadata.PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def collect_environment(device: int = 0) -> dict[str, Any]:
+    """GPU, driver, CUDA and package versions, and the date (each 'unknown: why' on error)."""
+    env: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cupy_ipcpool": _dist_version("cupy_ipcpool", "cupy-ipcpool"),
+        "cupy": _dist_version("cupy-cuda13x", "cupy-cuda12x", "cupy"),
+        "cuda-bindings": _dist_version("cuda-bindings"),
+        "cuda-core": _dist_version("cuda-core", "cuda_core"),
+        "torch": _dist_version("torch"),
+        "numpy": _dist_version("numpy"),
+    }
+    try:
+        import cupy
+
+        props = cupy.cuda.runtime.getDeviceProperties(device)
+        name = props["name"]
+        env["gpu"] = name.decode() if isinstance(name, bytes) else str(name)
+        drv = cupy.cuda.runtime.driverGetVersion()
+        rt = cupy.cuda.runtime.runtimeGetVersion()
+        env["cuda_driver_api"] = f"{drv // 1000}.{drv % 1000 // 10}"
+        env["cuda_runtime"] = f"{rt // 1000}.{rt % 1000 // 10}"
+    except Exception as exc:
+        env.setdefault("gpu", f"unknown: {type(exc).__name__}: {exc}")
+    env["driver_version"] = _nvidia_driver_version()
+    return env
+
+
+def _nvidia_driver_version() -> str:
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            first = f.readline()
+    except OSError as exc:
+        return f"unknown: {exc.strerror}"
+    for token in first.split():
+        if token.count(".") >= 1 and token.replace(".", "").isdigit():
+            return token
+    return first.strip()
+
+
+# ------------------------------------------------------------------- running
+@dataclass
+class BenchResults:
+    """Everything one run produced."""
+
+    measurements: list[Measurement]
+    targets: list[report.TargetResult]
+    environment: dict[str, Any]
+    config: dict[str, Any]
+    scale: dict[str, Any]
+
+    @property
+    def failed(self) -> list[Measurement]:
+        """Measurements whose lane failed (verification or error)."""
+        return [m for m in self.measurements if m.status == FAILED]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready data."""
+        return report.results_dict(
+            self.measurements,
+            self.targets,
+            environment=self.environment,
+            config=self.config,
+            scale=self.scale,
+            notes=NOTES,
+        )
+
+    def markdown(self) -> str:
+        """The markdown report."""
+        return report.render_markdown(
+            self.measurements,
+            self.targets,
+            environment=self.environment,
+            scale=self.scale,
+            mode=str(self.config.get("mode", "")),
+            notes=NOTES,
+        )
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def run_attach_scan(
+    device: int = 0,
+    slot_counts: Sequence[int] = ATTACH_SLOTS,
+    *,
+    iters: int = ATTACH_ITERS,
+    slot_nbytes: int = ATTACH_SLOT_NBYTES,
+) -> list[dict[str, Any]]:
+    """Attach + close cost in a second process for pools of ``slot_counts`` slots."""
+    lane = AttachScanLane()
+    reason = lane.available()
+    if reason is not None:
+        return [{"slots": k, "status": "skipped", "reason": reason} for k in slot_counts]
+    cfg = BenchConfig(
+        sizes=(),
+        device=device,
+        extra={
+            "slot_counts": tuple(slot_counts),
+            "slot_nbytes": slot_nbytes,
+            "attach_iters": iters,
+        },
+    )
+    res = run_pair(lane, cfg, timeout=600.0)
+    rows = []
+    for k in slot_counts:
+        times = res.consumers[0].get(str(k)) if res.status == OK and res.consumers else None
+        if not times:
+            rows.append(
+                {
+                    "slots": k,
+                    "status": res.status if res.status != OK else FAILED,
+                    "reason": res.reason or "no timings",
+                }
+            )
+            continue
+        us = [t / 1e3 for t in times]
+        rows.append(
+            {
+                "slots": k,
+                "slot_nbytes": slot_nbytes,
+                "status": OK,
+                "p50_us": percentile(us, 50),
+                "p99_us": percentile(us, 99),
+                "samples_us": [round(v, 3) for v in us],
+            }
+        )
+    return rows
+
+
+def run_fanout(
+    device: int = 0,
+    counts: Sequence[int] = FANOUT,
+    *,
+    nbytes: int = FANOUT_NBYTES,
+    schedule: Schedule | None = None,
+) -> list[dict[str, Any]]:
+    """p50 round trip of cupy_ipcpool with 1..N subscribers (the producer waits for all)."""
+    sched = schedule or Schedule(warmup=10, iters=200, tput=0, checks=2)
+    rows = []
+    for k in counts:
+        cfg = BenchConfig(sizes=(nbytes,), schedule=sched, n_consumers=k, device=device)
+        m = run_lane(CupyIpcPoolLane(), cfg)[0]
+        row: dict[str, Any] = {
+            "subscribers": k,
+            "nbytes": nbytes,
+            "status": m.status,
+            "reason": m.reason,
+        }
+        if m.status == OK:
+            row.update(p50_us=m.p50_us, p99_us=m.p99_us, samples_us=m.samples_us)
+        rows.append(row)
+    return rows
+
+
+def run_benchmark(opts: BenchOptions, *, progress: Callable[[str], None] = _stderr) -> BenchResults:
+    """Run the lanes (and, in full mode, the scale figures) and evaluate the targets.
+
+    Parameters
+    ----------
+    opts:
+        Mode, lanes, sizes, iterations, device.
+    progress:
+        Called with one line per measurement.
+
+    Returns
+    -------
+    BenchResults
+        Nothing is written; see :func:`write_outputs`.
+    """
+    sched = opts.schedule()
+    sizes = opts.sizes()
+    cfg = BenchConfig(sizes=sizes, schedule=sched, device=opts.device)
+    measurements: list[Measurement] = []
+    for lane in get_lanes(opts.lanes):
+        progress(f"[bench] {lane.name}: {lane.title} ...")
+        for m in run_lane(lane, cfg):
+            measurements.append(m)
+            progress(report.progress_line(m))
+    scale: dict[str, Any] = {}
+    if opts.run_scale():
+        progress("[bench] scale: attach cost against slot count ...")
+        scale["attach"] = run_attach_scan(opts.device)
+        for row in scale["attach"]:
+            progress(
+                f"[bench] attach {row['slots']:>5} slots: "
+                + (
+                    f"p50 {report.fmt_num(row['p50_us'])} us"
+                    if row["status"] == OK
+                    else f"{row['status']}: {row.get('reason', '')}"
+                )
+            )
+        progress("[bench] scale: fan-out ...")
+        scale["fanout"] = run_fanout(opts.device)
+        for row in scale["fanout"]:
+            progress(
+                f"[bench] fan-out {row['subscribers']} subscriber(s): "
+                + (
+                    f"p50 {report.fmt_num(row['p50_us'])} us"
+                    if row["status"] == OK
+                    else f"{row['status']}: {row['reason']}"
+                )
+            )
+    config = {
+        "mode": opts.mode,
+        "sizes_mib": [s / MiB for s in sizes],
+        "lanes": [lane.name for lane in get_lanes(opts.lanes)],
+        "schedule": asdict(sched),
+        "num_slots": cfg.num_slots,
+        "device": opts.device,
+    }
+    return BenchResults(
+        measurements=measurements,
+        targets=report.evaluate_targets(measurements),
+        environment=collect_environment(opts.device),
+        config=config,
+        scale=scale,
+    )
+
+
+def write_outputs(results: BenchResults, outdir: str) -> list[str]:
+    """Write ``benchmarks.md``, ``benchmarks.json`` and the plot; return messages for the user."""
+    os.makedirs(outdir, exist_ok=True)
+    md_path = os.path.join(outdir, "benchmarks.md")
+    report.write_markdown(md_path, results.markdown())
+    report.write_json(os.path.join(outdir, "benchmarks.json"), results.to_dict())
+    msgs = [f"wrote {md_path} and {os.path.join(outdir, 'benchmarks.json')}"]
+    png = os.path.join(outdir, "latency_vs_size.png")
+    why = report.plot_latency(results.measurements, png)
+    msgs.append(why if why else f"wrote {png}")
+    return msgs
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the benchmark from parsed arguments; the exit code is 1 if a lane failed or no GPU."""
+    opts = options_from_args(args)
+    reason = gpu_missing_reason(opts.device)
+    if reason is not None:
+        print(f"no GPU: {reason}")
+        return 1
+    results = run_benchmark(opts)
+    text = results.markdown()
+    print(text)
+    for msg in write_outputs(results, opts.outdir):
+        _stderr(f"[bench] {msg}")
+    if results.failed:
+        _stderr(f"[bench] {len(results.failed)} measurement(s) FAILED")
+        return 1
+    return 0

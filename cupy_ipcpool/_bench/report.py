@@ -1,0 +1,354 @@
+"""Report of the comparative benchmark: markdown table, targets, JSON, plot.
+
+Pure Python on plain data (:class:`~cupy_ipcpool._bench.harness.Measurement`
+and dicts); no GPU needed, so all of it is tested on CI.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .harness import OK, SKIPPED, Measurement, MiB
+
+BASELINE = "cupy_ipcpool"
+TARGET_NBYTES = 64 * MiB
+
+
+@dataclass(frozen=True)
+class Target:
+    """A goal at 64 MiB: ``p50(numerator) / p50(denominator) <op> bound``."""
+
+    label: str
+    numerator: str
+    denominator: str
+    op: str
+    bound: float
+
+
+TARGETS: tuple[Target, ...] = (
+    Target("host staging >= 100x slower than cupy_ipcpool", "host_staging", BASELINE, ">=", 100.0),
+    Target("legacy IPC >= 20x slower than cupy_ipcpool", "legacy_ipc", BASELINE, ">=", 20.0),
+    Target(
+        "torch.multiprocessing >= 10x slower than cupy_ipcpool", "torch_mp", BASELINE, ">=", 10.0
+    ),
+    Target("cuda.core >= 3x slower than cupy_ipcpool", "cuda_core", BASELINE, ">=", 3.0),
+    Target(
+        "cupy_ipcpool within 3x of the bare socket round trip", BASELINE, "socket_floor", "<=", 3.0
+    ),
+)
+
+
+@dataclass(frozen=True)
+class TargetResult:
+    """The outcome of one :class:`Target`: ``status`` is ``MET``, ``MISSED`` or ``n/a``."""
+
+    target: Target
+    status: str
+    ratio: float | None = None
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        t = self.target
+        return {
+            "label": t.label,
+            "numerator": t.numerator,
+            "denominator": t.denominator,
+            "target": f"{t.op} {t.bound:g}",
+            "ratio": self.ratio,
+            "status": self.status,
+            "note": self.note,
+        }
+
+
+# ------------------------------------------------------------------ format
+def fmt_size(nbytes: int) -> str:
+    """``1 MiB``, ``64 MiB``, ``1 GiB``, ``1.5 MiB``."""
+    if nbytes >= 1 << 30 and nbytes % (1 << 30) == 0:
+        return f"{nbytes >> 30} GiB"
+    mib = nbytes / MiB
+    return f"{mib:g} MiB"
+
+
+def fmt_num(x: float | None, digits: int = 1) -> str:
+    """A number for a table cell: thousands separated, ``-`` for None."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if x >= 100:
+        return f"{x:,.0f}"
+    return f"{x:,.{digits}f}"
+
+
+def fmt_ratio(r: float | None) -> str:
+    """``12.3x`` (``-`` for None)."""
+    if r is None:
+        return "-"
+    return f"{r:.2f}x" if r < 10 else f"{r:,.0f}x"
+
+
+def p50_of(measurements: Iterable[Measurement], lane: str, nbytes: int) -> float | None:
+    """p50 (µs) of ``lane`` at ``nbytes`` when it was measured successfully, else None."""
+    for m in measurements:
+        if m.lane == lane and m.nbytes == nbytes and m.status == OK:
+            return m.p50_us
+    return None
+
+
+def _status_text(m: Measurement) -> str:
+    if m.status == SKIPPED:
+        return f"skipped: {m.reason}"
+    return f"FAILED: {m.reason}"
+
+
+def progress_line(m: Measurement) -> str:
+    """One line per measurement for the progress display."""
+    head = f"[bench] {m.lane:<16} {fmt_size(m.nbytes):>8}: "
+    if m.status != OK:
+        return head + _status_text(m)
+    return (
+        head
+        + f"p50 {fmt_num(m.p50_us)} us  p99 {fmt_num(m.p99_us)} us  "
+        + f"{fmt_num(m.fps)} frames/s  ({m.frames_verified} frames verified)"
+    )
+
+
+def markdown_table(measurements: Sequence[Measurement], *, baseline: str = BASELINE) -> str:
+    """Lane x frame size: p50 µs, p99 µs, frames/s and the ratio to the baseline's p50.
+
+    A lane skipped at every size gets one row; failed and skipped cells say
+    why instead of showing numbers.
+    """
+    lines = [
+        f"| lane | frame | p50 µs | p99 µs | frames/s | p50 / {baseline} p50 |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    lanes: list[str] = []
+    for m in measurements:
+        if m.lane not in lanes:
+            lanes.append(m.lane)
+    for lane in lanes:
+        rows = [m for m in measurements if m.lane == lane]
+        if rows and all(m.status == SKIPPED for m in rows) and len({m.reason for m in rows}) == 1:
+            lines.append(f"| {lane} | all | {_status_text(rows[0])} | | | |")
+            continue
+        for m in sorted(rows, key=lambda r: r.nbytes):
+            if m.status != OK:
+                lines.append(f"| {lane} | {fmt_size(m.nbytes)} | {_status_text(m)} | | | |")
+                continue
+            base = p50_of(measurements, baseline, m.nbytes)
+            ratio = m.p50_us / base if base and m.p50_us is not None else None
+            tput = fmt_num(m.fps) + ("" if m.pipelined else " ¹")
+            lines.append(
+                f"| {lane} | {fmt_size(m.nbytes)} | {fmt_num(m.p50_us)} | {fmt_num(m.p99_us)} "
+                f"| {tput} | {fmt_ratio(ratio)} |"
+            )
+    lines.append("")
+    lines.append("¹ one frame in flight at a time (the lane's round trip allows no more).")
+    return "\n".join(lines)
+
+
+def evaluate_targets(
+    measurements: Sequence[Measurement], *, nbytes: int = TARGET_NBYTES
+) -> list[TargetResult]:
+    """Check every :data:`TARGETS` entry at ``nbytes`` (``n/a`` with the reason when unmeasured)."""
+    out = []
+    for t in TARGETS:
+        num = p50_of(measurements, t.numerator, nbytes)
+        den = p50_of(measurements, t.denominator, nbytes)
+        if num is None or den is None or den <= 0:
+            missing = [
+                name
+                for name, v in ((t.numerator, num), (t.denominator, den))
+                if v is None or v <= 0
+            ]
+            why = "; ".join(_why_missing(measurements, name, nbytes) for name in missing)
+            out.append(TargetResult(t, "n/a", None, why))
+            continue
+        r = num / den
+        ok = r >= t.bound if t.op == ">=" else r <= t.bound
+        out.append(TargetResult(t, "MET" if ok else "MISSED", r))
+    return out
+
+
+def _why_missing(measurements: Sequence[Measurement], lane: str, nbytes: int) -> str:
+    for m in measurements:
+        if m.lane == lane and m.nbytes == nbytes:
+            return f"{lane} {m.status}: {m.reason}" if m.status != OK else f"{lane}: p50 is 0"
+    return f"{lane} not measured at {fmt_size(nbytes)}"
+
+
+def targets_text(results: Sequence[TargetResult], *, nbytes: int = TARGET_NBYTES) -> str:
+    """The targets as markdown list lines with MET / MISSED / n/a."""
+    lines = [f"Targets at {fmt_size(nbytes)} (p50 ratios):", ""]
+    for r in results:
+        t = r.target
+        ratio = f"{r.ratio:.2f}x" if r.ratio is not None else "-"
+        note = f" ({r.note})" if r.note else ""
+        lines.append(f"- {r.status}: {t.label}: {ratio} (target {t.op} {t.bound:g}x){note}")
+    return "\n".join(lines)
+
+
+def scale_markdown(scale: dict[str, Any]) -> str:
+    """Tables of the scale figures (attach cost vs slots, fan-out); empty when none ran."""
+    parts = []
+    attach = scale.get("attach") or []
+    if attach:
+        parts += [
+            "### Attach cost against slot count (`cip.attach(desc)` + `close()`)",
+            "",
+            "| slots | slot size | p50 µs | p99 µs | p50 per slot µs |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        for row in attach:
+            if row.get("status", OK) != OK:
+                parts.append(f"| {row['slots']} | | {row['status']}: {row.get('reason', '')} | | |")
+                continue
+            parts.append(
+                f"| {row['slots']} | {fmt_size(row['slot_nbytes'])} | {fmt_num(row['p50_us'])} "
+                f"| {fmt_num(row['p99_us'])} | {fmt_num(row['p50_us'] / row['slots'], 2)} |"
+            )
+        parts.append("")
+    fanout = scale.get("fanout") or []
+    if fanout:
+        parts += [
+            "### Fan-out (cupy_ipcpool; the producer waits for every subscriber's release)",
+            "",
+            "| subscribers | frame | p50 µs | p99 µs |",
+            "|---:|---:|---:|---:|",
+        ]
+        for row in fanout:
+            if row.get("status", OK) != OK:
+                parts.append(
+                    f"| {row['subscribers']} | | {row['status']}: {row.get('reason', '')} | |"
+                )
+                continue
+            parts.append(
+                f"| {row['subscribers']} | {fmt_size(row['nbytes'])} | {fmt_num(row['p50_us'])} "
+                f"| {fmt_num(row['p99_us'])} |"
+            )
+        parts.append("")
+    return "\n".join(parts)
+
+
+def environment_markdown(env: dict[str, Any]) -> str:
+    """The environment as a short bullet list."""
+    return "\n".join(f"- {k}: {v}" for k, v in env.items())
+
+
+def render_markdown(
+    measurements: Sequence[Measurement],
+    targets: Sequence[TargetResult],
+    *,
+    environment: dict[str, Any] | None = None,
+    scale: dict[str, Any] | None = None,
+    mode: str = "",
+    notes: Sequence[str] = (),
+) -> str:
+    """The whole ``benchmarks.md``."""
+    parts = ["# cupy_ipcpool: handoff between two processes against the alternatives", ""]
+    if mode:
+        parts += [
+            f"Mode: {mode}. Round trip: producer writes the frame on the GPU -> hands it "
+            "over -> consumer gets a usable array and verifies it -> consumer signals "
+            "done -> producer sees it; timed on the producer.",
+            "",
+        ]
+    parts += [markdown_table(measurements), "", targets_text(targets), ""]
+    if scale:
+        text = scale_markdown(scale)
+        if text:
+            parts += ["## Scale", "", text]
+    if notes:
+        parts += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    if environment:
+        parts += ["## Environment", "", environment_markdown(environment), ""]
+    return "\n".join(parts)
+
+
+# -------------------------------------------------------------------- files
+def results_dict(
+    measurements: Sequence[Measurement],
+    targets: Sequence[TargetResult],
+    *,
+    environment: dict[str, Any],
+    config: dict[str, Any],
+    scale: dict[str, Any] | None = None,
+    notes: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Everything measured, as JSON-ready data."""
+    return {
+        "environment": environment,
+        "config": config,
+        "measurements": [m.to_dict() for m in measurements],
+        "targets": [t.to_dict() for t in targets],
+        "scale": scale or {},
+        "notes": list(notes),
+    }
+
+
+def write_json(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
+    """Write ``data`` as indented JSON (NaN/inf written as null)."""
+
+    def clean(x: Any) -> Any:
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {str(k): clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    with open(path, "w") as f:
+        json.dump(clean(data), f, indent=2)
+        f.write("\n")
+
+
+def write_markdown(path: str | os.PathLike[str], text: str) -> None:
+    """Write the markdown report."""
+    with open(path, "w") as f:
+        f.write(text if text.endswith("\n") else text + "\n")
+
+
+def plot_latency(measurements: Sequence[Measurement], path: str | os.PathLike[str]) -> str | None:
+    """Plot p50 latency against frame size (log-log), one line per lane.
+
+    Returns
+    -------
+    str or None
+        None when the plot was written, else why not (matplotlib missing, nothing to plot).
+    """
+    series: dict[str, list[tuple[float, float]]] = {}
+    for m in measurements:
+        if m.status == OK and m.p50_us is not None and m.p50_us > 0:
+            series.setdefault(m.lane, []).append((m.size_mib, m.p50_us))
+    if not series:
+        return "no successful measurement to plot"
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed; skipping latency_vs_size.png"
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    try:
+        for lane, pts in series.items():
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=lane)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("frame size (MiB)")
+        ax.set_ylabel("round trip p50 (µs)")
+        ax.set_title("Handoff latency between two processes, one GPU")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.fspath(path), dpi=120)
+    finally:
+        plt.close(fig)
+    return None

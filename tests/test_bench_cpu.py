@@ -1,0 +1,590 @@
+"""The comparative benchmark's GPU-free parts: stats, CLI, report, files, the process harness.
+
+The harness is exercised for real (spawned processes, real sockets) with lanes
+that need no GPU: the bare-socket floor and small variants of it defined here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import socket
+import sys
+from multiprocessing.connection import Connection
+
+import numpy as np
+import pytest
+
+import cupy_ipcpool._bench as bench
+from cupy_ipcpool._bench import harness, lanes, report
+from cupy_ipcpool._bench.harness import (
+    FAILED,
+    OK,
+    SKIPPED,
+    BenchConfig,
+    ConsumerSide,
+    LaneUnavailable,
+    Measurement,
+    MiB,
+    PairResult,
+    ProducerSide,
+    Schedule,
+)
+
+SMALL = Schedule(warmup=3, iters=20, tput=10, checks=2)
+
+
+# ------------------------------------------------------------------- stats
+@pytest.mark.parametrize("n", [1, 2, 3, 10, 101, 1000])
+def test_percentile_matches_numpy(n):
+    rng = random.Random(n)
+    xs = [rng.expovariate(1.0) for _ in range(n)]
+    for q in (0, 1, 25, 50, 90, 99, 99.9, 100):
+        assert harness.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+
+
+def test_percentile_rejects_bad_input():
+    with pytest.raises(ValueError):
+        harness.percentile([], 50)
+    with pytest.raises(ValueError):
+        harness.percentile([1.0], 101)
+
+
+def test_summarize_latency_and_throughput():
+    lat = [10_000] * 98 + [50_000, 90_000]  # ns
+    m = harness.summarize("x", MiB, lat, tput_frames=100, tput_ns=1_000_000, pipelined=True)
+    assert m.status == OK
+    assert m.p50_us == pytest.approx(10.0)
+    assert m.p99_us == pytest.approx(float(np.percentile([v / 1e3 for v in lat], 99)))
+    assert m.fps == pytest.approx(100_000.0)
+    assert m.min_us == 10.0 and m.max_us == 90.0
+    assert len(m.samples_us) == 100
+
+
+def test_summarize_falls_back_to_mean_round_trip():
+    m = harness.summarize("x", MiB, [20_000, 30_000], tput_frames=0, tput_ns=0, pipelined=False)
+    assert m.fps == pytest.approx(1e6 / 25.0)
+    with pytest.raises(ValueError):
+        harness.summarize("x", MiB, [], tput_frames=0, tput_ns=0, pipelined=False)
+
+
+def _pair(producer_failures=(), consumer=None, sizes=(MiB,)):
+    sched = SMALL
+    prod = {
+        str(n): {
+            "latencies_ns": [1000 * (i + 1) for i in range(sched.iters)],
+            "tput_frames": sched.tput,
+            "tput_ns": 10**6,
+            "failures": list(producer_failures),
+        }
+        for n in sizes
+    }
+    cons = consumer or {
+        str(n): {"verified": sched.total, "full_checks": 5, "failures": [], "n_failures": 0}
+        for n in sizes
+    }
+    return PairResult(OK, producer=prod, consumers=[cons])
+
+
+def test_measurements_from_ok_failed_and_skipped():
+    lane = lanes.SocketFloorLane()
+    cfg = BenchConfig(sizes=(MiB,), schedule=SMALL)
+    (m,) = harness.measurements_from(lane, cfg, _pair())
+    assert m.status == OK and m.frames_verified == SMALL.total
+
+    bad = {str(MiB): {"verified": 1, "full_checks": 0, "failures": ["frame 3: x"], "n_failures": 4}}
+    (m,) = harness.measurements_from(lane, cfg, _pair(consumer=bad))
+    assert m.status == FAILED and "verification failed" in m.reason and "frame 3" in m.reason
+    assert m.p50_us is None
+
+    short = {str(MiB): {"verified": 2, "full_checks": 0, "failures": [], "n_failures": 0}}
+    (m,) = harness.measurements_from(lane, cfg, _pair(consumer=short))
+    assert m.status == FAILED and f"2 of {SMALL.total}" in m.reason
+
+    (m,) = harness.measurements_from(lane, cfg, _pair(producer_failures=["value 7: bad"]))
+    assert m.status == FAILED and "value 7" in m.reason
+
+    (m,) = harness.measurements_from(lane, cfg, PairResult(SKIPPED, "torch is not installed"))
+    assert m.status == SKIPPED and m.reason == "torch is not installed"
+
+
+def test_run_lane_reports_unavailable_lane_without_spawning():
+    class Missing(harness.Lane):
+        name = "missing"
+
+        def available(self):
+            return "frobnicator is not installed"
+
+        def producer(self, links, cfg):  # pragma: no cover - must not run
+            raise AssertionError("spawned a lane that is not available")
+
+    ms = harness.run_lane(Missing(), BenchConfig(sizes=(MiB, 64 * MiB), schedule=SMALL))
+    assert [m.status for m in ms] == [SKIPPED, SKIPPED]
+    assert all(m.reason == "frobnicator is not installed" for m in ms)
+
+
+# --------------------------------------------------------------------- CLI
+def _parser():
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    return p
+
+
+def test_add_arguments_defaults_and_run():
+    args = _parser().parse_args([])
+    assert args.run is bench.main
+    assert args.mode == "full" and args.outdir == "./bench-out"
+    assert args.lanes is None and args.sizes is None and args.iters is None
+    opts = bench.options_from_args(args)
+    assert opts.sizes() == tuple(m * MiB for m in (1, 4, 16, 64, 256, 1024))
+    assert opts.run_scale()
+
+
+def test_short_mode_options():
+    args = _parser().parse_args(
+        [
+            "--mode",
+            "short",
+            "--outdir",
+            "/tmp/x",
+            "--lanes",
+            "cupy_ipcpool,host_staging",
+            "--iters",
+            "7",
+        ]
+    )
+    opts = bench.options_from_args(args)
+    assert opts.sizes() == (MiB, 64 * MiB)
+    assert opts.lanes == ("cupy_ipcpool", "host_staging")
+    sched = opts.schedule()
+    assert sched.iters == 7 and sched.tput == 7
+    assert not opts.run_scale()
+    assert opts.outdir == "/tmp/x"
+
+
+def test_sizes_option():
+    args = _parser().parse_args(["--sizes", "2, 8,2"])
+    assert bench.options_from_args(args).sizes() == (2 * MiB, 8 * MiB)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--sizes", "0"],
+        ["--sizes", "a,b"],
+        ["--sizes", ","],
+        ["--lanes", "nope"],
+        ["--lanes", ""],
+        ["--iters", "0"],
+        ["--mode", "medium"],
+    ],
+)
+def test_bad_options_are_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        _parser().parse_args(argv)
+    capsys.readouterr()
+
+
+def test_lane_registry():
+    assert bench.LANE_NAMES == (
+        "cupy_ipcpool",
+        "host_staging",
+        "legacy_ipc",
+        "torch_mp",
+        "cuda_core",
+        "socket_floor",
+        "inprocess_floor",
+    )
+    assert [ln.name for ln in lanes.get_lanes(["socket_floor", "cupy_ipcpool"])] == [
+        "cupy_ipcpool",
+        "socket_floor",
+    ]
+    with pytest.raises(ValueError, match="unknown lane"):
+        lanes.get_lanes(["nope"])
+    for lane in lanes.get_lanes():
+        reason = lane.available()
+        assert reason is None or (isinstance(reason, str) and reason)
+
+
+def test_wire_sizes_come_from_the_library():
+    frame, release = lanes.wire_sizes()
+    assert 32 <= frame <= 256 and 8 <= release <= 64
+
+
+# -------------------------------------------------------------------- no GPU
+def test_main_without_gpu_says_so_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(bench, "gpu_missing_reason", lambda device=0: "no driver here")
+    args = _parser().parse_args(["--mode", "short"])
+    assert bench.main(args) != 0
+    captured = capsys.readouterr()
+    lines = [ln for ln in (captured.out + captured.err).splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("no GPU:")
+
+
+def test_cli_entry_point_without_gpu(capsys, tmp_path):
+    if bench.gpu_missing_reason() is None:
+        pytest.skip("a GPU is present; this checks the no-GPU path")
+    from cupy_ipcpool.__main__ import main
+
+    assert main(["bench", "--mode", "short", "--outdir", str(tmp_path)]) != 0
+    captured = capsys.readouterr()
+    lines = [ln for ln in (captured.out + captured.err).splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("no GPU:")
+    assert not os.listdir(tmp_path)
+
+
+# ------------------------------------------------------------------- report
+def _m(lane, mib, p50, status=OK, reason="", pipelined=False):
+    if status != OK:
+        return Measurement(lane, mib * MiB, status, reason)
+    return Measurement(
+        lane,
+        mib * MiB,
+        OK,
+        p50_us=p50,
+        p99_us=p50 * 2,
+        mean_us=p50,
+        min_us=p50,
+        max_us=p50 * 3,
+        fps=1e6 / p50,
+        pipelined=pipelined,
+        frames_verified=10,
+    )
+
+
+def _sample():
+    return [
+        _m("cupy_ipcpool", 1, 20.0, pipelined=True),
+        _m("cupy_ipcpool", 64, 25.0, pipelined=True),
+        _m("host_staging", 1, 300.0),
+        _m("host_staging", 64, 5000.0),
+        _m("legacy_ipc", 1, 0, FAILED, "verification failed: frame 3"),
+        _m("legacy_ipc", 64, 100.0),
+        _m("torch_mp", 1, 0, SKIPPED, "torch is not installed"),
+        _m("torch_mp", 64, 0, SKIPPED, "torch is not installed"),
+        _m("socket_floor", 1, 10.0),
+        _m("socket_floor", 64, 10.0),
+    ]
+
+
+def test_markdown_table():
+    text = report.markdown_table(_sample())
+    rows = text.splitlines()
+    assert rows[0].startswith("| lane | frame | p50 µs | p99 µs | frames/s |")
+    assert "| host_staging | 64 MiB | 5,000 | 10,000 | 200 ¹ | 200x |" in rows
+    assert "| cupy_ipcpool | 64 MiB | 25.0 | 50.0 | 40,000 | 1.00x |" in rows
+    assert any("legacy_ipc | 1 MiB | FAILED: verification failed: frame 3" in r for r in rows)
+    torch_rows = [r for r in rows if r.startswith("| torch_mp")]
+    assert torch_rows == ["| torch_mp | all | skipped: torch is not installed | | | |"]
+
+
+def test_fmt_helpers():
+    assert report.fmt_size(MiB) == "1 MiB"
+    assert report.fmt_size(1024 * MiB) == "1 GiB"
+    assert report.fmt_size(MiB // 2) == "0.5 MiB"
+    assert report.fmt_num(None) == "-"
+    assert report.fmt_num(12345.6) == "12,346"
+    assert report.fmt_num(1.25) == "1.2" or report.fmt_num(1.25) == "1.3"
+    assert report.fmt_ratio(None) == "-" and report.fmt_ratio(2.5) == "2.50x"
+
+
+def test_targets():
+    results = {
+        r.target.numerator + "/" + r.target.denominator: r
+        for r in report.evaluate_targets(_sample())
+    }
+    assert results["host_staging/cupy_ipcpool"].status == "MET"  # 200x >= 100x
+    assert results["host_staging/cupy_ipcpool"].ratio == pytest.approx(200.0)
+    assert results["legacy_ipc/cupy_ipcpool"].status == "MISSED"  # 4x < 20x
+    torch = results["torch_mp/cupy_ipcpool"]
+    assert torch.status == "n/a" and "torch is not installed" in torch.note
+    assert results["cuda_core/cupy_ipcpool"].status == "n/a"
+    assert "not measured" in results["cuda_core/cupy_ipcpool"].note
+    assert results["cupy_ipcpool/socket_floor"].status == "MET"  # 2.5x <= 3x
+    text = report.targets_text(report.evaluate_targets(_sample()))
+    assert "MET: host staging" in text and "MISSED: legacy IPC" in text and "n/a: torch" in text
+
+
+def test_targets_not_met_when_floor_is_far():
+    ms = [_m("cupy_ipcpool", 64, 40.0), _m("socket_floor", 64, 10.0)]
+    (r,) = [t for t in report.evaluate_targets(ms) if t.target.denominator == "socket_floor"]
+    assert r.status == "MISSED" and r.ratio == pytest.approx(4.0)
+
+
+def test_progress_lines():
+    ok = report.progress_line(_m("cupy_ipcpool", 64, 25.0))
+    assert "cupy_ipcpool" in ok and "64 MiB" in ok and "p50 25.0 us" in ok
+    sk = report.progress_line(_m("torch_mp", 64, 0, SKIPPED, "torch is not installed"))
+    assert sk.endswith("skipped: torch is not installed")
+    bad = report.progress_line(_m("legacy_ipc", 1, 0, FAILED, "boom"))
+    assert bad.endswith("FAILED: boom")
+
+
+def test_scale_markdown():
+    scale = {
+        "attach": [
+            {"slots": 8, "slot_nbytes": 2 * MiB, "status": OK, "p50_us": 800.0, "p99_us": 900.0},
+            {"slots": 64, "status": FAILED, "reason": "boom"},
+        ],
+        "fanout": [
+            {"subscribers": 1, "nbytes": 64 * MiB, "status": OK, "p50_us": 30.0, "p99_us": 40.0},
+            {"subscribers": 8, "nbytes": 64 * MiB, "status": SKIPPED, "reason": "r"},
+        ],
+    }
+    text = report.scale_markdown(scale)
+    assert "| 8 | 2 MiB | 800 | 900 | 100 |" in text
+    assert "| 64 | | failed: boom | | |" in text
+    assert "| 1 | 64 MiB | 30.0 | 40.0 |" in text
+    assert report.scale_markdown({}) == ""
+
+
+def test_render_and_write_files(tmp_path, monkeypatch):
+    ms = _sample()
+    targets = report.evaluate_targets(ms)
+    env = {"gpu": "Test GPU", "python": "3.x"}
+    results = bench.BenchResults(ms, targets, env, {"mode": "short"}, {})
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    msgs = bench.write_outputs(results, str(tmp_path / "out"))
+    md = (tmp_path / "out" / "benchmarks.md").read_text()
+    assert "| lane | frame |" in md and "Targets at 64 MiB" in md and "Test GPU" in md
+    data = json.loads((tmp_path / "out" / "benchmarks.json").read_text())
+    assert data["environment"]["gpu"] == "Test GPU"
+    assert len(data["measurements"]) == len(ms)
+    first = data["measurements"][0]
+    assert first["lane"] == "cupy_ipcpool" and first["size_mib"] == 1 and first["status"] == OK
+    assert {t["status"] for t in data["targets"]} == {"MET", "MISSED", "n/a"}
+    assert any("matplotlib is not installed" in m for m in msgs)
+    assert not (tmp_path / "out" / "latency_vs_size.png").exists()
+
+
+def test_write_json_turns_non_finite_into_null(tmp_path):
+    path = tmp_path / "x.json"
+    report.write_json(path, {"a": math.nan, "b": [math.inf, 1.0], "c": {"d": -math.inf}})
+    assert json.loads(path.read_text()) == {"a": None, "b": [None, 1.0], "c": {"d": None}}
+
+
+def test_plot_when_matplotlib_is_there(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "p.png"
+    assert report.plot_latency(_sample(), path) is None
+    assert path.stat().st_size > 0
+
+
+def test_plot_with_nothing_to_plot(tmp_path):
+    ms = [_m("torch_mp", 1, 0, SKIPPED, "no torch")]
+    assert report.plot_latency(ms, tmp_path / "p.png") == "no successful measurement to plot"
+
+
+def test_environment_needs_no_gpu():
+    env = bench.collect_environment()
+    for key in (
+        "date",
+        "python",
+        "cupy",
+        "cuda-bindings",
+        "torch",
+        "cuda-core",
+        "gpu",
+        "driver_version",
+    ):
+        assert key in env
+
+
+# ------------------------------------------------ the harness, for real (no GPU)
+def test_socket_floor_lane_runs_in_two_processes():
+    cfg = BenchConfig(sizes=(MiB, 2 * MiB), schedule=SMALL, frame_timeout=10.0)
+    ms = harness.run_lane(lanes.SocketFloorLane(), cfg, timeout=120)
+    assert [m.status for m in ms] == [OK, OK], [m.reason for m in ms]
+    for m in ms:
+        assert m.frames_verified == SMALL.total
+        assert m.full_checks == SMALL.warmup + SMALL.checks
+        assert m.p50_us is not None and m.p99_us is not None
+        assert 0 < m.p50_us <= m.p99_us
+        assert m.fps and m.fps > 0
+        assert len(m.samples_us) == SMALL.iters
+
+
+def test_fan_out_with_three_consumers():
+    cfg = BenchConfig(sizes=(MiB,), schedule=SMALL, n_consumers=3, frame_timeout=10.0)
+    (m,) = harness.run_lane(lanes.SocketFloorLane(), cfg, timeout=120)
+    assert m.status == OK, m.reason
+    assert m.frames_verified == 3 * SMALL.total
+
+
+class PipelinedFloorLane(lanes.SocketFloorLane):
+    """The floor with several messages in flight in the throughput phase."""
+
+    name = "pipelined_floor"
+    pipelined = True
+
+    def open_producer(self, links, cfg, nbytes):
+        return _PipelinedProducer(links, cfg)
+
+
+class _PipelinedProducer(lanes._SocketFloorProducer):
+    def __init__(self, links, cfg):
+        super().__init__(links, cfg)
+        self.outstanding = 0
+
+    def send(self, value):
+        super().send(value)
+        self.outstanding += 1
+
+    def wait_done(self, value, *, full):
+        super().wait_done(value, full=full)
+        self.outstanding -= 1
+
+    def drain(self):
+        while self.outstanding:
+            super().wait_done(0, full=False)
+            self.outstanding -= 1
+
+
+def test_pipelined_lane_throughput_phase():
+    cfg = BenchConfig(sizes=(MiB,), schedule=SMALL, frame_timeout=10.0)
+    (m,) = harness.run_lane(PipelinedFloorLane(), cfg, timeout=120)
+    assert m.status == OK, m.reason
+    assert m.pipelined and m.frames_verified == SMALL.total
+
+
+class CorruptingLane(lanes.SocketFloorLane):
+    """The consumer claims frame 5's data is wrong: the lane must be FAILED."""
+
+    name = "corrupting"
+
+    def open_consumer(self, link, cfg, nbytes):
+        return _Corrupting(link, cfg)
+
+
+class _Corrupting(lanes._SocketFloorConsumer):
+    def step(self, *, full):
+        value, ok = super().step(full=full)
+        return value, ok and value != 5
+
+
+def test_bad_data_makes_the_lane_failed():
+    cfg = BenchConfig(sizes=(MiB,), schedule=SMALL, frame_timeout=10.0)
+    (m,) = harness.run_lane(CorruptingLane(), cfg, timeout=120)
+    assert m.status == FAILED
+    assert "verification failed" in m.reason and "does not hold 5" in m.reason
+    assert m.p50_us is None
+
+
+class UnavailableInChildLane(harness.Lane):
+    """An optional package turns out to lack the API once imported in the child."""
+
+    name = "unavailable"
+
+    def open_producer(self, links, cfg, nbytes):
+        raise LaneUnavailable("frobnicator 0.1 lacks Frob.share")
+
+    def open_consumer(self, link, cfg, nbytes):
+        raise LaneUnavailable("frobnicator 0.1 lacks Frob.share")
+
+
+def test_unavailable_api_in_child_is_skipped():
+    cfg = BenchConfig(sizes=(MiB, 4 * MiB), schedule=SMALL, frame_timeout=10.0)
+    ms = harness.run_lane(UnavailableInChildLane(), cfg, timeout=120)
+    assert [m.status for m in ms] == [SKIPPED, SKIPPED]
+    assert ms[0].reason == "frobnicator 0.1 lacks Frob.share"
+
+
+class CrashingProducerLane(lanes.SocketFloorLane):
+    """The producer raises in the middle of the run; the consumer is left waiting."""
+
+    name = "crashing"
+
+    def open_producer(self, links, cfg, nbytes):
+        return _Crashing(links, cfg)
+
+
+class _Crashing(lanes._SocketFloorProducer):
+    def send(self, value):
+        if value == 4:
+            raise RuntimeError("the producer broke at frame 4")
+        super().send(value)
+
+
+def test_a_side_that_raises_fails_the_lane_quickly():
+    cfg = BenchConfig(sizes=(MiB,), schedule=SMALL, frame_timeout=30.0)
+    (m,) = harness.run_lane(CrashingProducerLane(), cfg, timeout=120)
+    assert m.status == FAILED
+    assert "producer: RuntimeError: the producer broke at frame 4" in m.reason
+
+
+class DyingConsumerLane(lanes.SocketFloorLane):
+    """The consumer process dies without a word."""
+
+    name = "dying"
+
+    def consumer(self, link: Connection, cfg: BenchConfig) -> dict:
+        os._exit(3)
+
+
+def test_a_dead_process_fails_the_lane():
+    cfg = BenchConfig(sizes=(MiB,), schedule=SMALL, frame_timeout=5.0)
+    (m,) = harness.run_lane(DyingConsumerLane(), cfg, timeout=60)
+    assert m.status == FAILED
+    assert "died" in m.reason or "producer:" in m.reason
+
+
+# ---------------------------------------------------- small harness helpers
+def test_recv_exact_and_raw_socket():
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(b"hel")
+        a.sendall(b"lo!")
+        assert harness.recv_exact(b, 5) == b"hello"
+        a.close()
+        with pytest.raises(EOFError):
+            harness.recv_exact(b, 2)
+
+
+def test_expect_checks_the_message():
+    import multiprocessing
+
+    x, y = multiprocessing.Pipe()
+    with x, y:
+        x.send_bytes(b"ready 1")
+        assert harness.expect(y, b"ready", 1.0) == b"ready 1"
+        x.send_bytes(b"other")
+        with pytest.raises(RuntimeError, match="expected"):
+            harness.expect(y, b"ready", 1.0)
+        with pytest.raises(TimeoutError):
+            harness.expect(y, b"ready", 0.01)
+
+
+def test_full_check_schedule():
+    sched = Schedule(warmup=2, iters=3, tput=2, checks=1)
+    flags = [harness._full_check(i, sched) for i in range(sched.total)]
+    assert flags == [True, True, False, False, False, False, False, True]
+
+
+def test_sides_are_abstract():
+    with pytest.raises(NotImplementedError):
+        ProducerSide().send(1)
+    with pytest.raises(NotImplementedError):
+        ConsumerSide().step(full=False)
+
+
+def test_combine_names_the_cause_not_the_consequence():
+    replies = [
+        ("error", "producer: RuntimeError: broke", "tb"),
+        ("error", "consumer: EOFError: the producer closed the floor socket", ""),
+    ]
+    res = harness._combine(list(reversed(replies)))
+    assert res.status == FAILED
+    assert res.reason.startswith("producer: RuntimeError: broke")
+    assert "then: consumer: EOFError" in res.reason and res.traceback == "tb"
+    res = harness._combine([("ok", {}), ("skip", "no torch")])
+    assert res.status == SKIPPED and res.reason == "no torch"
+    res = harness._combine(
+        [
+            ("error", "p: stopped after its peer failed", ""),
+            ("error", "bench-x-consumer1 died (exit code 3)", ""),
+        ]
+    )
+    assert res.reason == "bench-x-consumer1 died (exit code 3)"
