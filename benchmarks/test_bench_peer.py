@@ -85,25 +85,46 @@ def test_attach_raw_sequence(benchmark, record, exporter):
 
 @pytest.mark.benchmark(group="per-frame")
 def test_frame_handle_to_array(benchmark, record, exporter):
+    """Consumer side of a frame: packed handle bytes -> usable cupy.ndarray."""
     desc, _ = exporter
     with cip.attach(desc) as peer:
         wire = cip.ArrayHandle.contiguous(3, 0, (1080, 1920, 4), np.uint8).to_bytes()
+        owner = object()
 
         def run():
-            return peer.array(cip.ArrayHandle.from_bytes(wire))
+            return peer.arrays_from_wire(wire, 0, 1, owner)
 
         benchmark(run)
         record("frame_handle_to_array")
 
 
 @pytest.mark.benchmark(group="per-frame")
+def test_frame_ours_both_sides(benchmark, record, exporter):
+    """Per-frame cost on both sides: producer array -> handle bytes, consumer bytes -> array."""
+    desc, _ = exporter
+    with cip.IpcPool(1, 64 * MiB) as local, cip.attach(desc) as peer:
+        frame = local.array((1080, 1920, 4), np.uint8)
+        owner = object()
+
+        def run():
+            wire = local.handle(frame).pack()
+            return peer.arrays_from_wire(wire, 0, 1, owner)
+
+        benchmark(run)
+        record("frame_ours")
+
+
+@pytest.mark.benchmark(group="per-frame")
 def test_frame_legacy_ipc(benchmark, record, exporter):
+    """Per-frame legacy CUDA IPC: ipcGetMemHandle (producer) + open/view/close (consumer)."""
     import cupy as cp
 
     _, legacy_handle = exporter
     cp.cuda.Device(0).use()
+    local = cp.zeros(SLOT_NBYTES // 4, dtype=cp.float32)  # producer-side buffer
 
     def run():
+        cp.cuda.runtime.ipcGetMemHandle(local.data.ptr)
         ptr = cp.cuda.runtime.ipcOpenMemHandle(legacy_handle)
         mem = cp.cuda.UnownedMemory(ptr, SLOT_NBYTES, None, 0)
         cp.ndarray((1080, 1920, 4), cp.uint8, cp.cuda.MemoryPointer(mem, 0))

@@ -110,6 +110,22 @@ _DTYPES: tuple[numpy.dtype[Any], ...] = tuple(
     )
 )
 _DTYPE_CODES: dict[str, int] = {dt.str: code for code, dt in enumerate(_DTYPES)}
+# Hot-path tables.  A dtype equal to a whitelisted one maps to its code (dtype
+# equality ignores only what validate_dtype ignores too: metadata, "=" vs "<").
+_CODE_OF_DTYPE: dict[numpy.dtype[Any], int] = {dt: code for code, dt in enumerate(_DTYPES)}
+_DTYPE_CLASSES: frozenset[type] = frozenset(type(dt) for dt in _DTYPES)
+_ITEMSIZES: tuple[int, ...] = tuple(dt.itemsize for dt in _DTYPES)
+assert all(size & (size - 1) == 0 for size in _ITEMSIZES), "check_fits needs powers of two"
+_NUM_DTYPES = len(_DTYPES)
+
+# The whole packed handle, one precompiled Struct per ndim:
+# header, then u64 shape[ndim], then i64 strides[ndim].
+_HANDLE_STRUCTS: tuple[struct.Struct, ...] = tuple(
+    struct.Struct(f"<IQQBB{ndim}Q{ndim}q") for ndim in range(MAX_NDIM + 1)
+)
+_NDIM_AT = 20  # byte offsets of ndim and the dtype code inside the header
+_CODE_AT = 21
+_new_object = object.__new__
 
 
 # ---------------------------------------------------------------------------
@@ -550,6 +566,15 @@ def _rebuild_descriptor(data: bytes, carriers: tuple[_FdCarrier, ...] | None) ->
 # ArrayHandle
 
 
+def _check_nbytes(shape: tuple[int, ...], dtype: numpy.dtype[Any]) -> None:
+    """Raise DescriptorError if an array of ``shape`` and ``dtype`` has over 2**63-1 bytes."""
+    nbytes = dtype.itemsize
+    for n in shape:
+        nbytes *= max(n, 1)
+        if nbytes > _I64_MAX:
+            raise DescriptorError(f"array of shape {shape} and dtype {dtype} is too large")
+
+
 @dataclass(frozen=True)
 class ArrayHandle:
     """One array inside one slot of a pool.
@@ -584,6 +609,46 @@ class ArrayHandle:
     dtype: numpy.dtype[Any]
 
     def __post_init__(self) -> None:
+        # Fast path: fields that already have their exact types (int, tuple, a
+        # whitelisted dtype) and are in range are kept as they are; only the dtype
+        # is swapped for its canonical instance.  Anything else goes through the
+        # full validation, which normalises or raises the detailed error.
+        shape, strides, dtype = self.shape, self.strides, self.dtype
+        slot, generation, offset = self.slot, self.generation, self.offset
+        if (
+            type(slot) is int
+            and type(generation) is int
+            and type(offset) is int
+            and type(shape) is tuple
+            and type(strides) is tuple
+            and type(dtype) in _DTYPE_CLASSES
+            and 0 <= slot < MAX_SLOTS
+            and 0 <= generation <= _U64_MAX
+            and 0 <= offset <= _U64_MAX
+            and len(shape) == len(strides) <= MAX_NDIM
+            and (code := _CODE_OF_DTYPE.get(dtype)) is not None
+        ):
+            nbytes = _ITEMSIZES[code]
+            for n, st in zip(shape, strides, strict=True):
+                if (
+                    type(n) is not int
+                    or type(st) is not int
+                    or not 0 <= n <= _I64_MAX
+                    or not _I64_MIN <= st <= _I64_MAX
+                ):
+                    break
+                if n > 1:
+                    nbytes *= n
+            else:
+                # every factor is >= 1: the product exceeds the limit iff a prefix does
+                if nbytes <= _I64_MAX:
+                    if dtype is not _DTYPES[code]:
+                        object.__setattr__(self, "dtype", _DTYPES[code])
+                    return
+        self._validate_and_normalise()
+
+    def _validate_and_normalise(self) -> None:
+        """Check every field, convert it to its canonical type, or raise DescriptorError."""
         set_ = object.__setattr__
         set_(self, "slot", _as_int(self.slot, "slot", 0, MAX_SLOTS - 1))
         set_(self, "generation", _as_int(self.generation, "generation", 0, _U64_MAX))
@@ -595,11 +660,7 @@ class ArrayHandle:
                 f"{len(strides)} strides for {len(shape)} dimensions; need one per dimension"
             )
         dtype = validate_dtype(self.dtype)
-        nbytes = dtype.itemsize
-        for n in shape:
-            nbytes *= max(n, 1)
-            if nbytes > _I64_MAX:
-                raise DescriptorError(f"array of shape {shape} and dtype {dtype} is too large")
+        _check_nbytes(shape, dtype)
         set_(self, "shape", shape)
         set_(self, "strides", strides)
         set_(self, "dtype", dtype)
@@ -674,14 +735,19 @@ class ArrayHandle:
             Bounds relative to the slot start; ``(offset, offset)`` for a
             zero-size array, which touches nothing.
         """
-        if any(n == 0 for n in self.shape):
-            return (self.offset, self.offset)
-        lo = hi = self.offset
-        for n, s in zip(self.shape, self.strides, strict=True):
-            if s < 0:
-                lo += s * (n - 1)
-            else:
-                hi += s * (n - 1)
+        lo = hi = offset = self.offset
+        strides = self.strides
+        i = 0
+        for n in self.shape:
+            if n > 1:
+                s = strides[i]
+                if s < 0:
+                    lo += s * (n - 1)
+                else:
+                    hi += s * (n - 1)
+            elif n == 0:
+                return (offset, offset)
+            i += 1  # noqa: SIM113 -- a counter is cheaper than enumerate on this path
         return (lo, hi + self.dtype.itemsize)
 
     def check_fits(self, slot_nbytes: int) -> None:
@@ -699,21 +765,45 @@ class ArrayHandle:
             offset or a stride (of a dimension longer than 1) is not a multiple of
             the item size: a misaligned GPU access would poison the CUDA context.
         """
+        # One pass computes the extent (as extent() does) and ORs together the
+        # strides that matter (of axes longer than 1, and only if the array is not
+        # empty): item sizes are powers of two, so some stride is misaligned iff
+        # their OR is.
         itemsize = self.dtype.itemsize
-        if self.offset % itemsize:
+        lo = hi = offset = self.offset
+        if offset % itemsize:
             raise DescriptorError(
-                f"offset {self.offset} is not a multiple of the item size {itemsize} "
+                f"offset {offset} is not a multiple of the item size {itemsize} "
                 f"of {self.dtype}; offsets and strides must be multiples of the item size"
             )
-        if self.size:
-            for axis, (n, s) in enumerate(zip(self.shape, self.strides, strict=True)):
-                if n > 1 and s % itemsize:
-                    raise DescriptorError(
-                        f"stride {s} of axis {axis} is not a multiple of the item size "
-                        f"{itemsize} of {self.dtype}; offsets and strides must be "
-                        f"multiples of the item size"
-                    )
-        lo, hi = self.extent()
+        shape, strides = self.shape, self.strides
+        used = 0
+        i = 0
+        for n in shape:
+            if n > 1:
+                s = strides[i]
+                used |= s
+                if s < 0:
+                    lo += s * (n - 1)
+                else:
+                    hi += s * (n - 1)
+            elif n == 0:
+                lo = hi = offset
+                break
+            i += 1  # noqa: SIM113 -- a counter is cheaper than enumerate on this path
+        else:
+            if used & (itemsize - 1):
+                axis = next(
+                    i
+                    for i, (n, s) in enumerate(zip(shape, strides, strict=True))
+                    if n > 1 and s % itemsize
+                )
+                raise DescriptorError(
+                    f"stride {strides[axis]} of axis {axis} is not a multiple of the item "
+                    f"size {itemsize} of {self.dtype}; offsets and strides must be "
+                    f"multiples of the item size"
+                )
+            hi += itemsize
         if lo < 0 or hi > slot_nbytes:
             raise DescriptorError(
                 f"array touches bytes [{lo}, {hi}) which do not fit in a slot of "
@@ -749,14 +839,17 @@ class ArrayHandle:
         bytes
             ``22 + 16 * ndim`` bytes.
         """
-        ndim = len(self.shape)
-        return _HANDLE_HEADER.pack(
+        shape = self.shape
+        ndim = len(shape)
+        return _HANDLE_STRUCTS[ndim].pack(
             self.slot,
             self.generation,
             self.offset,
             ndim,
-            _DTYPE_CODES[self.dtype.str],
-        ) + struct.pack(f"<{ndim}Q{ndim}q", *self.shape, *self.strides)
+            _CODE_OF_DTYPE[self.dtype],
+            *shape,
+            *self.strides,
+        )
 
     def to_bytes(self) -> bytes:
         """Encode one handle; the same bytes as :meth:`pack`."""
@@ -786,26 +879,61 @@ class ArrayHandle:
             Truncated data, ``ndim > MAX_NDIM``, unknown dtype code or fields out of
             range.  Nothing else is raised.
         """
-        view = _as_view(data, "array handle")
+        view = data if type(data) is bytes else _as_view(data, "array handle")
+        if type(pos) is not int and (isinstance(pos, bool) or not isinstance(pos, int)):
+            raise DescriptorError(f"array handle position {pos!r} is outside the data")
+        return cls._unpack(view, pos)
+
+    @classmethod
+    def _unpack(cls, view: bytes | memoryview, pos: int) -> tuple[ArrayHandle, int]:
+        """:meth:`unpack_from` on a flat byte buffer and an int position."""
         n = len(view)
-        if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos <= n:
+        if not 0 <= pos <= n:
             raise DescriptorError(f"array handle position {pos!r} is outside the data")
         if n - pos < _HANDLE_HEADER.size:
             raise DescriptorError(f"array handle truncated: {n - pos} bytes at position {pos}")
-        slot, generation, offset, ndim, code = _HANDLE_HEADER.unpack_from(view, pos)
-        pos += _HANDLE_HEADER.size
+        ndim = view[pos + _NDIM_AT]
+        code = view[pos + _CODE_AT]
         if ndim > MAX_NDIM:
             raise DescriptorError(f"array handle ndim={ndim} exceeds the limit {MAX_NDIM}")
-        if code >= len(_DTYPES):
+        if code >= _NUM_DTYPES:
             raise DescriptorError(f"unknown dtype code {code} in array handle")
-        if n - pos < 16 * ndim:
+        layout = _HANDLE_STRUCTS[ndim]
+        if n - pos < layout.size:
             raise DescriptorError(
                 f"array handle truncated: {ndim} dimensions need {16 * ndim} bytes, "
-                f"{n - pos} remain"
+                f"{n - pos - _HANDLE_HEADER.size} remain"
             )
-        dims = struct.unpack_from(f"<{ndim}Q{ndim}q", view, pos)
-        handle = cls(slot, generation, offset, dims[:ndim], dims[ndim:], _DTYPES[code])
-        return handle, pos + 16 * ndim
+        values = layout.unpack_from(view, pos)
+        slot = values[0]
+        shape = values[5 : 5 + ndim]
+        strides = values[5 + ndim :]
+        dtype = _DTYPES[code]
+        if cls is not ArrayHandle:  # a subclass may check more in __post_init__
+            return cls(slot, values[1], values[2], shape, strides, dtype), pos + layout.size
+        # The struct bounds generation and offset (u64) and the strides (i64);
+        # check what it does not, in the order and with the words of __post_init__.
+        if slot >= MAX_SLOTS:
+            raise DescriptorError(f"slot={slot} is out of range [0, {MAX_SLOTS - 1}]")
+        nbytes = _ITEMSIZES[code]
+        for dim in shape:
+            if dim > _I64_MAX:
+                i = shape.index(dim)  # the first entry out of range: all before were in
+                raise DescriptorError(f"shape[{i}]={dim} is out of range [0, {_I64_MAX}]")
+            if dim > 1:
+                nbytes *= dim
+        if nbytes > _I64_MAX:  # factors are >= 1: the product exceeds iff a prefix does
+            _check_nbytes(shape, dtype)
+        # Every field is now known valid and canonical: skip __init__/__post_init__.
+        handle = _new_object(ArrayHandle)
+        attrs = handle.__dict__
+        attrs["slot"] = slot
+        attrs["generation"] = values[1]
+        attrs["offset"] = values[2]
+        attrs["shape"] = shape
+        attrs["strides"] = strides
+        attrs["dtype"] = dtype
+        return handle, pos + layout.size
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> ArrayHandle:
@@ -816,8 +944,13 @@ class ArrayHandle:
         DescriptorError
             As :meth:`unpack_from`, or bytes left after the handle.
         """
-        handle, end = cls.unpack_from(data, 0)
-        n = len(_as_view(data, "array handle"))
+        if cls is not ArrayHandle:  # honour a subclass's own unpack_from
+            handle, end = cls.unpack_from(data, 0)
+            n = len(_as_view(data, "array handle"))
+        else:
+            view = data if type(data) is bytes else _as_view(data, "array handle")
+            handle, end = cls._unpack(view, 0)
+            n = len(view)
         if end != n:
             raise DescriptorError(f"array handle has {n - end} trailing bytes after its end")
         return handle

@@ -41,7 +41,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 
 from cupy_ipcpool._errors import PeerRefusedError, TeardownWarning, TransportError
@@ -84,7 +84,8 @@ _COUNT = struct.Struct("!I")
 _CRED = struct.Struct("3i")
 _INT = struct.Struct("i")
 
-_libc: ctypes.CDLL | None = None
+# The raw pidfd_getfd(pidfd, targetfd, flags) call, made once by _getfd_syscall().
+_getfd_call: Callable[[int, int], int] | None = None
 
 
 def _errname(err: int) -> str:
@@ -133,22 +134,38 @@ def process_start_time(pid: int) -> int:
         raise TransportError(errno.EPROTO, f"cannot parse /proc/{pid}/stat") from None
 
 
-def _syscall_pidfd_getfd(pidfd: int, target_fd: int) -> int:
-    global _libc
-    nr = _SYS_PIDFD_GETFD.get(platform.machine())
+def _getfd_syscall() -> Callable[[int, int], int]:
+    """Return ``call(pidfd, target_fd)``, the raw ``pidfd_getfd`` syscall.
+
+    The call returns the new fd, or a negative number with the cause in
+    ``ctypes.get_errno()``.  The ctypes function object is made on first use
+    and kept for the life of the process.
+
+    Raises
+    ------
+    TransportError
+        ``ENOSYS`` on an architecture whose syscall number is not known here.
+    """
+    global _getfd_call
+    if _getfd_call is not None:
+        return _getfd_call
+    machine = platform.machine()
+    nr = _SYS_PIDFD_GETFD.get(machine)
     if nr is None:
         raise TransportError(
             errno.ENOSYS,
-            f"pidfd_getfd: unknown syscall number on {platform.machine()}; "
+            f"pidfd_getfd: unknown syscall number on {machine}; "
             'use the socket transport (transport="socket")',
         )
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    fd = int(_libc.syscall(ctypes.c_long(nr), ctypes.c_int(pidfd), ctypes.c_int(target_fd), 0))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return fd
+    syscall = ctypes.CDLL(None, use_errno=True).syscall
+    c_nr = ctypes.c_long(nr)
+    c_int = ctypes.c_int
+
+    def call(pidfd: int, target_fd: int) -> int:
+        return int(syscall(c_nr, c_int(pidfd), c_int(target_fd), 0))
+
+    _getfd_call = call
+    return call
 
 
 def _pidfd_error(err: int, pid: int, target_fd: int, call: str) -> TransportError:
@@ -202,32 +219,59 @@ def pidfd_getfd(pid: int, target_fd: int, *, start_time: int | None = None) -> i
         than 5.6), ``ESRCH`` (exporter exited or pid reused), ``EBADF`` (fd no
         longer open in the exporter).
     """
-    pid = int(pid)
-    target_fd = int(target_fd)
+    return _getfd_all(pid, (target_fd,), start_time)[0]
+
+
+def _getfd_all(pid: int, target_fds: Iterable[int], start_time: int | None) -> list[int]:
+    """Duplicate every fd of ``target_fds`` from process ``pid``, in order.
+
+    One pidfd serves them all: it is opened on the first fd, the start time is
+    checked once (after opening, so a recycled pid can never yield another
+    process's fd), and it is closed at the end.  On any failure the fds fetched
+    so far are closed.  Errors are those of :func:`pidfd_getfd`, naming the fd
+    whose call failed.
+    """
+    out: list[int] = []
+    pidfd = -1
     try:
-        pidfd = os.pidfd_open(pid)
+        for fd in target_fds:
+            if pidfd >= 0:
+                target_fd = int(fd)
+            else:
+                pid = int(pid)
+                target_fd = int(fd)
+                pidfd = _open_pidfd(pid, target_fd)
+                if start_time is not None and process_start_time(pid) != start_time:
+                    raise TransportError(
+                        errno.ESRCH,
+                        f"exporter exited and its pid was reused: process {pid} has a "
+                        "different start time than the exporter",
+                    )
+                getfd = _getfd_syscall()
+            new_fd = getfd(pidfd, target_fd)
+            if new_fd < 0:
+                err = ctypes.get_errno() or errno.EIO
+                if err == errno.EBADF and _process_gone(pid):
+                    err = errno.ESRCH  # older kernels say EBADF for an exiting process
+                raise _pidfd_error(err, pid, target_fd, "pidfd_getfd")
+            out.append(new_fd)
+    except BaseException:
+        _close_all(out)
+        raise
+    finally:
+        if pidfd >= 0:
+            os.close(pidfd)
+    return out
+
+
+def _open_pidfd(pid: int, target_fd: int) -> int:
+    """``os.pidfd_open(pid)``, its errors worded for fetching ``target_fd``."""
+    try:
+        return os.pidfd_open(pid)
     except AttributeError:
         raise _pidfd_error(errno.ENOSYS, pid, target_fd, "pidfd_open") from None
     except OSError as exc:
         raise _pidfd_error(exc.errno or errno.EIO, pid, target_fd, "pidfd_open") from None
-    try:
-        if start_time is not None and process_start_time(pid) != start_time:
-            raise TransportError(
-                errno.ESRCH,
-                f"exporter exited and its pid was reused: process {pid} has a different "
-                "start time than the exporter",
-            )
-        try:
-            return _syscall_pidfd_getfd(pidfd, target_fd)
-        except TransportError:
-            raise
-        except OSError as exc:
-            err = exc.errno or errno.EIO
-            if err == errno.EBADF and _process_gone(pid):
-                err = errno.ESRCH  # older kernels say EBADF for an exiting process
-            raise _pidfd_error(err, pid, target_fd, "pidfd_getfd") from None
-    finally:
-        os.close(pidfd)
 
 
 def _process_gone(pid: int) -> bool:
@@ -830,7 +874,7 @@ def fetch_fds(
             )
         return fetch_fds_over_socket(socket_path, token, len(fds))
     try:
-        return _fetch_all_pidfd(pid, start_time, fds)
+        return _getfd_all(pid, fds, start_time)
     except TransportError as exc:
         if method == "pidfd" or socket_path is None:
             raise
@@ -841,14 +885,3 @@ def fetch_fds(
         return fetch_fds_over_socket(socket_path, token, len(fds))
     except TransportError as exc:
         raise exc from pidfd_exc
-
-
-def _fetch_all_pidfd(pid: int, start_time: int | None, fds: Sequence[int]) -> list[int]:
-    out: list[int] = []
-    try:
-        for fd in fds:
-            out.append(pidfd_getfd(pid, fd, start_time=start_time))
-    except BaseException:
-        _close_all(out)
-        raise
-    return out

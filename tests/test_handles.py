@@ -447,6 +447,68 @@ def test_unpack_from_positions_and_rejections() -> None:
         ArrayHandle.from_bytes(_with(packed, 22, "<Q", 2**63))
 
 
+def test_decoded_handle_is_canonical() -> None:
+    """The decoder's shortcut builds the same object the constructor would."""
+    h = ArrayHandle(5, 2**64 - 1, 64, (2, 3, 4), (-96, 32, 8), "f8")
+    back = ArrayHandle.from_bytes(bytearray(h.pack()))
+    assert back == h and hash(back) == hash(h) and repr(back) == repr(h)
+    assert back.dtype is validate_dtype("f8")
+    assert {type(v) for v in (back.slot, back.generation, back.offset)} == {int}
+    assert type(back.shape) is tuple and type(back.strides) is tuple
+    assert all(type(v) is int for v in back.shape + back.strides)
+    assert pickle.loads(pickle.dumps(back)) == h
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [numpy.dtype("=f4"), numpy.dtype("<f4"), numpy.dtype("f4", metadata={"k": 1}), "f4"],
+)
+def test_construction_stores_the_canonical_dtype(dtype: Any) -> None:
+    h = ArrayHandle(0, 0, 0, (2,), (4,), dtype)
+    assert h.dtype is validate_dtype("float32")
+    assert h.pack() == ArrayHandle(0, 0, 0, (2,), (4,), numpy.float32).pack()
+
+
+def test_check_fits_names_the_first_misaligned_axis() -> None:
+    h = ArrayHandle(0, 0, 0, (2, 1, 3, 2), (64, 3, 6, 2), "f4")
+    with pytest.raises(DescriptorError, match="stride 6 of axis 2 "):
+        h.check_fits(1000)
+    with pytest.raises(DescriptorError, match="offset 2 "):  # the offset is checked first
+        ArrayHandle(0, 0, 2, (2,), (6,), "f4").check_fits(1000)
+    # an empty array touches nothing: its strides need not be aligned
+    ArrayHandle(0, 0, 4, (2, 0), (6, 6), "f4").check_fits(4)
+
+
+def test_unpack_rejections_come_in_field_order() -> None:
+    packed = ArrayHandle.contiguous(1, 2, (3, 4), "f8").pack()
+    bad_slot = _with(packed, 0, "<I", MAX_SLOTS)
+    with pytest.raises(DescriptorError, match="slot"):
+        ArrayHandle.from_bytes(_with(bad_slot, 30, "<Q", 2**64 - 1))
+    # shape[1] out of range is reported before the (also too large) size
+    with pytest.raises(DescriptorError, match=r"shape\[1\]=18446744073709551615"):
+        ArrayHandle.from_bytes(_with(_with(packed, 22, "<Q", 2**62), 30, "<Q", 2**64 - 1))
+    with pytest.raises(DescriptorError, match="too large"):
+        ArrayHandle.from_bytes(_with(_with(packed, 22, "<Q", 2**62), 30, "<Q", 2))
+    zero_size = ArrayHandle.from_bytes(_with(_with(packed, 22, "<Q", 0), 30, "<Q", 2**59))
+    assert zero_size.shape == (0, 2**59) and zero_size.size == 0
+
+
+class _CheckedHandle(ArrayHandle):
+    """A subclass with its own validation, which decoding must still run."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.slot == 7:
+            raise DescriptorError("slot 7 is reserved")
+
+
+def test_unpack_from_runs_a_subclass_post_init() -> None:
+    h = _CheckedHandle.from_bytes(ArrayHandle(1, 0, 0, (), (), "u1").pack())
+    assert type(h) is _CheckedHandle
+    with pytest.raises(DescriptorError, match="reserved"):
+        _CheckedHandle.unpack_from(ArrayHandle(7, 0, 0, (), (), "u1").pack())
+
+
 # ---------------------------------------------------------------------------
 # Hypothesis: untrusted input raises only DescriptorError; valid data round-trips
 

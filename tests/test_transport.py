@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from cupy_ipcpool import _transport
 from cupy_ipcpool._errors import PeerRefusedError, TransportError
 from cupy_ipcpool._transport import (
     FdServer,
@@ -452,7 +453,55 @@ def test_fetch_fds_pidfd_partial_failure_closes(memfds: list[int]) -> None:
             method="auto",
         )
     assert ei.value.errno == errno.EBADF
+    assert f"fd={closed}" in str(ei.value)  # the message names the fd that failed
     assert _fd_count() == before
+
+
+def test_fetch_fds_pidfd_opens_one_pidfd(memfds: list[int], monkeypatch: Any) -> None:
+    """One pidfd_open and one start-time check serve every fd of the list."""
+    calls = {"pidfd_open": 0, "process_start_time": 0}
+    real_open, real_start = os.pidfd_open, _transport.process_start_time
+
+    def counting_open(pid: int, flags: int = 0) -> int:
+        calls["pidfd_open"] += 1
+        return real_open(pid, flags)
+
+    def counting_start(pid: int) -> int:
+        calls["process_start_time"] += 1
+        return real_start(pid)
+
+    pid = os.getpid()
+    start = real_start(pid)
+    monkeypatch.setattr(_transport.os, "pidfd_open", counting_open)
+    monkeypatch.setattr(_transport, "process_start_time", counting_start)
+    before = _fd_count()
+    got = fetch_fds(
+        pid=pid, start_time=start, fds=memfds * 4, socket_path=None, token=TOKEN, method="pidfd"
+    )
+    try:
+        assert calls == {"pidfd_open": 1, "process_start_time": 1}
+        assert _read_all(got) == [_content(i) for i in range(3)] * 4
+        assert _fd_count() == before + len(got)  # the pidfd itself is closed
+    finally:
+        _close(got)
+    # nothing to fetch: no pidfd at all, as before
+    assert fetch_fds(pid=pid, start_time=start, fds=[], socket_path=None, token=TOKEN) == []
+    assert calls == {"pidfd_open": 1, "process_start_time": 1}
+    # a wrong start time is still refused, and nothing is left open
+    with pytest.raises(TransportError) as ei:
+        fetch_fds(
+            pid=pid, start_time=start + 1, fds=memfds, socket_path=None, token=TOKEN, method="pidfd"
+        )
+    assert ei.value.errno == errno.ESRCH and "reused" in str(ei.value)
+    assert _fd_count() == before
+
+
+def test_pidfd_syscall_function_made_once(memfds: list[int]) -> None:
+    first = _transport._getfd_syscall()
+    assert _transport._getfd_syscall() is first
+    fd = pidfd_getfd(os.getpid(), memfds[0])
+    os.close(fd)
+    assert _transport._getfd_syscall() is first
 
 
 # -- leaks ---------------------------------------------------------------------
