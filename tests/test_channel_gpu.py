@@ -16,7 +16,7 @@ import pytest
 import cupy_ipcpool as cip
 from tests.gpu_helpers import device_free, fd_count, fill, report_exception
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(150)]
 
 SPAWN = mp.get_context("spawn")
 SEQ = struct.Struct("<Q")
