@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import select
 import struct
 import threading
 import warnings
@@ -42,7 +43,7 @@ from ._errors import (
     ProtocolError,
     TeardownWarning,
 )
-from ._handles import PoolDescriptor
+from ._handles import ArrayHandle, PoolDescriptor
 from ._peer import PeerPool, attach_fds
 from ._pool import IpcPool
 from ._session import PublisherCore, SubscriberCore, SubscriberInfo
@@ -304,13 +305,19 @@ class Publisher:
             No slot became free within ``timeout`` seconds (``block``
             subscribers hold them, or local arrays do); the message says who.
         """
-        self._check()
-        self._sync_holds()
+        if self._closed:
+            raise PoolClosedError("the Publisher is closed")
+        pool = self._pool
+        if pool._closed or os.getpid() != pool._pid:
+            pool._check()
+        if self._transitions:
+            self._sync_holds()
         slot, readers = self._core.acquire(timeout)
-        while self._pool._mem.refs.counts[slot]:  # an array appeared since the sync
+        counts = pool._mem.refs.counts
+        while counts[slot]:  # an array appeared in that slot since the last sync
             self._sync_holds()
             slot, readers = self._core.acquire(timeout)
-        self._pool.acquire(slot)
+        pool._take(slot)
         if readers:
             sptr = (self._cp.cuda.get_current_stream() if stream is None else stream).ptr
             rt = self._rt
@@ -365,7 +372,8 @@ class Publisher:
         ValueError
             Too many arrays or too much metadata.
         """
-        self._check()
+        if self._closed:
+            raise PoolClosedError("the Publisher is closed")
         slot = self._writing
         if slot is None:
             raise RuntimeError(
@@ -378,18 +386,31 @@ class Publisher:
         if len(metadata) > MAX_METADATA:
             raise ValueError(f"metadata is {len(metadata)} bytes; at most {MAX_METADATA}")
         pool = self._pool
+        base = pool._ptrs[slot]
+        limit = pool.slot_nbytes
+        generation = pool._generation[slot]
         parts = [_FRAME_HEAD.pack(slot, len(arrays), len(metadata))]
         for a in arrays:
-            handle = pool.handle(a)
-            if handle.slot != slot:
+            offset = a.data.ptr - base
+            if not 0 <= offset < limit:
+                where = pool.locate(a.data.ptr)
                 raise NotShareableError(
-                    f"array lies in slot {handle.slot}, but this frame was acquired in slot {slot}"
+                    f"array lies in slot {where[0]}, but this frame was acquired in slot {slot}"
+                    if where is not None
+                    else "array does not lie in the pool; allocate it with frame.array() or "
+                    "under pool.allocating()"
                 )
+            try:
+                handle = ArrayHandle(slot, generation, offset, a.shape, a.strides, a.dtype)
+                handle.check_fits(limit)
+            except DescriptorError as exc:
+                raise NotShareableError(f"array extends beyond slot {slot}: {exc}") from None
             parts.append(handle.pack())
         parts.append(metadata)
         sptr = (self._cp.cuda.get_current_stream() if stream is None else stream).ptr
         self._rt.eventRecord(self._frame_events[slot], sptr)
-        self._sync_holds()
+        if self._transitions:
+            self._sync_holds()
         seq = self._core.publish(slot, b"".join(parts))
         self._writing = None
         return seq
@@ -405,15 +426,31 @@ class Publisher:
 
     # -- teardown --
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
         """Say goodbye to every subscriber, close the socket, destroy the events.
 
-        Idempotent; never raises.  Subscribers get a clean end of stream;
+        Subscribers get a clean end of stream after the frames already sent;
         frames they hold stay readable (they mapped the memory themselves).
+        ``close`` waits up to ``timeout`` seconds for every subscriber to
+        disconnect, because they may still order their work on this
+        publisher's events until then.  If some are still connected after
+        that, the events are kept (leaked, with a :class:`TeardownWarning`)
+        rather than destroyed under them.  Idempotent; never raises.
         """
         if self._closed:
             return
         self._closed = True
+        all_gone = self._core.close(linger=timeout)
+        if not all_gone:
+            warnings.warn(
+                f"{len(self._read_events)} subscriber(s) still connected {timeout} s after "
+                "the publisher said goodbye; its CUDA events are leaked so that they do not "
+                "wait on destroyed events",
+                TeardownWarning,
+                stacklevel=2,
+            )
+            self._frame_events.clear()
+            self._read_events.clear()
         self._finalizer()
 
     def __enter__(self) -> Publisher:
@@ -437,12 +474,18 @@ def _close_publisher(
     device: int,
 ) -> None:
     try:
-        core.close()
+        all_gone = core.close()
     except Exception as exc:  # pragma: no cover - core.close never raises
         warnings.warn(f"closing the publisher socket failed: {exc}", TeardownWarning, stacklevel=2)
+        all_gone = False
     pool._lease_probe = None
     pool._mem.refs.transitions = None
-    if os.getpid() != pool._pid:
+    if os.getpid() != pool._pid or not all_gone:
+        # Subscribers may still wait on these events for frames queued before the
+        # BYE; destroying an exported event under an importer is undefined
+        # behaviour, so they are leaked (a few bytes each) instead.
+        frame_events.clear()
+        read_events.clear()
         return
     try:
         import cupy
@@ -574,7 +617,14 @@ class Subscriber:
         self._core = SubscriberCore(
             address, mode=mode, credit=credit, timeout=timeout, allowed_uids=allowed_uids
         )
+        self._alive = select.poll()
+        self._pidfd = -1
         try:
+            if self._core.producer_pid > 0:
+                # readable once the producer exits: frames still queued then must not be
+                # used, their events died with it
+                self._pidfd = os.pidfd_open(self._core.producer_pid)
+                self._alive.register(self._pidfd, select.POLLIN)
             self._setup(device)
         except BaseException:
             self._teardown()
@@ -681,6 +731,13 @@ class Subscriber:
         except ProtocolError:
             self.close()
             raise
+        if self._alive.poll(0):
+            self.close()
+            raise EndOfStream(
+                f"the publisher (pid {self._core.producer_pid}) exited; frames still queued "
+                "are dropped (their events died with it)",
+                False,
+            )
         seq, slot, payload = msg.seq, msg.slot, msg.payload
         slots = self._slots
         lease = _Lease(self, seq, slot, SlotRef(slots, slots.refs, slot))
@@ -734,20 +791,14 @@ class Subscriber:
     # -- teardown --
 
     def close(self) -> None:
-        """Wait for this process's work on held frames, say goodbye, unmap.
+        """Say goodbye and drop the mapping (once no frame's arrays use it).
 
-        Idempotent; never raises.  Arrays of frames still alive keep their
-        memory mapped until they are collected.
+        Idempotent; never raises.  Frames still alive keep their slots mapped
+        until they are collected; their leases are not returned any more.
         """
         if self._closed:
             return
         self._closed = True
-        try:
-            self._cp.cuda.get_current_stream().synchronize()
-        except Exception as exc:
-            warnings.warn(
-                f"synchronising before close failed: {exc}", TeardownWarning, stacklevel=2
-            )
         fin = getattr(self, "_finalizer", None)
         if fin is not None:
             fin()

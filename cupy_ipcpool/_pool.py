@@ -323,6 +323,11 @@ class IpcPool:
             self._current = slot
         return slot
 
+    def _take(self, slot: int) -> None:
+        """Make a slot the caller has checked free current (the publisher's fast path)."""
+        self._generation[slot] += 1
+        self._current = slot
+
     # ----------------------------------------------------------------- arrays
     def _owner(self, slot: int) -> SlotRef:
         return SlotRef(self._mem, self._mem.refs, slot)

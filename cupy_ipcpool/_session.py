@@ -393,6 +393,45 @@ def _say_bye_and_close(sock: socket.socket) -> None:
     sock.close()
 
 
+def _linger(conns: list[_Conn], linger: float) -> bool:
+    """Send BYE to each connection and wait up to ``linger`` s for all to hang up."""
+    if not conns:
+        return True
+    poller = select.poll()
+    waiting = {}
+    for conn in conns:
+        with contextlib.suppress(OSError):
+            conn.sock.setblocking(False)
+            while conn.sock.recv(proto.MAX_FRAME_SIZE, socket.MSG_DONTWAIT):
+                pass
+        try:
+            conn.sock.send(proto.encode_bye(), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            pass
+        except OSError:
+            continue  # already gone
+        waiting[conn.fd] = conn
+        poller.register(conn.fd, _POLLIN)
+    deadline = time.monotonic() + linger
+    while waiting:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        for fd, _events in poller.poll(_ms(remaining)):
+            conn = waiting[fd]
+            try:
+                while True:
+                    data = conn.sock.recv(proto.MAX_FRAME_SIZE, socket.MSG_DONTWAIT)
+                    if not data:
+                        raise ConnectionResetError
+            except BlockingIOError:
+                continue
+            except OSError:
+                poller.unregister(fd)
+                del waiting[fd]
+    return True
+
+
 def _close_publisher(
     acc: _Acceptor, conns: dict[int, _Conn], address: str, ident: tuple[int, int]
 ) -> None:
@@ -524,16 +563,35 @@ class PublisherCore:
     ) -> None:
         self.close()
 
-    def close(self) -> None:
+    def close(self, linger: float = 0.0) -> bool:
         """Say BYE to every subscriber, close every socket, stop the accept thread.
+
+        Parameters
+        ----------
+        linger:
+            Seconds to wait, after the BYE, for every subscriber (adopted or
+            still pending) to disconnect before the sockets are closed.
+
+        Returns
+        -------
+        bool
+            True when every subscriber had disconnected (always True with
+            ``linger=0`` and no subscribers; False when some were still
+            connected when the sockets were closed).
 
         Idempotent; never raises (problems become :class:`TeardownWarning`).
         """
         if self._closed:
-            return
+            return True
         self._closed = True
         self._by_fd.clear()
+        with self._acc.lock:
+            pending, self._acc.pending = self._acc.pending, []
+        for conn in pending:
+            self._conns[conn.info.sub_id] = conn
+        all_gone = _linger(list(self._conns.values()), linger)
         self._finalizer()
+        return all_gone
 
     @property
     def closed(self) -> bool:

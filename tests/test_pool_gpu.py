@@ -157,21 +157,24 @@ def test_200_create_close_cycles_do_not_grow():
     assert abs(device_free() - free0) <= _driver.granularity(0)
 
 
-def test_failed_construction_leaves_nothing_behind():
-    total = _driver.device_info(0).total_memory
+def test_failed_construction_leaves_nothing_behind(cp):
     gran = _driver.granularity(0)
     cip.IpcPool(1, MiB).close()
+    free_start = device_free()
+    # take most of the device so that the second slot of three cannot be created
+    hog = cp.cuda.Memory(free_start // 2)
     fds0, free0 = fd_count(), device_free()
-    slot = (total * 6 // 10) // gran * gran  # the second slot cannot fit
+    slot = (free0 * 6 // 10) // gran * gran
     with pytest.raises(cip.CudaOutOfMemoryError):
         cip.IpcPool(3, slot)
     gc.collect()
     assert fd_count() == fds0
     assert abs(device_free() - free0) <= gran
+    del hog
+    total = _driver.device_info(0).total_memory
     with pytest.raises(ValueError, match="need"):
         cip.IpcPool(2, total)  # rejected before anything is allocated
-    # and the device is still fully usable
-    with cip.IpcPool(1, slot) as pool:
+    with cip.IpcPool(1, slot) as pool:  # and the device is still fully usable
         assert pool.alloc_nbytes == slot
 
 
