@@ -1,7 +1,8 @@
 """Handoff between two processes against the alternatives (the short mode of ``bench``).
 
 Records each lane's 64 MiB p50 round trip as ``alt_<lane>_64MiB`` and asserts
-only that every available lane verified its data: no timing assertions here
+only that every available lane verified every frame (timed frames through the
+device-side counter read at the end of each phase): no timing assertions here
 (the targets are printed by ``python -m cupy_ipcpool bench``).
 """
 
@@ -23,6 +24,8 @@ def test_alternatives_short(tmp_path, capsys):
         print()
         print(report.markdown_table(results.measurements))
         print(report.targets_text(results.targets))
+        for note in results.notes:
+            print(f"- {note}")
 
     for m in results.measurements:
         if m.status == OK and m.nbytes == 64 * MiB and m.p50_us is not None:
@@ -38,7 +41,8 @@ def test_alternatives_short(tmp_path, capsys):
     assert "cupy_ipcpool" in measured, [
         (m.lane, m.status, m.reason) for m in results.measurements if m.lane == "cupy_ipcpool"
     ]
+    total = BenchOptions(mode="short").schedule().total
     for m in results.measurements:
         assert m.status in (OK, SKIPPED)
         if m.status == OK:
-            assert m.frames_verified > 0
+            assert m.frames_verified == total, (m.lane, m.nbytes, m.frames_verified)

@@ -588,3 +588,215 @@ def test_combine_names_the_cause_not_the_consequence():
         ]
     )
     assert res.reason == "bench-x-consumer1 died (exit code 3)"
+
+
+# ------------------------------------------- device-side check: the GPU-free logic
+def test_check_tally_counts_timed_frames_only_once_flushed():
+    t = harness.CheckTally()
+    t.frame(0, 1, 1, True, full=True)  # warm-up: verified at once
+    t.frame(1, 2, 2, True, full=False)  # timed: enqueued
+    t.frame(2, 3, 3, True, full=False)
+    assert (t.verified, t.full_checks, t.pending) == (1, 1, 2)
+    t.flush("latency phase", 0)
+    assert (t.verified, t.pending, t.device_checked) == (3, 0, 2)
+    t.frame(3, 4, 4, True, full=False)
+    t.flush("throughput phase", 3)
+    r = t.result()
+    assert r["verified"] == 3 and r["device_checked"] == 3 and r["device_mismatches"] == 3
+    assert r["n_failures"] == 1
+    assert "throughput phase: the device-side check found 3" in r["failures"][0]
+    assert "in 1 timed frame(s)" in r["failures"][0]
+
+
+def test_check_tally_host_failures_and_unflushed_frames():
+    t = harness.CheckTally()
+    t.frame(0, 1, 9, True, full=False)
+    t.frame(1, 2, 2, False, full=True)
+    t.frame(2, 3, 3, True, full=False)  # never flushed: not verified
+    r = t.result()
+    assert r["verified"] == 0 and r["n_failures"] == 2
+    assert r["failures"][0] == "frame 0: expected value 1, the message said 9"
+    assert r["failures"][1] == "frame 1: data does not hold 2 (full check)"
+
+
+def test_mismatch_counter_reports_the_increase():
+    c = lanes.MismatchCounter()
+    assert c.take(0) == 0
+    assert c.take(5) == 5
+    assert c.take(5) == 0
+    assert c.take(7) == 2
+    with pytest.raises(RuntimeError, match="went back"):
+        c.take(1)
+
+
+@pytest.mark.parametrize("nelem", [1, 2, 63, 64, 65, 1000, (1 << 30) // 4])
+def test_sample_indices_span_the_frame(nelem):
+    idx = lanes.sample_indices(nelem)
+    assert len(idx) == lanes.CHECK_SAMPLES
+    assert idx[0] == 0 and idx[-1] == nelem - 1
+    assert idx == sorted(idx) and all(0 <= i < nelem for i in idx)
+    if nelem >= lanes.CHECK_SAMPLES:
+        assert len(set(idx)) == lanes.CHECK_SAMPLES
+
+
+def test_kernel_source_names_the_kernels_the_lanes_launch():
+    src = lanes.KERNEL_SOURCE
+    assert 'extern "C" __global__ void cipbench_fill(' in src
+    assert 'extern "C" __global__ void cipbench_check(' in src
+    assert "atomicAdd(errors" in src and "k * (n - 1) / (blockDim.x - 1)" in src
+
+
+def test_fill_blocks():
+    assert lanes.fill_blocks(1) == 1
+    assert lanes.fill_blocks(lanes.FILL_THREADS + 1) == 2
+    assert lanes.fill_blocks(1 << 28) == lanes.FILL_MAX_BLOCKS
+
+
+class _Mr1:  # cuda.core 1.x spelling: properties
+    allocation_handle = property(lambda self: "h1")
+    from_allocation_handle = classmethod(lambda cls, dev, h: cls())
+
+
+class _Buf1:
+    ipc_descriptor = property(lambda self: "d1")
+    from_ipc_descriptor = classmethod(lambda cls, mr, d, *, stream: cls())
+
+
+class _Mr0:  # the experimental spelling: methods
+    def get_allocation_handle(self):
+        return "h0"
+
+    from_allocation_handle = classmethod(lambda cls, dev, h: cls())
+
+
+class _Buf0:
+    def get_ipc_descriptor(self):
+        return "d0"
+
+    from_ipc_descriptor = classmethod(lambda cls, mr, d, *, stream: cls())
+
+
+def test_cuda_core_ipc_api_both_spellings():
+    assert lanes.ipc_api_missing(_Mr1, _Buf1) == []
+    assert lanes.ipc_api_missing(_Mr0, _Buf0) == []
+    assert lanes._allocation_handle(_Mr1()) == ("h1", False)  # owned by the resource
+    assert lanes._allocation_handle(_Mr0()) == ("h0", True)  # the caller closes it
+    assert lanes._ipc_descriptor(_Buf1()) == "d1"
+    assert lanes._ipc_descriptor(_Buf0()) == "d0"
+    missing = lanes.ipc_api_missing(object, object)
+    assert (
+        "DeviceMemoryResource.allocation_handle / DeviceMemoryResource.get_allocation_handle"
+        in (missing)
+    )
+    assert "DeviceMemoryResource.from_allocation_handle" in missing
+    assert "Buffer.from_ipc_descriptor" in missing
+    assert "Buffer.ipc_descriptor / Buffer.get_ipc_descriptor" in missing
+
+
+def test_every_lane_documents_its_synchronisation():
+    for lane in lanes.get_lanes():
+        assert lane.sync_note, lane.name
+    notes = bench.default_notes()
+    assert notes[: len(bench.NOTES)] == list(bench.NOTES)
+    sync = notes[len(bench.NOTES) :]
+    assert [n.split(",")[0] for n in sync] == list(bench.LANE_NAMES)
+    assert any(n.startswith("cupy_ipcpool, per-frame synchronisation: none") for n in sync)
+    only = bench.default_notes(lanes.get_lanes(["host_staging", "legacy_ipc"]))
+    assert [n.split(",")[0] for n in only[len(bench.NOTES) :]] == ["host_staging", "legacy_ipc"]
+    assert report.sync_notes([("a", "x"), ("b", "")]) == ["a, per-frame synchronisation: x"]
+
+
+def test_notes_reach_the_report_files(tmp_path, monkeypatch):
+    ms = _sample()
+    results = bench.BenchResults(ms, report.evaluate_targets(ms), {}, {"mode": "short"}, {})
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    bench.write_outputs(results, str(tmp_path))
+    md = (tmp_path / "benchmarks.md").read_text()
+    assert "## Notes" in md and "device-side counter" in md
+    assert "- legacy_ipc, per-frame synchronisation: two per frame" in md
+    data = json.loads((tmp_path / "benchmarks.json").read_text())
+    assert data["notes"] == results.notes
+
+
+class DeviceMismatchLane(lanes.SocketFloorLane):
+    """The consumer's flush reports mismatches for the throughput phase only."""
+
+    name = "device_mismatch"
+
+    def open_consumer(self, link, cfg, nbytes):
+        return _DeviceMismatch(link, cfg)
+
+
+class _DeviceMismatch(lanes._SocketFloorConsumer):
+    flushes = 0
+
+    def flush_checks(self):
+        self.flushes += 1
+        return 2 if self.flushes == 2 else 0
+
+
+def test_device_side_mismatch_fails_the_lane():
+    cfg = BenchConfig(sizes=(MiB,), schedule=SMALL, frame_timeout=10.0)
+    (m,) = harness.run_lane(DeviceMismatchLane(), cfg, timeout=120)
+    assert m.status == FAILED and m.p50_us is None
+    assert "throughput phase: the device-side check found 2 mismatching sample(s)" in m.reason
+    assert f"in {SMALL.tput} timed frame(s)" in m.reason
+
+
+def test_consumers_flush_once_per_timed_phase():
+    cfg = BenchConfig(sizes=(MiB, 2 * MiB), schedule=SMALL, frame_timeout=10.0)
+    res = harness.run_pair(lanes.SocketFloorLane(), cfg, timeout=120)
+    assert res.status == OK, res.reason
+    for key in (str(MiB), str(2 * MiB)):
+        c = res.consumers[0][key]
+        assert c["device_checked"] == SMALL.iters + SMALL.tput
+        assert c["verified"] == SMALL.total and c["device_mismatches"] == 0
+
+
+@pytest.mark.parametrize(
+    "sched",
+    [
+        Schedule(warmup=2, iters=5, tput=0, checks=0),
+        Schedule(warmup=0, iters=3, tput=3, checks=0),
+        Schedule(warmup=1, iters=4, tput=0, checks=2),
+    ],
+)
+def test_phase_barriers_at_the_edges_of_the_schedule(sched):
+    for lane in (lanes.SocketFloorLane(), PipelinedFloorLane()):
+        cfg = BenchConfig(sizes=(MiB,), schedule=sched, frame_timeout=10.0)
+        (m,) = harness.run_lane(lane, cfg, timeout=120)
+        assert m.status == OK, (lane.name, m.reason)
+        assert m.frames_verified == sched.total
+
+
+class _InProcessFake(ProducerSide):
+    """A one-process lane's producer that 'finds' mismatches in the latency phase."""
+
+    def __init__(self):
+        super().__init__()
+        self.flushes = 0
+
+    def send(self, value):
+        pass
+
+    def wait_done(self, value, *, full):
+        pass
+
+    def flush_checks(self):
+        self.flushes += 1
+        return 4 if self.flushes == 1 else 0
+
+
+class InProcessFakeLane(harness.Lane):
+    name = "inprocess_fake"
+    processes = 1
+
+    def open_producer(self, links, cfg, nbytes):
+        return _InProcessFake()
+
+
+def test_producer_side_mismatch_fails_a_one_process_lane():
+    cfg = BenchConfig(sizes=(MiB,), schedule=SMALL, frame_timeout=10.0)
+    (m,) = harness.run_lane(InProcessFakeLane(), cfg, timeout=120)
+    assert m.status == FAILED
+    assert "latency phase: the device-side check found 4 mismatching sample(s)" in m.reason

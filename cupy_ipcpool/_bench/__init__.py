@@ -14,7 +14,7 @@ import os
 import platform
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
 from typing import Any
 
@@ -23,6 +23,7 @@ from .harness import (
     FAILED,
     OK,
     BenchConfig,
+    Lane,
     Measurement,
     MiB,
     Schedule,
@@ -30,7 +31,7 @@ from .harness import (
     run_lane,
     run_pair,
 )
-from .lanes import LANE_NAMES, AttachScanLane, CupyIpcPoolLane, get_lanes
+from .lanes import CHECK_SAMPLES, LANE_NAMES, AttachScanLane, CupyIpcPoolLane, get_lanes
 
 __all__ = [
     "LANE_NAMES",
@@ -38,6 +39,7 @@ __all__ = [
     "BenchResults",
     "add_arguments",
     "collect_environment",
+    "default_notes",
     "gpu_missing_reason",
     "main",
     "options_from_args",
@@ -63,15 +65,33 @@ FANOUT = (1, 2, 4, 8)
 FANOUT_NBYTES = 64 * MiB
 
 NOTES = (
-    "Every lane verifies every frame: the first and last elements on timed frames, every "
-    "element on warm-up and check frames. A lane whose data is wrong is FAILED, not timed.",
+    "Every lane runs the same fill kernel in the producer and the same check in the "
+    "consumer. On timed frames the check is a kernel enqueued on the consumer's stream: it "
+    f"compares {CHECK_SAMPLES} evenly spaced elements (the first and the last among them) "
+    "with the frame's value and adds mismatches to a device-side counter, read back once "
+    "at the end of each timed phase; warm-up and check frames compare every element and "
+    "wait for the answer. A lane whose data is wrong is FAILED, not timed.",
+    "No lane waits for the GPU per frame unless its own correctness needs it (each lane's "
+    "synchronisation is listed below). Without MPS the kernels of two processes are "
+    "time-sliced, so a host wait on work that depends on the other process's kernel pays "
+    "GPU context switches: that measures the GPU scheduler, not the handoff. Round trips "
+    "are timed on the producer's host; the GPU work of a latency phase is waited for after "
+    "it (untimed), and a throughput phase ends only once every consumer's checks completed.",
     "cupy_ipcpool's throughput keeps up to num_slots frames in flight; the other lanes hand "
-    "over one frame at a time, as their round trip requires (host staging, legacy IPC and "
-    "cuda.core synchronise the producer's stream before the handoff; torch shares an event).",
+    "over one frame at a time, as their round trip requires.",
     "socket_floor sends a message the size of a cupy_ipcpool FRAME over the same socket kind "
-    "(SOCK_SEQPACKET) and one the size of a RELEASE back; inprocess_floor runs the same fill "
-    "and verification in one process.",
+    "(SOCK_SEQPACKET) and one the size of a RELEASE back; inprocess_floor enqueues the same "
+    "fill and check in one process (its round trip is the host cost of that GPU work).",
 )
+
+
+def default_notes(lanes: Sequence[Lane] | None = None) -> list[str]:
+    """:data:`NOTES` and the per-frame synchronisation of ``lanes`` (default: all)."""
+    pairs = [(lane.name, lane.sync_note) for lane in get_lanes(None)]
+    if lanes is not None:
+        names = {lane.name for lane in lanes}
+        pairs = [p for p in pairs if p[0] in names]
+    return list(NOTES) + report.sync_notes(pairs)
 
 
 # --------------------------------------------------------------------- CLI
@@ -295,6 +315,7 @@ class BenchResults:
     environment: dict[str, Any]
     config: dict[str, Any]
     scale: dict[str, Any]
+    notes: list[str] = field(default_factory=default_notes)
 
     @property
     def failed(self) -> list[Measurement]:
@@ -309,7 +330,7 @@ class BenchResults:
             environment=self.environment,
             config=self.config,
             scale=self.scale,
-            notes=NOTES,
+            notes=self.notes,
         )
 
     def markdown(self) -> str:
@@ -320,7 +341,7 @@ class BenchResults:
             environment=self.environment,
             scale=self.scale,
             mode=str(self.config.get("mode", "")),
-            notes=NOTES,
+            notes=self.notes,
         )
 
 
@@ -463,6 +484,7 @@ def run_benchmark(opts: BenchOptions, *, progress: Callable[[str], None] = _stde
         environment=collect_environment(opts.device),
         config=config,
         scale=scale,
+        notes=default_notes(get_lanes(opts.lanes)),
     )
 
 

@@ -9,10 +9,20 @@ side measured:
 * warm-up frames (every one fully verified, not timed);
 * latency frames: the producer times each round trip with
   :func:`time.perf_counter_ns` (write on the GPU -> hand over -> the consumer
-  gets a usable array, verifies it, signals done -> the producer sees it);
+  gets a usable array, enqueues its check, signals done -> the producer sees
+  it);
 * throughput frames: without waiting per frame where the lane allows it
   (:attr:`Lane.pipelined`), else one round trip after the other;
 * check frames: a few more frames, fully verified, not timed.
+
+On timed frames the GPU lanes do not wait for their check: it is enqueued on
+the consumer's stream and counts mismatches in a device-side counter, which is
+read back (one synchronisation) at the end of each timed phase
+(:meth:`ConsumerSide.flush_checks`).  A lane synchronises per frame only where
+its own correctness needs it.  The phases are separated by a barrier (the
+consumers' ``lat-done`` / ``tput-done``): the latency phase's GPU backlog is
+waited for outside the timed regions, and the throughput phase ends only once
+every consumer has seen its checks complete, so frames/s counts finished work.
 
 Every frame is written with a new value (1, 2, 3, ...), so a stale or torn
 frame cannot pass verification.  Nothing here imports CuPy: the GPU work lives
@@ -127,6 +137,14 @@ class ProducerSide:
         """
         raise NotImplementedError
 
+    def flush_checks(self) -> int:
+        """Wait for the checks this side enqueued since the last call; return the mismatches.
+
+        Called at the end of each timed phase.  Only a producer that verifies
+        (the in-process floor) has any; the default is 0.
+        """
+        return 0
+
     def drain(self) -> None:
         """After a pipelined phase: absorb completions still in flight (default: none)."""
 
@@ -138,21 +156,32 @@ class ConsumerSide:
     """The consumer's half of a lane for one frame size."""
 
     def step(self, *, full: bool) -> tuple[int, bool]:
-        """Receive one frame, verify it, signal done.
+        """Receive one frame, verify it (or enqueue its check), signal done.
 
         Parameters
         ----------
         full:
-            Compare every element (else a cheap check of a few elements).
+            Compare every element, synchronously (warm-up and check frames).
+            Else the lane's cheap check: GPU lanes enqueue it on their stream
+            without waiting (its outcome comes from :meth:`flush_checks`).
 
         Returns
         -------
         value : int
             The value the frame says it was written with.
         ok : bool
-            Whether the data held that value.
+            Whether the data held that value, as far as known now (a frame
+            whose check was only enqueued is ``True`` until the flush).
         """
         raise NotImplementedError
+
+    def flush_checks(self) -> int:
+        """Wait for the checks enqueued since the last call; return how many samples mismatched.
+
+        Called once at the end of each timed phase (one synchronisation).
+        Lanes that verify on the host as they go return 0 (the default).
+        """
+        return 0
 
     def close(self) -> None:
         """Release everything this side made for the size."""
@@ -171,12 +200,16 @@ class Lane:
         2 for a producer/consumer pair, 1 for the in-process floor.
     pipelined:
         Whether the throughput phase may keep several frames in flight.
+    sync_note:
+        The per-frame host synchronisation the lane keeps and why (printed in
+        the report's notes); empty for a lane without GPU work.
     """
 
     name = "lane"
     title = "lane"
     processes = 2
     pipelined = False
+    sync_note = ""
 
     def available(self) -> str | None:
         """Return why this lane cannot run here (cheap, in the parent), or None."""
@@ -242,8 +275,22 @@ def _full_check(i: int, sched: Schedule) -> bool:
     return i < sched.warmup or i >= sched.warmup + sched.iters + sched.tput
 
 
+#: Control messages that end the timed phases (consumer -> producer).
+LAT_DONE, TPUT_DONE = b"lat-done", b"tput-done"
+
+
+def _flush_producer(side: ProducerSide, phase: str) -> None:
+    n = side.flush_checks()
+    if n:
+        side.failures.append(f"{phase}: the device-side check found {n} mismatching sample(s)")
+
+
 def producer_loop(lane: Lane, links: Sequence[Connection], cfg: BenchConfig) -> dict[str, Any]:
     """Drive the schedule for every size on the producer side.
+
+    After the latency frames the producer waits (untimed) for every consumer's
+    ``lat-done``, sent once its enqueued checks have completed; the throughput
+    clock stops at the last consumer's ``tput-done``, sent likewise.
 
     Returns
     -------
@@ -269,21 +316,21 @@ def producer_loop(lane: Lane, links: Sequence[Connection], cfg: BenchConfig) -> 
                 side.send(value)
                 side.wait_done(value, full=False)
                 lat.append(time.perf_counter_ns() - t0)
+            _flush_producer(side, "latency phase")
+            for link in links:
+                expect(link, LAT_DONE, cfg.frame_timeout + sched.iters)
             t0 = time.perf_counter_ns()
-            if lane.pipelined:
-                for _ in range(sched.tput):
-                    value += 1
-                    side.send(value)
-                for link in links:
-                    expect(link, b"tput-done", cfg.frame_timeout + sched.tput)
-                tput_ns = time.perf_counter_ns() - t0
-                side.drain()
-            else:
-                for _ in range(sched.tput):
-                    value += 1
-                    side.send(value)
+            for _ in range(sched.tput):
+                value += 1
+                side.send(value)
+                if not lane.pipelined:
                     side.wait_done(value, full=False)
-                tput_ns = time.perf_counter_ns() - t0
+            _flush_producer(side, "throughput phase")
+            for link in links:
+                expect(link, TPUT_DONE, cfg.frame_timeout + sched.tput)
+            tput_ns = time.perf_counter_ns() - t0
+            if lane.pipelined:
+                side.drain()
             for _ in range(sched.checks):
                 value += 1
                 side.send(value)
@@ -301,49 +348,106 @@ def producer_loop(lane: Lane, links: Sequence[Connection], cfg: BenchConfig) -> 
     return out
 
 
+class CheckTally:
+    """One consumer's verification count for one size.
+
+    A frame checked fully (or on the host) counts when its step returns; a
+    timed frame whose check was only enqueued counts once :meth:`flush`
+    reports no mismatch for its phase.  A non-zero flush fails every frame of
+    the phase, since the counter cannot say which one was wrong.
+    """
+
+    def __init__(self) -> None:
+        self.verified = 0
+        self.full_checks = 0
+        self.pending = 0
+        self.device_checked = 0
+        self.device_mismatches = 0
+        self.failures: list[str] = []
+
+    def frame(self, i: int, expected: int, got: int, ok: bool, *, full: bool) -> None:
+        """Record frame ``i`` (0-based, all phases) that should hold ``expected``."""
+        if got != expected:
+            self.failures.append(f"frame {i}: expected value {expected}, the message said {got}")
+        elif not ok:
+            kind = "full" if full else "spot"
+            self.failures.append(f"frame {i}: data does not hold {expected} ({kind} check)")
+        elif full:
+            self.verified += 1
+            self.full_checks += 1
+        else:
+            self.pending += 1
+
+    def flush(self, phase: str, mismatches: int) -> None:
+        """Settle the frames of ``phase`` with the device-side counter's ``mismatches``."""
+        self.device_checked += self.pending
+        if mismatches:
+            self.device_mismatches += mismatches
+            self.failures.append(
+                f"{phase}: the device-side check found {mismatches} mismatching sample(s) "
+                f"in {self.pending} timed frame(s)"
+            )
+        else:
+            self.verified += self.pending
+        self.pending = 0
+
+    def result(self) -> dict[str, Any]:
+        """The consumer's report for the size (frames never flushed are not verified)."""
+        return {
+            "verified": self.verified,
+            "full_checks": self.full_checks,
+            "device_checked": self.device_checked,
+            "device_mismatches": self.device_mismatches,
+            "failures": self.failures[:10],
+            "n_failures": len(self.failures),
+        }
+
+
 def consumer_loop(lane: Lane, link: Connection, cfg: BenchConfig) -> dict[str, Any]:
     """Drive the schedule for every size on one consumer.
 
     Every frame's value is compared with the value expected at that point of
-    the schedule, and its data with its value.
+    the schedule, and its data with its value: at once on warm-up and check
+    frames, through the lane's device-side counter at the end of each timed
+    phase (:class:`CheckTally`).
 
     Returns
     -------
     dict
-        ``{str(nbytes): {"verified": int, "full_checks": int, "failures": [...]}}``.
+        ``{str(nbytes): {"verified": int, "full_checks": int, "device_checked": int,
+        "device_mismatches": int, "failures": [...], "n_failures": int}}``.
     """
     sched = cfg.schedule
     out: dict[str, Any] = {}
     value = 0
-    tput_end = sched.warmup + sched.iters + sched.tput
+    lat_end = sched.warmup + sched.iters
+    tput_end = lat_end + sched.tput
     for nbytes in cfg.sizes:
         side = lane.open_consumer(link, cfg, nbytes)
-        verified = full_checks = 0
-        failures: list[str] = []
+        tally = CheckTally()
         try:
             for i in range(sched.total):
+                if i == lat_end:
+                    tally.flush("latency phase", side.flush_checks())
+                    link.send_bytes(LAT_DONE)
+                if i == tput_end:
+                    tally.flush("throughput phase", side.flush_checks())
+                    link.send_bytes(TPUT_DONE)
                 value += 1
                 full = _full_check(i, sched)
                 got, ok = side.step(full=full)
-                if got != value:
-                    failures.append(f"frame {i}: expected value {value}, the message said {got}")
-                elif not ok:
-                    kind = "full" if full else "spot"
-                    failures.append(f"frame {i}: data does not hold {value} ({kind} check)")
-                else:
-                    verified += 1
-                    full_checks += full
-                if lane.pipelined and i == tput_end - 1:
-                    link.send_bytes(b"tput-done")
+                tally.frame(i, value, got, ok, full=full)
+            # Phases that end the schedule (no check frames after them).
+            if sched.total == lat_end:
+                tally.flush("latency phase", side.flush_checks())
+                link.send_bytes(LAT_DONE)
+            if sched.total == tput_end:
+                tally.flush("throughput phase", side.flush_checks())
+                link.send_bytes(TPUT_DONE)
         finally:
             side.close()
         link.send_bytes(b"size-done")
-        out[str(nbytes)] = {
-            "verified": verified,
-            "full_checks": full_checks,
-            "failures": failures[:10],
-            "n_failures": len(failures),
-        }
+        out[str(nbytes)] = tally.result()
     return out
 
 

@@ -1,9 +1,19 @@
 """The lanes of the comparative benchmark: ways of handing a GPU frame to another process.
 
-Every lane writes each frame on the GPU with a trivial kernel (fill with the
-frame's value), hands it over, and the consumer verifies it before it signals
-done: a spot check of the first and last elements on most frames, a full
-comparison (one reduction kernel) on the warm-up and check frames.
+Every lane writes each frame on the GPU with the same trivial kernel (fill with
+the frame's value, :class:`GpuWork`), hands it over, and the consumer verifies
+it with the same check: on timed frames a kernel enqueued on the consumer's
+stream compares :data:`CHECK_SAMPLES` evenly spaced elements (the first and the
+last among them) with the value and adds mismatches to a device-side counter,
+read back once at the end of each timed phase; on warm-up and check frames a
+full, synchronous comparison of every element.
+
+No lane waits for the GPU per frame unless its own correctness needs it; each
+lane's :attr:`~.harness.Lane.sync_note` says which synchronisation it keeps
+and why (and the report prints it).  A host synchronisation that waits for the
+other process's kernel pays GPU context switches (two processes' kernels are
+time-sliced without MPS), which would measure the GPU scheduler, not the
+handoff.
 
 Lanes import CuPy, torch, cuda.core and the channel layer of cupy_ipcpool only
 inside the spawned processes, so this module imports on machines without them.
@@ -13,12 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import importlib.util
 import mmap
 import os
 import socket
 import struct
 import time
+import warnings
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
@@ -50,25 +62,172 @@ def _has_module(name: str) -> bool:
 
 
 # ------------------------------------------------------------ verification
+#: Elements the timed-frame check compares: evenly spaced, first and last included.
+CHECK_SAMPLES = 64
+FILL_THREADS = 256
+FILL_MAX_BLOCKS = 4096
+
+#: The one fill kernel and the one check kernel every lane and floor uses.
+KERNEL_SOURCE = r"""
+extern "C" __global__ void cipbench_fill(int* __restrict__ a, unsigned long long n, int value)
+{
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < n; i += stride)
+        a[i] = value;
+}
+
+// One block of CHECK_SAMPLES threads; thread k reads element k * (n - 1) / (CHECK_SAMPLES - 1).
+extern "C" __global__ void cipbench_check(const int* __restrict__ a, unsigned long long n,
+                                          int value, unsigned long long* __restrict__ errors)
+{
+    unsigned long long k = threadIdx.x;
+    unsigned long long idx = (n > 1 && blockDim.x > 1) ? k * (n - 1) / (blockDim.x - 1) : 0;
+    int bad = a[idx] != value;
+    int nbad = __syncthreads_count(bad);
+    if (threadIdx.x == 0 && nbad)
+        atomicAdd(errors, (unsigned long long)nbad);
+}
+"""
+
+
+def sample_indices(nelem: int, samples: int = CHECK_SAMPLES) -> list[int]:
+    """The element indices the check kernel compares (its formula, on the host)."""
+    if nelem <= 0:
+        raise ValueError(f"nelem must be positive, got {nelem}")
+    return [k * (nelem - 1) // (samples - 1) if nelem > 1 else 0 for k in range(samples)]
+
+
+def fill_blocks(nelem: int) -> int:
+    """Blocks of :data:`FILL_THREADS` threads the fill kernel is launched with."""
+    return max(1, min(-(-nelem // FILL_THREADS), FILL_MAX_BLOCKS))
+
+
+class MismatchCounter:
+    """Turns the cumulative device-side counter into per-phase mismatch counts."""
+
+    def __init__(self) -> None:
+        self.reported = 0
+
+    def take(self, total: int) -> int:
+        """Mismatches since the previous call, given the counter's current ``total``."""
+        if total < self.reported:
+            raise RuntimeError(f"the mismatch counter went back from {self.reported} to {total}")
+        new, self.reported = total - self.reported, total
+        return new
+
+
+_MODULES: dict[int, Any] = {}
+
+
+def _kernels(cp: Any) -> Any:
+    """The compiled :data:`KERNEL_SOURCE` for the current device (compiled once per process)."""
+    dev = cp.cuda.runtime.getDevice()
+    mod = _MODULES.get(dev)
+    if mod is None:
+        mod = _MODULES[dev] = cp.RawModule(code=KERNEL_SOURCE)
+    return mod
+
+
+def external_stream(cp: Any, ptr: int, device: int) -> Any:
+    """A CuPy stream object for a stream made by another library (torch, cuda.core)."""
+    if ptr == 0:
+        return cp.cuda.Stream.null
+    with warnings.catch_warnings():  # deprecated in CuPy 14 in favour of Stream.from_external
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cp.cuda.ExternalStream(ptr, device)
+
+
+class GpuWork:
+    """The per-frame GPU work common to every lane, on one stream.
+
+    :meth:`fill` writes a frame; :meth:`enqueue_check` compares
+    :data:`CHECK_SAMPLES` elements without the host waiting, adding mismatches
+    to a device-side counter; :meth:`flush` synchronises the stream once and
+    returns the mismatches since the previous flush; :meth:`full_check`
+    compares every element and waits for the answer.
+
+    Parameters
+    ----------
+    cp:
+        The ``cupy`` module.
+    device:
+        CUDA device ordinal (made current).
+    stream:
+        A CuPy stream (default: CuPy's current stream at construction).
+    """
+
+    def __init__(self, cp: Any, device: int, stream: Any = None) -> None:
+        cp.cuda.Device(device).use()
+        self.cp = cp
+        self.stream = stream if stream is not None else cp.cuda.get_current_stream()
+        mod = _kernels(cp)
+        self._fill = mod.get_function("cipbench_fill")
+        self._check = mod.get_function("cipbench_check")
+        self._counter = MismatchCounter()
+        with self.stream:
+            self.errors = cp.zeros(1, dtype=cp.uint64)
+        self.stream.synchronize()
+
+    def fill(self, a: Any, value: int) -> None:
+        """Enqueue the fill of the int32 CuPy array ``a`` with ``value``."""
+        import numpy
+
+        n = int(a.size)
+        with self.stream:
+            self._fill((fill_blocks(n),), (FILL_THREADS,), (a, numpy.uint64(n), numpy.int32(value)))
+
+    def enqueue_check(self, a: Any, value: int) -> None:
+        """Enqueue the sampled comparison of ``a`` with ``value`` (the host does not wait)."""
+        import numpy
+
+        with self.stream:
+            self._check(
+                (1,),
+                (CHECK_SAMPLES,),
+                (a, numpy.uint64(a.size), numpy.int32(value), self.errors),
+            )
+
+    def full_check(self, a: Any, value: int) -> bool:
+        """Whether every element of ``a`` equals ``value`` (waits for the answer)."""
+        with self.stream:
+            return count_mismatches(a, value) == 0
+
+    def flush(self) -> int:
+        """Wait for the stream; mismatching samples counted since the previous flush."""
+        self.stream.synchronize()
+        with self.stream:
+            total = int(self.errors.get()[0])
+        return self._counter.take(total)
+
+
 def count_mismatches(a: Any, value: int) -> int:
-    """Number of elements of the CuPy array ``a`` that differ from ``value``."""
+    """Number of elements of the CuPy array ``a`` that differ from ``value`` (synchronous)."""
     import cupy
 
     return int(cupy.count_nonzero(a != value))
 
 
-def check_array(a: Any, value: int, nelem: int, *, full: bool) -> bool:
-    """Whether CuPy array ``a`` has ``nelem`` int32 elements, all equal to ``value``.
+def frame_shape_ok(a: Any, nelem: int) -> bool:
+    """Whether CuPy array ``a`` is ``nelem`` contiguous int32 elements (host-side)."""
+    return bool(
+        a.size == nelem and a.dtype.itemsize == 4 and a.dtype.kind == "i" and a.flags.c_contiguous
+    )
 
-    The spot check reads the first and the last element (one small copy and a
-    synchronise on the current stream); ``full`` compares every element.
+
+def check_frame(work: GpuWork, a: Any, value: int, nelem: int, *, full: bool) -> bool:
+    """The consumer's check of one frame, the same in every lane.
+
+    ``full``: compare every element and wait.  Else enqueue the sampled check
+    on ``work``'s stream and return True (the counter gives the verdict at the
+    end of the phase).  False when the array's shape or type is wrong.
     """
-    if a.size != nelem or a.dtype.itemsize != 4 or a.dtype.kind != "i":
+    if not frame_shape_ok(a, nelem):
         return False
     if full:
-        return count_mismatches(a, value) == 0
-    ends = a[:: max(nelem - 1, 1)].get()
-    return bool((ends == value).all())
+        return work.full_check(a, value)
+    work.enqueue_check(a, value)
+    return True
 
 
 def _cupy_view(cp: Any, ptr: int, nbytes: int, owner: Any, device: int) -> Any:
@@ -116,6 +275,12 @@ class CupyIpcPoolLane(Lane):
     name = "cupy_ipcpool"
     title = "cupy_ipcpool publish/subscribe"
     pipelined = True
+    sync_note = (
+        "none per frame: the library's interprocess events order both directions "
+        "(the subscriber's stream waits on the frame event; the publisher's stream waits "
+        "on the read event recorded at release, after the check), so the consumer "
+        "enqueues its check and calls frame.release() without waiting."
+    )
 
     def available(self) -> str | None:
         if not _has_module("cupy"):
@@ -139,6 +304,9 @@ class CupyIpcPoolLane(Lane):
 
 
 class _CipProducer(ProducerSide):
+    # Per frame: acquire a slot (its stream waits on the subscribers' read events
+    # of the slot's previous frame), fill it, publish (records the frame event).
+    # No host synchronisation: the interprocess events order both directions.
     def __init__(self, links: Sequence[Connection], cfg: BenchConfig, nbytes: int) -> None:
         super().__init__()
         import cupy
@@ -149,6 +317,7 @@ class _CipProducer(ProducerSide):
         self.nelem = _check_frame_size(nbytes)
         self.timeout = cfg.frame_timeout
         self.nsubs = len(links)
+        self.work = GpuWork(cupy, cfg.device)
         address = os.path.join(cfg.workdir, f"cip-{nbytes}.sock")
         self.pool = cip.IpcPool(cfg.num_slots, nbytes, device=cfg.device)
         self.pub: Any = None
@@ -164,9 +333,9 @@ class _CipProducer(ProducerSide):
             raise
 
     def send(self, value: int) -> None:
-        with self.pub.frame(timeout=self.timeout) as frame:
+        with self.pub.frame(timeout=self.timeout, stream=self.work.stream) as frame:
             a = frame.array((self.nelem,), self.cp.int32)
-            a.fill(value)
+            self.work.fill(a, value)
             frame.publish(a, metadata=_VALUE.pack(value))
             del a  # the slot is free again once the subscribers release it
 
@@ -194,27 +363,37 @@ class _CipProducer(ProducerSide):
 
 
 class _CipConsumer(ConsumerSide):
+    # Per frame: recv (the stream waits on the frame event), enqueue the check,
+    # release (records the read event after the check). No host synchronisation.
     def __init__(self, link: Connection, cfg: BenchConfig, nbytes: int) -> None:
+        import cupy
+
         import cupy_ipcpool as cip
 
         self.nelem = _check_frame_size(nbytes)
         self.timeout = cfg.frame_timeout
+        self.work = GpuWork(cupy, cfg.device)
         address = expect(link, b"listening ", self.timeout)[len(b"listening ") :].decode()
         self.sub = cip.subscribe(address, mode="block")
         link.send_bytes(b"subscribed")
 
     def step(self, *, full: bool) -> tuple[int, bool]:
-        f = self.sub.recv(timeout=self.timeout)
+        stream = self.work.stream
+        f = self.sub.recv(timeout=self.timeout, stream=stream)
         try:
             (value,) = _VALUE.unpack(bytes(f.metadata)[: _VALUE.size])
             a = f.arrays[0]
-            ok = check_array(a, value, self.nelem, full=full)
+            ok = check_frame(self.work, a, value, self.nelem, full=full)
             del a
         finally:
-            f.release()
+            f.release(stream=stream)
         return value, ok
 
+    def flush_checks(self) -> int:
+        return self.work.flush()
+
     def close(self) -> None:
+        self.work.stream.synchronize()
         self.sub.close()
 
 
@@ -225,11 +404,19 @@ class HostStagingLane(Lane):
     The producer copies the frame into a ``memfd`` mapping registered as pinned
     memory (``cudaHostRegister``), synchronises and sends the value (8 bytes)
     over the socket; the consumer, with its own pinned registration of the
-    same pages, copies it into its device buffer, verifies, answers one byte.
+    same pages, copies it into its device buffer, waits for that copy,
+    enqueues its check and answers one byte.
     """
 
     name = "host_staging"
     title = "host staging (pinned shared memory)"
+    sync_note = (
+        "two per frame, both needed: the producer waits for its D2H copy before it "
+        "signals (the host buffer must hold the frame), and the consumer waits for its "
+        "H2D copy (an event recorded after the copy, not after the check) before it "
+        "answers, since the producer then overwrites the shared host buffer. That is "
+        "the real cost of the naive way."
+    )
 
     def available(self) -> str | None:
         return None if _has_module("cupy") else "cupy is not installed"
@@ -271,6 +458,7 @@ class _StagingProducer(ProducerSide):
         cp = _cupy_or_skip()
         self.cp = cp
         self.nbytes = nbytes
+        self.work = GpuWork(cp, cfg.device)
         self.dev = cp.empty(_check_frame_size(nbytes), dtype=cp.int32)
         fd = os.memfd_create("cipbench-staging")
         try:
@@ -284,11 +472,12 @@ class _StagingProducer(ProducerSide):
         self.sock = self.done.socks[0]
 
     def send(self, value: int) -> None:
-        stream = self.cp.cuda.get_current_stream()
-        self.dev.fill(value)
+        stream = self.work.stream
+        self.work.fill(self.dev, value)
         self.cp.cuda.runtime.memcpyAsync(
             self.host.ptr, self.dev.data.ptr, self.nbytes, _D2H, stream.ptr
         )
+        # Needed: the consumer reads the host buffer as soon as it has the value.
         stream.synchronize()
         self.sock.sendall(_VALUE.pack(value))
 
@@ -297,6 +486,7 @@ class _StagingProducer(ProducerSide):
 
     def close(self) -> None:
         self.done.close()
+        self.work.stream.synchronize()
         self.host.close()
         del self.dev
 
@@ -307,7 +497,9 @@ class _StagingConsumer(ConsumerSide):
         self.cp = cp
         self.nbytes = nbytes
         self.nelem = _check_frame_size(nbytes)
+        self.work = GpuWork(cp, cfg.device)
         self.dev = cp.empty(self.nelem, dtype=cp.int32)
+        self.copied = cp.cuda.Event(block=False, disable_timing=True)
         expect(link, b"staging", cfg.frame_timeout)
         fd = recv_handle(link)
         try:
@@ -319,16 +511,24 @@ class _StagingConsumer(ConsumerSide):
 
     def step(self, *, full: bool) -> tuple[int, bool]:
         (value,) = _VALUE.unpack(recv_exact(self.sock, _VALUE.size))
-        stream = self.cp.cuda.get_current_stream()
+        stream = self.work.stream
         self.cp.cuda.runtime.memcpyAsync(
             self.dev.data.ptr, self.host.ptr, self.nbytes, _H2D, stream.ptr
         )
-        ok = check_array(self.dev, value, self.nelem, full=full)
+        self.copied.record(stream)
+        ok = check_frame(self.work, self.dev, value, self.nelem, full=full)
+        # Needed: the producer overwrites the shared host buffer once we answer, so the
+        # H2D copy (not the check, which reads our own device buffer) must be complete.
+        self.copied.synchronize()
         self.sock.sendall(_DONE)
         return value, ok
 
+    def flush_checks(self) -> int:
+        return self.work.flush()
+
     def close(self) -> None:
         self.sock.close()
+        self.work.stream.synchronize()
         self.host.close()
         del self.dev
 
@@ -339,6 +539,12 @@ class LegacyIpcLane(Lane):
 
     name = "legacy_ipc"
     title = "legacy CUDA IPC, per message"
+    sync_note = (
+        "two per frame, both needed: the producer waits for its fill before it sends the "
+        "handle (a memory handle carries no ordering), and the consumer waits for its "
+        "check before cudaIpcCloseMemHandle (the kernel must not read an unmapped buffer); "
+        "that wait also keeps the producer's next fill from racing the check."
+    )
 
     def available(self) -> str | None:
         return None if _has_module("cupy") else "cupy is not installed"
@@ -358,14 +564,16 @@ class _LegacyProducer(ProducerSide):
         cp = _cupy_or_skip()
         self.cp = cp
         _check_frame_size(nbytes)
+        self.work = GpuWork(cp, cfg.device)
         self.ptr = cp.cuda.runtime.malloc(nbytes)  # a plain cudaMalloc: IPC-exportable
         self.arr = _cupy_view(cp, self.ptr, nbytes, self, cfg.device)
         self.done = _SocketDone(links, cfg.frame_timeout)
         self.sock = self.done.socks[0]
 
     def send(self, value: int) -> None:
-        self.arr.fill(value)
-        self.cp.cuda.get_current_stream().synchronize()
+        self.work.fill(self.arr, value)
+        # Needed: nothing orders the consumer's kernels after this fill but the host.
+        self.work.stream.synchronize()
         handle = bytes(self.cp.cuda.runtime.ipcGetMemHandle(self.ptr))
         self.sock.sendall(handle + _VALUE.pack(value))
 
@@ -387,6 +595,7 @@ class _LegacyConsumer(ConsumerSide):
         self.nbytes = nbytes
         self.nelem = _check_frame_size(nbytes)
         self.device = cfg.device
+        self.work = GpuWork(self.cp, cfg.device)
         self.sock = raw_socket(link)
         self.sock.settimeout(cfg.frame_timeout)
 
@@ -397,14 +606,20 @@ class _LegacyConsumer(ConsumerSide):
         ptr = rt.ipcOpenMemHandle(msg[: self.HANDLE_BYTES])
         try:
             a = _cupy_view(self.cp, ptr, self.nbytes, None, self.device)
-            ok = check_array(a, value, self.nelem, full=full)
+            ok = check_frame(self.work, a, value, self.nelem, full=full)
             del a
         finally:
+            # Needed: the check kernel may still read the mapping; close only after it.
+            self.work.stream.synchronize()
             rt.ipcCloseMemHandle(ptr)
         self.sock.sendall(_DONE)
         return value, ok
 
+    def flush_checks(self) -> int:
+        return self.work.flush()
+
     def close(self) -> None:
+        self.work.stream.synchronize()
         self.sock.close()
 
 
@@ -414,15 +629,25 @@ class TorchQueueLane(Lane):
 
     torch shares the storage with CUDA IPC and an interprocess event that the
     consumer's stream waits on; the producer reuses one tensor (the consumer
-    drops each frame before it signals done).
+    drops each frame before it signals done).  The fill and the check are the
+    common kernels (:class:`GpuWork`), launched on torch's current stream.
     """
 
     name = "torch_mp"
     title = "torch.multiprocessing queue"
     queue: Any = None
+    sync_note = (
+        "torch's own: the consumer's stream waits on the producer's event (no host wait), "
+        "and freeing a received CUDA storage synchronises the consumer's current stream "
+        "before torch drops its IPC reference, so dropping the tensor after enqueuing the "
+        "check waits for the check. The lane adds only a stream synchronize after that "
+        "(nothing is left to wait for by then); it guards the reuse of the producer's tensor."
+    )
 
     def available(self) -> str | None:
-        return None if _has_module("torch") else "torch is not installed"
+        if not _has_module("torch"):
+            return "torch is not installed"
+        return None if _has_module("cupy") else "cupy is not installed (the common kernels)"
 
     def prepare(self, ctx: Any) -> Lane:
         return with_copy(self, queue=ctx.Queue())
@@ -448,16 +673,11 @@ def _torch_or_skip(device: int) -> Any:
     return torch
 
 
-def check_tensor(t: Any, value: int, nelem: int, *, full: bool) -> bool:
-    """Like :func:`check_array` for a torch tensor."""
-    import torch
-
-    if t.numel() != nelem or t.dtype != torch.int32 or not t.is_cuda:
-        return False
-    if full:
-        return int((t != value).sum().item()) == 0
-    ends = t[:: max(nelem - 1, 1)].cpu()
-    return bool((ends == value).all().item())
+def _torch_work(torch: Any, device: int) -> GpuWork:
+    """:class:`GpuWork` on torch's current stream (the one torch's IPC events order)."""
+    cp = _cupy_or_skip()
+    ptr = int(torch.cuda.current_stream(device).cuda_stream)
+    return GpuWork(cp, device, external_stream(cp, ptr, device))
 
 
 class _TorchProducer(ProducerSide):
@@ -466,15 +686,17 @@ class _TorchProducer(ProducerSide):
     ) -> None:
         super().__init__()
         self.torch = _torch_or_skip(cfg.device)
+        self.work = _torch_work(self.torch, cfg.device)
         self.queue = queue
         self.t = self.torch.empty(
             _check_frame_size(nbytes), dtype=self.torch.int32, device=f"cuda:{cfg.device}"
         )
+        self.arr = _cupy_view(self.work.cp, self.t.data_ptr(), nbytes, self.t, cfg.device)
         self.done = _SocketDone(links, cfg.frame_timeout)
 
     def send(self, value: int) -> None:
-        self.t.fill_(value)
-        self.queue.put((value, self.t))
+        self.work.fill(self.arr, value)
+        self.queue.put((value, self.t))  # torch records its event when it pickles the tensor
 
     def wait_done(self, value: int, *, full: bool) -> None:
         self.done.wait()
@@ -482,32 +704,54 @@ class _TorchProducer(ProducerSide):
     def close(self) -> None:
         self.done.close()
         self.torch.cuda.synchronize()
+        del self.arr
         del self.t
 
 
 class _TorchConsumer(ConsumerSide):
     def __init__(self, queue: Any, link: Connection, cfg: BenchConfig, nbytes: int) -> None:
         self.torch = _torch_or_skip(cfg.device)
+        self.work = _torch_work(self.torch, cfg.device)
         self.queue = queue
+        self.nbytes = nbytes
         self.nelem = _check_frame_size(nbytes)
+        self.device = cfg.device
         self.timeout = cfg.frame_timeout
         self.sock = raw_socket(link)
         self.sock.settimeout(cfg.frame_timeout)
 
     def step(self, *, full: bool) -> tuple[int, bool]:
         value, t = self.queue.get(timeout=self.timeout)
-        ok = check_tensor(t, value, self.nelem, full=full)
-        del t
+        torch = self.torch
+        ok = bool(t.is_cuda and t.dtype == torch.int32 and t.numel() == self.nelem)
+        if ok:
+            a = _cupy_view(self.work.cp, t.data_ptr(), self.nbytes, t, self.device)
+            ok = check_frame(self.work, a, value, self.nelem, full=full)
+            del a
+        del t  # torch synchronises its current stream as it frees the received storage
+        # Needed for the producer's reuse of its tensor; finds nothing pending after torch's.
+        self.work.stream.synchronize()
         self.sock.sendall(_DONE)
         return int(value), ok
 
+    def flush_checks(self) -> int:
+        return self.work.flush()
+
     def close(self) -> None:
+        self.work.stream.synchronize()
         self.sock.close()
 
 
 # ======================================================== 5. cuda.core IPC
 def _cuda_core() -> Any:
-    """The cuda.core namespace with the IPC memory-resource API, or LaneUnavailable."""
+    """The cuda.core namespace with an IPC memory-resource API, or LaneUnavailable.
+
+    Two spellings exist: methods (``DeviceMemoryResource.get_allocation_handle()``,
+    ``Buffer.get_ipc_descriptor()``, in the experimental namespace) and properties
+    (``DeviceMemoryResource.allocation_handle``, ``Buffer.ipc_descriptor``, in
+    cuda.core 1.x); either is accepted (see :func:`_allocation_handle`,
+    :func:`_ipc_descriptor`).
+    """
     cc: Any = None
     errors = []
     for modname in ("cuda.core", "cuda.core.experimental"):
@@ -521,17 +765,13 @@ def _cuda_core() -> Any:
             break
     if cc is None:
         raise LaneUnavailable("cuda.core is not importable: " + "; ".join(errors))
-    need = {
-        "": ("Device", "DeviceMemoryResource", "DeviceMemoryResourceOptions", "Buffer"),
-        "DeviceMemoryResource": ("get_allocation_handle", "from_allocation_handle"),
-        "Buffer": ("from_ipc_descriptor",),
-    }
-    missing = []
-    for owner, names in need.items():
-        obj = getattr(cc, owner) if owner else cc
-        missing += [f"{owner}.{n}" if owner else n for n in names if not hasattr(obj, n)]
-    if not hasattr(cc.Buffer, "get_ipc_descriptor") and not hasattr(cc.Buffer, "ipc_descriptor"):
-        missing.append("Buffer.get_ipc_descriptor")
+    missing = [
+        n
+        for n in ("Device", "DeviceMemoryResource", "DeviceMemoryResourceOptions", "Buffer")
+        if not hasattr(cc, n)
+    ]
+    if not missing:
+        missing = ipc_api_missing(cc.DeviceMemoryResource, cc.Buffer)
     if missing:
         version = getattr(importlib.import_module("cuda.core"), "__version__", "?")
         raise LaneUnavailable(
@@ -540,25 +780,66 @@ def _cuda_core() -> Any:
     return cc
 
 
+def ipc_api_missing(mr_cls: Any, buffer_cls: Any) -> list[str]:
+    """What of the IPC API the classes lack, naming both spellings where either would do."""
+    missing = []
+    if not (hasattr(mr_cls, "allocation_handle") or hasattr(mr_cls, "get_allocation_handle")):
+        missing.append(
+            "DeviceMemoryResource.allocation_handle / DeviceMemoryResource.get_allocation_handle"
+        )
+    if not hasattr(mr_cls, "from_allocation_handle"):
+        missing.append("DeviceMemoryResource.from_allocation_handle")
+    if not hasattr(buffer_cls, "from_ipc_descriptor"):
+        missing.append("Buffer.from_ipc_descriptor")
+    if not (hasattr(buffer_cls, "ipc_descriptor") or hasattr(buffer_cls, "get_ipc_descriptor")):
+        missing.append("Buffer.ipc_descriptor / Buffer.get_ipc_descriptor")
+    return missing
+
+
+def _allocation_handle(mr: Any) -> tuple[Any, bool]:
+    """``(handle, owned_by_caller)``: the memory resource's shareable allocation handle.
+
+    cuda.core 1.x caches the handle in the resource (a property; the resource
+    closes it); the older method returned one for the caller to close.
+    """
+    getter = getattr(type(mr), "get_allocation_handle", None)
+    if callable(getter):
+        return mr.get_allocation_handle(), True
+    return mr.allocation_handle, False
+
+
 def _ipc_descriptor(buf: Any) -> Any:
-    getter = getattr(buf, "get_ipc_descriptor", None)
-    return getter() if callable(getter) else buf.ipc_descriptor
+    getter = getattr(type(buf), "get_ipc_descriptor", None)
+    return buf.get_ipc_descriptor() if callable(getter) else buf.ipc_descriptor
+
+
+def _handle_fd(handle: Any) -> int:
+    inner = getattr(handle, "handle", None)
+    return int(inner) if inner is not None else int(handle)
 
 
 class CudaCoreLane(Lane):
     """cuda.core IPC-enabled memory pool; a buffer descriptor sent per frame.
 
-    The producer maps its pool into the consumer once (``get_allocation_handle``
-    / ``from_allocation_handle``), keeps one buffer, and sends its IPC descriptor
+    The producer maps its pool into the consumer once (allocation handle /
+    ``from_allocation_handle``), keeps one buffer, and sends its IPC descriptor
     with each frame; the consumer imports it (``Buffer.from_ipc_descriptor``),
-    verifies and closes it per frame.
+    checks it and closes it per frame.
     """
 
     name = "cuda_core"
     title = "cuda.core IPC buffers"
+    sync_note = (
+        "two per frame, both needed: a buffer descriptor carries no ordering, so the "
+        "producer waits for its fill before it sends it, and the consumer waits for its "
+        "check (after the stream-ordered close of the imported buffer) before it answers, "
+        "since the producer then rewrites the same buffer."
+    )
 
     def available(self) -> str | None:
-        return None if _has_module("cuda.core") else "cuda-core is not installed"
+        if not _has_module("cuda.core"):
+            return "cuda-core is not installed"
+        return None if _has_module("cupy") else "cupy is not installed (the common kernels)"
 
     def open_producer(
         self, links: Sequence[Connection], cfg: BenchConfig, nbytes: int
@@ -567,6 +848,13 @@ class CudaCoreLane(Lane):
 
     def open_consumer(self, link: Connection, cfg: BenchConfig, nbytes: int) -> ConsumerSide:
         return _CoreConsumer(link, cfg, nbytes)
+
+
+def _close_quietly(obj: Any) -> None:
+    close = getattr(obj, "close", None)
+    if callable(close):
+        with contextlib.suppress(Exception):
+            close()
 
 
 class _CoreProducer(ProducerSide):
@@ -581,41 +869,49 @@ class _CoreProducer(ProducerSide):
         dev = cc.Device(cfg.device)
         dev.set_current()
         self.stream = dev.create_stream()
+        self.work = GpuWork(
+            cp, cfg.device, external_stream(cp, int(self.stream.handle), cfg.device)
+        )
         opts = cc.DeviceMemoryResourceOptions(ipc_enabled=True, max_size=2 * nbytes + 64 * MiB)
         self.mr = cc.DeviceMemoryResource(dev, options=opts)
+        self.alloc_handle: Any = None
+        self.buf: Any = None
         if not getattr(self.mr, "is_ipc_enabled", True):
             raise LaneUnavailable("cuda.core made a memory resource that is not IPC-enabled")
-        self.alloc_handle = self.mr.get_allocation_handle()
+        handle, owned = _allocation_handle(self.mr)
+        if owned:
+            self.alloc_handle = handle
         self.link.send_bytes(b"mr")
-        send_handle(self.link, int(getattr(self.alloc_handle, "handle", self.alloc_handle)), 0)
+        send_handle(self.link, _handle_fd(handle), 0)
         self.buf = self.mr.allocate(nbytes, stream=self.stream)
         self.stream.sync()
         self.arr = _cupy_view(cp, int(self.buf.handle), nbytes, self.buf, cfg.device)
 
     def send(self, value: int) -> None:
-        self.arr.fill(value)
-        self.cp.cuda.get_current_stream().synchronize()
+        self.work.fill(self.arr, value)
+        # Needed: the descriptor carries no event; the consumer may read at once.
+        self.stream.sync()
         self.link.send((value, _ipc_descriptor(self.buf)))
 
     def wait_done(self, value: int, *, full: bool) -> None:
         expect(self.link, _DONE, self.timeout)
 
     def close(self) -> None:
-        del self.arr
+        with contextlib.suppress(AttributeError):
+            del self.arr
         self.cp.cuda.runtime.deviceSynchronize()
-        self.buf.close(self.stream)
-        self.stream.sync()
+        if self.buf is not None:
+            self.buf.close(self.stream)
+            self.stream.sync()
         for obj in (self.alloc_handle, self.mr):
-            close = getattr(obj, "close", None)
-            if callable(close):
-                with contextlib.suppress(Exception):
-                    close()
+            if obj is not None:
+                _close_quietly(obj)
 
 
 class _CoreConsumer(ConsumerSide):
     def __init__(self, link: Connection, cfg: BenchConfig, nbytes: int) -> None:
         self.cc = cc = _cuda_core()
-        self.cp = _cupy_or_skip()
+        self.cp = cp = _cupy_or_skip()
         self.link = link
         self.timeout = cfg.frame_timeout
         self.nbytes = nbytes
@@ -624,6 +920,9 @@ class _CoreConsumer(ConsumerSide):
         dev = cc.Device(cfg.device)
         dev.set_current()
         self.stream = dev.create_stream()
+        self.work = GpuWork(
+            cp, cfg.device, external_stream(cp, int(self.stream.handle), cfg.device)
+        )
         expect(link, b"mr", self.timeout)
         fd = recv_handle(link)
         try:
@@ -639,19 +938,21 @@ class _CoreConsumer(ConsumerSide):
         buf = self.cc.Buffer.from_ipc_descriptor(self.mr, desc, stream=self.stream)
         try:
             a = _cupy_view(self.cp, int(buf.handle), self.nbytes, buf, self.device)
-            ok = check_array(a, value, self.nelem, full=full)
+            ok = check_frame(self.work, a, value, self.nelem, full=full)
             del a
         finally:
-            buf.close(self.stream)
+            buf.close(self.stream)  # stream-ordered: after the check
+        # Needed: the producer rewrites the same buffer once we answer.
+        self.stream.sync()
         self.link.send_bytes(_DONE)
         return int(value), ok
 
+    def flush_checks(self) -> int:
+        return self.work.flush()
+
     def close(self) -> None:
         self.stream.sync()
-        close = getattr(self.mr, "close", None)
-        if callable(close):
-            with contextlib.suppress(Exception):
-                close()
+        _close_quietly(self.mr)
 
 
 # ============================================================= 6. the floors
@@ -684,6 +985,7 @@ class SocketFloorLane(Lane):
 
     name = "socket_floor"
     title = "floor: bare Unix-socket round trip"
+    sync_note = "none: no GPU work; the consumer compares the message bytes on the host."
 
     def open_producer(
         self, links: Sequence[Connection], cfg: BenchConfig, nbytes: int
@@ -765,11 +1067,21 @@ class _SocketFloorConsumer(ConsumerSide):
 
 
 class InProcessFloorLane(Lane):
-    """The same fill kernel and verification in one process: no IPC at all."""
+    """The same fill kernel and the same check in one process: no IPC at all.
+
+    Per frame the producer enqueues the fill and the sampled check on one
+    stream and waits for neither; its round trip is the host cost of the GPU
+    work every lane does, and its throughput phase ends with the same
+    synchronisation and counter read as the consumers'.
+    """
 
     name = "inprocess_floor"
     title = "floor: same kernels, one process"
     processes = 1
+    sync_note = (
+        "none per frame: the fill and the check share one stream; the counter is read "
+        "(one synchronisation) at the end of each timed phase, as in every lane."
+    )
 
     def available(self) -> str | None:
         return None if _has_module("cupy") else "cupy is not installed"
@@ -785,16 +1097,22 @@ class _InProcessSide(ProducerSide):
         super().__init__()
         cp = _cupy_or_skip()
         self.nelem = _check_frame_size(nbytes)
-        self.arr = cp.empty(self.nelem, dtype=cp.int32)
+        self.work = GpuWork(cp, cfg.device)
+        with self.work.stream:
+            self.arr = cp.empty(self.nelem, dtype=cp.int32)
 
     def send(self, value: int) -> None:
-        self.arr.fill(value)
+        self.work.fill(self.arr, value)
 
     def wait_done(self, value: int, *, full: bool) -> None:
-        if not check_array(self.arr, value, self.nelem, full=full):
+        if not check_frame(self.work, self.arr, value, self.nelem, full=full):
             self.failures.append(f"value {value}: data does not hold it")
 
+    def flush_checks(self) -> int:
+        return self.work.flush()
+
     def close(self) -> None:
+        self.work.stream.synchronize()
         del self.arr
 
 
