@@ -69,14 +69,26 @@ def record(benchmark: Any):
     def _record(name: str, scale: float = 1.0) -> None:
         stats = getattr(benchmark, "stats", None)
         if stats is not None:
-            _medians[name] = stats.stats.median * scale
+            record_value(name, stats.stats.median * scale)
 
     return _record
 
 
 def record_value(name: str, seconds: float) -> None:
-    """Record a median measured outside pytest-benchmark (e.g. p50 of a latency series)."""
+    """Record a median measured outside pytest-benchmark (e.g. p50 of a latency series).
+
+    The summary file (``$BENCH_SUMMARY``) is rewritten at once, so a run cut
+    short by a timeout still leaves what it measured.
+    """
     _medians[name] = seconds
+    _write_summary()
+
+
+def _write_summary() -> None:
+    path = os.environ.get("BENCH_SUMMARY")
+    if path:
+        with open(path, "w") as f:
+            json.dump(_summary()[1], f, indent=2)
 
 
 def _summary() -> tuple[list[str], dict[str, Any]]:
@@ -108,7 +120,7 @@ def _summary() -> tuple[list[str], dict[str, Any]]:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    lines, out = _summary()
+    lines, _ = _summary()
     if not _medians:
         return
     terminalreporter.section("cupy_ipcpool benchmark medians and ratios")
@@ -120,7 +132,4 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             terminalreporter.write_line(f"{name:<40} {v * 1e6:12.2f} us")
     for line in lines:
         terminalreporter.write_line(line)
-    path = os.environ.get("BENCH_SUMMARY")
-    if path:
-        with open(path, "w") as f:
-            json.dump(out, f, indent=2)
+    _write_summary()

@@ -19,8 +19,8 @@ import cupy_ipcpool as cip
 
 MiB = 1 << 20
 SPAWN = mp.get_context("spawn")
-ROUNDS = 3000
-WARMUP = 300
+ROUNDS = 2000
+WARMUP = 200
 
 
 def _echo_consumer(address, ready):
@@ -88,7 +88,7 @@ def test_throughput(tmp_path, mib):
     import cupy as cp
 
     address = str(tmp_path / "tp.sock")
-    n = 20_000
+    n = 10_000
     with cip.IpcPool(8, mib * MiB) as pool, cip.Publisher(pool, address) as pub:
         procs = _start_consumers(address, 1)
         while len(pub.subscribers) < 1:
@@ -117,7 +117,7 @@ def test_fan_out(tmp_path, fan):
         procs = _start_consumers(address, fan)
         while len(pub.subscribers) < fan:
             pub.poll(0.05)
-        times = _round_trips(pub, 1500, (MiB,))
+        times = _round_trips(pub, 1000, (MiB,))
     for p in procs:
         p.join(30)
     p50, p99 = _summary(times)

@@ -44,7 +44,7 @@ def _kernels(cp: Any) -> tuple[Any, Any]:
     return camera, post
 
 
-def _consumer(address: str, mode: str, index: int, reports: Any) -> None:
+def _consumer(address: str, mode: str, index: int, shape: tuple[int, ...], reports: Any) -> None:
     """Consumer process: verify every received frame on the GPU, report stats."""
     try:
         import cupy as cp
@@ -54,7 +54,7 @@ def _consumer(address: str, mode: str, index: int, reports: Any) -> None:
         camera, post = _kernels(cp)
         received = 0
         errors = cp.zeros((), dtype=cp.int64)
-        _warm_up(cp, camera, post, errors)
+        _warm_up(cp, camera, post, errors, shape)
         latencies: list[int] = []
         last_report = time.monotonic()
         with cip.subscribe(address, mode=mode) as sub:
@@ -82,9 +82,13 @@ def _consumer(address: str, mode: str, index: int, reports: Any) -> None:
         reports.put(("error", index, f"{type(exc).__name__}: {exc}"))
 
 
-def _warm_up(cp: Any, camera: Any, post: Any, errors: Any) -> None:
-    """Compile every kernel the loop uses before timing starts (NVRTC takes seconds)."""
-    a = cp.empty(256, dtype=cp.uint8)
+def _warm_up(cp: Any, camera: Any, post: Any, errors: Any, shape: tuple[int, ...]) -> None:
+    """Compile every kernel the loop uses before timing starts (NVRTC takes seconds).
+
+    CuPy compiles elementwise kernels per dtype and number of dimensions, so
+    the warm-up uses arrays of the frame's shape.
+    """
+    a = cp.empty(shape, dtype=cp.uint8)
     b = cp.empty_like(a)
     camera(cp.uint32(0), a)
     camera(cp.uint32(0), b)
@@ -129,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     reports = ctx.Queue()
     procs: list[Any] = []
     camera, post = _kernels(cp)
-    _warm_up(cp, camera, post, cp.zeros((), dtype=cp.int64))
+    _warm_up(cp, camera, post, cp.zeros((), dtype=cp.int64), shape)
     print(
         f"demo: {args.consumers} consumer(s), mode={args.mode}, frames {shape} uint8 "
         f"({frame_bytes / 2**20:.1f} MiB, x2 arrays), {args.slots} slots, {args.duration:g} s",
@@ -172,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
             cip.Publisher(pool, address) as pub,
         ):
             for i in range(args.consumers):
-                p = ctx.Process(target=_consumer, args=(address, args.mode, i, reports))
+                p = ctx.Process(target=_consumer, args=(address, args.mode, i, shape, reports))
                 p.start()
                 procs.append(p)
             deadline = time.monotonic() + 120
