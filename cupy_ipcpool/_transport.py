@@ -609,16 +609,16 @@ class FdServer:
         try:
             check_peer(conn, self.allowed_uids)
         except PeerRefusedError:
-            conn.sendall(bytes([STATUS_UID_REFUSED]))
+            _refuse(conn, STATUS_UID_REFUSED)
             return
         deadline = time.monotonic() + REQUEST_TIMEOUT_S
         head = _recv_exact(conn, len(MAGIC) + 1, deadline)
         if head[: len(MAGIC)] != MAGIC or head[-1] > MAX_TOKEN_LEN:
-            conn.sendall(bytes([STATUS_BAD_REQUEST]))
+            _refuse(conn, STATUS_BAD_REQUEST)
             return
         token = _recv_exact(conn, head[-1], deadline) if head[-1] else b""
         if not hmac.compare_digest(token, self._token):
-            conn.sendall(bytes([STATUS_BAD_TOKEN]))
+            _refuse(conn, STATUS_BAD_TOKEN)
             return
         conn.sendall(bytes([STATUS_OK]) + _COUNT.pack(len(self._fds)))
         for i in range(0, len(self._fds), FDS_PER_MESSAGE):
@@ -807,6 +807,22 @@ def _connect_error(exc: OSError, path: str) -> TransportError:
     else:
         msg = f"cannot connect to fd server {path}: {_errname(err)}: {exc.strerror}"
     return TransportError(err, msg)
+
+
+def _refuse(conn: socket.socket, status: int) -> None:
+    """Send a refusal and let the client read it.
+
+    Closing a Unix stream socket with unread data resets the connection, and
+    the client would then see ``ECONNRESET`` instead of the refusal; so the
+    server stops writing and reads what the client sent until it hangs up
+    (bounded by a short timeout).
+    """
+    conn.sendall(bytes([status]))
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_WR)
+        conn.settimeout(1.0)
+        while conn.recv(4096):
+            pass
 
 
 def _refusal(status: int, path: str) -> TransportError:

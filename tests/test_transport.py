@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -472,6 +473,7 @@ def test_fetch_fds_pidfd_opens_one_pidfd(memfds: list[int], monkeypatch: Any) ->
 
     pid = os.getpid()
     start = real_start(pid)
+    gc.collect()  # fds of earlier tests' garbage must not close during the counts below
     monkeypatch.setattr(_transport.os, "pidfd_open", counting_open)
     monkeypatch.setattr(_transport, "process_start_time", counting_start)
     before = _fd_count()
