@@ -33,6 +33,7 @@ from collections.abc import Iterable, Iterator
 from types import TracebackType
 from typing import Any
 
+from . import _driver
 from ._allocator import _Block, arena_for
 from ._arrays import SlotRef, cupy_module
 from ._errors import (
@@ -308,7 +309,7 @@ class Publisher:
         if self._closed:
             raise PoolClosedError("the Publisher is closed")
         pool = self._pool
-        if pool._closed or os.getpid() != pool._pid:
+        if pool._closed or pool._epoch != _driver._fork_epoch:
             pool._check()
         if self._transitions:
             self._sync_holds()

@@ -17,21 +17,38 @@ from typing import Any
 from ._errors import CudaError, CudaOutOfMemoryError, CudaUnavailableError, UnsupportedDeviceError
 
 _lock = threading.Lock()
-_state: dict[str, Any] = {}  # "mod": the driver module, "error": the reason it is unusable, "pid"
+_state: dict[str, Any] = {}  # "mod": the driver module, or "error": why it is unusable
+
+#: Bumped in every child created by ``fork``: objects remember the epoch they were
+#: made in and refuse to touch CUDA in another one (cheaper than ``getpid`` per call).
+_fork_epoch = 0
+
+
+def _after_fork_in_child() -> None:
+    global _fork_epoch, _lock
+    _fork_epoch += 1
+    _lock = threading.Lock()  # another thread may have held it at the fork
+    _state.clear()
+    _primary.clear()
+    _infos.clear()
+    _uuid_ordinals.clear()
+
+
+def fork_epoch() -> int:
+    """How many ``fork`` calls separate this process from the first one (0 there)."""
+    return _fork_epoch
 
 
 def _load() -> Any:
     """Import the binding and ``cuInit`` once per process; return the module."""
     mod = _state.get("mod")
-    if mod is not None and _state.get("pid") == os.getpid():
+    if mod is not None:
         return mod
     with _lock:
-        if _state.get("pid") == os.getpid():
-            if "error" in _state:
-                raise CudaUnavailableError(_state["error"])
+        if "error" in _state:
+            raise CudaUnavailableError(_state["error"])
+        if "mod" in _state:
             return _state["mod"]
-        _state.clear()
-        _state["pid"] = os.getpid()
         try:
             from cuda.bindings import driver
         except Exception as exc:  # ImportError and any binding-load failure
@@ -136,19 +153,18 @@ def use_device(ordinal: int) -> None:
         call("cuCtxSetCurrent", ctx)
 
 
-_primary: dict[tuple[int, int], Any] = {}
+_primary: dict[int, Any] = {}
 
 
 def _primary_context(ordinal: int) -> Any:
     """Retain (once per process) and return the primary context of ``ordinal``."""
-    key = (os.getpid(), ordinal)
-    ctx = _primary.get(key)
+    ctx = _primary.get(ordinal)
     if ctx is None:
         with _lock:
-            ctx = _primary.get(key)
+            ctx = _primary.get(ordinal)
             if ctx is None:
                 ctx = call("cuDevicePrimaryCtxRetain", get_device(ordinal))
-                _primary[key] = ctx
+                _primary[ordinal] = ctx
     return ctx
 
 
@@ -217,15 +233,14 @@ class DeviceInfo:
         return self.vmm and self.posix_fd and bool(self.granularity)
 
 
-_infos: dict[tuple[int, int], DeviceInfo] = {}
+_infos: dict[int, DeviceInfo] = {}
 
 
 def device_info(ordinal: int) -> DeviceInfo:
     """Name, UUID, memory and VMM / handle-type support of a device (cached per process)."""
-    key = (os.getpid(), ordinal)
-    info = _infos.get(key)
+    info = _infos.get(ordinal)
     if info is None:
-        info = _infos[key] = _query_device_info(ordinal)
+        info = _infos[ordinal] = _query_device_info(ordinal)
     return info
 
 
@@ -280,12 +295,12 @@ def require_vmm_device(ordinal: int) -> DeviceInfo:
     return info
 
 
-_uuid_ordinals: dict[tuple[int, bytes], int | None] = {}
+_uuid_ordinals: dict[bytes, int | None] = {}
 
 
 def ordinal_of_uuid(uuid: bytes) -> int | None:
     """Return the ordinal of the visible device with this UUID, or None (cached)."""
-    key = (os.getpid(), uuid)
+    key = uuid
     if key not in _uuid_ordinals:
         found = None
         for i in range(device_count()):
@@ -308,3 +323,6 @@ def mem_info(ordinal: int) -> tuple[int, int]:
     use_device(ordinal)
     free, total = call("cuMemGetInfo")
     return int(free), int(total)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -137,7 +137,7 @@ class PeerPool:
         self._desc = desc
         self._slots = slots
         self._device = device
-        self._pid = os.getpid()
+        self._epoch = _driver.fork_epoch()
         self._seen_generation = [0] * desc.num_slots
         self._geometry: dict[bytes, tuple[Any, ...]] = {}
         self._closed = False
@@ -172,7 +172,7 @@ class PeerPool:
     def _check(self) -> None:
         if self._closed:
             raise PoolClosedError("the PeerPool is closed")
-        if os.getpid() != self._pid:
+        if _driver._fork_epoch != self._epoch:
             raise ForkedProcessError(
                 "this PeerPool was attached in another process; attach again in the child"
             )

@@ -163,6 +163,7 @@ class IpcPool:
         self._alloc_nbytes = alloc_nbytes
         self._granularity = gran
         self._pid = os.getpid()
+        self._epoch = _driver.fork_epoch()
         self._pool_id = secrets.token_bytes(16)
         self._current = 0
         self._generation = [0] * num_slots
@@ -186,7 +187,7 @@ class IpcPool:
 
     # ------------------------------------------------------------------ state
     def _check(self) -> None:
-        if os.getpid() != self._pid:
+        if _driver._fork_epoch != self._epoch:
             raise ForkedProcessError(
                 f"this IpcPool was created in process {self._pid} and cannot be used in "
                 f"forked child {os.getpid()}: CUDA state does not survive fork; use the "

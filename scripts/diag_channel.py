@@ -104,9 +104,57 @@ def round_trip(gpu_work, producer_kernel, mib=1):
     return {k: round(_med(v), 1) for k, v in phases.items()}, cons
 
 
+SPIN = r"""
+extern "C" __global__ void spin(unsigned char* out, long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+    out[0] = 7;
+}
+"""
+
+
+def launch_consumer(address, q):
+    with cip.subscribe(address) as sub:
+        q.put("ready")
+        frame = sub.recv(timeout=60)
+        t0 = time.perf_counter_ns()
+        frame.array[:1] += 1  # a launch ordered after the producer's (still running) kernel
+        t1 = time.perf_counter_ns()
+        cp.cuda.get_current_stream().synchronize()
+        t2 = time.perf_counter_ns()
+        frame.release()
+        q.put(((t1 - t0) / 1e3, (t2 - t0) / 1e3))
+
+
+def launch_after_wait():
+    """Does a consumer's kernel launch block its host while the producer's kernel runs?"""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    address = os.path.join(tempfile.mkdtemp(), "s")
+    spin = cp.RawKernel(SPIN, "spin")
+    with cip.IpcPool(2, 1 << 20) as pool, cip.Publisher(pool, address) as pub:
+        p = ctx.Process(target=launch_consumer, args=(address, q))
+        p.start()
+        q.get(timeout=120)
+        while not pub.subscribers:
+            pub.poll(0.05)
+        with pub.frame() as f:
+            a = f.array((16,), cp.uint8)
+            clock_hz = cp.cuda.Device().attributes["ClockRate"] * 1000
+            spin((1,), (1,), (a, cp.int64(int(0.3 * clock_hz))))
+            f.publish(a)
+        del a
+        launch_us, done_us = q.get(timeout=60)
+        p.join(30)
+    return launch_us, done_us
+
+
 def main():
     print("event costs (us):", {k: round(v, 2) for k, v in event_costs().items()}, flush=True)
-    for gpu_work, kern in ((False, False), (False, True), (True, True)):
+    launch_us, done_us = launch_after_wait()
+    print(f"consumer launch after waiting on a running producer kernel (300 ms): host "
+          f"{launch_us:.0f} us for the launch, {done_us:.0f} us until done", flush=True)
+    for gpu_work, kern in ((False, False), (True, True)):
         ph, cons = round_trip(gpu_work, kern)
         print(f"round trip consumer_gpu={gpu_work} producer_kernel={kern}: {ph} "
               f"consumer work/release us={cons}", flush=True)
