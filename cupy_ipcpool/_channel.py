@@ -1,20 +1,22 @@
-"""Publish / subscribe frames between processes: leases, events, backpressure.
+"""Publish / subscribe frames between processes: leases, GPU-side ordering, backpressure.
 
-The GPU layer over :mod:`cupy_ipcpool._session` (sockets, leases) and
-:mod:`cupy_ipcpool._peer` (imports):
+The GPU layer over :mod:`cupy_ipcpool._session` (sockets, leases),
+:mod:`cupy_ipcpool._peer` (imports) and :mod:`cupy_ipcpool._syncpage`
+(cross-process ordering):
 
-* the producer's :class:`Publisher` owns one interprocess CUDA event per slot
-  (*frame events*) and, per subscriber, one per slot (*read events*).  The
-  WELCOME message carries the pool descriptor, the slot fds, and the handles of
-  both sets of events; the subscriber opens them once.
-* publishing records the slot's frame event on the producer's stream and sends
-  a FRAME message (seq, slot, event index, array handles, metadata); the
-  subscriber's stream waits on that event before its work touches the frame —
-  the host never blocks.
-* releasing records the subscriber's read event for the slot on its stream and
-  sends RELEASE; before the producer writes the slot again, its stream waits on
-  the read events of every subscriber that read it.  A slot is reused only when
-  all its leases are back and no local array refers to it.
+* the producer's :class:`Publisher` owns a :class:`SyncPage` of 32-bit flags
+  in shared device memory.  The WELCOME message carries the pool descriptor,
+  the slot fds and the page's fd, and the subscriber's index in the page.
+* publishing makes the producer's stream write the slot's generation into the
+  slot's frame flag (after the kernels that wrote the frame) and sends a FRAME
+  message (seq, slot, flag index, generation, array handles, metadata); the
+  subscriber's stream waits on that flag before its work touches the frame —
+  the GPU waits, the host never does.
+* releasing makes the subscriber's stream write the generation into its read
+  flag for the slot and sends RELEASE; before the producer writes the slot
+  again, its stream waits on the read flags of every subscriber that read it.
+  A slot is reused only when all its leases are back and no local array
+  refers to it.
 
 See ``docs/protocol.md`` for the sequence diagram.
 """
@@ -48,9 +50,8 @@ from ._handles import ArrayHandle, PoolDescriptor
 from ._peer import PeerPool, attach_fds
 from ._pool import IpcPool
 from ._session import PublisherCore, SubscriberCore, SubscriberInfo
+from ._syncpage import SyncPage
 
-#: Size of a CUDA interprocess event handle.
-EVENT_HANDLE_NBYTES = 64
 #: Most bytes of user metadata per frame.
 MAX_METADATA = 16384
 #: Most arrays per frame.
@@ -58,24 +59,13 @@ MAX_ARRAYS = 64
 #: Most slots a published pool may have (Linux passes at most 253 fds per message).
 MAX_CHANNEL_SLOTS = 253
 
-# WELCOME payload: descriptor length u32, num_slots u32, then descriptor bytes,
-# num_slots frame-event handles, num_slots read-event handles.
-_WELCOME_HEAD = struct.Struct("<II")
-# FRAME payload: event index u32, number of arrays u16, metadata length u16,
-# then the packed array handles, then the metadata.
-_FRAME_HEAD = struct.Struct("<IHH")
-
-
-def _event_flags(rt: Any) -> int:
-    return int(rt.eventDisableTiming | rt.eventInterprocess)
-
-
-def _destroy_events(rt: Any, events: Iterable[int]) -> None:
-    for ev in events:
-        try:
-            rt.eventDestroy(ev)
-        except Exception as exc:
-            warnings.warn(f"cudaEventDestroy failed: {exc}", TeardownWarning, stacklevel=2)
+# WELCOME payload: descriptor length u32, num_slots u32, max_subscribers u32, this
+# subscriber's index in the sync page u32, sync page bytes u64, then the descriptor.
+# Its fds: one per slot, then the sync page's.
+_WELCOME_HEAD = struct.Struct("<IIIIQ")
+# FRAME payload: flag index u32 (the slot), generation u32 (low bits), number of
+# arrays u16, metadata length u16, then the packed array handles, then the metadata.
+_FRAME_HEAD = struct.Struct("<IIHH")
 
 
 # ----------------------------------------------------------------------- producer
@@ -109,7 +99,7 @@ class PublishFrame:
     def publish(self, *arrays: Any, metadata: bytes = b"") -> int:
         """Publish ``arrays`` (all in this frame's slot) with ``metadata``; return the seq.
 
-        The frame event is recorded on the stream given to :meth:`Publisher.frame`
+        The frame flag is set on the stream given to :meth:`Publisher.frame`
         (default: CuPy's current stream at publish time).
         """
         if self.seq is not None:
@@ -170,25 +160,19 @@ class Publisher:
             )
         cp = cupy_module()
         self._cp = cp
-        self._rt = rt = cp.cuda.runtime
         self._pool = pool
         self._device = pool.device
         self._lock = threading.Lock()
-        self._read_events: dict[int, list[int]] = {}
+        self._indices: dict[int, int] = {}  # sub_id -> row of read flags in the sync page
+        self._next_index = 0
+        self._max_subscribers = max_subscribers
         self._closed = False
         self._writing: int | None = None
-        with cp.cuda.Device(self._device):
-            self._frame_events: list[int] = []
-            try:
-                for _ in range(n):
-                    self._frame_events.append(rt.eventCreateWithFlags(_event_flags(rt)))
-                handles = b"".join(rt.ipcGetEventHandle(ev) for ev in self._frame_events)
-            except BaseException:
-                _destroy_events(rt, self._frame_events)
-                raise
+        self._published = [0] * n  # generation of each slot's last published frame
+        self._sync = sync = SyncPage.create(n, max_subscribers, self._device)
         desc = pool.descriptor(transport="pidfd").to_bytes()
-        self._welcome_head = _WELCOME_HEAD.pack(len(desc), n) + desc + handles
-        self._slot_fds = [pool.fd(i) for i in range(n)]
+        self._desc_bytes = desc
+        self._welcome_fds = [pool.fd(i) for i in range(n)] + [sync.fd]
         try:
             self._core = PublisherCore(
                 address,
@@ -200,7 +184,7 @@ class Publisher:
                 send_timeout=send_timeout,
             )
         except BaseException:
-            _destroy_events(rt, self._frame_events)
+            sync.close()
             raise
         self.address = self._core.address
         book = self._core.lease_book
@@ -212,40 +196,35 @@ class Publisher:
         for slot in range(n):
             if refs.counts[slot]:
                 book.hold(slot)
-        self._finalizer = weakref.finalize(
-            self,
-            _close_publisher,
-            self._core,
-            rt,
-            self._frame_events,
-            self._read_events,
-            pool,
-            self._device,
-        )
+        self._finalizer = weakref.finalize(self, _close_publisher, self._core, sync, pool)
 
     # -- accept thread / callbacks --
 
     def _welcome(self, info: SubscriberInfo) -> tuple[bytes, list[int]]:
-        rt = self._rt
-        events: list[int] = []
-        with self._cp.cuda.Device(self._device):
-            try:
-                for _ in range(self._pool.num_slots):
-                    events.append(rt.eventCreateWithFlags(_event_flags(rt)))
-                handles = b"".join(rt.ipcGetEventHandle(ev) for ev in events)
-            except BaseException:
-                _destroy_events(rt, events)
-                raise
+        # Rows are handed out round-robin, so a departed subscriber's row is reused
+        # as late as possible (its last flag writes may still be in flight).
         with self._lock:
-            self._read_events[info.sub_id] = events
-        return self._welcome_head + handles, self._slot_fds
+            used = set(self._indices.values())
+            for step in range(self._max_subscribers):
+                index = (self._next_index + step) % self._max_subscribers
+                if index not in used:
+                    break
+            else:
+                raise RuntimeError("no free subscriber row in the sync page")
+            self._next_index = index + 1
+            self._indices[info.sub_id] = index
+        head = _WELCOME_HEAD.pack(
+            len(self._desc_bytes),
+            self._pool.num_slots,
+            self._max_subscribers,
+            index,
+            self._sync.alloc.size,
+        )
+        return head + self._desc_bytes, self._welcome_fds
 
     def _on_leave(self, info: SubscriberInfo) -> None:
         with self._lock:
-            events = self._read_events.pop(info.sub_id, None)
-        if events:
-            with self._cp.cuda.Device(self._device):
-                _destroy_events(self._rt, events)
+            self._indices.pop(info.sub_id, None)
 
     # -- state --
 
@@ -296,9 +275,9 @@ class Publisher:
 
         A slot is free when no subscriber holds a lease on it and no local
         array refers to it.  ``stream`` (default: CuPy's current stream) is
-        made to wait on the read events of every subscriber that read the
-        slot, so work enqueued on it afterwards cannot overwrite data a reader
-        is still using; the host does not block.
+        made to wait (on the GPU) for the read flags of every subscriber that
+        read the slot, so work enqueued on it afterwards cannot overwrite data
+        a reader is still using; the host does not block.
 
         Raises
         ------
@@ -318,15 +297,17 @@ class Publisher:
         while counts[slot]:  # an array appeared in that slot since the last sync
             self._sync_holds()
             slot, readers = self._core.acquire(timeout)
-        pool._take(slot)
         if readers:
+            # every reader wrote the generation it was sent into its read flag on release
+            last = self._published[slot]
             sptr = (self._cp.cuda.get_current_stream() if stream is None else stream).ptr
-            rt = self._rt
-            read_events = self._read_events
+            sync = self._sync
+            indices = self._indices
             for sub_id in readers:
-                events = read_events.get(sub_id)
-                if events is not None:
-                    rt.streamWaitEvent(sptr, events[slot])
+                index = indices.get(sub_id)
+                if index is not None:
+                    sync.wait(sptr, sync.read_flag(index, slot), last)
+        pool._take(slot)
         self._writing = slot
         return slot
 
@@ -357,9 +338,9 @@ class Publisher:
     def publish(self, *arrays: Any, metadata: bytes = b"", stream: Any = None) -> int:
         """Publish ``arrays`` (all in the slot taken by :meth:`acquire`) as one frame.
 
-        Records the slot's frame event on ``stream`` (default: CuPy's current
-        stream; it must be the stream that wrote the arrays, or one ordered
-        after it) and sends the frame to the subscribers that take it.
+        Makes ``stream`` (default: CuPy's current stream; it must be the stream
+        that wrote the arrays, or one ordered after it) set the slot's frame
+        flag after that work, and sends the frame to the subscribers that take it.
 
         Returns
         -------
@@ -390,7 +371,7 @@ class Publisher:
         base = pool._ptrs[slot]
         limit = pool.slot_nbytes
         generation = pool._generation[slot]
-        parts = [_FRAME_HEAD.pack(slot, len(arrays), len(metadata))]
+        parts = [_FRAME_HEAD.pack(slot, generation & 0xFFFFFFFF, len(arrays), len(metadata))]
         for a in arrays:
             offset = a.data.ptr - base
             if not 0 <= offset < limit:
@@ -409,7 +390,8 @@ class Publisher:
             parts.append(handle.pack())
         parts.append(metadata)
         sptr = (self._cp.cuda.get_current_stream() if stream is None else stream).ptr
-        self._rt.eventRecord(self._frame_events[slot], sptr)
+        self._sync.write(sptr, self._sync.frame_flag(slot), generation)
+        self._published[slot] = generation
         if self._transitions:
             self._sync_holds()
         seq = self._core.publish(slot, b"".join(parts))
@@ -428,15 +410,15 @@ class Publisher:
     # -- teardown --
 
     def close(self, timeout: float = 5.0) -> None:
-        """Say goodbye to every subscriber, close the socket, destroy the events.
+        """Say goodbye to every subscriber, close the socket, free the sync page.
 
         Subscribers get a clean end of stream after the frames already sent;
         frames they hold stay readable (they mapped the memory themselves).
         ``close`` waits up to ``timeout`` seconds for every subscriber to
-        disconnect, because they may still order their work on this
-        publisher's events until then.  If some are still connected after
-        that, the events are kept (leaked, with a :class:`TeardownWarning`)
-        rather than destroyed under them.  Idempotent; never raises.
+        disconnect, because their streams may still write and wait on the
+        shared sync page until then.  If some are still connected after that,
+        the page is kept mapped (leaked, with a :class:`TeardownWarning`)
+        rather than freed under them.  Idempotent; never raises.
         """
         if self._closed:
             return
@@ -444,15 +426,13 @@ class Publisher:
         all_gone = self._core.close(linger=timeout)
         if not all_gone:
             warnings.warn(
-                f"{len(self._read_events)} subscriber(s) still connected {timeout} s after "
-                "the publisher said goodbye; its CUDA events are leaked so that they do not "
-                "wait on destroyed events",
+                f"subscribers still connected {timeout} s after the publisher said goodbye; "
+                "the shared sync page is kept mapped (leaked) rather than freed under them",
                 TeardownWarning,
                 stacklevel=2,
             )
-            self._frame_events.clear()
-            self._read_events.clear()
-        self._finalizer()
+        self._finalizer.detach()
+        _close_publisher(self._core, self._sync if all_gone else None, self._pool)
 
     def __enter__(self) -> Publisher:
         return self
@@ -466,14 +446,7 @@ class Publisher:
         self.close()
 
 
-def _close_publisher(
-    core: PublisherCore,
-    rt: Any,
-    frame_events: list[int],
-    read_events: dict[int, list[int]],
-    pool: IpcPool,
-    device: int,
-) -> None:
+def _close_publisher(core: PublisherCore, sync: SyncPage | None, pool: IpcPool) -> None:
     try:
         all_gone = core.close()
     except Exception as exc:  # pragma: no cover - core.close never raises
@@ -481,24 +454,10 @@ def _close_publisher(
         all_gone = False
     pool._lease_probe = None
     pool._mem.refs.transitions = None
-    if os.getpid() != pool._pid or not all_gone:
-        # Subscribers may still wait on these events for frames queued before the
-        # BYE; destroying an exported event under an importer is undefined
-        # behaviour, so they are leaked (a few bytes each) instead.
-        frame_events.clear()
-        read_events.clear()
-        return
-    try:
-        import cupy
-
-        with cupy.cuda.Device(device):
-            _destroy_events(rt, frame_events)
-            for events in read_events.values():
-                _destroy_events(rt, events)
-    except Exception as exc:
-        warnings.warn(f"destroying publisher events failed: {exc}", TeardownWarning, stacklevel=2)
-    frame_events.clear()
-    read_events.clear()
+    # Subscribers may still wait on the page for frames queued before the BYE:
+    # freeing it under them would be a dangling mapping, so it is leaked instead.
+    if sync is not None and all_gone and os.getpid() == pool._pid:
+        sync.close()
 
 
 # ----------------------------------------------------------------------- consumer
@@ -511,12 +470,15 @@ class _Lease:
     unmaps memory that a frame's arrays still use.
     """
 
-    __slots__ = ("__weakref__", "pin", "released", "seq", "slot", "subscriber")
+    __slots__ = ("__weakref__", "generation", "pin", "released", "seq", "slot", "subscriber")
 
-    def __init__(self, subscriber: Subscriber, seq: int, slot: int, pin: SlotRef) -> None:
+    def __init__(
+        self, subscriber: Subscriber, seq: int, slot: int, generation: int, pin: SlotRef
+    ) -> None:
         self.subscriber = subscriber
         self.seq = seq
         self.slot = slot
+        self.generation = generation
         self.pin = pin
         self.released = False
 
@@ -524,7 +486,7 @@ class _Lease:
         if self.released:
             return
         self.released = True
-        self.subscriber._release(self.seq, self.slot, stream)
+        self.subscriber._release(self.seq, self.slot, self.generation, stream)
 
     def __del__(self) -> None:
         if not self.released:
@@ -580,7 +542,7 @@ class Frame:
         return self._lease.released
 
     def release(self, stream: Any = None) -> None:
-        """Return the lease: record the read event on ``stream`` (default: current) and
+        """Return the lease: set the read flag on ``stream`` (default: current) and
         tell the producer.  Idempotent."""
         self._lease.release(stream)
 
@@ -610,11 +572,11 @@ class Subscriber:
     ) -> None:
         cp = cupy_module()
         self._cp = cp
-        self._rt = rt = cp.cuda.runtime
         self._closed = False
-        self._frame_events: list[int] = []
-        self._read_events: list[int] = []
         self._peer: PeerPool | None = None
+        self._sync: SyncPage | None = None
+        self._index = 0
+        self._streams: set[int] = set()  # streams this subscriber enqueued flag operations on
         self._core = SubscriberCore(
             address, mode=mode, credit=credit, timeout=timeout, allowed_uids=allowed_uids
         )
@@ -623,7 +585,7 @@ class Subscriber:
         try:
             if self._core.producer_pid > 0:
                 # readable once the producer exits: frames still queued then must not be
-                # used, their events died with it
+                # used, their flags will never be written
                 self._pidfd = os.pidfd_open(self._core.producer_pid)
                 self._alive.register(self._pidfd, select.POLLIN)
             self._setup(device)
@@ -634,12 +596,12 @@ class Subscriber:
         self.address = self._core.address
         self._finalizer = weakref.finalize(
             self,
-            Subscriber._teardown_parts,
+            _teardown_subscriber,
             self._core,
-            rt,
-            self._frame_events,
-            self._read_events,
+            self._sync,
             self._peer,
+            self._pidfd,
+            self._streams,
             os.getpid(),
         )
 
@@ -651,39 +613,36 @@ class Subscriber:
             n = core.num_slots
             if len(payload) < _WELCOME_HEAD.size:
                 raise ProtocolError("WELCOME payload too short")
-            desc_len, n_events = _WELCOME_HEAD.unpack_from(payload, 0)
-            want = _WELCOME_HEAD.size + desc_len + 2 * n * EVENT_HANDLE_NBYTES
-            if n_events != n or len(payload) != want:
+            desc_len, n_slots, max_subs, index, sync_nbytes = _WELCOME_HEAD.unpack_from(payload)
+            if (
+                n_slots != n
+                or len(payload) != _WELCOME_HEAD.size + desc_len
+                or not 0 <= index < max_subs <= 1 << 16
+                or len(fds) != n + 1
+            ):
                 raise ProtocolError(
-                    f"WELCOME payload of {len(payload)} bytes does not match {n} slots "
-                    f"and a {desc_len}-byte descriptor"
+                    f"WELCOME does not add up: {n_slots} slots (session says {n}), "
+                    f"{len(payload)} payload bytes for a {desc_len}-byte descriptor, "
+                    f"row {index} of {max_subs}, {len(fds)} fds"
                 )
-            pos = _WELCOME_HEAD.size
             try:
-                desc = PoolDescriptor.from_bytes(payload[pos : pos + desc_len])
+                desc = PoolDescriptor.from_bytes(payload[_WELCOME_HEAD.size :])
             except DescriptorError as exc:
                 raise ProtocolError(f"bad pool descriptor in WELCOME: {exc}") from None
-            if desc.num_slots != n or len(fds) != n:
-                raise ProtocolError(
-                    f"WELCOME announces {n} slots, the descriptor {desc.num_slots}, "
-                    f"and carries {len(fds)} fds"
-                )
-            pos += desc_len
+            if desc.num_slots != n:
+                raise ProtocolError(f"WELCOME announces {n} slots, the descriptor {desc.num_slots}")
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
-        self._peer = peer = attach_fds(desc, fds, device=device)
-        self._slots = peer._slots
-        rt = self._rt
-        with self._cp.cuda.Device(peer.device):
-            for i in range(n):
-                h = payload[pos + i * EVENT_HANDLE_NBYTES : pos + (i + 1) * EVENT_HANDLE_NBYTES]
-                self._frame_events.append(rt.ipcOpenEventHandle(bytes(h)))
-            pos += n * EVENT_HANDLE_NBYTES
-            for i in range(n):
-                h = payload[pos + i * EVENT_HANDLE_NBYTES : pos + (i + 1) * EVENT_HANDLE_NBYTES]
-                self._read_events.append(rt.ipcOpenEventHandle(bytes(h)))
+        sync_fd = fds.pop()
+        try:
+            self._peer = peer = attach_fds(desc, fds, device=device)
+            self._slots = peer._slots
+            self._sync = SyncPage.import_fd(sync_fd, sync_nbytes, n, max_subs, peer.device)
+        finally:
+            os.close(sync_fd)
+        self._index = index
 
     # -- state --
 
@@ -714,7 +673,7 @@ class Subscriber:
         """Wait for the next frame.
 
         ``stream`` (default: CuPy's current stream) is made to wait on the
-        producer's frame event; the host does not block for the GPU.
+        producer's frame flag (on the GPU); the host does not block.
 
         Raises
         ------
@@ -736,40 +695,47 @@ class Subscriber:
             self.close()
             raise EndOfStream(
                 f"the publisher (pid {self._core.producer_pid}) exited; frames still queued "
-                "are dropped (their events died with it)",
+                "are dropped (their flags will never be set)",
                 False,
             )
         seq, slot, payload = msg.seq, msg.slot, msg.payload
-        slots = self._slots
-        lease = _Lease(self, seq, slot, SlotRef(slots, slots.refs, slot))
         try:
             if len(payload) < _FRAME_HEAD.size:
                 raise ProtocolError(f"frame {seq}: payload too short")
-            event, count, meta_len = _FRAME_HEAD.unpack_from(payload, 0)
-            if event != slot:
-                raise ProtocolError(f"frame {seq} in slot {slot} names event {event}")
+            flag, generation, count, meta_len = _FRAME_HEAD.unpack_from(payload, 0)
+            if flag != slot:
+                raise ProtocolError(f"frame {seq} in slot {slot} names flag {flag}")
             if count > MAX_ARRAYS or meta_len > MAX_METADATA:
                 raise ProtocolError(f"frame {seq}: {count} arrays, {meta_len} metadata bytes")
+            slots = self._slots
+            lease = _Lease(self, seq, slot, generation, SlotRef(slots, slots.refs, slot))
             assert self._peer is not None
             try:
                 arrays, pos = self._peer.arrays_from_wire(payload, _FRAME_HEAD.size, count, lease)
             except DescriptorError as exc:
+                lease.released = True
                 raise ProtocolError(f"frame {seq}: {exc}") from None
             if len(payload) - pos != meta_len:
+                lease.released = True
                 raise ProtocolError(f"frame {seq}: metadata length does not match")
         except ProtocolError:
-            lease.released = True
             self.close()
             raise
         sptr = (self._cp.cuda.get_current_stream() if stream is None else stream).ptr
-        self._rt.streamWaitEvent(sptr, self._frame_events[slot])
+        self._streams.add(sptr)
+        sync = self._sync
+        assert sync is not None
+        sync.wait(sptr, sync.frame_flag(slot), generation)
         return Frame(seq, slot, tuple(arrays), bytes(payload[pos:]), lease)
 
-    def _release(self, seq: int, slot: int, stream: Any) -> None:
+    def _release(self, seq: int, slot: int, generation: int, stream: Any) -> None:
         if self._closed:
             return
         sptr = (self._cp.cuda.get_current_stream() if stream is None else stream).ptr
-        self._rt.eventRecord(self._read_events[slot], sptr)
+        self._streams.add(sptr)
+        sync = self._sync
+        assert sync is not None
+        sync.write(sptr, sync.read_flag(self._index, slot), generation)
         with contextlib.suppress(EndOfStream):  # the producer is gone: nobody to return it to
             self._core.release(seq, slot)
 
@@ -808,27 +774,9 @@ class Subscriber:
 
     def _teardown(self) -> None:
         self._closed = True
-        Subscriber._teardown_parts(
-            self._core, self._rt, self._frame_events, self._read_events, self._peer, os.getpid()
+        _teardown_subscriber(
+            self._core, self._sync, self._peer, self._pidfd, self._streams, os.getpid()
         )
-
-    @staticmethod
-    def _teardown_parts(
-        core: SubscriberCore,
-        rt: Any,
-        frame_events: list[int],
-        read_events: list[int],
-        peer: PeerPool | None,
-        pid: int,
-    ) -> None:
-        core.close()
-        if os.getpid() == pid:
-            _destroy_events(rt, frame_events)
-            _destroy_events(rt, read_events)
-        frame_events.clear()
-        read_events.clear()
-        if peer is not None:
-            peer.close()
 
     def __enter__(self) -> Subscriber:
         return self
@@ -840,6 +788,40 @@ class Subscriber:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _teardown_subscriber(
+    core: SubscriberCore,
+    sync: SyncPage | None,
+    peer: PeerPool | None,
+    pidfd: int,
+    streams: set[int],
+    pid: int,
+) -> None:
+    """Close a subscriber (also its finalizer); never raises."""
+    core.close()
+    if os.getpid() != pid:
+        return
+    producer_alive = True
+    if pidfd >= 0:
+        producer_alive = not select.select([pidfd], [], [], 0)[0]
+        with contextlib.suppress(OSError):
+            os.close(pidfd)
+    # Flag operations still queued on our streams must not hit an unmapped page.
+    # If the producer died, a queued wait may never be satisfied: keep the page
+    # mapped (leaked) rather than block here forever or unmap it under the GPU.
+    if sync is not None and producer_alive:
+        try:
+            import cupy
+
+            for sptr in streams:
+                cupy.cuda.runtime.streamSynchronize(sptr)
+            sync.close()
+        except Exception as exc:
+            warnings.warn(f"closing the sync page failed: {exc}", TeardownWarning, stacklevel=2)
+    streams.clear()
+    if peer is not None:
+        peer.close()
 
 
 def subscribe(

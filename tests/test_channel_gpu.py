@@ -67,13 +67,23 @@ def _ordering_consumer(address, q):
 
         with cip.subscribe(address) as sub:
             q.put(("ready",))
-            t0 = time.monotonic()
             frame = sub.recv(timeout=60)
-            host_s = time.monotonic() - t0
-            status = cp.cuda.runtime.eventQuery(sub._frame_events[frame.slot])
-            values = cp.asnumpy(frame.array)  # ordered after the producer's kernel
+            t_recv = time.monotonic()
+            doubled = frame.array * 2  # a kernel on the frame, ordered after the producer's
+            t_launch = time.monotonic()
+            values = cp.asnumpy(frame.array)
+            twice = cp.asnumpy(doubled)
             frame.release()
-            q.put(("result", int(status), host_s, int(values.min()), int(values.max())))
+            q.put(
+                (
+                    "result",
+                    t_recv,
+                    t_launch,
+                    int(values.min()),
+                    int(values.max()),
+                    bool((twice == 2 * values).all()),
+                )
+            )
     except BaseException:
         report_exception(q)
 
@@ -97,10 +107,17 @@ def test_consumer_sees_final_values_without_blocking_its_host(address):
             )
             f.publish(a)
         del a
-        _, status, _host_s, lo, hi = _get(q)
+        cp.cuda.Device(0).synchronize()
+        t_producer_done = time.monotonic()
+        _, t_recv, t_launch, lo, hi, doubled_ok = _get(q)
         proc.join(30)
-        assert status != 0, "the frame arrived only after the producer's kernel had finished"
-        assert lo == hi == 0xC0FFEE
+    # the consumer received the frame and launched work on it while the producer's
+    # kernel was still running: neither recv() nor the launch waited on the host
+    assert t_recv < t_producer_done
+    assert t_launch < t_producer_done
+    # and its GPU work saw only the final values
+    assert lo == hi == 0xC0FFEE
+    assert doubled_ok
 
 
 # ------------------------------------------------------------- content under load
