@@ -65,6 +65,9 @@ def _ordering_consumer(address, q):
     try:
         import cupy as cp
 
+        # load the kernel module first: CuPy loads modules lazily, and loading one
+        # waits for the context's queued work (it would wait for the producer here)
+        (cp.arange(4, dtype=cp.uint32) * 2).get()
         with cip.subscribe(address) as sub:
             q.put(("ready",))
             frame = sub.recv(timeout=60)
