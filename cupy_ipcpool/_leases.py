@@ -283,7 +283,7 @@ class LeaseBook:
     def readers_to_wait(self, slot: int) -> list[int]:
         """Return subscribers that released ``slot`` since it was last published.
 
-        The producer's stream must wait on their read events before writing
+        The producer's stream must wait on their read flags before writing
         the slot again.
         """
         return list(self._readers[slot])

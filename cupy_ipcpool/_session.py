@@ -664,7 +664,7 @@ class PublisherCore:
             A slot with no leases and no local holds.
         readers : list[int]
             Subscribers that read the slot since it was last published: the
-            producer must wait on their read events before writing it.
+            producer must wait on their read flags before writing it.
 
         Raises
         ------
