@@ -154,10 +154,11 @@ def _checking_consumer(address, mode, frames_wanted, slow, q):
         report_exception(q)
 
 
-def _produce(pub, pool, n, nbytes=1 << 16, timeout=30.0):
+def _produce(pub, count, *, start=0, nbytes=1 << 16, timeout=30.0):
+    """Publish frames ``start .. start + count - 1``, each filled with its sequence number."""
     import cupy as cp
 
-    for seq in range(n):
+    for seq in range(start, start + count):
         with pub.frame(timeout=timeout) as f:
             a = f.array((nbytes // 4,), cp.uint32)
             a.fill(seq & 0xFFFFFFFF)
@@ -173,7 +174,7 @@ def test_held_slots_are_never_overwritten_under_load(address, mode):
         assert _get(q)[0] == "ready"
         _wait_subscribers(pub, 1)
         t0 = time.monotonic()
-        _produce(pub, pool, n, timeout=30.0 if mode == "block" else 0.5)
+        _produce(pub, n, timeout=30.0 if mode == "block" else 0.5)
         producer_s = time.monotonic() - t0
         pub.close()
         _, got, bad, seqs = _get(q)
@@ -203,7 +204,7 @@ def test_block_mode_backpressure_times_out_clearly(address):
         proc, q = _start(_holding_consumer, address, 2)
         assert _get(q)[0] == "ready"
         _wait_subscribers(pub, 1)
-        _produce(pub, pool, 2)
+        _produce(pub, 2)
         assert _get(q)[0] == "holding"
         with pytest.raises(cip.SlotBusyError, match="holds slots"):
             pub.acquire(timeout=0.3)
@@ -216,7 +217,7 @@ def test_subscriber_sigkill_returns_its_leases_within_a_second(address):
         proc, q = _start(_holding_consumer, address, 2)
         assert _get(q)[0] == "ready"
         _wait_subscribers(pub, 1)
-        _produce(pub, pool, 2)
+        _produce(pub, 2)
         assert _get(q)[0] == "holding"
         assert pub.leases(0) == pub.leases(1) == 1
         os.kill(proc.pid, signal.SIGKILL)
@@ -225,7 +226,7 @@ def test_subscriber_sigkill_returns_its_leases_within_a_second(address):
         assert time.monotonic() - t0 < 1.0
         assert pub.leases(slot) == 0 and not pub.subscribers
         proc.join(30)
-        _produce(pub, pool, 5)  # and the producer goes on
+        _produce(pub, 5)  # and the producer goes on
 
 
 def test_fan_out_to_four_and_late_subscriber(address):
@@ -235,11 +236,11 @@ def test_fan_out_to_four_and_late_subscriber(address):
         for _, q in children:
             assert _get(q)[0] == "ready"
         _wait_subscribers(pub, 4)
-        _produce(pub, pool, n)
+        _produce(pub, n)
         late = _start(_checking_consumer, address, "block", 0, False)
         assert _get(late[1])[0] == "ready"
         _wait_subscribers(pub, 5)
-        _produce_from(pub, n, 10)
+        _produce(pub, 10, start=n)
         pub.close()
         for proc, q in children:
             _, got, bad, seqs = _get(q)
@@ -248,17 +249,6 @@ def test_fan_out_to_four_and_late_subscriber(address):
         _, got, bad, seqs = _get(late[1])
         late[0].join(30)
         assert bad == [] and got == 10 and seqs == list(range(n, n + 10))
-
-
-def _produce_from(pub, start, count, nbytes=1 << 16):
-    import cupy as cp
-
-    for seq in range(start, start + count):
-        with pub.frame(timeout=30) as f:
-            a = f.array((nbytes // 4,), cp.uint32)
-            a.fill(seq)
-            f.publish(a, metadata=SEQ.pack(seq))
-        del a
 
 
 # --------------------------------------------------------------- producer death
@@ -313,7 +303,7 @@ def test_clean_close_ends_iteration(address):
         proc, q = _start(_checking_consumer, address, "block", 0, False)
         assert _get(q)[0] == "ready"
         _wait_subscribers(pub, 1)
-        _produce(pub, pool, 20)
+        _produce(pub, 20)
         pub.close()
         _, got, bad, _ = _get(q)
         proc.join(30)
