@@ -96,8 +96,9 @@ def round_trip(gpu_work, producer_kernel, mib=1):
                 pub.poll(None)
             t5 = time.perf_counter_ns()
             if i >= 200:
-                for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0),
-                                strict=True):
+                for k, v in zip(
+                    phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0), strict=True
+                ):
                     phases[k].append(v)
     cons = q.get(timeout=60)
     p.join(30)
@@ -152,12 +153,18 @@ def launch_after_wait():
 def main():
     print("event costs (us):", {k: round(v, 2) for k, v in event_costs().items()}, flush=True)
     launch_us, done_us = launch_after_wait()
-    print(f"consumer launch after waiting on a running producer kernel (300 ms): host "
-          f"{launch_us:.0f} us for the launch, {done_us:.0f} us until done", flush=True)
+    print(
+        f"consumer launch after waiting on a running producer kernel (300 ms): host "
+        f"{launch_us:.0f} us for the launch, {done_us:.0f} us until done",
+        flush=True,
+    )
     for gpu_work, kern in ((False, False), (True, True)):
         ph, cons = round_trip(gpu_work, kern)
-        print(f"round trip consumer_gpu={gpu_work} producer_kernel={kern}: {ph} "
-              f"consumer work/release us={cons}", flush=True)
+        print(
+            f"round trip consumer_gpu={gpu_work} producer_kernel={kern}: {ph} "
+            f"consumer work/release us={cons}",
+            flush=True,
+        )
     return 0
 
 

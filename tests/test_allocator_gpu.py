@@ -178,8 +178,11 @@ def test_handles_of_views_round_trip_through_a_second_process(cp, pool):
     queue = ctx.Queue()
     proc = ctx.Process(
         target=_child_read_handles,
-        args=(pool.descriptor(transport="pidfd").to_bytes(), [h.to_bytes() for h in handles],
-              queue),
+        args=(
+            pool.descriptor(transport="pidfd").to_bytes(),
+            [h.to_bytes() for h in handles],
+            queue,
+        ),
     )
     proc.start()
     result = queue.get(timeout=100)

@@ -21,8 +21,9 @@ def _has_driver() -> bool:
 @pytest.mark.skipif(_has_driver(), reason="a CUDA driver is present on this machine")
 @pytest.mark.parametrize("command", ["demo", "bench"])
 def test_gpu_commands_say_no_gpu_in_one_line_and_fail(command):
-    out = subprocess.run([sys.executable, "-m", "cupy_ipcpool", command], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "cupy_ipcpool", command], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode != 0
     lines = [line for line in out.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, out.stdout
@@ -30,8 +31,12 @@ def test_gpu_commands_say_no_gpu_in_one_line_and_fail(command):
 
 
 def test_help_lists_the_commands():
-    out = subprocess.run([sys.executable, "-m", "cupy_ipcpool", "--help"], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "cupy_ipcpool", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0
     for command in ("info", "demo", "bench"):
         assert command in out.stdout
