@@ -21,7 +21,6 @@ import os
 import select
 import socket
 import stat
-import struct
 import tempfile
 import threading
 import time
@@ -44,6 +43,7 @@ from cupy_ipcpool._errors import (
 )
 from cupy_ipcpool._leases import LeaseBook
 from cupy_ipcpool._protocol import Frame
+from cupy_ipcpool._transport import peer_credentials
 
 #: Seconds a connecting peer has to send its HELLO.
 HANDSHAKE_TIMEOUT = 5.0
@@ -52,17 +52,9 @@ MAX_FDS = 253
 #: Default credit of a ``"block"`` subscriber (informational; the ring bounds it).
 DEFAULT_BLOCK_CREDIT = 64
 
-_CRED = struct.Struct("3i")
 _POLLIN = select.POLLIN
 _POLLOUT = select.POLLOUT
 _RELEASE_RECV = proto.MAX_RELEASE_SIZE + 1  # one more byte so oversize messages fail to decode
-
-
-def _peer_cred(sock: socket.socket) -> tuple[int, int, int]:
-    """Return ``(pid, uid, gid)`` of the peer of a connected Unix socket (SO_PEERCRED)."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
-    pid, uid, gid = _CRED.unpack(raw)
-    return pid, uid, gid
 
 
 def _ms(timeout: float | None) -> int:
@@ -295,7 +287,7 @@ class _Acceptor:
                 self._current = None
 
     def _handshake(self, conn: socket.socket) -> None:
-        pid, uid, _gid = _peer_cred(conn)
+        pid, uid, _gid = peer_credentials(conn)
         conn.settimeout(HANDSHAKE_TIMEOUT)
         # Read the HELLO before any refusal: closing a Unix socket with unread data
         # resets the peer, which would then never see the REFUSE.
@@ -972,7 +964,7 @@ class SubscriberCore:
                 exc.errno or errno.EIO,
                 f"cannot connect to the publisher at {self.address}: {exc.strerror}{hint}",
             ) from None
-        self.producer_pid, self.producer_uid, _gid = _peer_cred(sock)
+        self.producer_pid, self.producer_uid, _gid = peer_credentials(sock)
         if self.producer_uid not in allowed:
             raise PeerRefusedError(
                 f"the publisher at {self.address} runs as uid {self.producer_uid}, "

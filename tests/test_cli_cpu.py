@@ -7,18 +7,10 @@ import sys
 
 import pytest
 
-from cupy_ipcpool import CudaUnavailableError, _driver
+from tests.skips import no_driver
 
 
-def _has_driver() -> bool:
-    try:
-        _driver.driver_module()
-    except CudaUnavailableError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(_has_driver(), reason="a CUDA driver is present on this machine")
+@no_driver
 @pytest.mark.parametrize("command", ["demo", "bench"])
 def test_gpu_commands_say_no_gpu_in_one_line_and_fail(command):
     out = subprocess.run(

@@ -12,17 +12,7 @@ import pytest
 import cupy_ipcpool as cip
 from cupy_ipcpool import _driver
 from cupy_ipcpool._vmm import UndoStack, round_up
-
-
-def _has_driver() -> bool:
-    try:
-        _driver.driver_module()
-    except cip.CudaUnavailableError:
-        return False
-    return True
-
-
-no_driver = pytest.mark.skipif(_has_driver(), reason="a CUDA driver is present on this machine")
+from tests.skips import no_driver
 
 
 def test_import_needs_no_gpu():
