@@ -160,26 +160,68 @@ class EndOfStream(IpcPoolError):
         return (type(self), (str(self), self.clean))
 
 
+class UsageError(IpcPoolError, ValueError):
+    """A call the library cannot accept: an argument out of range, or a call made
+    in the wrong state (``publish`` before ``acquire``, a frame published twice,
+    a released slot token used again).  Also a :class:`ValueError`."""
+
+
+class UsageTypeError(UsageError, TypeError):
+    """An argument of the wrong type.  Also a :class:`TypeError`."""
+
+
+class SlotIndexError(UsageError, IndexError):
+    """A slot index outside ``0 .. num_slots - 1``.  Also an :class:`IndexError`."""
+
+
 class TeardownWarning(RuntimeWarning):
     """Releasing a resource failed during teardown; the resource may have leaked."""
 
 
+class ChannelTimeoutError(IpcPoolError, TimeoutError):
+    """A channel step did not finish in time: no frame arrived, the handshake or a
+    release could not complete within the caller's timeout."""
+
+
+class EvictedError(EndOfStream):
+    """The publisher evicted this subscriber: it held a frame longer than the
+    publisher's ``lease_timeout``.
+
+    Every lease it held was taken back, so the slots of the frames it still
+    holds may already carry newer data: those frames must not be read any
+    more.  Frames it released before the eviction were intact up to their
+    release.  Raised on the subscriber's next call and on every later one;
+    subscribe again to resume.
+    """
+
+
+class LeaseStateError(IpcPoolError, RuntimeError):
+    """The lease accounting was misused by its owner: a slot published while
+    subscribers still hold it, or a local hold dropped that was never taken."""
+
+
 __all__ = [
+    "ChannelTimeoutError",
     "CudaError",
     "CudaOutOfMemoryError",
     "CudaUnavailableError",
     "DescriptorError",
     "EndOfStream",
+    "EvictedError",
     "ForkedProcessError",
     "IpcPoolError",
+    "LeaseStateError",
     "NotShareableError",
     "PeerRefusedError",
     "PoolClosedError",
     "ProtocolError",
     "SlotBusyError",
     "SlotFullError",
+    "SlotIndexError",
     "StaleHandleError",
     "TeardownWarning",
     "TransportError",
     "UnsupportedDeviceError",
+    "UsageError",
+    "UsageTypeError",
 ]

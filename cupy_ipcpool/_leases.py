@@ -5,23 +5,43 @@ is *free* when no subscriber holds a lease on it and the producer holds no local
 reference to it (``hold``/``unhold``); only free slots are handed out for
 writing.  Leases are created by :meth:`LeaseBook.publishing` and returned by
 :meth:`LeaseBook.release` or, all at once, by :meth:`LeaseBook.remove_subscriber`.
+
+Two rules keep ``"latest"`` subscribers from ever making the producer wait:
+each one's credit is capped at ``max_credit``, and together they never lease
+more than ``num_slots - latest_reserve`` slots, so ``latest_reserve`` slots stay
+out of their reach.  An eviction rule (:meth:`LeaseBook.overdue`) names the
+subscribers that hold a lease longer than a timeout; the clock is the caller's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cupy_ipcpool._errors import ProtocolError
+from cupy_ipcpool._errors import LeaseStateError, ProtocolError
 
 BLOCK = "block"
 LATEST = "latest"
+
+
+def default_latest_reserve(num_slots: int) -> int:
+    """Slots kept out of ``"latest"`` subscribers' reach: 2 (1 for a 2-slot ring, 0 for 1 slot).
+
+    Two, so that a producer which keeps the previous frame's arrays alive while
+    it writes the next one still finds a free slot.
+    """
+    return max(0, min(2, num_slots - 1))
+
+
+def default_max_credit(num_slots: int) -> int:
+    """Default cap on a subscriber's credit: ``num_slots - latest_reserve``, at least 1."""
+    return max(1, num_slots - default_latest_reserve(num_slots))
 
 
 @dataclass
 class _Subscriber:
     mode: str
     credit: int
-    leases: dict[int, int] = field(default_factory=dict)  # seq -> slot
+    leases: dict[int, int] = field(default_factory=dict)  # seq -> slot, oldest first
 
 
 class LeaseBook:
@@ -31,16 +51,40 @@ class LeaseBook:
     ----------
     num_slots:
         Number of slots in the ring (at least 1).
+    max_credit:
+        Cap on every subscriber's credit (default :func:`default_max_credit`);
+        a subscriber asking for more is granted this much.
+    latest_reserve:
+        Slots that ``"latest"`` subscribers together never lease (default
+        :func:`default_latest_reserve`).
 
     Notes
     -----
     Not thread-safe: the owner serialises calls.
     """
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(
+        self, num_slots: int, *, max_credit: int | None = None, latest_reserve: int | None = None
+    ) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be at least 1, not {num_slots}")
         self.num_slots = num_slots
+        if max_credit is None:
+            max_credit = default_max_credit(num_slots)
+        if max_credit < 1:
+            raise ValueError(f"max_credit must be at least 1, not {max_credit}")
+        if latest_reserve is None:
+            latest_reserve = default_latest_reserve(num_slots)
+        if not 0 <= latest_reserve < num_slots:
+            raise ValueError(f"latest_reserve must be in 0..{num_slots - 1}, not {latest_reserve}")
+        self.max_credit = int(max_credit)
+        self.latest_reserve = int(latest_reserve)
+        self._latest_budget = num_slots - self.latest_reserve
+        # Per slot: how many "latest" subscribers lease it; and how many slots have any.
+        self._latest_count: list[int] = [0] * num_slots
+        self._latest_slots = 0
+        # Per slot: when its current frame was published (the caller's clock).
+        self._since: list[float] = [0.0] * num_slots
         self._subs: dict[int, _Subscriber] = {}
         # Per slot: subscribers holding a lease on its current frame, and that frame's seq.
         self._holders: list[set[int]] = [set() for _ in range(num_slots)]
@@ -50,7 +94,7 @@ class LeaseBook:
 
     # -- subscribers -------------------------------------------------------
 
-    def add_subscriber(self, sub_id: int, mode: str, credit: int) -> None:
+    def add_subscriber(self, sub_id: int, mode: str, credit: int) -> int:
         """Register a subscriber.
 
         Parameters
@@ -62,7 +106,13 @@ class LeaseBook:
             ring size bounds its leases) or ``"latest"`` (receives a frame only
             while it holds fewer than ``credit`` leases).
         credit:
-            Most outstanding leases for a ``"latest"`` subscriber (at least 1).
+            Most outstanding leases for a ``"latest"`` subscriber (at least 1);
+            capped at ``max_credit``.
+
+        Returns
+        -------
+        int
+            The credit granted: ``min(credit, max_credit)``.
 
         Raises
         ------
@@ -75,7 +125,13 @@ class LeaseBook:
             raise ValueError(f"mode must be 'block' or 'latest', not {mode!r}")
         if credit < 1:
             raise ValueError(f"credit must be at least 1, not {credit}")
-        self._subs[sub_id] = _Subscriber(mode, credit)
+        granted = min(int(credit), self.max_credit)
+        self._subs[sub_id] = _Subscriber(mode, granted)
+        return granted
+
+    def granted_credit(self, credit: int) -> int:
+        """Return the credit a subscriber asking for ``credit`` is granted."""
+        return max(1, min(int(credit), self.max_credit))
 
     def remove_subscriber(self, sub_id: int) -> list[int]:
         """Forget a subscriber and return all its leases at once.
@@ -98,6 +154,8 @@ class LeaseBook:
             return []
         freed = []
         for slot in sorted(set(sub.leases.values())):
+            if sub.mode == LATEST:
+                self._latest_drop(slot)
             holders = self._holders[slot]
             holders.discard(sub_id)
             if not holders:
@@ -127,12 +185,12 @@ class LeaseBook:
 
         Raises
         ------
-        RuntimeError
+        LeaseStateError
             The slot has no local hold.
         """
         self._check_slot(slot)
         if self._holds[slot] == 0:
-            raise RuntimeError(f"unhold of slot {slot}, which has no local hold")
+            raise LeaseStateError(f"unhold of slot {slot}, which has no local hold")
         self._holds[slot] -= 1
         return self.is_free(slot)
 
@@ -142,12 +200,14 @@ class LeaseBook:
 
     # -- frames ------------------------------------------------------------
 
-    def publishing(self, slot: int, seq: int) -> list[int]:
+    def publishing(self, slot: int, seq: int, now: float = 0.0) -> list[int]:
         """Decide who receives frame ``seq`` in ``slot`` and record their leases.
 
         Every ``"block"`` subscriber receives it; a ``"latest"`` subscriber
-        receives it only while it holds fewer than ``credit`` leases.  The
-        slot's ``readers_to_wait`` list is cleared.
+        receives it only while it holds fewer than ``credit`` leases and the
+        ``"latest"`` subscribers together lease fewer than ``num_slots -
+        latest_reserve`` slots (or already lease this one).  The slot's
+        ``readers_to_wait`` list is cleared.
 
         Parameters
         ----------
@@ -156,6 +216,9 @@ class LeaseBook:
             arrays usually still live in the slot it publishes).
         seq:
             The frame's sequence number.
+        now:
+            The caller's clock, recorded as the start of these leases (for
+            :meth:`overdue`).
 
         Returns
         -------
@@ -164,27 +227,42 @@ class LeaseBook:
 
         Raises
         ------
-        RuntimeError
+        LeaseStateError
             The slot still has leases (a bug in the caller).
         """
         self._check_slot(slot)
         if self._holders[slot]:
-            raise RuntimeError(
+            raise LeaseStateError(
                 f"slot {slot} published while subscribers {sorted(self._holders[slot])} "
                 f"still hold frame {self._seq[slot]}"
             )
-        receivers = [
-            sub_id
-            for sub_id, sub in self._subs.items()
-            if sub.mode == BLOCK or len(sub.leases) < sub.credit
-        ]
+        receivers = []
+        latest_room = self._latest_slots < self._latest_budget
+        n_latest = 0
+        for sub_id, sub in self._subs.items():
+            if sub.mode == BLOCK:
+                receivers.append(sub_id)
+            elif latest_room and len(sub.leases) < sub.credit:
+                receivers.append(sub_id)
+                n_latest += 1
         for sub_id in receivers:
             self._subs[sub_id].leases[seq] = slot
         if receivers:
             self._holders[slot].update(receivers)
             self._seq[slot] = seq
+            self._since[slot] = now
+            if n_latest:
+                self._latest_count[slot] = n_latest
+                self._latest_slots += 1
         self._readers[slot].clear()
         return receivers
+
+    def _latest_drop(self, slot: int) -> None:
+        """One ``"latest"`` lease on ``slot`` ended."""
+        count = self._latest_count[slot] - 1
+        self._latest_count[slot] = count
+        if count == 0:
+            self._latest_slots -= 1
 
     def release(self, sub_id: int, seq: int, slot: int) -> bool:
         """Return subscriber ``sub_id``'s lease on frame ``seq`` in ``slot``.
@@ -216,6 +294,8 @@ class LeaseBook:
                 f"subscriber {sub_id} released frame {seq} as slot {slot}, but it is in slot {held}"
             )
         del sub.leases[seq]
+        if sub.mode == LATEST:
+            self._latest_drop(slot)
         holders = self._holders[slot]
         holders.discard(sub_id)
         readers = self._readers[slot]
@@ -246,6 +326,8 @@ class LeaseBook:
         if sub is None or sub.leases.get(seq) != slot:
             raise ProtocolError(f"subscriber {sub_id} holds no lease on frame {seq} in slot {slot}")
         del sub.leases[seq]
+        if sub.mode == LATEST:
+            self._latest_drop(slot)
         holders = self._holders[slot]
         holders.discard(sub_id)
         if holders:
@@ -279,6 +361,55 @@ class LeaseBook:
         """Return subscriber ``sub_id``'s leases as ``{seq: slot}``."""
         sub = self._subs.get(sub_id)
         return {} if sub is None else dict(sub.leases)
+
+    def credit(self, sub_id: int) -> int:
+        """Return subscriber ``sub_id``'s granted credit (0 when unknown)."""
+        sub = self._subs.get(sub_id)
+        return 0 if sub is None else sub.credit
+
+    def latest_leased_slots(self) -> int:
+        """Return how many slots carry a ``"latest"`` subscriber's lease."""
+        return self._latest_slots
+
+    # -- eviction rule -----------------------------------------------------
+
+    def oldest_lease(self, sub_id: int) -> float | None:
+        """Return when subscriber ``sub_id``'s oldest lease began (None: it holds none)."""
+        sub = self._subs.get(sub_id)
+        if sub is None or not sub.leases:
+            return None
+        return self._since[next(iter(sub.leases.values()))]
+
+    def overdue(self, now: float, timeout: float) -> list[int]:
+        """Return the subscribers holding a lease that began more than ``timeout`` before ``now``.
+
+        Parameters
+        ----------
+        now:
+            The caller's clock (the same one passed to :meth:`publishing`).
+        timeout:
+            Longest a lease may be held.
+
+        Returns
+        -------
+        list[int]
+            Subscriber ids to evict (with :meth:`remove_subscriber`), in id order.
+        """
+        since = self._since
+        limit = now - timeout
+        out = []
+        for sub_id, sub in self._subs.items():
+            if sub.leases and since[next(iter(sub.leases.values()))] < limit:
+                out.append(sub_id)
+        return sorted(out)
+
+    def next_expiry(self, timeout: float) -> float | None:
+        """Return the earliest time a lease held now becomes overdue (None: no leases)."""
+        since = self._since
+        starts = [
+            since[next(iter(sub.leases.values()))] for sub in self._subs.values() if sub.leases
+        ]
+        return min(starts) + timeout if starts else None
 
     def readers_to_wait(self, slot: int) -> list[int]:
         """Return subscribers that released ``slot`` since it was last published.
@@ -315,4 +446,4 @@ class LeaseBook:
             raise IndexError(f"slot {slot} is outside 0..{self.num_slots - 1}")
 
 
-__all__ = ["BLOCK", "LATEST", "LeaseBook"]
+__all__ = ["BLOCK", "LATEST", "LeaseBook", "default_latest_reserve", "default_max_credit"]

@@ -3,7 +3,7 @@
 Every message is one ``SOCK_SEQPACKET`` datagram, little-endian, and starts with
 the same 4-byte header::
 
-    magic u16 = 0x4950 ('IP')   version u8 = 1   type u8
+    magic u16 = 0x4950 ('IP')   version u8 = 2   type u8
 
 followed by a body whose layout depends on the type:
 
@@ -12,14 +12,17 @@ type      direction                   body
 ========  ==========================  =============================================
 HELLO=1   consumer -> producer        mode u8, credit u16, pid u32, len u32, payload
 WELCOME=2 producer -> consumer (+fds) sub_id u32, num_slots u32, next_seq u64,
-                                      len u32, payload
+                                      credit u16, lease_timeout_ms u32, len u32,
+                                      payload
 REFUSE=3  producer -> consumer        len u32, reason (UTF-8)
 FRAME=4   producer -> consumer        seq u64, slot u32, len u32, payload
 RELEASE=5 consumer -> producer        seq u64, slot u32
 BYE=6     either side                 (empty)
 ========  ==========================  =============================================
 
-Payloads are opaque bytes for the GPU layer.  :func:`decode` checks every field
+Version 2 added the granted credit and the lease timeout to WELCOME.  A
+REFUSE after the WELCOME means the subscriber was evicted.  Payloads are
+opaque bytes for the GPU layer.  :func:`decode` checks every field
 and raises only :class:`~cupy_ipcpool._errors.ProtocolError` on malformed input.
 """
 
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 from cupy_ipcpool._errors import ProtocolError
 
 MAGIC = 0x4950
-VERSION = 1
+VERSION = 2
 
 HELLO = 1
 WELCOME = 2
@@ -54,7 +57,7 @@ MAX_SLOTS = 1 << 20
 
 _HEADER = struct.Struct("<HBB")
 _HELLO = struct.Struct("<HBBBHII")
-_WELCOME = struct.Struct("<HBBIIQI")
+_WELCOME = struct.Struct("<HBBIIQHII")
 _REFUSE = struct.Struct("<HBBI")
 _FRAME = struct.Struct("<HBBQII")
 _RELEASE = struct.Struct("<HBBQI")
@@ -108,12 +111,19 @@ class Welcome:
         Lower bound of the first frame's sequence number this consumer receives.
     payload:
         Opaque bytes for the GPU layer (at most 1 MiB).
+    credit:
+        The credit the producer granted (at most the one asked for).
+    lease_timeout_ms:
+        Longest the producer lets this consumer hold a frame before evicting
+        it, in milliseconds; 0 = no limit.
     """
 
     sub_id: int
     num_slots: int
     next_seq: int
     payload: bytes = b""
+    credit: int = 1
+    lease_timeout_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -195,12 +205,20 @@ def encode_hello(mode: int, credit: int, pid: int, payload: bytes = b"") -> byte
     return _HELLO.pack(MAGIC, VERSION, HELLO, mode, credit, pid, len(payload)) + bytes(payload)
 
 
-def encode_welcome(sub_id: int, num_slots: int, next_seq: int, payload: bytes = b"") -> bytes:
+def encode_welcome(
+    sub_id: int,
+    num_slots: int,
+    next_seq: int,
+    payload: bytes = b"",
+    *,
+    credit: int = 1,
+    lease_timeout_ms: int = 0,
+) -> bytes:
     """Encode a WELCOME message (the caller attaches the slot fds).
 
     Parameters
     ----------
-    sub_id, num_slots, next_seq:
+    sub_id, num_slots, next_seq, credit, lease_timeout_ms:
         See :class:`Welcome`.
     payload:
         Opaque bytes, at most 1 MiB.
@@ -217,8 +235,22 @@ def encode_welcome(sub_id: int, num_slots: int, next_seq: int, payload: bytes = 
     """
     if not 1 <= num_slots <= MAX_SLOTS:
         raise ValueError(f"num_slots must be in 1..{MAX_SLOTS}, not {num_slots}")
+    if not 1 <= credit <= MAX_CREDIT:
+        raise ValueError(f"credit must be in 1..{MAX_CREDIT}, not {credit}")
+    if not 0 <= lease_timeout_ms <= _U32:
+        raise ValueError(f"lease_timeout_ms must be in 0..{_U32}, not {lease_timeout_ms}")
     _check_len("welcome payload", len(payload), MAX_WELCOME_PAYLOAD)
-    head = _WELCOME.pack(MAGIC, VERSION, WELCOME, sub_id, num_slots, next_seq, len(payload))
+    head = _WELCOME.pack(
+        MAGIC,
+        VERSION,
+        WELCOME,
+        sub_id,
+        num_slots,
+        next_seq,
+        credit,
+        lease_timeout_ms,
+        len(payload),
+    )
     return head + bytes(payload)
 
 
@@ -362,11 +394,15 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
     if kind == WELCOME:
         if n < _WELCOME.size:
             raise ProtocolError(f"truncated WELCOME ({n} bytes)")
-        _, _, _, sub_id, num_slots, next_seq, length = _WELCOME.unpack_from(data)
+        _, _, _, sub_id, num_slots, next_seq, credit, timeout_ms, length = _WELCOME.unpack_from(
+            data
+        )
         if not 1 <= num_slots <= MAX_SLOTS:
             raise ProtocolError(f"WELCOME num_slots {num_slots} is outside 1..{MAX_SLOTS}")
+        if credit < 1:
+            raise ProtocolError("WELCOME credit must be at least 1")
         payload = _payload(data, _WELCOME.size, length, MAX_WELCOME_PAYLOAD, "WELCOME")
-        return Welcome(sub_id, num_slots, next_seq, payload)
+        return Welcome(sub_id, num_slots, next_seq, payload, credit, timeout_ms)
     if kind == REFUSE:
         if n < _REFUSE.size:
             raise ProtocolError(f"truncated REFUSE ({n} bytes)")

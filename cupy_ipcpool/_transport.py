@@ -19,9 +19,15 @@ back to the socket on ``EPERM``/``ENOSYS``).
 Socket protocol (all integers big-endian)::
 
     request   b"FDS1" | u8 token_len (<= 64) | token
-    refusal   u8 status (1 = uid refused, 2 = bad token, 3 = bad request), then close
+    refusal   u8 status (1 = uid refused, 2 = bad token, 3 = bad request,
+              4 = too many connections from this uid, 5 = too slow), then close
     reply     u8 status (0) | u32 count, then ceil(count / 250) one-byte messages
               b"F", each carrying up to 250 fds in one SCM_RIGHTS message
+
+The client checks who serves the socket (``SO_PEERCRED``) before it sends the
+token; the server checks the client's uid as soon as it accepts, before it
+reads anything.  One thread serves every connection without blocking, each
+with one overall deadline, at most :data:`MAX_PENDING_PER_UID` per uid.
 """
 
 from __future__ import annotations
@@ -47,8 +53,11 @@ from types import TracebackType
 from cupy_ipcpool._errors import PeerRefusedError, TeardownWarning, TransportError
 
 __all__ = [
+    "Admission",
     "FdServer",
+    "bind_unix",
     "check_peer",
+    "connect_unix",
     "fetch_fds",
     "fetch_fds_over_socket",
     "peer_credentials",
@@ -73,11 +82,16 @@ STATUS_OK = 0
 STATUS_UID_REFUSED = 1
 STATUS_BAD_TOKEN = 2
 STATUS_BAD_REQUEST = 3
+STATUS_BUSY = 4
+STATUS_TOO_SLOW = 5
 
-#: How long the server waits for a client's request.
+#: Deadline of one connection to the server, from accept to the last fd sent.
 REQUEST_TIMEOUT_S = 5.0
-#: Most connections the server handles at once; further ones are closed at once.
-MAX_CONCURRENT_CONNECTIONS = 32
+#: Most connections of one uid the server serves at once; a further one makes
+#: the oldest of that uid go (it is told ``STATUS_BUSY``).
+MAX_PENDING_PER_UID = 8
+#: Listen backlog of the server.
+LISTEN_BACKLOG = 512
 
 _SYS_PIDFD_GETFD = {"x86_64": 438, "aarch64": 438, "arm64": 438}
 _COUNT = struct.Struct("!I")
@@ -398,30 +412,180 @@ def check_peer(sock: socket.socket, allowed_uids: frozenset[int]) -> tuple[int, 
     return pid, uid, gid
 
 
+class Admission:
+    """Connections waiting for something (a handshake, a request), per uid, each with a deadline.
+
+    A pure state machine (no I/O, no clock: the caller passes ``now``).  At most
+    ``per_uid`` connections of one uid wait at once: admitting one more makes
+    the oldest of that uid go, so an idle or hostile client of one uid can
+    never keep out a client of another uid, and keeps out a fresh client of its
+    own uid only for as long as that client is slower than the idle ones.
+
+    Parameters
+    ----------
+    per_uid:
+        Most waiting connections per uid (at least 1).
+    timeout:
+        Seconds each connection may wait, from admission.
+
+    Notes
+    -----
+    Keys are anything hashable (the I/O layer uses fds); remove a key before
+    its fd is closed, so a recycled fd number is never confused with it.
+    """
+
+    def __init__(self, per_uid: int, timeout: float) -> None:
+        if per_uid < 1:
+            raise ValueError(f"per_uid must be at least 1, not {per_uid}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be positive, not {timeout}")
+        self.per_uid = int(per_uid)
+        self.timeout = float(timeout)
+        self._entries: dict[object, tuple[int, float]] = {}  # key -> (uid, deadline), by age
+        self._by_uid: dict[int, dict[object, None]] = {}
+
+    def admit(self, key: object, uid: int, now: float) -> list[object]:
+        """Admit ``key`` for ``uid``; return the keys that must go to make room (oldest first).
+
+        Raises
+        ------
+        ValueError
+            ``key`` is already admitted.
+        """
+        if key in self._entries:
+            raise ValueError(f"{key!r} is already admitted")
+        same = self._by_uid.setdefault(uid, {})
+        evicted: list[object] = []
+        while len(same) >= self.per_uid:
+            oldest = next(iter(same))
+            self.remove(oldest)
+            evicted.append(oldest)
+        same = self._by_uid.setdefault(uid, {})
+        same[key] = None
+        self._entries[key] = (uid, now + self.timeout)
+        return evicted
+
+    def remove(self, key: object) -> bool:
+        """Forget ``key``; True if it was admitted."""
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return False
+        same = self._by_uid[entry[0]]
+        del same[key]
+        if not same:
+            del self._by_uid[entry[0]]
+        return True
+
+    def expired(self, now: float) -> list[object]:
+        """Remove and return the keys whose deadline has passed (oldest first)."""
+        out = []
+        for key, (_uid, deadline) in self._entries.items():
+            if deadline > now:
+                break  # admitted in order with one timeout: deadlines increase
+            out.append(key)
+        for key in out:
+            self.remove(key)
+        return out
+
+    def next_deadline(self) -> float | None:
+        """Return the earliest deadline (None when nothing waits)."""
+        for _uid, deadline in self._entries.values():
+            return deadline
+        return None
+
+    def count(self, uid: int | None = None) -> int:
+        """Return how many connections wait (of ``uid``, or in all)."""
+        if uid is None:
+            return len(self._entries)
+        return len(self._by_uid.get(uid, ()))
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def bind_unix(sock: socket.socket, address: str, mode: int) -> tuple[int, int]:
+    """Bind ``sock`` at ``address`` so that the file never exists with a wider mode than ``mode``.
+
+    The socket is bound inside a fresh 0700 directory (``mkdtemp``) next to
+    ``address``, chmod-ed to ``mode``, then hard-linked into place (renamed
+    where the file system has no hard links); ``EADDRINUSE`` if someone took
+    the path meanwhile.  When that temporary path would not fit ``sun_path``,
+    the socket's mode is set with ``fchmod`` before binding it in place
+    (Linux applies it to the new file).  The process umask is never changed.
+
+    Returns
+    -------
+    tuple[int, int]
+        ``(st_dev, st_ino)`` of the bound file, to recognise it at teardown.
+
+    Raises
+    ------
+    TransportError
+        ``EADDRINUSE`` when the path exists; the errno of a failing call
+        otherwise.
+    """
+    parent = os.path.dirname(os.path.abspath(address))
+    try:
+        tmpdir = tempfile.mkdtemp(prefix=".ipcp", dir=parent)
+    except OSError as exc:
+        raise TransportError(
+            exc.errno or errno.EIO, f"cannot create a directory next to {address}: {exc.strerror}"
+        ) from None
+    try:
+        tmp = os.path.join(tmpdir, "s")
+        if len(os.fsencode(tmp)) >= 108:
+            os.fchmod(sock.fileno(), mode)
+            _bind_or_raise(sock, address)
+            os.chmod(address, mode)
+        else:
+            _bind_or_raise(sock, tmp)
+            os.chmod(tmp, mode)
+            try:
+                os.link(tmp, address)
+            except FileExistsError:
+                raise TransportError(
+                    errno.EADDRINUSE, f"{address} was created by someone else while binding"
+                ) from None
+            except OSError as exc:
+                if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+                    raise TransportError(
+                        exc.errno or errno.EIO, f"cannot create {address}: {exc.strerror}"
+                    ) from None
+                # No hard links on this file system: move it into place instead.
+                if os.path.lexists(address):
+                    raise TransportError(
+                        errno.EADDRINUSE, f"{address} was created by someone else while binding"
+                    ) from None
+                os.rename(tmp, address)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+        st = os.lstat(address)
+        return st.st_dev, st.st_ino
+    finally:
+        with contextlib.suppress(OSError):
+            os.rmdir(tmpdir)
+
+
+def _bind_or_raise(sock: socket.socket, path: str) -> None:
+    try:
+        sock.bind(path)
+    except OSError as exc:
+        err = exc.errno or errno.EIO
+        if err == errno.EADDRINUSE:
+            raise TransportError(err, f"{path} exists; remove it or choose another path") from None
+        raise TransportError(err, f"cannot bind a socket at {path}: {exc.strerror}") from None
+
+
 def _check_token(token: bytes) -> bytes:
     if not isinstance(token, (bytes, bytearray)):
         raise TypeError(f"token must be bytes, not {type(token).__name__}")
     if len(token) > MAX_TOKEN_LEN:
         raise ValueError(f"token is {len(token)} bytes; at most {MAX_TOKEN_LEN} allowed")
     return bytes(token)
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    """Read exactly ``n`` bytes (no fds expected) before ``deadline``."""
-    buf = b""
-    while len(buf) < n:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("timed out")
-        sock.settimeout(remaining)
-        chunk, fds = recv_fds(sock, n - len(buf), 0)
-        if fds:  # unreachable with maxfds=0 (MSG_CTRUNC), kept for safety
-            _close_all(fds)
-            raise TransportError(errno.EPROTO, "unexpected fds from peer")
-        if not chunk:
-            raise EOFError
-        buf += chunk
-    return buf
 
 
 def _remove_files(path: str | None, ino: tuple[int, int] | None, directory: str | None) -> None:
@@ -446,14 +610,83 @@ def _remove_files(path: str | None, ino: tuple[int, int] | None, directory: str 
             )
 
 
+def _ms_until(deadline: float) -> int:
+    return max(0, int((deadline - time.monotonic()) * 1000.0) + 1)
+
+
+class _FdConn:
+    """One client connection of an :class:`FdServer` (owned by its serving thread)."""
+
+    __slots__ = ("buf", "fd", "out", "sock", "uid")
+
+    def __init__(self, sock: socket.socket, uid: int) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.uid = uid
+        self.buf = b""
+        self.out: list[tuple[bytes, list[int]]] = []
+
+    def read_request(self, token: bytes) -> int | None:
+        """Read what has arrived; return a status once the request is complete (None: wait).
+
+        Raises
+        ------
+        EOFError
+            The client hung up before its request was complete.
+        """
+        head = len(MAGIC) + 1
+        while True:
+            if len(self.buf) < head:
+                want = head - len(self.buf)
+            else:
+                want = head + self.buf[head - 1] - len(self.buf)
+            if want <= 0:
+                break
+            try:
+                chunk, fds = recv_fds(self.sock, want, 0)
+            except BlockingIOError:
+                return None
+            if fds:  # unreachable with maxfds=0 (MSG_CTRUNC), kept for safety
+                _close_all(fds)
+                return STATUS_BAD_REQUEST
+            if not chunk:
+                raise EOFError
+            self.buf += chunk
+            if len(self.buf) >= head and (
+                self.buf[: len(MAGIC)] != MAGIC or self.buf[head - 1] > MAX_TOKEN_LEN
+            ):
+                return STATUS_BAD_REQUEST
+        if not hmac.compare_digest(self.buf[head:], token):
+            return STATUS_BAD_TOKEN
+        return STATUS_OK
+
+
+def _refuse_now(sock: socket.socket, status: int) -> None:
+    """Tell a client ``status`` and close, without waiting for it.
+
+    What the client sent so far is read first (without waiting): closing a
+    Unix socket with unread data would reset the connection and the client
+    would see ``ECONNRESET`` instead of the status.
+    """
+    with contextlib.suppress(OSError):
+        sock.setblocking(False)
+        while sock.recv(4096):
+            pass
+    with contextlib.suppress(OSError):
+        sock.send(bytes([status]))
+    sock.close()
+
+
 class FdServer:
     """Serve a fixed list of fds over a Unix socket with ``SCM_RIGHTS``.
 
-    The exporter side of the socket transport.  A daemon thread accepts
-    connections; each one is handled in its own short-lived thread (at most
-    :data:`MAX_CONCURRENT_CONNECTIONS` at once, each with a
-    :data:`REQUEST_TIMEOUT_S` deadline), so a slow or malformed client never
-    stops the server from serving others.
+    The exporter side of the socket transport.  One daemon thread serves every
+    connection without blocking on any: the client's uid is checked as soon as
+    it is accepted (a refused uid is told so and closed, nothing is read from
+    it), each connection has one overall deadline of
+    :data:`REQUEST_TIMEOUT_S`, and at most :data:`MAX_PENDING_PER_UID`
+    connections of one uid are served at once (one more makes the oldest of
+    that uid go).  A slow, idle or malformed client never delays another.
 
     Parameters
     ----------
@@ -487,8 +720,9 @@ class FdServer:
     everyone else.  When other uids are allowed, the directory is 0711
     (traversable, not listable) and the socket 0666, so other users can
     connect; the uid check then rests on ``SO_PEERCRED`` (and the token).  The
-    socket is bound while its directory is still 0700 (or under a 0177 umask
-    when ``path`` is given), so it is never briefly more open than intended.
+    socket is bound while its directory is still 0700 (with ``path`` given:
+    in a fresh 0700 directory, then linked into place, see :func:`bind_unix`),
+    so it is never briefly more open than intended; the umask is not touched.
     With an explicit ``path`` the caller's directory must be traversable by
     the allowed uids.
     """
@@ -511,14 +745,14 @@ class FdServer:
         shared = self.allowed_uids != {euid}
         self._closed = False
         self._lock = threading.Lock()
-        self._conns: set[socket.socket] = set()
-        self._handlers: set[threading.Thread] = set()
-        self._slots = threading.BoundedSemaphore(MAX_CONCURRENT_CONNECTIONS)
+        self._admission = Admission(MAX_PENDING_PER_UID, REQUEST_TIMEOUT_S)
+        self._conns: dict[int, _FdConn] = {}  # owned by the serving thread
         self._dir: str | None = None
         self._sock: socket.socket | None = None
         self._wake_r = self._wake_w = -1
         self._ino: tuple[int, int] | None = None
         self._finalizer: weakref.finalize[..., FdServer] | None = None
+        self._thread: threading.Thread | None = None
         try:
             if path is None:
                 self._dir = tempfile.mkdtemp(prefix="cupy_ipcpool-")  # mode 0700
@@ -527,15 +761,16 @@ class FdServer:
                 self.path = os.fspath(path)
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._bind(shared)
-            # the accept thread keeps this object alive, so the finalizer is
+            # the serving thread keeps this object alive, so the finalizer is
             # what removes the files at interpreter exit if close() is forgotten
             self._finalizer = weakref.finalize(self, _remove_files, self.path, self._ino, self._dir)
             if self._dir is not None and shared:
                 os.chmod(self._dir, 0o711)
-            self._sock.listen(64)
+            self._sock.listen(LISTEN_BACKLOG)
+            self._sock.setblocking(False)
             self._wake_r, self._wake_w = os.pipe()
             self._thread = threading.Thread(
-                target=self._accept_loop, name=f"cupy_ipcpool-FdServer({self.path})", daemon=True
+                target=self._serve_loop, name=f"cupy_ipcpool-FdServer({self.path})", daemon=True
             )
             self._thread.start()
         except BaseException:
@@ -544,85 +779,132 @@ class FdServer:
 
     def _bind(self, shared: bool) -> None:
         assert self._sock is not None
-        try:
-            if self._dir is not None:
+        mode = 0o666 if shared else 0o600
+        if self._dir is not None:
+            try:
                 self._sock.bind(self.path)  # the directory is still 0700
-            else:
-                old = os.umask(0o177)
-                try:
-                    self._sock.bind(self.path)
-                finally:
-                    os.umask(old)
-        except OSError as exc:
-            raise TransportError(
-                exc.errno or errno.EIO, f"cannot bind fd server socket {self.path}: {exc.strerror}"
-            ) from exc
-        st = os.stat(self.path)
-        self._ino = (st.st_dev, st.st_ino)
-        os.chmod(self.path, 0o666 if shared else 0o600)
+            except OSError as exc:
+                raise TransportError(
+                    exc.errno or errno.EIO,
+                    f"cannot bind fd server socket {self.path}: {exc.strerror}",
+                ) from exc
+            os.chmod(self.path, mode)
+            st = os.stat(self.path)
+            self._ino = (st.st_dev, st.st_ino)
+        else:
+            self._ino = bind_unix(self._sock, self.path, mode)
 
     # -- serving ---------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
+    def _serve_loop(self) -> None:
+        """Accept, read requests and send replies for every client, never blocking on one."""
         assert self._sock is not None
+        listener = self._sock
         poller = select.poll()
-        poller.register(self._sock.fileno(), select.POLLIN)
+        poller.register(listener.fileno(), select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
-        while not self._closed:
-            events = poller.poll()
-            if self._closed or any(fd == self._wake_r for fd, _ in events):
-                return
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                if self._closed:
-                    return
-                time.sleep(0.01)  # e.g. EMFILE: do not spin
-                continue
-            if not self._slots.acquire(blocking=False):
-                conn.close()  # too many connections in flight
-                continue
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    self._slots.release()
-                    return
-                self._conns.add(conn)
-                t = threading.Thread(target=self._handle, args=(conn,), daemon=True)
-                self._handlers.add(t)
-            t.start()
-
-    def _handle(self, conn: socket.socket) -> None:
+        admission = self._admission
+        conns = self._conns
         try:
-            with conn:
-                self._serve(conn)
-        except Exception:
-            pass  # a broken client costs only its own connection
+            while not self._closed:
+                deadline = admission.next_deadline()
+                timeout = -1 if deadline is None else _ms_until(deadline)
+                try:
+                    events = poller.poll(timeout)
+                except InterruptedError:
+                    continue
+                if self._closed:
+                    return
+                for fd, ev in events:
+                    if fd == self._wake_r:
+                        return
+                    if fd == listener.fileno():
+                        self._accept_all(listener, poller)
+                        continue
+                    conn = conns.get(fd)
+                    if conn is not None:
+                        self._step(conn, ev, poller)
+                for fd in admission.expired(time.monotonic()):
+                    conn = conns.get(fd)  # type: ignore[call-overload]
+                    if conn is not None:
+                        self._finish(conn, poller, STATUS_TOO_SLOW)
         finally:
-            with self._lock:
-                self._conns.discard(conn)
-                self._handlers.discard(threading.current_thread())
-            self._slots.release()
+            for conn in list(conns.values()):
+                self._finish(conn, poller, None)
 
-    def _serve(self, conn: socket.socket) -> None:
-        conn.settimeout(REQUEST_TIMEOUT_S)
+    def _accept_all(self, listener: socket.socket, poller: select.poll) -> None:
+        for _ in range(64):  # then let the other connections have a turn
+            try:
+                sock, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    time.sleep(0.01)  # out of fds: do not spin on the queued connection
+                return
+            sock.setblocking(False)
+            try:
+                _pid, uid, _gid = peer_credentials(sock)
+            except OSError:
+                sock.close()
+                continue
+            if uid not in self.allowed_uids:
+                _refuse_now(sock, STATUS_UID_REFUSED)  # costs nothing: nothing is read or kept
+                continue
+            conn = _FdConn(sock, uid)
+            for fd in self._admission.admit(conn.fd, uid, time.monotonic()):
+                old = self._conns.get(fd)  # type: ignore[call-overload]
+                if old is not None:
+                    self._finish(old, poller, STATUS_BUSY)
+            self._conns[conn.fd] = conn
+            poller.register(conn.fd, select.POLLIN)
+            self._step(conn, select.POLLIN, poller)
+
+    def _step(self, conn: _FdConn, events: int, poller: select.poll) -> None:
+        """Advance one connection: read its request, or send more of its reply."""
         try:
-            check_peer(conn, self.allowed_uids)
-        except PeerRefusedError:
-            _refuse(conn, STATUS_UID_REFUSED)
-            return
-        deadline = time.monotonic() + REQUEST_TIMEOUT_S
-        head = _recv_exact(conn, len(MAGIC) + 1, deadline)
-        if head[: len(MAGIC)] != MAGIC or head[-1] > MAX_TOKEN_LEN:
-            _refuse(conn, STATUS_BAD_REQUEST)
-            return
-        token = _recv_exact(conn, head[-1], deadline) if head[-1] else b""
-        if not hmac.compare_digest(token, self._token):
-            _refuse(conn, STATUS_BAD_TOKEN)
-            return
-        conn.sendall(bytes([STATUS_OK]) + _COUNT.pack(len(self._fds)))
-        for i in range(0, len(self._fds), FDS_PER_MESSAGE):
-            send_fds(conn, b"F", self._fds[i : i + FDS_PER_MESSAGE])
+            if conn.out:
+                self._send_more(conn, poller)
+                return
+            if events & select.POLLIN or events & (select.POLLHUP | select.POLLERR):
+                status = conn.read_request(self._token)
+                if status is None:
+                    return  # wait for more bytes
+                if status != STATUS_OK:
+                    self._finish(conn, poller, status)
+                    return
+                conn.out = [(bytes([STATUS_OK]) + _COUNT.pack(len(self._fds)), [])]
+                for i in range(0, len(self._fds), FDS_PER_MESSAGE):
+                    conn.out.append((b"F", list(self._fds[i : i + FDS_PER_MESSAGE])))
+                self._send_more(conn, poller)
+        except (EOFError, OSError):
+            self._finish(conn, poller, None)
+
+    def _send_more(self, conn: _FdConn, poller: select.poll) -> None:
+        while conn.out:
+            data, fds = conn.out[0]
+            try:
+                sent = socket.send_fds(conn.sock, [data], fds) if fds else conn.sock.send(data)
+            except BlockingIOError:
+                poller.modify(conn.fd, select.POLLOUT)
+                return
+            if sent < len(data):
+                conn.out[0] = (data[sent:], [])  # the fds went with the first byte
+            else:
+                conn.out.pop(0)
+        self._finish(conn, poller, None)
+
+    def _finish(self, conn: _FdConn, poller: select.poll, status: int | None) -> None:
+        """Forget a connection, tell it ``status`` (if any) and close it."""
+        self._admission.remove(conn.fd)
+        if self._conns.get(conn.fd) is conn:
+            del self._conns[conn.fd]
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                poller.unregister(conn.fd)
+        if status is None:
+            conn.sock.close()
+        else:
+            _refuse_now(conn.sock, status)
 
     # -- teardown --------------------------------------------------------------
 
@@ -636,24 +918,16 @@ class FdServer:
             if self._closed:
                 return
             self._closed = True
-            conns = list(self._conns)
         if self._wake_w >= 0:
             with contextlib.suppress(OSError):
                 os.write(self._wake_w, b"x")
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-        thread = getattr(self, "_thread", None)
+        thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(5.0)
             if thread.is_alive():
                 warnings.warn(
-                    f"FdServer({self.path}): accept thread did not stop", TeardownWarning, 2
+                    f"FdServer({self.path}): serving thread did not stop", TeardownWarning, 2
                 )
-        with self._lock:
-            handlers = list(self._handlers)
-        for t in handlers:
-            t.join(1.0)
         self._teardown()
 
     def _teardown(self) -> None:
@@ -692,9 +966,23 @@ class FdServer:
 
 
 def fetch_fds_over_socket(
-    path: str, token: bytes, count: int, *, timeout: float = 10.0
+    path: str,
+    token: bytes,
+    count: int,
+    *,
+    timeout: float = 10.0,
+    server_uid: int | None = None,
+    server_pid: int | None = None,
+    server_start_time: int | None = None,
 ) -> list[int]:
     """Fetch ``count`` fds from the :class:`FdServer` at ``path``.
+
+    Before the token is sent, the process serving the socket is checked
+    (``SO_PEERCRED``): it must run as ``server_uid`` when given; it must be
+    process ``server_pid`` when that process is visible here with start time
+    ``server_start_time`` (same pid namespace); with neither proof it must run
+    as this process's euid or as root.  So a process of another uid squatting
+    the path never sees the token, and its fds are never accepted.
 
     Parameters
     ----------
@@ -705,7 +993,12 @@ def fetch_fds_over_socket(
     count:
         How many fds the server must send.
     timeout:
-        Seconds for the whole exchange.
+        Seconds for the whole exchange (connect retries ``EAGAIN`` until then).
+    server_uid:
+        The exporter's uid (the descriptor's ``exporter_uid``).
+    server_pid, server_start_time:
+        The exporter process (the descriptor's ``exporter_pid`` and
+        ``exporter_start_time``).
 
     Returns
     -------
@@ -716,11 +1009,13 @@ def fetch_fds_over_socket(
     ------
     PeerRefusedError
         The server refused this uid (``EACCES``) or the token (``EACCES``), or
-        the request (``EPROTO``).
+        the request (``EPROTO``); or the socket is served by a process that
+        is not the exporter (``EPERM``; nothing was sent to it).
     TransportError
         ``ECONNREFUSED``/``ENOENT``: the exporter has exited or closed its fd
         server; ``EACCES``: the socket's file permissions refuse this user;
-        ``ETIMEDOUT``; ``EPROTO``: the reply was malformed or had the wrong
+        ``ETIMEDOUT``; ``EBUSY``: the server is serving too many connections
+        of this uid; ``EPROTO``: the reply was malformed or had the wrong
         number of fds.
     """
     token = _check_token(token)
@@ -730,13 +1025,15 @@ def fetch_fds_over_socket(
     deadline = time.monotonic() + timeout
     fds: list[int] = []
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout)
         try:
-            sock.connect(path)
+            connect_unix(sock, path, deadline)
         except OSError as exc:
             raise _connect_error(exc, path) from None
+        _check_server(sock, path, server_uid, server_pid, server_start_time)
         try:
-            sock.sendall(MAGIC + bytes([len(token)]) + token)
+            # refused before the request arrived: the status byte still tells why
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                sock.sendall(MAGIC + bytes([len(token)]) + token)
             status = _recv_reply(sock, 1, deadline, fds)[0]
             if status != STATUS_OK:
                 raise _refusal(status, path)
@@ -773,15 +1070,87 @@ def fetch_fds_over_socket(
             raise
 
 
+def connect_unix(sock: socket.socket, path: str, deadline: float) -> None:
+    """Connect ``sock`` to ``path``, retrying while the listen backlog is full (``EAGAIN``).
+
+    Raises
+    ------
+    TimeoutError
+        The backlog stayed full until ``deadline``.
+    OSError
+        Any other failure of ``connect``.
+    """
+    delay = 0.001
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(errno.ETIMEDOUT, "the listen backlog stayed full")
+        sock.settimeout(remaining)
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            pass  # EAGAIN: the backlog is full; try again
+        except OSError as exc:
+            if exc.errno != errno.EAGAIN:
+                raise
+        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 2, 0.05)
+
+
+def _check_server(
+    sock: socket.socket,
+    path: str,
+    server_uid: int | None,
+    server_pid: int | None,
+    server_start_time: int | None,
+) -> None:
+    """Refuse a socket that is not served by the exporter (see :func:`fetch_fds_over_socket`)."""
+    pid, uid, _gid = peer_credentials(sock)
+    if server_uid is not None and uid != server_uid:
+        raise PeerRefusedError(
+            f"the fd server {path} runs as uid {uid}, but the exporter runs as uid "
+            f"{server_uid}: someone else owns the socket path; nothing was sent to it",
+            errno.EPERM,
+        )
+    if server_pid is not None and server_start_time is not None:
+        try:
+            visible = process_start_time(server_pid) == server_start_time
+        except TransportError:
+            visible = False
+        if visible:
+            if pid != server_pid:
+                raise PeerRefusedError(
+                    f"the fd server {path} is process {pid}, not the exporter (process "
+                    f"{server_pid}): someone else owns the socket path; nothing was sent to it",
+                    errno.EPERM,
+                )
+            return
+    if server_uid is None and uid not in (os.geteuid(), 0):
+        raise PeerRefusedError(
+            f"the fd server {path} runs as uid {uid}, neither this process's uid "
+            f"{os.geteuid()} nor root, and the exporter's uid is not known: "
+            "nothing was sent to it (pass the exporter's uid)",
+            errno.EPERM,
+        )
+
+
 def _recv_reply(sock: socket.socket, n: int, deadline: float, fds: list[int]) -> bytes:
     """Read exactly ``n`` bytes, appending every fd that arrives to ``fds``."""
     buf = b""
+    reset = False
     while len(buf) < n:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError("timed out")
         sock.settimeout(remaining)
-        chunk, got = recv_fds(sock, n - len(buf), SCM_MAX_FD)
+        try:
+            chunk, got = recv_fds(sock, n - len(buf), SCM_MAX_FD)
+        except ConnectionResetError:
+            if reset:
+                raise
+            reset = True  # reported once; what the server sent before may still be queued
+            continue
         fds.extend(got)
         if len(fds) > MAX_FDS_PER_REPLY:
             raise TransportError(errno.EPROTO, "fd server sent too many fds")
@@ -809,22 +1178,6 @@ def _connect_error(exc: OSError, path: str) -> TransportError:
     return TransportError(err, msg)
 
 
-def _refuse(conn: socket.socket, status: int) -> None:
-    """Send a refusal and let the client read it.
-
-    Closing a Unix stream socket with unread data resets the connection, and
-    the client would then see ``ECONNRESET`` instead of the refusal; so the
-    server stops writing and reads what the client sent until it hangs up
-    (bounded by a short timeout).
-    """
-    conn.sendall(bytes([status]))
-    with contextlib.suppress(OSError):
-        conn.shutdown(socket.SHUT_WR)
-        conn.settimeout(1.0)
-        while conn.recv(4096):
-            pass
-
-
 def _refusal(status: int, path: str) -> TransportError:
     if status == STATUS_UID_REFUSED:
         return PeerRefusedError(
@@ -838,6 +1191,17 @@ def _refusal(status: int, path: str) -> TransportError:
         )
     if status == STATUS_BAD_REQUEST:
         return PeerRefusedError(f"fd server {path} refused a malformed request", errno.EPROTO)
+    if status == STATUS_BUSY:
+        return TransportError(
+            errno.EBUSY,
+            f"fd server {path} is serving {MAX_PENDING_PER_UID} other connections of this "
+            "uid and dropped this one, the oldest; retry",
+        )
+    if status == STATUS_TOO_SLOW:
+        return TransportError(
+            errno.ETIMEDOUT,
+            f"fd server {path} gave up on this connection after {REQUEST_TIMEOUT_S} s",
+        )
     return TransportError(errno.EPROTO, f"fd server {path} sent unknown status {status}")
 
 
@@ -849,6 +1213,7 @@ def fetch_fds(
     socket_path: str | None,
     token: bytes,
     method: str = "auto",
+    exporter_uid: int | None = None,
 ) -> list[int]:
     """Fetch an exporter's fds by ``pidfd_getfd`` or over its :class:`FdServer`.
 
@@ -866,6 +1231,9 @@ def fetch_fds(
     method:
         ``"pidfd"``, ``"socket"`` or ``"auto"`` (pidfd, falling back to the
         socket on ``EPERM``/``ENOSYS`` when ``socket_path`` is given).
+    exporter_uid:
+        The exporter's uid; the socket's server must run as it (see
+        :func:`fetch_fds_over_socket` for the checks made without it).
 
     Returns
     -------
@@ -888,7 +1256,7 @@ def fetch_fds(
                 "socket transport requested but the exporter offers no fd server socket; "
                 'export with an fd server or use transport="pidfd"',
             )
-        return fetch_fds_over_socket(socket_path, token, len(fds))
+        return _fetch_socket(socket_path, token, len(fds), pid, start_time, exporter_uid)
     try:
         return _getfd_all(pid, fds, start_time)
     except TransportError as exc:
@@ -898,6 +1266,14 @@ def fetch_fds(
             raise
         pidfd_exc = exc
     try:
-        return fetch_fds_over_socket(socket_path, token, len(fds))
+        return _fetch_socket(socket_path, token, len(fds), pid, start_time, exporter_uid)
     except TransportError as exc:
         raise exc from pidfd_exc
+
+
+def _fetch_socket(
+    path: str, token: bytes, count: int, pid: int, start_time: int | None, uid: int | None
+) -> list[int]:
+    return fetch_fds_over_socket(
+        path, token, count, server_uid=uid, server_pid=pid, server_start_time=start_time
+    )
