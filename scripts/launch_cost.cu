@@ -1,0 +1,503 @@
+// The consumer's launch cost in the channel's two-process pattern, with no Python in the way.
+//
+// The C++ twin of scripts/launch_cost.py (issue 11, part 1): a producer and a
+// consumer process (fork + socketpair; the parent never touches CUDA), the
+// producer's VMM slot and sync page exported as POSIX fds and sent with
+// SCM_RIGHTS, the consumer's stream waiting on the frame flag with
+// cuStreamWaitValue32 and writing the release flag with cuStreamWriteValue32.
+// Each row adds one ingredient; the consumer times each per-frame step with
+// CLOCK_MONOTONIC. The launch kind rotates frame by frame (driver
+// cuLaunchKernel / runtime <<<>>>), and a second cuLaunchKernel follows it.
+//
+// Build and run (nvcc 13 on the GPU machine):
+//   nvcc -O2 -o /tmp/launch_cost scripts/launch_cost.cu -lcuda
+//   /tmp/launch_cost              # all rows, 2000 frames each (a few seconds per row)
+//   /tmp/launch_cost --quick      # 6 rows, 400 frames
+//   /tmp/launch_cost --frames N --only A5,V-
+// Prints a markdown table: config | step | p50 us | p99 us | n.
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <errno.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+static const int WARMUP = 200;
+static const int SPIN_US = 200;
+static const size_t SLOT = 2u << 20;
+static const size_t FRAME_FLAG = 0, RELEASE_FLAG = 256;
+static const char* g_row = "?";
+
+#define CK(x)                                                                              \
+  do {                                                                                     \
+    CUresult r_ = (x);                                                                     \
+    if (r_ != CUDA_SUCCESS) {                                                              \
+      const char* n_ = nullptr;                                                            \
+      cuGetErrorName(r_, &n_);                                                             \
+      fprintf(stderr, "[%s] %s: %s (%d) at line %d\n", g_row, #x, n_ ? n_ : "?", (int)r_, \
+              __LINE__);                                                                   \
+      _exit(3);                                                                            \
+    }                                                                                      \
+  } while (0)
+#define CKR(x)                                                                             \
+  do {                                                                                     \
+    cudaError_t r_ = (x);                                                                  \
+    if (r_ != cudaSuccess) {                                                               \
+      fprintf(stderr, "[%s] %s: %s at line %d\n", g_row, #x, cudaGetErrorName(r_), __LINE__); \
+      _exit(3);                                                                            \
+    }                                                                                      \
+  } while (0)
+#define CKS(x)                                                                             \
+  do {                                                                                     \
+    if ((x) < 0) {                                                                         \
+      fprintf(stderr, "[%s] %s: %s at line %d\n", g_row, #x, strerror(errno), __LINE__);  \
+      _exit(4);                                                                            \
+    }                                                                                      \
+  } while (0)
+
+__global__ void touch(unsigned char* p) { p[0] += 1; }
+
+__global__ void spin(unsigned char* p, long long cycles) {
+  long long start = clock64();
+  while (clock64() - start < cycles) {
+  }
+  p[0] += 1;
+}
+
+enum Producer { P_NONE, P_IDLE, P_PINGPONG };
+enum PKernel { K_NONE, K_TRIVIAL, K_SPIN };
+enum Wait { W_NONE, W_IMPORTED, W_LOCAL };
+
+struct Cfg {
+  const char* name;
+  const char* what;
+  Producer producer;
+  PKernel pkernel;
+  Wait wait;
+  bool imported_data;  // launch on the imported slot (else on a local cuMemAlloc buffer)
+  bool release;        // consumer writes the release flag, producer's stream waits on it
+  bool nonblocking;    // consumer stream: created CU_STREAM_NON_BLOCKING (else legacy NULL)
+  bool psync;          // producer synchronises before the ping: the wait is already met
+  unsigned waitflags;  // CU_STREAM_WAIT_VALUE_*
+  unsigned sched;      // consumer context CU_CTX_SCHED_*
+};
+
+#define A5 P_PINGPONG, K_TRIVIAL, W_IMPORTED, true, true
+static const Cfg CONFIGS[] = {
+    {"A0", "consumer alone, launches back to back (legacy stream)", P_NONE, K_NONE, W_NONE, false,
+     false, false, false, CU_STREAM_WAIT_VALUE_GEQ, CU_CTX_SCHED_AUTO},
+    {"A1", "+ idle producer process with a context and the VMM allocations", P_IDLE, K_NONE,
+     W_NONE, false, false, false, false, CU_STREAM_WAIT_VALUE_GEQ, CU_CTX_SCHED_AUTO},
+    {"A2-pingpong", "+ blocking socket ping-pong, no producer GPU work", P_PINGPONG, K_NONE,
+     W_NONE, false, false, false, false, CU_STREAM_WAIT_VALUE_GEQ, CU_CTX_SCHED_AUTO},
+    {"A2", "+ producer kernel per frame", P_PINGPONG, K_TRIVIAL, W_NONE, false, false, false,
+     false, CU_STREAM_WAIT_VALUE_GEQ, CU_CTX_SCHED_AUTO},
+    {"A3", "+ consumer stream waits (GEQ) on the imported frame flag", P_PINGPONG, K_TRIVIAL,
+     W_IMPORTED, false, false, false, false, CU_STREAM_WAIT_VALUE_GEQ, CU_CTX_SCHED_AUTO},
+    {"A4", "+ consumer launches on the imported slot", P_PINGPONG, K_TRIVIAL, W_IMPORTED, true,
+     false, false, false, CU_STREAM_WAIT_VALUE_GEQ, CU_CTX_SCHED_AUTO},
+    {"A5", "+ release write; producer stream waits on it (the channel's pattern)", A5, false,
+     false, CU_STREAM_WAIT_VALUE_GEQ, CU_CTX_SCHED_AUTO},
+    {"V-localflag", "A5, the wait on a local flag", P_PINGPONG, K_TRIVIAL, W_LOCAL, true, true,
+     false, false, CU_STREAM_WAIT_VALUE_GEQ, CU_CTX_SCHED_AUTO},
+    {"V-eq", "A5 with CU_STREAM_WAIT_VALUE_EQ", A5, false, false, CU_STREAM_WAIT_VALUE_EQ,
+     CU_CTX_SCHED_AUTO},
+    {"V-flush", "A5 with GEQ | FLUSH", A5, false, false,
+     CU_STREAM_WAIT_VALUE_GEQ | CU_STREAM_WAIT_VALUE_FLUSH, CU_CTX_SCHED_AUTO},
+    {"V-spin", "A5, consumer CU_CTX_SCHED_SPIN", A5, false, false, CU_STREAM_WAIT_VALUE_GEQ,
+     CU_CTX_SCHED_SPIN},
+    {"V-blocksync", "A5, consumer CU_CTX_SCHED_BLOCKING_SYNC", A5, false, false,
+     CU_STREAM_WAIT_VALUE_GEQ, CU_CTX_SCHED_BLOCKING_SYNC},
+    {"V-nonblocking", "A5 on a non-blocking stream", A5, true, false, CU_STREAM_WAIT_VALUE_GEQ,
+     CU_CTX_SCHED_AUTO},
+    {"V-satisfied", "A5, producer syncs before the ping: wait already met", A5, false, true,
+     CU_STREAM_WAIT_VALUE_GEQ, CU_CTX_SCHED_AUTO},
+    {"V-pending", "A5, producer kernel spins 200 us: wait pending at the launch", P_PINGPONG,
+     K_SPIN, W_IMPORTED, true, true, false, false, CU_STREAM_WAIT_VALUE_GEQ, CU_CTX_SCHED_AUTO},
+    {"V-pending-nb", "V-pending on a non-blocking stream", P_PINGPONG, K_SPIN, W_IMPORTED, true,
+     true, true, false, CU_STREAM_WAIT_VALUE_GEQ, CU_CTX_SCHED_AUTO},
+    {"V-nb-alone", "A0 on a non-blocking stream", P_NONE, K_NONE, W_NONE, false, false, true,
+     false, CU_STREAM_WAIT_VALUE_GEQ, CU_CTX_SCHED_AUTO},
+};
+static const char* QUICK[] = {"A0", "A2", "A5", "V-nonblocking", "V-satisfied", "V-pending"};
+
+static inline long long now_ns() {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static void print_stat(const char* row, const char* step, std::vector<long long>& v) {
+  if (v.empty()) return;
+  std::sort(v.begin(), v.end());
+  size_t n = v.size();
+  double p50 = v[std::min(n - 1, (size_t)(0.5 * n))] / 1e3;
+  double p99 = v[std::min(n - 1, (size_t)(0.99 * n))] / 1e3;
+  printf("| %s | %s | %.1f | %.1f | %zu |\n", row, step, p50, p99, n);
+}
+
+// ---------------------------------------------------------------------- sockets and fds
+
+static void send_fds(int sock, const void* buf, size_t len, const int* fds, int nfds) {
+  struct msghdr msg = {};
+  struct iovec iov = {(void*)buf, len};
+  char ctrl[CMSG_SPACE(sizeof(int) * 4)] = {};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = ctrl;
+  msg.msg_controllen = CMSG_SPACE(sizeof(int) * nfds);
+  struct cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
+  memcpy(CMSG_DATA(c), fds, sizeof(int) * nfds);
+  CKS(sendmsg(sock, &msg, 0));
+}
+
+static int recv_fds(int sock, void* buf, size_t len, int* fds, int maxfds) {
+  struct msghdr msg = {};
+  struct iovec iov = {buf, len};
+  char ctrl[CMSG_SPACE(sizeof(int) * 4)] = {};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = ctrl;
+  msg.msg_controllen = sizeof(ctrl);
+  ssize_t n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+  CKS(n);
+  int got = 0;
+  for (struct cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+      int k = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+      for (int i = 0; i < k && got < maxfds; i++) memcpy(&fds[got++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+    }
+  }
+  return got;
+}
+
+static uint64_t recv_u64(int sock) {
+  uint64_t v = 0;
+  ssize_t n = recv(sock, &v, sizeof(v), 0);
+  CKS(n);
+  if (n == 0) {
+    fprintf(stderr, "[%s] peer closed the socket\n", g_row);
+    _exit(5);
+  }
+  return v;
+}
+
+static void send_u64(int sock, uint64_t v) { CKS(send(sock, &v, sizeof(v), 0)); }
+
+// ---------------------------------------------------------------------- CUDA helpers
+
+static CUdevice init_ctx(unsigned sched) {
+  CUdevice dev;
+  CUcontext ctx;
+  CK(cuInit(0));
+  CK(cuDeviceGet(&dev, 0));
+  CK(cuDevicePrimaryCtxSetFlags(dev, sched));
+  CK(cuDevicePrimaryCtxRetain(&ctx, dev));
+  CK(cuCtxSetCurrent(ctx));
+  CKR(cudaSetDevice(0));  // the runtime adopts the same primary context
+  return dev;
+}
+
+static CUdeviceptr map_handle(CUmemGenericAllocationHandle h, size_t size) {
+  CUdeviceptr ptr;
+  CK(cuMemAddressReserve(&ptr, size, 0, 0, 0));
+  CK(cuMemMap(ptr, size, 0, h, 0));
+  CUmemAccessDesc acc = {};
+  acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  acc.location.id = 0;
+  acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  CK(cuMemSetAccess(ptr, size, &acc, 1));
+  return ptr;
+}
+
+static CUdeviceptr create_exported(size_t size, int* fd) {
+  CUmemAllocationProp prop = {};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = 0;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  size_t gran = 0;
+  CK(cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  if (gran == 0 || size % gran) {
+    fprintf(stderr, "[%s] size %zu is not a multiple of the granularity %zu\n", g_row, size, gran);
+    _exit(3);
+  }
+  CUmemGenericAllocationHandle h;
+  CK(cuMemCreate(&h, size, &prop, 0));
+  CUdeviceptr ptr = map_handle(h, size);
+  CK(cuMemExportToShareableHandle((void*)fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+  CK(cuMemsetD32(ptr, 0, size / 4));
+  return ptr;
+}
+
+static CUdeviceptr import_fd(int fd, size_t size) {
+  CUmemGenericAllocationHandle h;
+  CK(cuMemImportFromShareableHandle(&h, (void*)(uintptr_t)fd,
+                                    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+  return map_handle(h, size);
+}
+
+// ---------------------------------------------------------------------- producer
+
+static void producer(const Cfg& c, int sock, int frames) {
+  init_ctx(CU_CTX_SCHED_AUTO);
+  int fds[2];
+  CUdeviceptr data = create_exported(SLOT, &fds[0]);
+  CUdeviceptr page = create_exported(SLOT, &fds[1]);
+  uint64_t sizes[2] = {SLOT, SLOT};
+  send_fds(sock, sizes, sizeof(sizes), fds, 2);
+  if (c.producer == P_IDLE) {
+    char b[16];
+    while (recv(sock, b, sizeof(b), 0) > 0 && memcmp(b, "done", 4) != 0) {
+    }
+    _exit(0);
+  }
+  int clock_khz = 1980000;
+  CUdevice dev;
+  CK(cuDeviceGet(&dev, 0));
+  cuDeviceGetAttribute(&clock_khz, CU_DEVICE_ATTRIBUTE_CLOCK_RATE, dev);
+  long long cycles = (long long)SPIN_US * clock_khz / 1000;
+  CUstream s = 0;  // legacy default stream, as the channel's producer in the benchmarks
+  touch<<<1, 1, 0, s>>>((unsigned char*)data);
+  spin<<<1, 1, 0, s>>>((unsigned char*)data, 1);
+  CKR(cudaGetLastError());
+  CK(cuCtxSynchronize());
+  std::vector<long long> rt, kern;
+  recv_u64(sock);  // READY
+  for (int i = 1; i <= frames + WARMUP; i++) {
+    long long t0 = now_ns();
+    if (c.pkernel == K_SPIN) CK(cuStreamSynchronize(s));
+    if (c.release && i > 1)
+      CK(cuStreamWaitValue32(s, page + RELEASE_FLAG, (cuuint32_t)(i - 1), CU_STREAM_WAIT_VALUE_GEQ));
+    long long t1 = now_ns();
+    if (c.pkernel == K_TRIVIAL) touch<<<1, 1, 0, s>>>((unsigned char*)data);
+    if (c.pkernel == K_SPIN) spin<<<1, 1, 0, s>>>((unsigned char*)data, cycles);
+    long long t2 = now_ns();
+    if (c.wait == W_IMPORTED) CK(cuStreamWriteValue32(s, page + FRAME_FLAG, (cuuint32_t)i, 0));
+    if (c.psync) CK(cuStreamSynchronize(s));
+    send_u64(sock, (uint64_t)i);
+    recv_u64(sock);
+    long long t3 = now_ns();
+    if (i > WARMUP) {
+      rt.push_back(t3 - t0);
+      kern.push_back(t2 - t1);
+    }
+  }
+  CKR(cudaGetLastError());
+  send_u64(sock, 0);
+  char b[16];
+  CKS(recv(sock, b, sizeof(b), 0));  // DONE
+  CK(cuCtxSynchronize());
+  print_stat(c.name, "P round trip", rt);
+  print_stat(c.name, "P kernel launch", kern);
+  fflush(stdout);
+  _exit(0);
+}
+
+// ---------------------------------------------------------------------- consumer
+
+static void consumer(const Cfg& c, int sock, int frames) {
+  init_ctx(c.sched);
+  CUdeviceptr data = 0, page = 0;
+  if (sock >= 0) {
+    uint64_t sizes[2];
+    int fds[4];
+    int n = recv_fds(sock, sizes, sizeof(sizes), fds, 4);
+    if (n != 2) {
+      fprintf(stderr, "[%s] SETUP carried %d fds\n", g_row, n);
+      _exit(5);
+    }
+    if (c.imported_data) data = import_fd(fds[0], sizes[0]);
+    if (c.wait == W_IMPORTED || c.release) page = import_fd(fds[1], sizes[1]);
+    close(fds[0]);
+    close(fds[1]);
+  }
+  CUstream s = 0;
+  if (c.nonblocking) CK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  CUdeviceptr local, local_flag;
+  CK(cuMemAlloc(&local, 256));
+  CK(cuMemAlloc(&local_flag, 256));
+  CK(cuMemsetD32(local_flag, 0, 64));  // stays 0: a wait for 0 is always met
+  cudaFunction_t rfn;
+  CKR(cudaGetFuncBySymbol(&rfn, (const void*)touch));
+  CUfunction fn = (CUfunction)rfn;
+  CUdeviceptr target = c.imported_data ? data : local;
+  void* params[1] = {&target};
+  // load the kernel before the loop (a first launch loads the module and may block)
+  CK(cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, s, params, nullptr));
+  touch<<<1, 1, 0, (cudaStream_t)s>>>((unsigned char*)target);
+  CKR(cudaGetLastError());
+  CK(cuCtxSynchronize());
+  CUdeviceptr flag = c.wait == W_IMPORTED ? page + FRAME_FLAG : local_flag;
+  std::vector<long long> wake, wait, l_drv, l_rt, launch2, rel, reply, active;
+  bool pingpong = c.producer == P_PINGPONG;
+  if (sock >= 0) send_u64(sock, 0xAAAA);  // READY
+  int total = frames + WARMUP;
+  for (int n = 1;; n++) {
+    long long tw = now_ns();
+    uint64_t i;
+    if (pingpong) {
+      i = recv_u64(sock);
+      if (i == 0) break;
+    } else {
+      i = (uint64_t)n;
+      if (n > total) break;
+      if (n % 256 == 0) {
+        CK(cuStreamSynchronize(s));  // keep the queue short (untimed)
+        tw = now_ns();
+      }
+    }
+    long long t0 = now_ns();
+    if (c.wait != W_NONE)
+      CK(cuStreamWaitValue32(s, flag, c.wait == W_IMPORTED ? (cuuint32_t)i : 0, c.waitflags));
+    long long t1 = now_ns();
+    int kind = (int)(i % 2);
+    if (kind == 0)
+      CK(cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, s, params, nullptr));
+    else
+      touch<<<1, 1, 0, (cudaStream_t)s>>>((unsigned char*)target);
+    long long t2 = now_ns();
+    CK(cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, s, params, nullptr));
+    long long t3 = now_ns();
+    if (c.release) CK(cuStreamWriteValue32(s, page + RELEASE_FLAG, (cuuint32_t)i, 0));
+    long long t4 = now_ns();
+    if (pingpong) send_u64(sock, i);
+    long long t5 = now_ns();
+    if (n > WARMUP) {
+      wake.push_back(t0 - tw);
+      if (c.wait != W_NONE) wait.push_back(t1 - t0);
+      (kind == 0 ? l_drv : l_rt).push_back(t2 - t1);
+      launch2.push_back(t3 - t2);
+      if (c.release) rel.push_back(t4 - t3);
+      if (pingpong) reply.push_back(t5 - t4);
+      active.push_back(t5 - t0);
+    }
+  }
+  CKR(cudaGetLastError());
+  CK(cuCtxSynchronize());
+  print_stat(c.name, "wake", wake);
+  print_stat(c.name, "wait", wait);
+  print_stat(c.name, "launch[cuLaunchKernel]", l_drv);
+  print_stat(c.name, "launch[runtime <<<>>>]", l_rt);
+  print_stat(c.name, "launch2[cuLaunchKernel]", launch2);
+  print_stat(c.name, "release", rel);
+  print_stat(c.name, "reply", reply);
+  print_stat(c.name, "active (wait..reply)", active);
+  fflush(stdout);
+  if (sock >= 0) CKS(send(sock, "done", 4, 0));
+  _exit(0);
+}
+
+// ---------------------------------------------------------------------- orchestration
+
+static bool wait_child(pid_t pid, double deadline_s, const char* who, const char* row) {
+  for (;;) {
+    int status = 0;
+    pid_t r = waitpid(pid, &status, WNOHANG);
+    if (r == pid) {
+      if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return true;
+      printf("| %s | **failed** | %s exited with status %d (signal %d); see stderr | | |\n", row,
+             who, WIFEXITED(status) ? WEXITSTATUS(status) : -1,
+             WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+      return false;
+    }
+    if (now_ns() / 1e9 > deadline_s) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      printf("| %s | **failed** | %s killed after the row's timeout | | |\n", row, who);
+      return false;
+    }
+    usleep(10000);
+  }
+}
+
+int main(int argc, char** argv) {
+  int frames = 2000;
+  bool quick = false;
+  std::string only;
+  double timeout = 45.0;
+  for (int a = 1; a < argc; a++) {
+    if (!strcmp(argv[a], "--frames") && a + 1 < argc) frames = atoi(argv[++a]);
+    else if (!strcmp(argv[a], "--quick")) quick = true;
+    else if (!strcmp(argv[a], "--only") && a + 1 < argc) only = argv[++a];
+    else if (!strcmp(argv[a], "--timeout") && a + 1 < argc) timeout = atof(argv[++a]);
+    else {
+      fprintf(stderr, "usage: %s [--frames N] [--quick] [--only PREFIX,...] [--timeout S]\n", argv[0]);
+      return 2;
+    }
+  }
+  if (quick && frames > 400) frames = 400;
+  printf("| config | step | p50 us | p99 us | n |\n| --- | --- | ---: | ---: | ---: |\n");
+  fflush(stdout);
+  int failed = 0;
+  for (const Cfg& c : CONFIGS) {
+    if (quick) {
+      bool in = false;
+      for (const char* q : QUICK) in = in || !strcmp(q, c.name);
+      if (!in) continue;
+    }
+    if (!only.empty()) {
+      bool in = false;
+      size_t pos = 0;
+      while (pos <= only.size()) {
+        size_t end = only.find(',', pos);
+        if (end == std::string::npos) end = only.size();
+        std::string p = only.substr(pos, end - pos);
+        if (!p.empty() && strncmp(c.name, p.c_str(), p.size()) == 0) in = true;
+        pos = end + 1;
+      }
+      if (!in) continue;
+    }
+    g_row = c.name;
+    int sv[2] = {-1, -1};
+    if (c.producer != P_NONE && socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv) < 0) {
+      perror("socketpair");
+      return 1;
+    }
+    fflush(stdout);
+    pid_t pp = -1;
+    if (c.producer != P_NONE) {
+      pp = fork();
+      if (pp == 0) {
+        close(sv[1]);
+        producer(c, sv[0], frames);
+      }
+    }
+    pid_t cp = fork();
+    if (cp == 0) {
+      if (sv[0] >= 0) close(sv[0]);
+      consumer(c, sv[1], frames);
+    }
+    if (sv[0] >= 0) {
+      close(sv[0]);
+      close(sv[1]);
+    }
+    double deadline = now_ns() / 1e9 + timeout + frames * 0.002;
+    bool ok = wait_child(cp, deadline, "consumer", c.name);
+    if (pp > 0) {
+      if (!ok) kill(pp, SIGKILL);
+      ok = wait_child(pp, deadline, "producer", c.name) && ok;
+    }
+    failed += !ok;
+    fflush(stdout);
+  }
+  printf("\nRows:\n");
+  for (const Cfg& c : CONFIGS) printf("- %s: %s\n", c.name, c.what);
+  return failed ? 1 : 0;
+}
