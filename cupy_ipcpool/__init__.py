@@ -6,7 +6,7 @@ needs no GPU; every GPU call raises :class:`CudaUnavailableError` where there
 is none.
 """
 
-from ._allocator import AllocationScope, SlotArena, allocating
+from ._allocator import allocating
 from ._channel import Frame, Publisher, PublishFrame, Subscriber, subscribe
 from ._compat import IPCBufferManager
 from ._errors import (
@@ -26,18 +26,21 @@ from ._errors import (
     ProtocolError,
     SlotBusyError,
     SlotFullError,
+    SlotIndexError,
     StaleHandleError,
     TeardownWarning,
     TransportError,
     UnsupportedDeviceError,
+    UsageError,
+    UsageTypeError,
 )
 from ._handles import ArrayHandle, PoolDescriptor
 from ._peer import PeerPool, attach
-from ._pool import IpcPool
+from ._pool import IpcPool, SlotToken
+from ._slots import LeaseSource
 from ._version import __version__
 
 __all__ = [
-    "AllocationScope",
     "ArrayHandle",
     "ChannelTimeoutError",
     "CudaError",
@@ -51,6 +54,7 @@ __all__ = [
     "IPCBufferManager",
     "IpcPool",
     "IpcPoolError",
+    "LeaseSource",
     "LeaseStateError",
     "NotShareableError",
     "PeerPool",
@@ -60,14 +64,17 @@ __all__ = [
     "ProtocolError",
     "PublishFrame",
     "Publisher",
-    "SlotArena",
     "SlotBusyError",
     "SlotFullError",
+    "SlotIndexError",
+    "SlotToken",
     "StaleHandleError",
     "Subscriber",
     "TeardownWarning",
     "TransportError",
     "UnsupportedDeviceError",
+    "UsageError",
+    "UsageTypeError",
     "__version__",
     "allocating",
     "attach",

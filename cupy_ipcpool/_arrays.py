@@ -9,13 +9,12 @@ recycles the slot under it.
 from __future__ import annotations
 
 import threading
-from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy
 
-from ._errors import DescriptorError
+from ._errors import DescriptorError, NotShareableError, UsageTypeError
 from ._handles import ArrayHandle, validate_dtype
 
 _cupy: Any = None
@@ -40,10 +39,8 @@ def cupy_module() -> Any:
 class SlotRefs:
     """Per-slot counts of live local references, with a condition to wait on.
 
-    ``transitions``, when set (a ``collections.deque``), receives the slot
-    index each time a count goes 0 -> 1 or 1 -> 0; the publisher drains it to
-    keep its lease book's local holds in step.  ``on_zero`` is called when a
-    count drops to zero.
+    ``on_zero`` is called when a count drops to zero; threads waiting on
+    ``cond`` (counted in ``waiters``) are notified then.
     """
 
     def __init__(self, num_slots: int) -> None:
@@ -52,22 +49,16 @@ class SlotRefs:
         self.cond = threading.Condition(self.lock)
         self.waiters = 0
         self.on_zero: Callable[[int], None] | None = None
-        self.transitions: deque[int] | None = None
 
     def incr(self, slot: int) -> None:
         with self.lock:
-            count = self.counts[slot] + 1
-            self.counts[slot] = count
-            if count == 1 and self.transitions is not None:
-                self.transitions.append(slot)
+            self.counts[slot] += 1
 
     def decr(self, slot: int) -> None:
         with self.lock:
             count = self.counts[slot] - 1
             self.counts[slot] = count
             if count == 0:
-                if self.transitions is not None:
-                    self.transitions.append(slot)
                 if self.waiters:
                     self.cond.notify_all()
                 if self.on_zero is not None:
@@ -150,7 +141,7 @@ def normalize_shape(shape: Any) -> tuple[int, ...]:
     try:
         out = tuple(int(n) for n in shape)
     except TypeError:
-        raise TypeError(f"shape must be an int or a sequence of ints, not {shape!r}") from None
+        raise UsageTypeError(f"shape must be an int or a sequence of ints, not {shape!r}") from None
     if any(n < 0 for n in out):
         raise DescriptorError(f"negative dimension in shape {out}")
     return out
@@ -159,3 +150,129 @@ def normalize_shape(shape: Any) -> tuple[int, ...]:
 def normalize_dtype(dtype: Any) -> numpy.dtype:
     """Return the numpy dtype, restricted to the library's shareable dtypes."""
     return validate_dtype(dtype)
+
+
+# ------------------------------------------------------------------ interop
+
+
+class ArrayInfo(NamedTuple):
+    """Where an array's memory is and how it is laid out (byte strides)."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: numpy.dtype[Any]
+
+
+def array_info(obj: Any) -> ArrayInfo:
+    """Pointer, shape, byte strides and dtype of any device array.
+
+    Accepts a ``cupy.ndarray``, any object with ``__cuda_array_interface__``
+    (torch tensors, numba device arrays, ...) and any object with
+    ``__dlpack__`` (read through ``cupy.from_dlpack``, which shares the memory
+    and orders CuPy's current stream after the exporter's).
+
+    Raises
+    ------
+    NotShareableError
+        The object exposes neither interface, or its dtype cannot be shared.
+    """
+    cp = cupy_module()
+    if isinstance(obj, cp.ndarray):
+        return ArrayInfo(obj.data.ptr, obj.shape, obj.strides, normalize_dtype(obj.dtype))
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:
+        try:
+            shape = tuple(int(n) for n in cai["shape"])
+            dtype = normalize_dtype(cai["typestr"])
+            strides = cai.get("strides")
+            strides = (
+                _c_strides(shape, dtype.itemsize)
+                if strides is None
+                else tuple(int(s) for s in strides)
+            )
+            return ArrayInfo(int(cai["data"][0]), shape, strides, dtype)
+        except DescriptorError as exc:
+            raise NotShareableError(f"{type(obj).__name__}: {exc}") from None
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise NotShareableError(
+                f"{type(obj).__name__} has a malformed __cuda_array_interface__ ({exc!r})"
+            ) from None
+    if hasattr(obj, "__dlpack__"):
+        try:
+            view = cp.from_dlpack(obj)
+        except Exception as exc:
+            raise NotShareableError(
+                f"{type(obj).__name__} could not be read through DLPack ({exc})"
+            ) from None
+        return ArrayInfo(view.data.ptr, view.shape, view.strides, normalize_dtype(view.dtype))
+    raise NotShareableError(
+        f"{type(obj).__name__} is not a device array: it has neither "
+        "__cuda_array_interface__ nor __dlpack__"
+    )
+
+
+class _RawStream:
+    """A raw ``cudaStream_t`` seen through the CUDA stream protocol."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+def stream_ptr(stream: Any) -> int:
+    """The raw ``cudaStream_t`` of ``stream`` (``None``: CuPy's current stream).
+
+    Accepts CuPy streams (``.ptr``), objects of the CUDA stream protocol
+    (``__cuda_stream__`` returning ``(version, handle)``: cuda.core, recent
+    torch, numba-cuda), torch streams (``.cuda_stream``) and raw integer
+    handles.
+
+    Raises
+    ------
+    UsageTypeError
+        ``stream`` is none of these.
+    """
+    if stream is None:
+        return int(cupy_module().cuda.get_current_stream().ptr)
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return stream
+    ptr = getattr(stream, "ptr", None)
+    if isinstance(ptr, int):
+        return ptr
+    proto = getattr(stream, "__cuda_stream__", None)
+    if proto is not None:
+        pair = proto() if callable(proto) else proto
+        try:
+            _version, handle = pair
+            return int(handle)
+        except (TypeError, ValueError):
+            raise UsageTypeError(
+                f"{type(stream).__name__}.__cuda_stream__ returned {pair!r}, not (version, handle)"
+            ) from None
+    handle = getattr(stream, "cuda_stream", None)  # torch.cuda.Stream before the protocol
+    if isinstance(handle, int):
+        return handle
+    raise UsageTypeError(
+        f"not a CUDA stream: {type(stream).__name__}; pass a CuPy stream, an object with "
+        "__cuda_stream__, a torch stream or a raw cudaStream_t int"
+    )
+
+
+def as_cupy_stream(stream: Any, device: int) -> Any:
+    """A CuPy stream object for ``stream`` (``None``: the current CuPy stream)."""
+    cp = cupy_module()
+    if stream is None:
+        return cp.cuda.get_current_stream()
+    if isinstance(stream, cp.cuda.Stream) or type(stream).__name__ == "ExternalStream":
+        return stream
+    ptr = stream_ptr(stream)
+    source = stream if hasattr(stream, "__cuda_stream__") else _RawStream(ptr)
+    from_external = getattr(cp.cuda.Stream, "from_external", None)
+    if from_external is not None:  # CuPy >= 14
+        return from_external(source)
+    return cp.cuda.ExternalStream(ptr, device)  # pragma: no cover - CuPy 13

@@ -23,7 +23,6 @@ See ``docs/protocol.md`` for the sequence diagram.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 import select
@@ -35,29 +34,33 @@ from collections.abc import Iterable, Iterator
 from types import TracebackType
 from typing import Any
 
-from . import _driver
-from ._allocator import _Block, arena_for
-from ._arrays import SlotRef, cupy_module
+from ._arrays import array_info, cupy_module, stream_ptr
 from ._errors import (
     DescriptorError,
     EndOfStream,
     NotShareableError,
+    PeerRefusedError,
     PoolClosedError,
     ProtocolError,
     TeardownWarning,
+    UsageError,
 )
 from ._handles import ArrayHandle, PoolDescriptor
 from ._peer import PeerPool, attach_fds
-from ._pool import IpcPool
+from ._pool import DEFAULT_TIMEOUT, IpcPool, SlotToken
 from ._session import PublisherCore, SubscriberCore, SubscriberInfo
 from ._syncpage import SyncPage
+from ._transport import SCM_MAX_FD
 
 #: Most bytes of user metadata per frame.
 MAX_METADATA = 16384
 #: Most arrays per frame.
 MAX_ARRAYS = 64
-#: Most slots a published pool may have (Linux passes at most 253 fds per message).
-MAX_CHANNEL_SLOTS = 253
+#: Most slots a published pool may have: the WELCOME message carries one fd per
+#: slot and the sync page's, in one ``SCM_RIGHTS`` message (``SCM_MAX_FD`` fds).
+MAX_CHANNEL_SLOTS = SCM_MAX_FD - 1
+#: Most streams a subscriber tracks before it forgets those with no work left.
+_STREAMS_KEPT = 8
 
 # WELCOME payload: descriptor length u32, num_slots u32, max_subscribers u32, this
 # subscriber's index in the sync page u32, sync page bytes u64, then the descriptor.
@@ -72,38 +75,58 @@ _FRAME_HEAD = struct.Struct("<IIHH")
 
 
 class PublishFrame:
-    """The slot being written, from :meth:`Publisher.frame`.
+    """The slot being written, from :meth:`Publisher.frame` (a slot token plus publish).
 
     Attributes
     ----------
     slot:
         The slot acquired for this frame (also ``pool.current``).
+    generation:
+        The slot's generation for this frame.
+    token:
+        The :class:`~cupy_ipcpool._pool.SlotToken` of the slot.
     seq:
         The sequence number once published, else None.
     """
 
-    def __init__(self, publisher: Publisher, slot: int, stream: Any) -> None:
+    def __init__(self, publisher: Publisher, token: SlotToken, stream: Any) -> None:
         self._publisher = publisher
         self._stream = stream
-        self.slot = slot
+        self.token = token
+        self.slot = token.slot
+        self.generation = token.generation
         self.seq: int | None = None
 
     def array(self, shape: Any, dtype: Any = "float32") -> Any:
         """A new ``cupy.ndarray`` carved out of this frame's slot (uninitialised).
 
-        Several arrays of one frame do not overlap (they share the slot's bump
-        allocator with ``pool.allocating()``).
+        Several arrays of one frame do not overlap (they share the slot's arena
+        with ``allocating()``).
         """
-        return self._publisher._new_array(self.slot, shape, dtype)
+        return self.token.array(shape, dtype)
+
+    def allocating(self, *, overflow: str = "raise") -> Any:
+        """Place this thread's CuPy allocations in this frame's slot (``token.allocating``)."""
+        return self.token.allocating(overflow=overflow)
 
     def publish(self, *arrays: Any, metadata: bytes = b"") -> int:
-        """Publish ``arrays`` (all in this frame's slot) with ``metadata``; return the seq.
+        """Publish ``arrays`` (all in this frame's slot) with ``metadata``.
 
         The frame flag is set on the stream given to :meth:`Publisher.frame`
         (default: CuPy's current stream at publish time).
+
+        Returns
+        -------
+        int
+            The frame's sequence number (also stored in :attr:`seq`).
+
+        Raises
+        ------
+        UsageError
+            The frame was published already.
         """
         if self.seq is not None:
-            raise RuntimeError(f"frame in slot {self.slot} was already published as {self.seq}")
+            raise UsageError(f"frame in slot {self.slot} was already published as {self.seq}")
         self.seq = self._publisher.publish(*arrays, metadata=metadata, stream=self._stream)
         return self.seq
 
@@ -111,7 +134,40 @@ class PublishFrame:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._publisher._writing = None
+        self._publisher._end_write(self.token)
+
+
+class _PublisherLeases:
+    """The publisher's side of the pool's lease-source protocol (``IpcPool.add_lease_source``).
+
+    Counts the subscribers' leases from the session's lease book, collects
+    returned leases from their sockets, and orders a new writer's stream after
+    the read flags of the subscribers that read the slot.
+    """
+
+    def __init__(self, publisher: Publisher) -> None:
+        self._publisher = weakref.ref(publisher)
+        self.lock = threading.RLock()  # serialises the (single-threaded) session core
+
+    def leases(self, slot: int) -> int:
+        pub = self._publisher()
+        return 0 if pub is None or pub._closed else len(pub._book.leases(slot))
+
+    def collect(self, timeout: float | None) -> int:
+        pub = self._publisher()
+        if pub is None or pub._closed:
+            return 0
+        if not self.lock.acquire(timeout=-1 if timeout is None else timeout):
+            return 0
+        try:
+            return pub._core.poll(timeout) if not pub._core.closed else 0
+        finally:
+            self.lock.release()
+
+    def order_write(self, slot: int, stream: int) -> None:
+        pub = self._publisher()
+        if pub is not None and not pub._closed:
+            pub._order_write(slot, stream)
 
 
 class Publisher:
@@ -151,10 +207,9 @@ class Publisher:
         max_subscribers: int = 64,
         send_timeout: float = 5.0,
     ) -> None:
-        pool._check()
         n = pool.num_slots
         if n > MAX_CHANNEL_SLOTS:
-            raise ValueError(
+            raise UsageError(
                 f"a channel carries at most {MAX_CHANNEL_SLOTS} slots (one fd per slot in one "
                 f"SCM_RIGHTS message); this pool has {n}"
             )
@@ -167,10 +222,10 @@ class Publisher:
         self._next_index = 0
         self._max_subscribers = max_subscribers
         self._closed = False
-        self._writing: int | None = None
+        self._token: SlotToken | None = None  # the slot being written
         self._published = [0] * n  # generation of each slot's last published frame
+        desc = pool.descriptor(transport="pidfd").to_bytes()  # raises if the pool is closed
         self._sync = sync = SyncPage.create(n, max_subscribers, self._device)
-        desc = pool.descriptor(transport="pidfd").to_bytes()
         self._desc_bytes = desc
         self._welcome_fds = [pool.fd(i) for i in range(n)] + [sync.fd]
         try:
@@ -187,16 +242,13 @@ class Publisher:
             sync.close()
             raise
         self.address = self._core.address
-        book = self._core.lease_book
-        self._book = book
-        pool._lease_probe = lambda slot: len(book.leases(slot))
-        refs = pool._mem.refs
-        self._transitions: collections.deque[int] = collections.deque()
-        refs.transitions = self._transitions
-        for slot in range(n):
-            if refs.counts[slot]:
-                book.hold(slot)
-        self._finalizer = weakref.finalize(self, _close_publisher, self._core, sync, pool)
+        self._book = self._core.lease_book
+        self._leases = _PublisherLeases(self)
+        pool.add_lease_source(self._leases)
+        self._pid = os.getpid()
+        self._finalizer = weakref.finalize(
+            self, _close_publisher, self._core, sync, pool, self._leases, self._pid
+        )
 
     # -- accept thread / callbacks --
 
@@ -210,7 +262,7 @@ class Publisher:
                 if index not in used:
                     break
             else:
-                raise RuntimeError("no free subscriber row in the sync page")
+                raise PeerRefusedError("no free subscriber row in the sync page")
             self._next_index = index + 1
             self._indices[info.sub_id] = index
         head = _WELCOME_HEAD.pack(
@@ -246,38 +298,45 @@ class Publisher:
     def _check(self) -> None:
         if self._closed:
             raise PoolClosedError("the Publisher is closed")
-        self._pool._check()
 
-    def _sync_holds(self) -> None:
-        """Mirror the pool's local references (live arrays) into the lease book."""
-        transitions = self._transitions
-        if not transitions:
+    def _order_write(self, slot: int, stream: int) -> None:
+        """Make ``stream`` wait for the read flags of every subscriber that read ``slot``."""
+        with self._leases.lock:
+            readers = self._book.readers_to_wait(slot)
+        if not readers:
             return
-        counts = self._pool._mem.refs.counts
-        book = self._book
-        seen = set()
-        while transitions:
-            slot = transitions.popleft()
-            if slot in seen:
-                continue
-            seen.add(slot)
-            held = book.holds(slot) > 0
-            if counts[slot] > 0 and not held:
-                book.hold(slot)
-            elif counts[slot] == 0 and held:
-                while book.holds(slot):
-                    book.unhold(slot)
+        # every reader wrote the generation it was sent into its read flag on release
+        last = self._published[slot]
+        sync = self._sync
+        with self._lock:
+            rows = [self._indices.get(sub_id) for sub_id in readers]
+        for index in rows:
+            if index is not None:
+                sync.wait(stream, sync.read_flag(index, slot), last)
+
+    def _end_write(self, token: SlotToken) -> None:
+        token.release()
+        if self._token is token:
+            self._token = None
 
     # -- hot path --
 
-    def acquire(self, timeout: float | None = 5.0, stream: Any = None) -> int:
+    def acquire(self, timeout: float | None = DEFAULT_TIMEOUT, stream: Any = None) -> int:
         """Take a free slot for the next frame and make it the pool's current slot.
 
-        A slot is free when no subscriber holds a lease on it and no local
-        array refers to it.  ``stream`` (default: CuPy's current stream) is
-        made to wait (on the GPU) for the read flags of every subscriber that
-        read the slot, so work enqueued on it afterwards cannot overwrite data
-        a reader is still using; the host does not block.
+        The same call as ``pool.acquire(timeout=timeout, stream=stream)``: a
+        slot is free when no subscriber holds a lease on it, no local array
+        refers to it and no other token writes it.  ``stream`` (default:
+        CuPy's current stream) is made to wait (on the GPU) for the read flags
+        of every subscriber that read the slot, so work enqueued on it
+        afterwards cannot overwrite data a reader is still using; the host
+        does not block.  A slot acquired before and not published is given
+        back first.
+
+        Returns
+        -------
+        int
+            The slot.
 
         Raises
         ------
@@ -285,55 +344,25 @@ class Publisher:
             No slot became free within ``timeout`` seconds (``block``
             subscribers hold them, or local arrays do); the message says who.
         """
-        if self._closed:
-            raise PoolClosedError("the Publisher is closed")
-        pool = self._pool
-        if pool._closed or pool._epoch != _driver._fork_epoch:
-            pool._check()
-        if self._transitions:
-            self._sync_holds()
-        slot, readers = self._core.acquire(timeout)
-        counts = pool._mem.refs.counts
-        while counts[slot]:  # an array appeared in that slot since the last sync
-            self._sync_holds()
-            slot, readers = self._core.acquire(timeout)
-        if readers:
-            # every reader wrote the generation it was sent into its read flag on release
-            last = self._published[slot]
-            sptr = (self._cp.cuda.get_current_stream() if stream is None else stream).ptr
-            sync = self._sync
-            indices = self._indices
-            for sub_id in readers:
-                index = indices.get(sub_id)
-                if index is not None:
-                    sync.wait(sptr, sync.read_flag(index, slot), last)
-        pool._take(slot)
-        self._writing = slot
-        return slot
+        return self._acquire(timeout, stream).slot
 
-    def frame(self, timeout: float | None = 5.0, stream: Any = None) -> PublishFrame:
+    def _acquire(self, timeout: float | None, stream: Any) -> SlotToken:
+        self._check()
+        previous = self._token
+        if previous is not None:
+            self._end_write(previous)
+        token = self._pool.acquire(timeout=timeout, stream=stream)
+        self._token = token
+        return token
+
+    def frame(self, timeout: float | None = DEFAULT_TIMEOUT, stream: Any = None) -> PublishFrame:
         """:meth:`acquire` a slot and return a :class:`PublishFrame` for it.
 
         Use as ``with pub.frame() as f: ...; f.publish(y)``; allocations under
-        ``pool.allocating()`` inside the block land in ``f.slot``.
+        ``f.allocating()`` (or ``pool.allocating()``) inside the block land in
+        ``f.slot``.  Leaving the block without publishing gives the slot back.
         """
-        return PublishFrame(self, self.acquire(timeout, stream), stream)
-
-    def _new_array(self, slot: int, shape: Any, dtype: Any) -> Any:
-        import numpy
-
-        cp = self._cp
-        pool = self._pool
-        dt = numpy.dtype(dtype)
-        shape_t = (shape,) if isinstance(shape, int) else tuple(shape)
-        nbytes = dt.itemsize
-        for n in shape_t:
-            nbytes *= n
-        arena = arena_for(pool, slot)
-        offset = arena.alloc(nbytes)
-        owner = _Block(pool._mem, pool._mem.refs, slot, arena, offset)
-        mem = cp.cuda.UnownedMemory(pool._ptrs[slot] + offset, max(nbytes, 1), owner, pool.device)
-        return cp.ndarray(shape_t, dt, cp.cuda.MemoryPointer(mem, 0))
+        return PublishFrame(self, self._acquire(timeout, stream), stream)
 
     def publish(self, *arrays: Any, metadata: bytes = b"", stream: Any = None) -> int:
         """Publish ``arrays`` (all in the slot taken by :meth:`acquire`) as one frame.
@@ -350,32 +379,34 @@ class Publisher:
         Raises
         ------
         NotShareableError
-            An array does not lie in the acquired slot.
-        ValueError
-            Too many arrays or too much metadata.
+            An array does not lie in the acquired slot, or is no device array.
+        UsageError
+            No slot was acquired, too many arrays or too much metadata.
         """
         if self._closed:
             raise PoolClosedError("the Publisher is closed")
-        slot = self._writing
-        if slot is None:
-            raise RuntimeError(
+        token = self._token
+        if token is None:
+            raise UsageError(
                 "publish() needs a slot taken with acquire() or frame() first; a slot can be "
                 "published once per acquire"
             )
         if len(arrays) > MAX_ARRAYS:
-            raise ValueError(f"at most {MAX_ARRAYS} arrays per frame, got {len(arrays)}")
+            raise UsageError(f"at most {MAX_ARRAYS} arrays per frame, got {len(arrays)}")
         metadata = bytes(metadata)
         if len(metadata) > MAX_METADATA:
-            raise ValueError(f"metadata is {len(metadata)} bytes; at most {MAX_METADATA}")
+            raise UsageError(f"metadata is {len(metadata)} bytes; at most {MAX_METADATA}")
         pool = self._pool
-        base = pool._ptrs[slot]
+        slot = token.slot
+        base = pool.ptr(slot)
         limit = pool.slot_nbytes
-        generation = pool._generation[slot]
+        generation = token.generation
         parts = [_FRAME_HEAD.pack(slot, generation & 0xFFFFFFFF, len(arrays), len(metadata))]
         for a in arrays:
-            offset = a.data.ptr - base
+            info = array_info(a)
+            offset = info.ptr - base
             if not 0 <= offset < limit:
-                where = pool.locate(a.data.ptr)
+                where = pool.locate(info.ptr)
                 raise NotShareableError(
                     f"array lies in slot {where[0]}, but this frame was acquired in slot {slot}"
                     if where is not None
@@ -383,25 +414,32 @@ class Publisher:
                     "under pool.allocating()"
                 )
             try:
-                handle = ArrayHandle(slot, generation, offset, a.shape, a.strides, a.dtype)
+                handle = ArrayHandle(slot, generation, offset, info.shape, info.strides, info.dtype)
                 handle.check_fits(limit)
             except DescriptorError as exc:
                 raise NotShareableError(f"array extends beyond slot {slot}: {exc}") from None
             parts.append(handle.pack())
         parts.append(metadata)
-        sptr = (self._cp.cuda.get_current_stream() if stream is None else stream).ptr
+        sptr = stream_ptr(stream)
         self._sync.write(sptr, self._sync.frame_flag(slot), generation)
         self._published[slot] = generation
-        if self._transitions:
-            self._sync_holds()
-        seq = self._core.publish(slot, b"".join(parts))
-        self._writing = None
+        with self._leases.lock:
+            seq = self._core.publish(slot, b"".join(parts))
+        self._end_write(token)
         return seq
 
     def poll(self, timeout: float | None = 0.0) -> int:
-        """Adopt new subscribers and collect returned leases; return how many came back."""
+        """Adopt new subscribers and collect returned leases; return how many came back.
+
+        Returns as soon as a message from a subscriber has been handled (a
+        returned lease, a goodbye), or after ``timeout`` seconds (``None``:
+        no limit; ``0``: do not wait).  Threads waiting in ``pool.acquire()``
+        or ``pool.next()`` are woken when leases came back.
+        """
         self._check()
-        return self._core.poll(timeout)
+        returned = self._leases.collect(timeout)
+        self._pool.notify_released()
+        return returned
 
     def leases(self, slot: int) -> int:
         """Number of subscriber leases on ``slot``."""
@@ -432,7 +470,9 @@ class Publisher:
                 stacklevel=2,
             )
         self._finalizer.detach()
-        _close_publisher(self._core, self._sync if all_gone else None, self._pool)
+        _close_publisher(
+            self._core, self._sync if all_gone else None, self._pool, self._leases, self._pid
+        )
 
     def __enter__(self) -> Publisher:
         return self
@@ -446,21 +486,68 @@ class Publisher:
         self.close()
 
 
-def _close_publisher(core: PublisherCore, sync: SyncPage | None, pool: IpcPool) -> None:
+def _close_publisher(
+    core: PublisherCore,
+    sync: SyncPage | None,
+    pool: IpcPool,
+    leases: _PublisherLeases,
+    pid: int,
+) -> None:
     try:
         all_gone = core.close()
     except Exception as exc:  # pragma: no cover - core.close never raises
         warnings.warn(f"closing the publisher socket failed: {exc}", TeardownWarning, stacklevel=2)
         all_gone = False
-    pool._lease_probe = None
-    pool._mem.refs.transitions = None
+    pool.remove_lease_source(leases)
     # Subscribers may still wait on the page for frames queued before the BYE:
     # freeing it under them would be a dangling mapping, so it is leaked instead.
-    if sync is not None and all_gone and os.getpid() == pool._pid:
+    if sync is not None and all_gone and os.getpid() == pid:
         sync.close()
 
 
 # ----------------------------------------------------------------------- consumer
+
+
+class _StreamsInUse:
+    """Streams a subscriber enqueued flag operations on, which may still run them.
+
+    Closing the subscriber synchronizes these before it unmaps the sync page.
+    The set stays small: when it reaches ``_STREAMS_KEPT`` entries, streams
+    with no work left (``cudaStreamQuery``) are forgotten.  The stream objects
+    are kept, so that a CuPy or torch stream is not destroyed while tracked.
+    """
+
+    __slots__ = ("_streams",)
+
+    def __init__(self) -> None:
+        self._streams: dict[int, Any] = {}
+
+    def note(self, ptr: int, stream: Any) -> None:
+        streams = self._streams
+        if ptr in streams:
+            return
+        if len(streams) >= _STREAMS_KEPT:
+            rt = cupy_module().cuda.runtime
+            for known in list(streams):
+                try:
+                    idle = rt.streamQuery(known) == 0
+                except Exception:  # not a valid stream any more: nothing to wait for
+                    idle = True
+                if idle:
+                    del streams[known]
+        streams[ptr] = stream
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def synchronize(self) -> None:
+        rt = cupy_module().cuda.runtime
+        streams, self._streams = self._streams, {}
+        for ptr in streams:
+            rt.streamSynchronize(ptr)
+
+    def clear(self) -> None:
+        self._streams.clear()
 
 
 class _Lease:
@@ -473,7 +560,7 @@ class _Lease:
     __slots__ = ("__weakref__", "generation", "pin", "released", "seq", "slot", "subscriber")
 
     def __init__(
-        self, subscriber: Subscriber, seq: int, slot: int, generation: int, pin: SlotRef
+        self, subscriber: Subscriber, seq: int, slot: int, generation: int, pin: object
     ) -> None:
         self.subscriber = subscriber
         self.seq = seq
@@ -576,7 +663,7 @@ class Subscriber:
         self._peer: PeerPool | None = None
         self._sync: SyncPage | None = None
         self._index = 0
-        self._streams: set[int] = set()  # streams this subscriber enqueued flag operations on
+        self._streams = _StreamsInUse()  # streams this subscriber enqueued flag operations on
         self._core = SubscriberCore(
             address, mode=mode, credit=credit, timeout=timeout, allowed_uids=allowed_uids
         )
@@ -638,7 +725,6 @@ class Subscriber:
         sync_fd = fds.pop()
         try:
             self._peer = peer = attach_fds(desc, fds, device=device)
-            self._slots = peer._slots
             self._sync = SyncPage.import_fd(sync_fd, sync_nbytes, n, max_subs, peer.device)
         finally:
             os.close(sync_fd)
@@ -679,8 +765,8 @@ class Subscriber:
         ------
         EndOfStream
             The publisher closed (``clean`` True) or died (``clean`` False).
-        TimeoutError
-            No frame within ``timeout`` seconds.
+        ChannelTimeoutError
+            No frame within ``timeout`` seconds (also a ``TimeoutError``).
         ProtocolError
             The publisher sent a malformed frame; the subscription is closed.
         """
@@ -707,9 +793,8 @@ class Subscriber:
                 raise ProtocolError(f"frame {seq} in slot {slot} names flag {flag}")
             if count > MAX_ARRAYS or meta_len > MAX_METADATA:
                 raise ProtocolError(f"frame {seq}: {count} arrays, {meta_len} metadata bytes")
-            slots = self._slots
-            lease = _Lease(self, seq, slot, generation, SlotRef(slots, slots.refs, slot))
             assert self._peer is not None
+            lease = _Lease(self, seq, slot, generation, self._peer.pin(slot))
             try:
                 arrays, pos = self._peer.arrays_from_wire(payload, _FRAME_HEAD.size, count, lease)
             except DescriptorError as exc:
@@ -721,8 +806,10 @@ class Subscriber:
         except ProtocolError:
             self.close()
             raise
-        sptr = (self._cp.cuda.get_current_stream() if stream is None else stream).ptr
-        self._streams.add(sptr)
+        if stream is None:
+            stream = self._cp.cuda.get_current_stream()
+        sptr = stream_ptr(stream)
+        self._streams.note(sptr, stream)
         sync = self._sync
         assert sync is not None
         sync.wait(sptr, sync.frame_flag(slot), generation)
@@ -731,8 +818,10 @@ class Subscriber:
     def _release(self, seq: int, slot: int, generation: int, stream: Any) -> None:
         if self._closed:
             return
-        sptr = (self._cp.cuda.get_current_stream() if stream is None else stream).ptr
-        self._streams.add(sptr)
+        if stream is None:
+            stream = self._cp.cuda.get_current_stream()
+        sptr = stream_ptr(stream)
+        self._streams.note(sptr, stream)
         sync = self._sync
         assert sync is not None
         sync.write(sptr, sync.read_flag(self._index, slot), generation)
@@ -795,7 +884,7 @@ def _teardown_subscriber(
     sync: SyncPage | None,
     peer: PeerPool | None,
     pidfd: int,
-    streams: set[int],
+    streams: _StreamsInUse,
     pid: int,
 ) -> None:
     """Close a subscriber (also its finalizer); never raises."""
@@ -812,10 +901,7 @@ def _teardown_subscriber(
     # mapped (leaked) rather than block here forever or unmap it under the GPU.
     if sync is not None and producer_alive:
         try:
-            import cupy
-
-            for sptr in streams:
-                cupy.cuda.runtime.streamSynchronize(sptr)
+            streams.synchronize()
             sync.close()
         except Exception as exc:
             warnings.warn(f"closing the sync page failed: {exc}", TeardownWarning, stacklevel=2)

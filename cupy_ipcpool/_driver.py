@@ -14,7 +14,14 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from ._errors import CudaError, CudaOutOfMemoryError, CudaUnavailableError, UnsupportedDeviceError
+from ._errors import (
+    CudaError,
+    CudaOutOfMemoryError,
+    CudaUnavailableError,
+    UnsupportedDeviceError,
+    UsageError,
+    UsageTypeError,
+)
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "mod": the driver module, or "error": why it is unusable
@@ -131,12 +138,12 @@ def device_count() -> int:
 def get_device(ordinal: int) -> Any:
     """Return the ``CUdevice`` for ``ordinal``, checking the range first."""
     if not isinstance(ordinal, int) or isinstance(ordinal, bool):
-        raise TypeError(f"device must be an int ordinal, not {type(ordinal).__name__}")
+        raise UsageTypeError(f"device must be an int ordinal, not {type(ordinal).__name__}")
     n = device_count()
     if n == 0:
         raise CudaUnavailableError("the CUDA driver sees no device")
     if not 0 <= ordinal < n:
-        raise ValueError(f"device {ordinal} does not exist: {n} device(s) visible (0..{n - 1})")
+        raise UsageError(f"device {ordinal} does not exist: {n} device(s) visible (0..{n - 1})")
     return call("cuDeviceGet", ordinal)
 
 

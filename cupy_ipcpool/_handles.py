@@ -66,6 +66,8 @@ SUPPORTED_VERSIONS: tuple[int, ...] = (1,)
 """Descriptor format versions :meth:`PoolDescriptor.from_bytes` accepts."""
 
 MAX_SLOTS = 65536
+"""Most slots a pool may have: the one slot-count limit of the library (descriptors,
+pools, the channel's protocol)."""
 MAX_NDIM = 16
 MAX_SLOT_NBYTES = 1 << 44
 MAX_SOCKET_PATH = 107
@@ -123,9 +125,11 @@ _NUM_DTYPES = len(_DTYPES)
 _HANDLE_STRUCTS: tuple[struct.Struct, ...] = tuple(
     struct.Struct(f"<IQQBB{ndim}Q{ndim}q") for ndim in range(MAX_NDIM + 1)
 )
-_NDIM_AT = 20  # byte offsets of ndim and the dtype code inside the header
+_GENERATION_AT = 4  # byte offsets of the fields inside the header
+_OFFSET_AT = 12
+_NDIM_AT = 20
 _CODE_AT = 21
-_new_object = object.__new__
+_U64 = struct.Struct("<Q")
 
 
 # ---------------------------------------------------------------------------
@@ -313,12 +317,15 @@ class PoolDescriptor:
 
     Notes
     -----
-    **A pickled descriptor is a live capability to the memory.**  Pickling (as
-    ``multiprocessing`` does for ``Process`` arguments and ``Queue.put``) attaches
-    duplicates of the slot fds, sent with ``SCM_RIGHTS``, when the pickling
-    process owns them: either it is the exporter, or it unpickled the descriptor
-    itself and has not taken the fds yet.  Whoever unpickles it can map and
-    write the pool's memory.  Send it only to processes you trust with that.
+    **A pickled descriptor is a live capability to the memory.**  Pickled by
+    ``multiprocessing`` (``Process`` arguments, ``Queue.put``, ``Pipe.send``: its
+    ``ForkingPickler``), it carries duplicates of the slot fds, sent with
+    ``SCM_RIGHTS``, when the pickling process owns them: either it is the
+    exporter, or it unpickled the descriptor itself and has not taken the fds
+    yet.  Whoever unpickles it can map and write the pool's memory.  Send it
+    only to processes you trust with that.  A plain ``pickle.dumps`` carries no
+    fds (nothing would collect them: they would leak); the receiver then
+    fetches them like a peer decoding :meth:`to_bytes`.
 
     The fds received by unpickling are available once through
     :meth:`take_local_fds`; if nobody takes them they are closed when the
@@ -531,13 +538,26 @@ class PoolDescriptor:
         return None if self._local is None else self._local.take()
 
     def __reduce__(self) -> tuple[Any, ...]:
-        fds: Sequence[int] | None = None
-        if self._local is not None:
-            fds = self._local.peek()
-        if fds is None and os.getpid() == self.exporter_pid:
-            fds = self.fds
-        carriers = None if fds is None else tuple(reduction.DupFd(fd) for fd in fds)
-        return (_rebuild_descriptor, (self.to_bytes(), carriers))
+        # A plain pickle (pickle.dumps, copy, a pickle file) carries no fds: nothing
+        # would ever collect them, so each pickle would leak one duplicate per slot in
+        # multiprocessing's fd sharer.  The receiver fetches them (pidfd or socket).
+        return (_rebuild_descriptor, (self.to_bytes(), None))
+
+
+def _reduce_with_fds(desc: PoolDescriptor) -> tuple[Any, ...]:
+    """How multiprocessing pickles a descriptor: with duplicates of the slot fds.
+
+    Registered with :class:`multiprocessing.reduction.ForkingPickler`, which
+    pickles ``Process`` arguments and ``Queue``/``Pipe`` items; the receiving
+    process collects the fds while unpickling.
+    """
+    fds: Sequence[int] | None = None
+    if desc._local is not None:
+        fds = desc._local.peek()
+    if fds is None and os.getpid() == desc.exporter_pid:
+        fds = desc.fds
+    carriers = None if fds is None else tuple(reduction.DupFd(fd) for fd in fds)
+    return (_rebuild_descriptor, (desc.to_bytes(), carriers))
 
 
 def _rebuild_descriptor(data: bytes, carriers: tuple[_FdCarrier, ...] | None) -> PoolDescriptor:
@@ -560,6 +580,9 @@ def _rebuild_descriptor(data: bytes, carriers: tuple[_FdCarrier, ...] | None) ->
     if carriers is not None:
         object.__setattr__(desc, "_local", _LocalFds(received))
     return desc
+
+
+reduction.ForkingPickler.register(PoolDescriptor, _reduce_with_fds)
 
 
 # ---------------------------------------------------------------------------
@@ -905,35 +928,45 @@ class ArrayHandle:
                 f"{n - pos - _HANDLE_HEADER.size} remain"
             )
         values = layout.unpack_from(view, pos)
-        slot = values[0]
-        shape = values[5 : 5 + ndim]
-        strides = values[5 + ndim :]
-        dtype = _DTYPES[code]
-        if cls is not ArrayHandle:  # a subclass may check more in __post_init__
-            return cls(slot, values[1], values[2], shape, strides, dtype), pos + layout.size
-        # The struct bounds generation and offset (u64) and the strides (i64);
-        # check what it does not, in the order and with the words of __post_init__.
-        if slot >= MAX_SLOTS:
-            raise DescriptorError(f"slot={slot} is out of range [0, {MAX_SLOTS - 1}]")
-        nbytes = _ITEMSIZES[code]
-        for dim in shape:
-            if dim > _I64_MAX:
-                i = shape.index(dim)  # the first entry out of range: all before were in
-                raise DescriptorError(f"shape[{i}]={dim} is out of range [0, {_I64_MAX}]")
-            if dim > 1:
-                nbytes *= dim
-        if nbytes > _I64_MAX:  # factors are >= 1: the product exceeds iff a prefix does
-            _check_nbytes(shape, dtype)
-        # Every field is now known valid and canonical: skip __init__/__post_init__.
-        handle = _new_object(ArrayHandle)
-        attrs = handle.__dict__
-        attrs["slot"] = slot
-        attrs["generation"] = values[1]
-        attrs["offset"] = values[2]
-        attrs["shape"] = shape
-        attrs["strides"] = strides
-        attrs["dtype"] = dtype
+        # struct gives exact ints and tuples and the table a canonical dtype:
+        # the constructor's validation (its fast path) checks the ranges
+        handle = cls(
+            values[0],
+            values[1],
+            values[2],
+            values[5 : 5 + ndim],
+            values[5 + ndim :],
+            _DTYPES[code],
+        )
         return handle, pos + layout.size
+
+    @staticmethod
+    def peek(data: bytes | memoryview, pos: int = 0) -> tuple[bytes, int, int]:
+        """Split one packed handle at ``pos`` without decoding it (the per-frame cache key).
+
+        Returns
+        -------
+        (geometry, generation, end)
+            ``geometry`` is the packed handle without its generation (the same
+            bytes for the same slot, offset, shape, strides and dtype), so a
+            receiver can cache the validated geometry of a handle under it and
+            check only the generation for each frame; ``end`` is the position
+            after the handle.  Decode with :meth:`unpack_from` on a cache miss.
+
+        Raises
+        ------
+        DescriptorError
+            The data ends before the handle does.
+        """
+        n = len(data)
+        if n - pos < _HANDLE_HEADER.size:
+            raise DescriptorError(f"array handle truncated at byte {pos} of {n}")
+        end = pos + _HANDLE_HEADER.size + 16 * data[pos + _NDIM_AT]
+        if end > n:
+            raise DescriptorError(f"array handle truncated at byte {pos} of {n}")
+        (generation,) = _U64.unpack_from(data, pos + _GENERATION_AT)
+        geometry = bytes(data[pos : pos + _GENERATION_AT]) + bytes(data[pos + _OFFSET_AT : end])
+        return geometry, generation, end
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> ArrayHandle:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import struct
 import threading
 import warnings
 import weakref
@@ -17,17 +16,17 @@ from ._errors import (
     DescriptorError,
     ForkedProcessError,
     PoolClosedError,
+    SlotIndexError,
     StaleHandleError,
     TeardownWarning,
     UnsupportedDeviceError,
+    UsageTypeError,
 )
 from ._handles import ArrayHandle, PoolDescriptor
 from ._transport import fetch_fds
 from ._vmm import Allocation, UndoStack
 
 _CacheKey = tuple[bytes, int, int, int]
-_U64 = struct.Struct("<Q")
-_HANDLE_FIXED = 22  # slot u32, generation u64, offset u64, ndim u8, dtype u8
 _GEOMETRY_CACHE = 1024
 
 
@@ -181,8 +180,19 @@ class PeerPool:
         """Device pointer of ``slot`` in this process."""
         self._check()
         if not 0 <= slot < self._desc.num_slots:
-            raise IndexError(f"slot {slot} out of range for {self._desc.num_slots} slots")
+            raise SlotIndexError(f"slot {slot} out of range for {self._desc.num_slots} slots")
         return self._slots.ptrs[slot]
+
+    def pin(self, slot: int) -> SlotRef:
+        """An owner object that keeps ``slot`` mapped while it lives.
+
+        It counts as a local reference to the slot (:meth:`local_refs`), and
+        keeps the mapping alive after :meth:`close` until it is collected —
+        what a received frame's lease holds.
+        """
+        if not 0 <= slot < self._desc.num_slots:
+            raise SlotIndexError(f"slot {slot} out of range for {self._desc.num_slots} slots")
+        return SlotRef(self._slots, self._slots.refs, slot)
 
     def array(self, handle: ArrayHandle) -> Any:
         """The ``cupy.ndarray`` that ``handle`` describes, over the mapped slot.
@@ -240,13 +250,10 @@ class PeerPool:
         ptrs = self._slots.ptrs
         size = self._desc.slot_nbytes
         device = self._device
-        n = len(data)
         out = []
+        peek = ArrayHandle.peek
         for _ in range(count):
-            if n - pos < _HANDLE_FIXED:
-                raise DescriptorError(f"array handle truncated at byte {pos} of {n}")
-            end = pos + _HANDLE_FIXED + 16 * data[pos + 20]
-            key = bytes(data[pos : pos + 4]) + bytes(data[pos + 12 : end])
+            key, generation, end = peek(data, pos)
             geometry = cache.get(key)
             if geometry is None:
                 handle, end = ArrayHandle.unpack_from(data, pos)
@@ -260,7 +267,6 @@ class PeerPool:
                     cache.clear()
                 cache[key] = geometry
             slot = geometry[0]
-            (generation,) = _U64.unpack_from(data, pos + 4)
             if generation < seen[slot]:
                 raise StaleHandleError(
                     f"handle for slot {slot} is of generation {generation}; generation "
@@ -364,7 +370,9 @@ def attach_fds(
     """
     try:
         if not isinstance(descriptor, PoolDescriptor):
-            raise TypeError(f"attach() needs a PoolDescriptor, not {type(descriptor).__name__}")
+            raise UsageTypeError(
+                f"attach() needs a PoolDescriptor, not {type(descriptor).__name__}"
+            )
         descriptor.validate()
         local = _resolve_device(descriptor, device)
     except BaseException:

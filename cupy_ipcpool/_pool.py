@@ -1,14 +1,20 @@
-"""IpcPool: the ring of shareable slots, arrays over slots, export of descriptors."""
+"""IpcPool: the ring of shareable slots, slot tokens, arrays over slots, export of descriptors.
+
+The pool is the one owner of each slot's life: :meth:`IpcPool.acquire` hands
+out a :class:`SlotToken` for a slot that no local array, allocator block,
+writer or peer lease holds (the bookkeeping is :class:`~._slots.SlotTable`),
+and everything that writes a slot — ``pool.next()``, the seed façade, the
+channel's publisher, the allocator hook — goes through it.
+"""
 
 from __future__ import annotations
 
 import os
 import secrets
 import threading
-import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from types import TracebackType
 from typing import Any
@@ -16,18 +22,36 @@ from typing import Any
 import numpy
 
 from . import _driver
-from ._arrays import SlotRef, SlotRefs, make_array, normalize_dtype, normalize_shape
+from ._arena import AllocationScope, SlotArena, block_pointer
+from ._arrays import (
+    SlotRef,
+    array_info,
+    as_cupy_stream,
+    cupy_module,
+    make_array,
+    normalize_dtype,
+    normalize_shape,
+    stream_ptr,
+)
 from ._errors import (
+    DescriptorError,
     ForkedProcessError,
     NotShareableError,
     PoolClosedError,
-    SlotBusyError,
+    SlotIndexError,
     StaleHandleError,
     TeardownWarning,
+    UsageError,
+    UsageTypeError,
 )
 from ._handles import MAX_SLOT_NBYTES, MAX_SLOTS, ArrayHandle, PoolDescriptor
+from ._slots import LeaseSource, SlotTable
 from ._transport import FdServer, process_start_time
 from ._vmm import Allocation, UndoStack, round_up
+
+#: Seconds :meth:`IpcPool.acquire`, :meth:`IpcPool.next` and ``Publisher.acquire``
+#: wait for a free slot unless told otherwise.
+DEFAULT_TIMEOUT = 5.0
 
 TRANSPORTS = ("auto", "pidfd", "socket")
 
@@ -42,26 +66,27 @@ class _PoolMemory:
 
     def __init__(self, num_slots: int, pid: int) -> None:
         self.allocations: list[Allocation] = []
-        self.refs = SlotRefs(num_slots)
-        self.refs.on_zero = self._on_slot_unused
+        self.table = SlotTable(num_slots)
+        self.table.on_zero = self._on_slot_unused
+        self.arenas: list[SlotArena | None] = [None] * num_slots
         self.pid = pid
         self.close_requested = False
         self.released = False
         self.fd_server: FdServer | None = None
 
     def _on_slot_unused(self, slot: int) -> None:
-        if self.close_requested and not any(self.refs.counts):
+        if self.close_requested and not any(self.table.counts):
             self.release()
 
     def request_close(self) -> None:
         """Release now, or as soon as the last array over the pool is gone."""
-        with self.refs.cond:
+        with self.table.lock:
             self.close_requested = True
             if self.fd_server is not None:
                 if os.getpid() == self.pid:  # a forked child must not unlink the parent's socket
                     self.fd_server.close()
                 self.fd_server = None
-            if not any(self.refs.counts):
+            if not any(self.table.counts):
                 self.release()
 
     def release(self) -> None:
@@ -76,8 +101,138 @@ class _PoolMemory:
                     with suppress(OSError):
                         os.close(alloc.fd)
             return
+        for arena in self.arenas:
+            if arena is not None:
+                arena.close()
         for alloc in self.allocations:
             alloc.close()
+
+
+class SlotToken:
+    """The right to write one slot, from :meth:`IpcPool.acquire`.
+
+    While the token is open the slot counts as busy (nobody else acquires
+    it); arrays made from it hold the slot on their own for as long as they
+    live.  Release it with :meth:`release` or by leaving a ``with`` block; a
+    token that is garbage collected is released too.
+
+    Attributes
+    ----------
+    slot:
+        The slot index.
+    generation:
+        The slot's generation for this write (it goes into every
+        :class:`ArrayHandle` made from the token).
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_pool",
+        "_released",
+        "_stream",
+        "_stream_ptr",
+        "generation",
+        "slot",
+    )
+
+    def __init__(self, pool: IpcPool, slot: int, generation: int, stream: Any, ptr: int) -> None:
+        self._pool = pool
+        self.slot = slot
+        self.generation = generation
+        self._stream = stream
+        self._stream_ptr = ptr
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        """True once the token was released."""
+        return self._released
+
+    @property
+    def stream(self) -> Any:
+        """The stream the slot was acquired for, as a CuPy stream object."""
+        if self._stream is None or not hasattr(self._stream, "ptr"):
+            self._stream = as_cupy_stream(
+                self._stream_ptr if self._stream is None else self._stream, self._pool.device
+            )
+        return self._stream
+
+    @property
+    def stream_ptr(self) -> int:
+        """The raw ``cudaStream_t`` of :attr:`stream`."""
+        return self._stream_ptr
+
+    @property
+    def ptr(self) -> int:
+        """Device pointer of the slot."""
+        return self._pool.ptr(self.slot)
+
+    def _check(self) -> None:
+        if self._released:
+            raise PoolClosedError(
+                f"the token of slot {self.slot} (generation {self.generation}) was released; "
+                "acquire a new one"
+            )
+
+    def array(self, shape: Any, dtype: Any = numpy.float32) -> Any:
+        """A new ``cupy.ndarray`` carved out of the slot (uninitialised).
+
+        Arrays of one token do not overlap: they come from the slot's arena,
+        as allocations under :meth:`allocating` do, ordered on :attr:`stream`.
+
+        Raises
+        ------
+        SlotFullError
+            It does not fit in what is left of the slot.
+        """
+        self._check()
+        return self._pool._arena_array(self.slot, shape, dtype, self._stream_ptr, self._stream)
+
+    @contextmanager
+    def allocating(self, *, overflow: str = "raise") -> Iterator[AllocationScope]:
+        """Place this thread's CuPy allocations inside the slot (see :meth:`IpcPool.allocating`)."""
+        self._check()
+        with self._pool._allocating(self.slot, overflow) as scope:
+            yield scope
+
+    def handle(self, array: Any) -> ArrayHandle:
+        """The :class:`ArrayHandle` of an array in this slot (any device array type).
+
+        Raises
+        ------
+        NotShareableError
+            The array does not lie (entirely) in this token's slot.
+        """
+        self._check()
+        handle = self._pool.handle(array)
+        if handle.slot != self.slot:
+            raise NotShareableError(
+                f"array lies in slot {handle.slot}, but this token writes slot {self.slot}"
+            )
+        return handle
+
+    def release(self) -> None:
+        """Give the slot back (it stays busy while its arrays live).  Idempotent."""
+        if not self._released:
+            self._released = True
+            self._pool._release_writer(self.slot)
+
+    close = release
+
+    def __enter__(self) -> SlotToken:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        if not self._released:
+            with suppress(Exception):
+                self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else "open"
+        return f"SlotToken(slot={self.slot}, generation={self.generation}, {state})"
 
 
 class IpcPool:
@@ -105,8 +260,9 @@ class IpcPool:
 
     Raises
     ------
-    ValueError, TypeError
-        Bad arguments (checked before anything is allocated).
+    UsageError, UsageTypeError
+        Bad arguments (checked before anything is allocated); also
+        ``ValueError`` / ``TypeError``.
     CudaUnavailableError
         No driver or device.
     UnsupportedDeviceError
@@ -136,14 +292,14 @@ class IpcPool:
             ("device", device),
         ):
             if not isinstance(value, (int, numpy.integer)) or isinstance(value, bool):
-                raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+                raise UsageTypeError(f"{name} must be an int, not {type(value).__name__}")
         num_slots, slot_nbytes, device = int(num_slots), int(slot_nbytes), int(device)
         if not 1 <= num_slots <= MAX_SLOTS:
-            raise ValueError(f"num_slots must be in 1..{MAX_SLOTS}, got {num_slots}")
+            raise UsageError(f"num_slots must be in 1..{MAX_SLOTS}, got {num_slots}")
         if not 1 <= slot_nbytes <= MAX_SLOT_NBYTES:
-            raise ValueError(f"slot_nbytes must be in 1..{MAX_SLOT_NBYTES}, got {slot_nbytes}")
+            raise UsageError(f"slot_nbytes must be in 1..{MAX_SLOT_NBYTES}, got {slot_nbytes}")
         if device < 0:
-            raise ValueError(f"device must be a non-negative ordinal, got {device}")
+            raise UsageError(f"device must be a non-negative ordinal, got {device}")
         self._allowed_uids = (
             frozenset({os.geteuid()}) if allowed_uids is None else frozenset(allowed_uids)
         )
@@ -153,7 +309,7 @@ class IpcPool:
         gran = info.granularity or 0
         alloc_nbytes = round_up(slot_nbytes, gran)
         if alloc_nbytes * num_slots > info.total_memory:
-            raise ValueError(
+            raise UsageError(
                 f"{num_slots} slots of {alloc_nbytes} bytes need "
                 f"{alloc_nbytes * num_slots} bytes; device {device} has {info.total_memory}"
             )
@@ -165,10 +321,6 @@ class IpcPool:
         self._pid = os.getpid()
         self._epoch = _driver.fork_epoch()
         self._pool_id = secrets.token_bytes(16)
-        self._current = 0
-        self._generation = [0] * num_slots
-        # set by a Publisher: number of peer leases on a slot
-        self._lease_probe: Callable[[int], int] | None = None
         self._lock = threading.RLock()
         mem = _PoolMemory(num_slots, self._pid)
         _driver.use_device(device)
@@ -181,7 +333,9 @@ class IpcPool:
                 mem.allocations.append(alloc)
             undo.commit()
         self._mem = mem
+        self._table = mem.table
         self._ptrs = [a.ptr for a in mem.allocations]
+        self._token: SlotToken | None = None  # the one pool.next() holds
         self._closed = False
         self._finalizer = weakref.finalize(self, mem.request_close)
 
@@ -198,10 +352,10 @@ class IpcPool:
 
     def _check_slot(self, slot: int) -> int:
         if not isinstance(slot, (int, numpy.integer)) or isinstance(slot, bool):
-            raise TypeError(f"slot must be an int, not {type(slot).__name__}")
+            raise UsageTypeError(f"slot must be an int, not {type(slot).__name__}")
         n = len(self._ptrs)
         if not -n <= slot < n:
-            raise IndexError(f"slot {slot} out of range for a pool of {n} slots")
+            raise SlotIndexError(f"slot {slot} out of range for a pool of {n} slots")
         return int(slot) % n
 
     @property
@@ -241,97 +395,154 @@ class IpcPool:
 
     @property
     def current(self) -> int:
-        """Index of the current slot."""
+        """Index of the current slot: the one acquired last (0 before the first)."""
         self._check()
-        return self._current
+        return self._table.current
 
     # ------------------------------------------------------------------- ring
     def ptr(self, slot: int | None = None) -> int:
         """Device pointer of ``slot`` (default: the current slot)."""
         self._check()
-        return self._ptrs[self._current if slot is None else self._check_slot(slot)]
+        return self._ptrs[self._table.current if slot is None else self._check_slot(slot)]
 
     def fd(self, slot: int | None = None) -> int:
         """The exported POSIX fd of ``slot`` in this process (default: current)."""
         self._check()
-        return self._mem.allocations[self._current if slot is None else self._check_slot(slot)].fd
+        index = self._table.current if slot is None else self._check_slot(slot)
+        return self._mem.allocations[index].fd
 
     def ipc_handle(self, slot: int | None = None) -> tuple[int, int]:
         """``(pid, fd)`` of ``slot`` for a peer's ``pidfd_getfd`` (the seed's handle)."""
         return (self._pid, self.fd(slot))
 
     def generation(self, slot: int | None = None) -> int:
-        """How many times ``slot`` has been recycled by :meth:`next`/:meth:`acquire`."""
+        """How many times ``slot`` has been acquired for writing."""
         self._check()
-        return self._generation[self._current if slot is None else self._check_slot(slot)]
+        return self._table.generation[
+            self._table.current if slot is None else self._check_slot(slot)
+        ]
 
     def local_refs(self, slot: int) -> int:
         """Number of live local owners (arrays, allocator blocks) in ``slot``."""
-        return self._mem.refs.counts[self._check_slot(slot)]
+        return self._table.counts[self._check_slot(slot)]
 
     def remote_leases(self, slot: int) -> int:
-        """Number of peer leases held on ``slot`` (through a :class:`Publisher`)."""
-        slot = self._check_slot(slot)
-        probe = self._lease_probe
-        return 0 if probe is None else probe(slot)
+        """Number of peer leases held on ``slot`` (over every registered lease source)."""
+        return self._table.leases(self._check_slot(slot))
 
     def is_busy(self, slot: int) -> bool:
-        """True while a local array, allocator block or peer lease refers to ``slot``."""
-        slot = self._check_slot(slot)
-        return self._mem.refs.counts[slot] > 0 or self.remote_leases(slot) > 0
+        """True while an array, allocator block, open token or peer lease holds ``slot``."""
+        return self._table.is_busy(self._check_slot(slot))
 
-    def next(self, *, timeout: float | None = 0.0) -> int:
-        """Advance to the next slot of the ring (wrapping) and return its index.
+    def acquire(
+        self,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        stream: Any = None,
+        slot: int | None = None,
+    ) -> SlotToken:
+        """Take a free slot for writing and return its :class:`SlotToken`.
 
-        The slot is only recycled when no local array, allocator block or peer
-        lease refers to it.  By default a busy slot raises at once (in a single
-        thread nothing can free it while you wait); pass ``timeout`` (seconds, or
-        ``None`` for no limit) to wait for other threads or peers to let go.
+        The slot is the first free one after the current slot, round-robin
+        (or exactly ``slot``); it becomes the current slot and its generation
+        is bumped.  A slot is free when no local array, allocator block, open
+        token or peer lease holds it.  While none is free the call waits —
+        without polling: local releases and returned leases wake it — for at
+        most ``timeout`` seconds (``None``: no limit, ``0``: not at all).
+
+        Parameters
+        ----------
+        timeout:
+            Seconds to wait for a free slot.
+        stream:
+            The stream that will write the slot: a CuPy stream, an object with
+            ``__cuda_stream__``, a torch stream or a raw ``cudaStream_t``
+            (default: CuPy's current stream).  It is made to wait, on the GPU,
+            for every peer that read the slot (registered lease sources); the
+            host does not block.
+        slot:
+            Take this slot rather than the next free one.
+
+        Returns
+        -------
+        SlotToken
+            Use it as a context manager; ``token.array()``,
+            ``token.allocating()`` and ``token.handle()`` work in its slot.
 
         Raises
         ------
         SlotBusyError
-            The next slot is still referenced when the timeout expires.
+            Nothing became free in time; the message says who holds what.
+        PoolClosedError, ForkedProcessError
+            The pool is closed, or this is a forked child.
         """
         self._check()
-        return self.acquire((self._current + 1) % self.num_slots, timeout=timeout)
+        if slot is not None:
+            slot = self._check_slot(slot)
+        ptr = stream_ptr(stream)
+        table = self._table
+        index, generation = table.take(timeout, slot)
+        token = SlotToken(self, index, generation, stream, ptr)
+        sources = table.sources
+        if sources:
+            try:
+                for source in sources:
+                    source.order_write(index, ptr)
+            except BaseException:
+                token.release()
+                raise
+        return token
 
-    def acquire(self, slot: int, *, timeout: float | None = 0.0) -> int:
-        """Make ``slot`` current for writing, bumping its generation.
+    def next(self, *, timeout: float | None = DEFAULT_TIMEOUT) -> int:
+        """Advance to the next free slot of the ring (the seed's ``next()``); return its index.
 
-        Raises :class:`SlotBusyError` like :meth:`next` when it is referenced.
+        A thin wrapper over :meth:`acquire`: the pool releases the token it
+        took at the previous ``next()`` and keeps the new one (so the slot
+        stays reserved for you until the next call), and the current slot is
+        the returned one.  Busy slots are skipped; while every slot is busy it
+        waits up to ``timeout`` seconds, like :meth:`acquire`.
+
+        Raises
+        ------
+        SlotBusyError
+            Every slot is still held when the timeout expires.
         """
         self._check()
-        slot = self._check_slot(slot)
-        refs = self._mem.refs
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with refs.cond:
-            while self.is_busy(slot):
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise SlotBusyError(
-                        f"slot {slot} is still in use: {refs.counts[slot]} local array(s) or "
-                        f"allocator block(s) and {self.remote_leases(slot)} peer lease(s) "
-                        "refer to it; drop those arrays, release the frames, or pass a timeout"
-                    )
-                refs.waiters += 1
-                try:
-                    # peer leases come back without a notify: re-check every 10 ms
-                    refs.cond.wait(0.01 if remaining is None else min(remaining, 0.01))
-                finally:
-                    refs.waiters -= 1
-            self._generation[slot] += 1
-            self._current = slot
-        return slot
+        with self._lock:
+            previous, self._token = self._token, None
+            if previous is not None:
+                previous.release()
+            self._token = self.acquire(timeout=timeout)
+            return self._token.slot
 
-    def _take(self, slot: int) -> None:
-        """Make a slot the caller has checked free current (the publisher's fast path)."""
-        self._generation[slot] += 1
-        self._current = slot
+    def add_lease_source(self, source: LeaseSource) -> None:
+        """Count the peer leases of ``source`` (a :class:`~._slots.LeaseSource`) as holding slots.
+
+        A :class:`~cupy_ipcpool.Publisher` registers itself here while it is
+        open; anything else that lends slots to peers can do the same.
+        """
+        self._check()
+        if not isinstance(source, LeaseSource):
+            raise UsageTypeError(
+                f"{type(source).__name__} is not a lease source: it needs leases(slot), "
+                "collect(timeout) and order_write(slot, stream)"
+            )
+        self._table.add_source(source)
+
+    def remove_lease_source(self, source: LeaseSource) -> None:
+        """Stop counting the leases of ``source``.  Idempotent."""
+        self._table.remove_source(source)
+
+    def notify_released(self) -> None:
+        """Wake threads waiting in :meth:`acquire`: a lease came back outside it."""
+        self._table.notify()
+
+    def _release_writer(self, slot: int) -> None:
+        self._table.release_writer(slot)
 
     # ----------------------------------------------------------------- arrays
     def _owner(self, slot: int) -> SlotRef:
-        return SlotRef(self._mem, self._mem.refs, slot)
+        return SlotRef(self._mem, self._table, slot)
 
     def array(
         self,
@@ -342,7 +553,10 @@ class IpcPool:
         offset: int = 0,
         strides: tuple[int, ...] | None = None,
     ) -> Any:
-        """A ``cupy.ndarray`` over a region of a slot (default: the whole current slot).
+        """A ``cupy.ndarray`` view of a region of a slot (default: the whole current slot).
+
+        A view, not an allocation: two calls may overlap.  For non-overlapping
+        new arrays use ``token.array()`` or ``allocating()``.
 
         Parameters
         ----------
@@ -363,7 +577,7 @@ class IpcPool:
             The region does not fit in the slot or is misaligned.
         """
         self._check()
-        index = self._current if slot is None else self._check_slot(slot)
+        index = self._table.current if slot is None else self._check_slot(slot)
         dt = normalize_dtype(dtype)
         if shape is None:
             shape = ((self._slot_nbytes - offset) // dt.itemsize,)
@@ -378,47 +592,81 @@ class IpcPool:
             strides,
         )
 
+    def _arena(self, slot: int) -> SlotArena:
+        arenas = self._mem.arenas
+        arena = arenas[slot]
+        if arena is None:
+            with self._lock:
+                arena = arenas[slot]
+                if arena is None:
+                    arena = arenas[slot] = SlotArena(self._slot_nbytes, slot)
+        return arena
+
+    def _arena_array(self, slot: int, shape: Any, dtype: Any, stream: int, stream_obj: Any) -> Any:
+        cp = cupy_module()
+        dt = normalize_dtype(dtype)
+        shape_t = normalize_shape(shape)
+        nbytes = dt.itemsize
+        for n in shape_t:
+            nbytes *= n
+        memptr = block_pointer(
+            self._arena(slot),
+            self._ptrs[slot],
+            self._mem,
+            self._table,
+            self._device,
+            nbytes,
+            stream,
+            stream_obj,
+        )
+        return cp.ndarray(shape_t, dt, memptr)
+
     def locate(self, ptr: int) -> tuple[int, int] | None:
         """Return ``(slot, offset)`` of a device pointer inside the pool, or None."""
-        base = self._ptrs[self._current]
-        if base <= ptr < base + self._slot_nbytes:  # the common case: the current slot
-            return self._current, ptr - base
-        for i, base in enumerate(self._ptrs):
-            if base <= ptr < base + self._slot_nbytes:
+        ptrs, size = self._ptrs, self._slot_nbytes
+        current = self._table.current
+        base = ptrs[current]
+        if base <= ptr < base + size:  # the common case: the current slot
+            return current, ptr - base
+        for i, base in enumerate(ptrs):
+            if base <= ptr < base + size:
                 return i, ptr - base
         return None
 
     def handle(self, array: Any) -> ArrayHandle:
         """The :class:`ArrayHandle` of an array whose memory lies in the pool.
 
-        Works for views, slices and non-contiguous strides; a peer rebuilds
-        exactly this array with ``peer.array(handle)``.
+        ``array`` is any device array: a ``cupy.ndarray``, or any object with
+        ``__cuda_array_interface__`` or ``__dlpack__`` (torch tensors
+        included).  Views, slices and non-contiguous strides work; a peer
+        rebuilds exactly this array with ``peer.array(handle)``.
 
         Raises
         ------
         NotShareableError
-            The array's memory is not (entirely) inside one slot of this pool.
+            The array's memory is not (entirely) inside one slot of this pool,
+            or it is no device array.
         """
         self._check()
-        ptr = int(array.data.ptr)
-        where = self.locate(ptr)
+        info = array_info(array)
+        where = self.locate(info.ptr)
         if where is None:
             raise NotShareableError(
-                f"array at 0x{ptr:x} does not lie in this pool's slots; allocate it with "
-                "pool.array() or under pool.allocating()"
+                f"array at 0x{info.ptr:x} does not lie in this pool's slots; allocate it with "
+                "token.array(), pool.array() or under allocating()"
             )
         slot, offset = where
-        handle = ArrayHandle(
-            slot=slot,
-            generation=self._generation[slot],
-            offset=offset,
-            shape=tuple(array.shape),
-            strides=tuple(array.strides),
-            dtype=normalize_dtype(array.dtype),
-        )
         try:
+            handle = ArrayHandle(
+                slot=slot,
+                generation=self._table.generation[slot],
+                offset=offset,
+                shape=info.shape,
+                strides=info.strides,
+                dtype=info.dtype,
+            )
             handle.check_fits(self._slot_nbytes)
-        except ValueError as exc:
+        except DescriptorError as exc:
             raise NotShareableError(f"array extends beyond slot {slot}: {exc}") from None
         return handle
 
@@ -426,10 +674,11 @@ class IpcPool:
         """Rebuild the array of ``handle`` in this process (checks generation and bounds)."""
         self._check()
         slot = self._check_slot(handle.slot)
-        if handle.generation != self._generation[slot]:
+        current = self._table.generation[slot]
+        if handle.generation != current:
             raise StaleHandleError(
                 f"handle for slot {slot} is of generation {handle.generation}; the slot is "
-                f"now at generation {self._generation[slot]}"
+                f"now at generation {current}"
             )
         return self.array(
             handle.shape, handle.dtype, slot=slot, offset=handle.offset, strides=handle.strides
@@ -456,7 +705,7 @@ class IpcPool:
         """
         self._check()
         if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+            raise UsageError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         path = None
         if transport != "pidfd":
             path = self._ensure_fd_server().path
@@ -513,20 +762,44 @@ class IpcPool:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"current={self._current}"
+        state = "closed" if self._closed else f"current={self._table.current}"
         return (
             f"IpcPool(num_slots={self.num_slots}, slot_nbytes={self._slot_nbytes}, "
             f"device={self._device}, {state})"
         )
 
     # ------------------------------------------------------------- allocator
-    @contextmanager
-    def allocating(self, *, overflow: str = "raise") -> Iterator[Any]:
-        """Place CuPy allocations of this thread inside the current slot.
+    def allocating(self, *, overflow: str = "raise") -> Any:
+        """Place this thread's CuPy allocations inside the current slot.
 
-        See :func:`cupy_ipcpool.allocating` for the policy details.
+        Installs (for this thread only, nesting, restored on exit also after an
+        exception — the semantics of ``cupy.cuda.using_allocator``) an
+        allocator that carves every CuPy allocation out of the slot's arena,
+        temporaries included; a block's space is reused once CuPy drops it,
+        ordered by stream (see :class:`~._arena.SlotArena`).  Yields an
+        :class:`~._arena.AllocationScope`.
+
+        Parameters
+        ----------
+        overflow:
+            ``"raise"`` (default): an allocation that does not fit raises
+            :class:`SlotFullError` naming the requested and remaining bytes.
+            ``"spill"``: it goes to the allocator that was current when the
+            block was entered (CuPy's pool, RMM, ...), counted in the scope's
+            ``spills``; ``pool.handle()`` of such an array raises
+            :class:`NotShareableError`.
         """
-        from ._allocator import allocating
+        self._check()
+        with self._table.lock:
+            slot = self._table.current
+        return self._allocating(slot, overflow)
 
-        with allocating(self, overflow=overflow) as arena:
-            yield arena
+    @contextmanager
+    def _allocating(self, slot: int, overflow: str) -> Iterator[AllocationScope]:
+        self._check()
+        cp = cupy_module()
+        scope = AllocationScope(
+            self._arena(slot), self._ptrs[slot], self._mem, self._table, self._device, overflow
+        )
+        with cp.cuda.Device(self._device), cp.cuda.using_allocator(scope.allocate):
+            yield scope

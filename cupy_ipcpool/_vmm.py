@@ -9,6 +9,7 @@ close the fd.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -16,7 +17,7 @@ from types import TracebackType
 from typing import Any
 
 from . import _driver
-from ._errors import TeardownWarning
+from ._errors import TeardownWarning, UsageError
 
 
 def round_up(nbytes: int, granularity: int) -> int:
@@ -27,19 +28,21 @@ def round_up(nbytes: int, granularity: int) -> int:
 
     Raises
     ------
-    ValueError
+    UsageError
         When ``nbytes`` is not positive or ``granularity`` is not positive.
     """
     if granularity <= 0:
-        raise ValueError(f"granularity must be positive, got {granularity}")
+        raise UsageError(f"granularity must be positive, got {granularity}")
     if nbytes <= 0:
-        raise ValueError(f"size must be positive, got {nbytes}")
+        raise UsageError(f"size must be positive, got {nbytes}")
     return -(-nbytes // granularity) * granularity
 
 
 class UndoStack:
     """Run registered undo steps in reverse unless :meth:`commit` was called.
 
+    A thin layer over :class:`contextlib.ExitStack` (which does the ordering
+    and the unwinding) that adds the library's rule: undo steps never raise.
     Use as a context manager around a multi-step driver sequence::
 
         with UndoStack() as undo:
@@ -47,33 +50,25 @@ class UndoStack:
             p = reserve(); undo.push(free, p)
             undo.commit()
 
-    Undo steps never raise: a failing step is reported as a
-    :class:`TeardownWarning` and the remaining steps still run.
+    A failing step is reported as a :class:`TeardownWarning` and the remaining
+    steps still run.  Leaving the block without :meth:`commit` (normally or by
+    an exception) rolls back.
     """
 
     def __init__(self) -> None:
-        self._steps: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+        self._stack = contextlib.ExitStack()
 
     def push(self, fn: Callable[..., Any], *args: Any) -> None:
         """Register ``fn(*args)`` to run if the sequence fails."""
-        self._steps.append((fn, args))
+        self._stack.callback(_undo_quietly, fn, args)
 
     def commit(self) -> None:
         """Disarm: the sequence succeeded, keep everything."""
-        self._steps.clear()
+        self._stack.pop_all()
 
     def rollback(self) -> None:
         """Run every registered step, newest first."""
-        while self._steps:
-            fn, args = self._steps.pop()
-            try:
-                fn(*args)
-            except Exception as exc:
-                warnings.warn(
-                    f"undo step {getattr(fn, '__name__', fn)} failed: {exc}",
-                    TeardownWarning,
-                    stacklevel=2,
-                )
+        self._stack.close()
 
     def __enter__(self) -> UndoStack:
         return self
@@ -85,6 +80,17 @@ class UndoStack:
         tb: TracebackType | None,
     ) -> None:
         self.rollback()
+
+
+def _undo_quietly(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    try:
+        fn(*args)
+    except Exception as exc:
+        warnings.warn(
+            f"undo step {getattr(fn, '__name__', fn)} failed: {exc}",
+            TeardownWarning,
+            stacklevel=3,
+        )
 
 
 def _posix_fd_type() -> Any:

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cupy_ipcpool import SlotArena, SlotFullError
+from cupy_ipcpool import SlotFullError, UsageError
+from cupy_ipcpool._arena import SlotArena
 
 
 def test_blocks_are_aligned_and_bump_upwards():

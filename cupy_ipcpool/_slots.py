@@ -1,0 +1,235 @@
+"""Who holds each slot of a ring, and handing out free slots: the pool's state, no GPU.
+
+:class:`SlotTable` is the one owner of a slot's life on the producer side.  A
+slot is *busy* while any of these hold it:
+
+* local references: arrays and allocator blocks over the slot (counted by the
+  :class:`~cupy_ipcpool._arrays.SlotRef` owners of their memory);
+* a writer: an open slot token (:meth:`SlotTable.take` until :meth:`release_writer`);
+* peer leases, reported by the :class:`LeaseSource` objects registered with
+  :meth:`SlotTable.add_source` (a :class:`~cupy_ipcpool.Publisher` is one).
+
+:meth:`SlotTable.take` hands out the first free slot after the current one
+(round-robin) and waits, without polling, while none is free: on the table's
+condition, which local releases and returned leases notify, or inside the
+lease source (``collect``) when only peer leases stand in the way, since in
+the common single-threaded program nothing else could free a slot.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol, runtime_checkable
+
+from ._arrays import SlotRefs
+from ._errors import SlotBusyError
+
+
+@runtime_checkable
+class LeaseSource(Protocol):
+    """What a pool asks of whoever lends its slots to peers (the channel's publisher).
+
+    Register one with :meth:`IpcPool.add_lease_source`; the pool then counts
+    its leases as holding slots, lets it collect returned leases while
+    :meth:`IpcPool.acquire` waits, and lets it order a new writer's stream
+    after the peers that read the slot.  All three are called from the thread
+    that acquires; an implementation serialises them with its own work.
+    """
+
+    def leases(self, slot: int) -> int:
+        """Number of peer leases held on ``slot`` now."""
+        ...
+
+    def collect(self, timeout: float | None) -> int:
+        """Process leases that came back, waiting up to ``timeout`` seconds for the first.
+
+        ``0`` must not block; ``None`` waits without limit.  Return how many
+        came back.  An implementation that collects outside ``acquire`` calls
+        :meth:`IpcPool.notify_released` afterwards, so other waiting threads
+        look again.
+        """
+        ...
+
+    def order_write(self, slot: int, stream: int) -> None:
+        """Make ``stream`` (a raw ``cudaStream_t``) wait on the GPU for every peer
+        that read ``slot`` since it was last written; the host must not block."""
+        ...
+
+
+class SlotTable(SlotRefs):
+    """Local references, writers, generations and lease sources of ``num_slots`` slots.
+
+    Thread-safe: every state change holds :attr:`lock`; :attr:`cond` is
+    notified when a slot may have become free.
+
+    Attributes
+    ----------
+    generation:
+        Per slot: how many times it was taken for writing.
+    writing:
+        Per slot: True while a writer (slot token) holds it.
+    current:
+        The slot taken last (the ring's cursor); 0 before the first take.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        super().__init__(num_slots)
+        self.generation = [0] * num_slots
+        self.writing = [False] * num_slots
+        self.current = 0
+        self._sources: tuple[LeaseSource, ...] = ()
+        self._collecting = False
+
+    # -- lease sources -------------------------------------------------------
+
+    def add_source(self, source: LeaseSource) -> None:
+        """Count ``source``'s leases from now on."""
+        with self.lock:
+            if source not in self._sources:
+                self._sources = (*self._sources, source)
+
+    def remove_source(self, source: LeaseSource) -> None:
+        """Stop counting ``source``'s leases (unknown sources are ignored)."""
+        with self.lock:
+            self._sources = tuple(s for s in self._sources if s is not source)
+            self.notify()
+
+    @property
+    def sources(self) -> tuple[LeaseSource, ...]:
+        """The registered lease sources."""
+        return self._sources
+
+    def leases(self, slot: int) -> int:
+        """Peer leases held on ``slot``, over every source."""
+        n = 0
+        for source in self._sources:
+            n += source.leases(slot)
+        return n
+
+    # -- state ---------------------------------------------------------------
+
+    def is_busy(self, slot: int) -> bool:
+        """True while a local reference, a writer or a peer lease holds ``slot``."""
+        return bool(self.counts[slot] or self.writing[slot] or self.leases(slot))
+
+    def notify(self) -> None:
+        """Wake the threads waiting in :meth:`take` so that they look again."""
+        with self.lock:
+            if self.waiters:
+                self.cond.notify_all()
+
+    def release_writer(self, slot: int) -> None:
+        """End the write of ``slot`` (the token was released)."""
+        with self.lock:
+            self.writing[slot] = False
+            if self.waiters:
+                self.cond.notify_all()
+
+    def take(self, timeout: float | None, slot: int | None = None) -> tuple[int, int]:
+        """Take a free slot for writing: mark it written, bump its generation.
+
+        Parameters
+        ----------
+        timeout:
+            Seconds to wait while no slot is free (``None``: no limit; ``0``:
+            do not wait).
+        slot:
+            Take exactly this slot; default: the first free slot after
+            :attr:`current`, round-robin.
+
+        Returns
+        -------
+        (slot, generation)
+
+        Raises
+        ------
+        SlotBusyError
+            Nothing became free in time; the message says who holds what.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for known in self._sources:
+            known.collect(0.0)
+        while True:
+            with self.lock:
+                found = self._pick(slot)
+                if found is not None:
+                    self.writing[found] = True
+                    generation = self.generation[found] + 1
+                    self.generation[found] = generation
+                    self.current = found
+                    return found, generation
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0.0:
+                    raise SlotBusyError(self.busy_message(timeout, slot))
+                source: LeaseSource | None = None
+                if not self._collecting:
+                    source = self._lease_bound(slot)
+                if source is None:
+                    self.waiters += 1
+                    try:
+                        self.cond.wait(remaining)
+                    finally:
+                        self.waiters -= 1
+                    continue
+                self._collecting = True
+            try:
+                source.collect(remaining)
+            finally:
+                with self.lock:
+                    self._collecting = False
+                    if self.waiters:
+                        self.cond.notify_all()
+
+    def _pick(self, slot: int | None) -> int | None:
+        counts, writing = self.counts, self.writing
+        sources = self._sources
+        if slot is not None:
+            candidates: range | tuple[int] = (slot,)
+        else:
+            n = len(counts)
+            start = self.current + 1
+            candidates = range(start, start + n)
+        n = len(counts)
+        for i in candidates:
+            s = i % n
+            if counts[s] or writing[s]:
+                continue
+            if sources and any(src.leases(s) for src in sources):
+                continue
+            return s
+        return None
+
+    def _lease_bound(self, slot: int | None) -> LeaseSource | None:
+        """A source whose returned lease would free a slot (only leases hold it), or None."""
+        n = len(self.counts)
+        for s in range(n) if slot is None else (slot,):
+            if self.counts[s] or self.writing[s]:
+                continue
+            for source in self._sources:
+                if source.leases(s):
+                    return source
+        return None
+
+    def busy_message(self, timeout: float | None, slot: int | None = None) -> str:
+        """Say who holds the slots (for :class:`SlotBusyError`)."""
+        parts = []
+        for s in range(len(self.counts)) if slot is None else (slot,):
+            held = []
+            if self.writing[s]:
+                held.append("an open slot token writes it")
+            if self.counts[s]:
+                held.append(f"{self.counts[s]} local array(s) or allocator block(s)")
+            leases = self.leases(s)
+            if leases:
+                held.append(f"{leases} peer lease(s)")
+            parts.append(f"slot {s}: {', '.join(held) or 'free'}")
+        what = f"slot {slot} is" if slot is not None else f"all {len(self.counts)} slots are"
+        return (
+            f"no slot became free within {timeout} s: {what} in use ({'; '.join(parts)}); "
+            "drop those arrays, release the slot tokens and frames (subscribers: "
+            "frame.release(), or mode='latest'), pass a longer timeout, or give the pool "
+            "more slots"
+        )
+
+
+__all__ = ["LeaseSource", "SlotTable"]
