@@ -1,0 +1,227 @@
+"""Receive-slot memory behind one small interface: host (memfd + NumPy) or device (IpcPool + CuPy).
+
+A :class:`SlotMemory` is a ring of ``num_slots`` buffers of ``slot_nbytes``;
+:meth:`SlotMemory.arrays` carves a frame's arrays out of one slot (packed,
+each aligned to 256 bytes).  The arrays are what UCX receives into and what
+the user reads: no copy in between.  A slot's arrays keep the memory alive
+after :meth:`SlotMemory.close` (the last one to go frees it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import threading
+import weakref
+from typing import Any, Protocol
+
+import numpy
+
+from . import _wire as wire
+
+
+class SlotMemory(Protocol):
+    """What a remote subscriber receives into."""
+
+    num_slots: int
+    slot_nbytes: int
+    kind: str  # "host" or "device"
+
+    def arrays(
+        self, slot: int, specs: tuple[wire.ArraySpec, ...], owner: object = None
+    ) -> list[Any]:
+        """Views of ``specs`` packed in ``slot`` (ProtocolError when they do not fit).
+
+        Each view keeps ``owner`` alive (a frame's lease: it returns the slot
+        when the last view is gone).
+        """
+        ...
+
+    def ready(self, slot: int) -> bool:
+        """True when no reader's GPU work on ``slot`` is pending (it may be written)."""
+        ...
+
+    def reading(self, slot: int, stream: Any) -> None:
+        """Note that work on ``stream`` may still read ``slot`` (checked by :meth:`ready`)."""
+        ...
+
+    def close(self) -> None:
+        """Release the memory once no array of it is alive. Idempotent."""
+        ...
+
+
+class _HostView:
+    """Exposes one array of a slot through ``__array_interface__`` and keeps ``owner`` alive."""
+
+    __slots__ = ("__array_interface__", "base", "owner")
+
+    def __init__(self, base: numpy.ndarray, offset: int, spec: wire.ArraySpec, owner: object):
+        self.base = base
+        self.owner = owner
+        self.__array_interface__ = {
+            "data": (base.ctypes.data + offset, False),
+            "shape": spec.shape,
+            "typestr": spec.typestr,
+            "version": 3,
+        }
+
+
+def _view(
+    base: numpy.ndarray, offset: int, spec: wire.ArraySpec, owner: object = None
+) -> numpy.ndarray:
+    if owner is None:
+        dt = numpy.dtype(spec.typestr)
+        return base[offset : offset + spec.nbytes].view(dt).reshape(spec.shape)
+    return numpy.asarray(_HostView(base, offset, spec, owner))
+
+
+class HostSlots:
+    """Slots in host memory: one memfd per slot, mapped read-write.
+
+    The memfds (:attr:`fds`) let a host relay hand the same pages to local
+    subscribers (see :class:`cupy_ipcpool.remote.HostChannelPublisher`).
+    """
+
+    kind = "host"
+
+    def __init__(self, num_slots: int, slot_nbytes: int) -> None:
+        if num_slots < 1 or slot_nbytes < 1:
+            raise ValueError("num_slots and slot_nbytes must be at least 1")
+        self.num_slots = num_slots
+        self.slot_nbytes = slot_nbytes
+        self.fds: list[int] = []
+        self._maps: list[mmap.mmap] = []
+        self._bases: list[numpy.ndarray] = []
+        try:
+            for i in range(num_slots):
+                fd = os.memfd_create(f"ipcpool-remote{i}", os.MFD_CLOEXEC)
+                self.fds.append(fd)
+                os.ftruncate(fd, slot_nbytes)
+                m = mmap.mmap(fd, slot_nbytes)
+                self._maps.append(m)
+                self._bases.append(numpy.frombuffer(m, dtype=numpy.uint8))
+        except BaseException:
+            self.close()
+            raise
+
+    def base(self, slot: int) -> numpy.ndarray:
+        """The whole slot as a ``uint8`` array."""
+        return self._bases[slot]
+
+    def arrays(
+        self, slot: int, specs: tuple[wire.ArraySpec, ...], owner: object = None
+    ) -> list[Any]:
+        offsets = wire.layout(specs, self.slot_nbytes)
+        base = self._bases[slot]
+        return [_view(base, off, spec, owner) for off, spec in zip(offsets, specs, strict=True)]
+
+    def ready(self, slot: int) -> bool:
+        return True
+
+    def reading(self, slot: int, stream: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        """Close the fds; the mappings go when their last array does."""
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
+        self._bases = []
+        maps, self._maps = self._maps, []
+        for m in maps:
+            with contextlib.suppress(BufferError):  # arrays use it: freed with the last one
+                m.close()
+
+
+class _Pin:
+    """Owner of a device view: keeps the pool open (and ``owner`` alive) while the view lives."""
+
+    __slots__ = ("__weakref__", "memory", "owner")
+
+    def __init__(self, memory: DeviceSlots, owner: object) -> None:
+        self.memory = memory
+        self.owner = owner
+
+
+class DeviceSlots:
+    """Slots in device memory: an :class:`~cupy_ipcpool.IpcPool` on ``device``.
+
+    A received frame is a slot like any other; :attr:`pool` can be published
+    from (the relay does).
+    """
+
+    kind = "device"
+
+    def __init__(self, num_slots: int, slot_nbytes: int, *, device: int = 0) -> None:
+        from .._arrays import cupy_module
+        from .._pool import IpcPool
+
+        self._cp = cupy_module()
+        self.pool = IpcPool(num_slots, slot_nbytes, device=device)
+        self.num_slots = num_slots
+        self.slot_nbytes = self.pool.slot_nbytes
+        self.device = device
+        self._pins = 0  # live views (each owns a _Pin)
+        self._events: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._closing = False
+
+    def arrays(
+        self, slot: int, specs: tuple[wire.ArraySpec, ...], owner: object = None
+    ) -> list[Any]:
+        cp = self._cp
+        offsets = wire.layout(specs, self.slot_nbytes)
+        base = self.pool.ptr(slot)
+        out = []
+        for off, spec in zip(offsets, specs, strict=True):
+            pin = _Pin(self, owner)
+            with self._lock:
+                self._pins += 1
+            weakref.finalize(pin, self._unpinned)
+            mem = cp.cuda.UnownedMemory(base + off, max(spec.nbytes, 1), pin, self.device)
+            out.append(
+                cp.ndarray(spec.shape, numpy.dtype(spec.typestr), cp.cuda.MemoryPointer(mem, 0))
+            )
+        return out
+
+    def reading(self, slot: int, stream: Any) -> None:
+        cp = self._cp
+        with cp.cuda.Device(self.device):
+            s = cp.cuda.get_current_stream() if stream is None else stream
+            event = cp.cuda.Event(disable_timing=True)
+            event.record(s)
+        with self._lock:
+            self._events[slot] = event
+
+    def ready(self, slot: int) -> bool:
+        with self._lock:
+            event = self._events.get(slot)
+            if event is None:
+                return True
+            if event.done:
+                del self._events[slot]
+                return True
+            return False
+
+    def _unpinned(self) -> None:
+        with self._lock:
+            self._pins -= 1
+            last = self._closing and not self._pins
+        if last:
+            self._close_pool()
+
+    def _close_pool(self) -> None:
+        with self._lock:
+            self._events.clear()
+        self.pool.close()
+
+    def close(self) -> None:
+        """Close the pool now, or when the last array carved from it is collected."""
+        if self._closing:
+            return
+        with self._lock:
+            self._closing = True
+            last = not self._pins
+        if last:
+            self._close_pool()

@@ -1,0 +1,316 @@
+"""The subscriber side of a remote session: handshake, credit, frame headers, UCX receives.
+
+:class:`ClientSession` is driven by one thread through :meth:`ClientSession.step`.
+What the frames land in, and what happens to a complete frame, is the
+*sink*'s business: a :class:`~._subscriber.RemoteSubscriber` queues them for
+its user; a :class:`~._relay.Relay` republishes them locally.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .._errors import EndOfStream, PeerRefusedError, ProtocolError, TransportError
+from . import _auth as auth
+from . import _io
+from . import _ucx as ucx
+from . import _wire as wire
+from ._credit import ClientBook
+from ._errors import AuthenticationError
+
+
+@dataclass
+class Received:
+    """A frame whose data arrived completely in ``slot``."""
+
+    seq: int
+    slot: int
+    specs: tuple[wire.ArraySpec, ...]
+    arrays: list[Any]
+    metadata: bytes
+
+
+class Sink(Protocol):
+    """Where a session's frames land."""
+
+    num_slots: int
+
+    def setup(self, max_frame: int) -> None:
+        """Allocate the receive ring for frames of at most ``max_frame`` bytes."""
+
+    def grantable(self, book: ClientBook) -> list[int]:
+        """Slots that may be offered to the server now."""
+        ...
+
+    def arrays(self, slot: int, specs: tuple[wire.ArraySpec, ...]) -> list[Any]:
+        """Where frame arrays in ``slot`` are received (ProtocolError when they do not fit)."""
+        ...
+
+    def deliver(self, frame: Received, book: ClientBook) -> None:
+        """A complete frame."""
+
+    def abandon(self, slot: int) -> None:
+        """A frame in ``slot`` will never complete."""
+
+
+@dataclass
+class _Pending:
+    seq: int
+    slot: int
+    specs: tuple[wire.ArraySpec, ...]
+    arrays: list[Any]
+    metadata: bytes
+    requests: list[Any]
+
+
+class ClientSession:
+    """Connect, authenticate and receive frames into a sink.
+
+    Parameters
+    ----------
+    address:
+        ``ucx://host:port`` of a :class:`~cupy_ipcpool.remote.RemoteServer`.
+    sink:
+        Receives the frames (see :class:`Sink`).
+    token:
+        The shared secret (default ``$CUPY_IPCPOOL_TOKEN``).
+    insecure:
+        Accept a server that requires no secret.
+    mode:
+        ``"block"`` or ``"latest"``.
+    timeout:
+        Seconds for connecting and the handshake.
+
+    Raises
+    ------
+    AuthenticationError
+        Wrong or missing secret (either side).
+    PeerRefusedError
+        The server refused (capacity, stream ended...).
+    TransportError
+        No server at the address.
+    ProtocolError
+        The server spoke out of protocol.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        sink: Sink,
+        *,
+        token: str | bytes | None = None,
+        insecure: bool = False,
+        mode: str = "block",
+        timeout: float = 10.0,
+    ) -> None:
+        if mode not in wire.MODE_CODES:
+            raise ValueError(f"mode must be 'block' or 'latest', not {mode!r}")
+        host, port = wire.parse_address(address)
+        secret = auth.secret_from(token)
+        if secret is None and not insecure:
+            raise ValueError(
+                "a remote subscription needs the server's shared secret: pass token=... "
+                f"(or set ${auth.TOKEN_ENV}); insecure=True connects without one"
+            )
+        self.address = address
+        self.mode = mode
+        self.sink = sink
+        self.ended: tuple[str, bool] | None = None
+        self._pending: dict[int, _Pending] = {}  # slot -> frame, in header (= seq) order
+        deadline = time.monotonic() + timeout
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            raise TransportError(
+                exc.errno or 0,
+                f"cannot connect to the remote server at {address}: {exc.strerror or exc} "
+                "(is it serving, and is its port reachable from here?)",
+            ) from None
+        self.sock = sock
+        self.worker: ucx.Worker | None = None
+        try:
+            _io.configure(sock)
+            self._handshake(host, secret, insecure, deadline)
+            sink.setup(self.max_frame)
+        except BaseException:
+            self.close(bye=False)
+            raise
+        sock.setblocking(False)
+        self.reader = _io.MessageReader()
+
+    def _handshake(self, host: str, secret: bytes | None, insecure: bool, deadline: float) -> None:
+        sock = self.sock
+        hello = wire.encode_hello(auth.nonce(), wire.MODE_CODES[self.mode], self.sink.num_slots)
+        _io.send_all(sock, hello, max(0.0, deadline - time.monotonic()))
+        msg, challenge = _io.recv_message(sock, deadline)
+        if isinstance(msg, wire.Refuse):
+            raise PeerRefusedError(f"the server at {self.address} refused: {msg.reason}")
+        if not isinstance(msg, wire.Challenge):
+            raise ProtocolError(f"expected CHALLENGE, got {type(msg).__name__}")
+        if msg.auth and secret is None:
+            raise AuthenticationError(
+                f"the server at {self.address} requires a shared secret: pass token=..."
+            )
+        if not msg.auth and secret is not None and not insecure:
+            raise AuthenticationError(
+                f"the server at {self.address} does not prove the shared secret (it serves "
+                "without one); refusing it (insecure=True accepts such a server)"
+            )
+        if msg.auth and secret is not None:
+            want = auth.server_proof(secret, hello, msg.nonce)
+            if not auth.verify(want, msg.proof):
+                raise AuthenticationError(
+                    f"the server at {self.address} does not know the shared secret"
+                )
+        self.worker = ucx.Worker(loopback_only=ucx.is_loopback(host))
+        address = self.worker.address
+        use = secret if msg.auth else None
+        proof = auth.client_proof(use, hello, challenge, address)
+        _io.send_all(sock, wire.encode_proof(proof, address), max(0.0, deadline - time.monotonic()))
+        reply, _raw = _io.recv_message(sock, deadline)
+        if isinstance(reply, wire.Refuse):
+            if reply.reason.startswith("authentication failed"):
+                raise AuthenticationError(f"the server at {self.address} refused: {reply.reason}")
+            raise PeerRefusedError(f"the server at {self.address} refused: {reply.reason}")
+        if not isinstance(reply, wire.Welcome):
+            raise ProtocolError(f"expected WELCOME, got {type(reply).__name__}")
+        self.sub_id = reply.sub_id
+        self.key = reply.key
+        self.max_frame = reply.max_frame
+        self.book = ClientBook(self.sink.num_slots, reply.next_seq)
+
+    # -- the loop --
+
+    def fds(self) -> list[int]:
+        """Fds to wait on (control socket, UCX worker)."""
+        assert self.worker is not None
+        return [self.sock.fileno(), self.worker.fileno()]
+
+    def step(self, poller: select.poll, timeout_ms: int) -> None:
+        """Make progress: complete frames, grant credit, read headers; wait up to ``timeout_ms``."""
+        worker = self.worker
+        assert worker is not None
+        if self.ended is not None:
+            return
+        worker.progress()
+        self._complete()
+        self._grant()
+        if self.ended is not None:
+            return
+        if worker.arm():
+            poller.poll(timeout_ms)
+        worker.progress()
+        self._read()
+        self._complete()
+
+    def _grant(self) -> None:
+        book = self.book
+        for slot in self.sink.grantable(book):
+            book.grant(slot)
+            try:
+                self.sock.send(wire.encode_credit(slot))
+            except BlockingIOError:
+                _io.send_all(self.sock, wire.encode_credit(slot), 5.0)
+                self.sock.setblocking(False)
+            except OSError as exc:
+                self._end(f"the connection to {self.address} failed: {exc}", False)
+                return
+
+    def _read(self) -> None:
+        try:
+            messages, eof = self.reader.feed(self.sock)
+            for msg in messages:
+                if type(msg) is wire.FrameHeader:
+                    self._header(msg)
+                elif type(msg) is wire.Bye:
+                    self._end(f"the server at {self.address} said BYE", True)
+                    return
+                else:
+                    raise ProtocolError(f"unexpected {type(msg).__name__} from the server")
+        except ProtocolError as exc:
+            self._end(f"the connection was closed after a protocol error: {exc}", False)
+            raise
+        if eof:
+            self._end(f"the connection to the server at {self.address} was lost", False)
+
+    def _header(self, msg: wire.FrameHeader) -> None:
+        assert self.worker is not None
+        if msg.slot >= self.sink.num_slots:
+            raise ProtocolError(f"frame {msg.seq} names slot {msg.slot} of {self.sink.num_slots}")
+        if sum(s.nbytes for s in msg.specs) > self.max_frame:
+            raise ProtocolError(f"frame {msg.seq} is larger than the announced {self.max_frame}")
+        self.book.frame(msg.seq, msg.slot)
+        try:
+            arrays = self.sink.arrays(msg.slot, msg.specs)
+        except ProtocolError:
+            self.book.abandon(msg.slot)
+            raise
+        requests = [
+            self.worker.recv(a, wire.data_tag(self.key, msg.seq, i)) for i, a in enumerate(arrays)
+        ]
+        self._pending[msg.slot] = _Pending(
+            msg.seq, msg.slot, msg.specs, arrays, msg.metadata, requests
+        )
+
+    def _complete(self) -> None:
+        while self._pending:
+            slot, first = next(iter(self._pending.items()))
+            states = [ucx.request_state(r) for r in first.requests]
+            if any(s is None for s in states):
+                return
+            del self._pending[slot]
+            errors = [s for s in states if s]
+            if errors:
+                self.book.abandon(slot)
+                self.sink.abandon(slot)
+                self._end(f"receiving frame {first.seq} failed: {errors[0]}", False)
+                return
+            self.book.received(slot)
+            self.sink.deliver(
+                Received(first.seq, slot, first.specs, first.arrays, first.metadata), self.book
+            )
+
+    def _end(self, reason: str, clean: bool) -> None:
+        if self.ended is None:
+            self.ended = (reason, clean)
+            self._abandon_pending()
+
+    def _abandon_pending(self) -> None:
+        if not self._pending:
+            return
+        if self.worker is not None:
+            with contextlib.suppress(Exception):
+                self.worker.cancel()
+                self.worker.progress()
+        for slot in list(self._pending):
+            self.book.abandon(slot)
+            self.sink.abandon(slot)
+        self._pending.clear()
+
+    def close(self, *, bye: bool = True) -> None:
+        """Say BYE (unless the server ended), cancel receives, drop the worker. Idempotent."""
+        if bye and self.ended is None:
+            with contextlib.suppress(OSError):
+                self.sock.send(wire.encode_bye(), socket.MSG_DONTWAIT)
+        if self.ended is None:
+            self.ended = ("the subscription was closed", True)
+        if getattr(self, "book", None) is not None:
+            self._abandon_pending()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        if self.worker is not None:
+            self.worker.close()
+
+
+def raise_end(ended: tuple[str, bool]) -> None:
+    """Raise the EndOfStream a session ended with."""
+    raise EndOfStream(ended[0], ended[1])
+
+
+__all__ = ["ClientSession", "Received", "Sink", "raise_end"]

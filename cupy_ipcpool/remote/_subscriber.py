@@ -1,0 +1,358 @@
+"""A subscriber on another machine: the local subscriber's API over a remote session."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import select
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from .._errors import EndOfStream, PoolClosedError
+from . import _wire as wire
+from ._credit import ClientBook
+from ._memory import DeviceSlots, HostSlots
+from ._session import ClientSession, Received
+
+#: Receive slots of a remote subscriber by default.
+DEFAULT_SLOTS = 4
+
+
+class _Lease:
+    """Owner of a received frame's arrays: returns the slot when released or collected."""
+
+    __slots__ = ("__weakref__", "released", "seq", "slot", "subscriber")
+
+    def __init__(self, subscriber: RemoteSubscriber, seq: int, slot: int) -> None:
+        self.subscriber = subscriber
+        self.seq = seq
+        self.slot = slot
+        self.released = False
+
+    def release(self, stream: Any = None) -> None:
+        if self.released:
+            return
+        self.released = True
+        self.subscriber._release(self.slot, stream)
+
+    def __del__(self) -> None:
+        if not self.released:
+            try:  # noqa: SIM105 - cheaper than contextlib.suppress in a finalizer
+                self.release()
+            except Exception:
+                pass
+
+
+class RemoteFrame:
+    """A frame received from a remote server, in one slot of this process's receive ring.
+
+    Attributes
+    ----------
+    seq:
+        The producer's sequence number (gaps: frames skipped in ``latest`` mode).
+    slot:
+        The receive slot it occupies.
+    arrays:
+        ``cupy.ndarray`` (device ring) or ``numpy.ndarray`` (host ring) views
+        of the slot, C-contiguous; no copy after UCX wrote them.
+    metadata:
+        The producer's bytes.
+
+    Notes
+    -----
+    Release it (:meth:`release` or a ``with`` block) when done: the slot is
+    granted to the server again only then (and, on a GPU, once the work queued
+    on the release stream has finished).  It is also released when the frame
+    and all of its arrays are garbage collected.
+    """
+
+    __slots__ = ("_lease", "arrays", "metadata", "seq", "slot")
+
+    def __init__(
+        self, seq: int, slot: int, arrays: tuple[Any, ...], metadata: bytes, lease: _Lease
+    ) -> None:
+        self.seq = seq
+        self.slot = slot
+        self.arrays = arrays
+        self.metadata = metadata
+        self._lease = lease
+
+    @property
+    def array(self) -> Any:
+        """The first (often only) array."""
+        return self.arrays[0]
+
+    @property
+    def released(self) -> bool:
+        """True once released."""
+        return self._lease.released
+
+    def release(self, stream: Any = None) -> None:
+        """Give the slot back once ``stream``'s work (default: current) is done. Idempotent."""
+        self._lease.release(stream)
+
+    def __enter__(self) -> RemoteFrame:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(str(tuple(a.shape)) for a in self.arrays)
+        return f"RemoteFrame(seq={self.seq}, slot={self.slot}, arrays=[{shapes}])"
+
+
+class RemoteSubscriber:
+    """Receive a :class:`~cupy_ipcpool.remote.RemoteServer`'s frames; made by :func:`subscribe`.
+
+    Frames land in a receive ring of ``slots`` slots (an
+    :class:`~cupy_ipcpool.IpcPool` on ``device``, or host memory), each slot as
+    large as the producer's.  A background thread drives the session (UCX
+    progress, credit, frame headers); :meth:`recv` takes complete frames in order.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | bytes | None = None,
+        insecure: bool = False,
+        mode: str = "block",
+        slots: int = DEFAULT_SLOTS,
+        memory: str = "device",
+        device: int = 0,
+        timeout: float = 10.0,
+    ) -> None:
+        if memory not in ("device", "host"):
+            raise ValueError(f"memory must be 'device' or 'host', not {memory!r}")
+        if not 1 <= slots <= wire.MAX_RING_SLOTS:
+            raise ValueError(f"slots must be in 1..{wire.MAX_RING_SLOTS}, not {slots}")
+        self.num_slots = slots
+        self.mode = mode
+        self.address = address
+        self._kind = memory
+        self._device = device
+        self._memory: DeviceSlots | HostSlots | None = None
+        self._ready: collections.deque[Received] = collections.deque()
+        self._released: collections.deque[int] = collections.deque()
+        self._waiting_ready: set[int] = set()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._stop = False
+        self._session = ClientSession(
+            address, self, token=token, insecure=insecure, mode=mode, timeout=timeout
+        )
+        self.sub_id = self._session.sub_id
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._thread = threading.Thread(target=self._run, name="ipcpool-remote-sub", daemon=True)
+        self._thread.start()
+
+    # -- the sink (called on the session thread) --
+
+    def setup(self, max_frame: int) -> None:
+        if self._kind == "device":
+            self._memory = DeviceSlots(self.num_slots, max(max_frame, 1), device=self._device)
+        else:
+            self._memory = HostSlots(self.num_slots, max(max_frame, 1))
+
+    def grantable(self, book: ClientBook) -> list[int]:
+        memory = self._memory
+        assert memory is not None
+        while self._released:
+            slot = self._released.popleft()
+            book.release(slot)
+            self._waiting_ready.add(slot)
+        out = []
+        for slot in book.free():
+            if memory.ready(slot):
+                self._waiting_ready.discard(slot)
+                out.append(slot)
+        return out
+
+    def arrays(self, slot: int, specs: tuple[wire.ArraySpec, ...]) -> list[Any]:
+        assert self._memory is not None
+        return self._memory.arrays(slot, specs)
+
+    def deliver(self, frame: Received, book: ClientBook) -> None:
+        with self._cond:
+            self._ready.append(frame)
+            self._cond.notify_all()
+
+    def abandon(self, slot: int) -> None:
+        pass
+
+    # -- session thread --
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def _run(self) -> None:
+        session = self._session
+        poller = select.poll()
+        for fd in session.fds():
+            poller.register(fd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        if self._kind == "device":
+            from .._arrays import cupy_module
+
+            cupy_module().cuda.Device(self._device).use()
+        try:
+            while not self._stop and session.ended is None:
+                timeout = 2 if self._waiting_ready else -1
+                session.step(poller, timeout)
+                with contextlib.suppress(OSError):
+                    os.read(self._wake_r, 4096)
+        except Exception as exc:
+            session._end(f"the session failed: {exc}", False)
+        finally:
+            with self._cond:
+                self._cond.notify_all()
+
+    # -- user API --
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
+    @property
+    def memory(self) -> DeviceSlots | HostSlots:
+        """The receive ring."""
+        assert self._memory is not None
+        return self._memory
+
+    @property
+    def held(self) -> dict[int, int]:
+        """Frames received and not released, as ``{seq: slot}``."""
+        return {seq: slot for slot, seq in self._session.book.held.items()}
+
+    def recv(self, timeout: float | None = None, stream: Any = None) -> RemoteFrame:
+        """Wait for the next complete frame.
+
+        Raises
+        ------
+        EndOfStream
+            The server said goodbye (``clean``) or the connection was lost
+            (``clean=False``); frames already received stay readable.
+        TimeoutError
+            No frame within ``timeout`` seconds.
+        PoolClosedError
+            This subscriber is closed.
+        """
+        if self._closed:
+            raise PoolClosedError("the remote subscriber is closed")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._ready:
+                ended = self._session.ended
+                if ended is not None and not self._thread.is_alive():
+                    raise EndOfStream(ended[0], ended[1])
+                if self._closed:
+                    raise PoolClosedError("the remote subscriber is closed")
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"no frame within {timeout} s")
+                self._cond.wait(0.5 if remaining is None else min(remaining, 0.5))
+            got = self._ready.popleft()
+        assert self._memory is not None
+        lease = _Lease(self, got.seq, got.slot)
+        arrays = tuple(self._memory.arrays(got.slot, got.specs, owner=lease))
+        return RemoteFrame(got.seq, got.slot, arrays, got.metadata, lease)
+
+    def _release(self, slot: int, stream: Any) -> None:
+        if self._closed or self._memory is None:
+            return
+        self._memory.reading(slot, stream)
+        self._released.append(slot)
+        self._wake()
+
+    def __iter__(self) -> Iterator[RemoteFrame]:
+        """Frames until the server closes cleanly; a lost connection raises EndOfStream."""
+        while True:
+            try:
+                frame = self.recv()
+            except EndOfStream as exc:
+                if exc.clean:
+                    return
+                raise
+            yield frame
+
+    def close(self) -> None:
+        """Say BYE, stop the session thread, free the ring once no frame uses it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop = True
+        self._wake()
+        self._thread.join(10.0)
+        self._session.close()
+        with self._cond:
+            self._ready.clear()
+            self._cond.notify_all()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if self._memory is not None:
+            self._memory.close()
+
+    def __enter__(self) -> RemoteSubscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def subscribe(
+    address: str,
+    *,
+    token: str | bytes | None = None,
+    insecure: bool = False,
+    mode: str = "block",
+    slots: int = DEFAULT_SLOTS,
+    memory: str = "device",
+    device: int = 0,
+    timeout: float = 10.0,
+) -> RemoteSubscriber:
+    """Subscribe to a remote server at ``ucx://host:port``.
+
+    Parameters
+    ----------
+    address:
+        ``ucx://host:port`` of a :class:`~cupy_ipcpool.remote.RemoteServer`.
+    token:
+        The shared secret (default ``$CUPY_IPCPOOL_TOKEN``); required unless
+        ``insecure=True`` and the server serves without one.
+    mode:
+        ``"block"``: every frame (the producer may wait for this subscriber);
+        ``"latest"``: frames arriving while every receive slot is busy are
+        skipped for this subscriber only.
+    slots:
+        Receive slots: this subscriber's credit (frames in flight plus held).
+    memory:
+        ``"device"`` (an IpcPool on ``device``; frames are ``cupy.ndarray``)
+        or ``"host"`` (frames are ``numpy.ndarray``; no GPU needed).
+    device:
+        The GPU that receives.
+    timeout:
+        Seconds for connecting and the handshake.
+
+    Returns
+    -------
+    RemoteSubscriber
+        Iterate it, or call ``recv()``; frames behave like local ones.
+    """
+    return RemoteSubscriber(
+        address,
+        token=token,
+        insecure=insecure,
+        mode=mode,
+        slots=slots,
+        memory=memory,
+        device=device,
+        timeout=timeout,
+    )

@@ -1,0 +1,159 @@
+"""The UCX data plane: one UCXX worker in blocking-progress mode, tag sends and receives.
+
+Only this module imports ``ucxx``, lazily, so ``cupy_ipcpool.remote`` imports
+without it and says how to install it when a session is opened.  A worker is
+driven by one thread; its epoll fd joins that thread's ``poll(2)`` set
+(:meth:`Worker.fileno`), so the control sockets and the data plane share one
+wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+from ._errors import RemoteUnavailableError
+
+_api: Any = None
+_Array: Any = None
+
+INSTALL_HINT = "install the remote extra: python3 -m pip install 'cupy_ipcpool[remote]'"
+
+
+def load() -> Any:
+    """Import UCXX once; return ``ucxx._lib.libucxx``.
+
+    Raises
+    ------
+    RemoteUnavailableError
+        UCXX is not installed or its libraries do not load.
+    """
+    global _api, _Array
+    if _api is None:
+        # UCXX sets UCX_MEMTYPE_CACHE, which UCX >= 1.19 no longer knows: do not warn about it.
+        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        try:
+            import ucxx._lib.libucxx as api
+            from ucxx._lib.arr import Array
+        except Exception as exc:  # ImportError, or a library that fails to load
+            raise RemoteUnavailableError(
+                f"UCXX is not usable here ({exc}); {INSTALL_HINT}"
+            ) from exc
+        _api, _Array = api, Array
+    return _api
+
+
+def available() -> str | None:
+    """None when UCXX imports, else the reason it does not."""
+    try:
+        load()
+    except RemoteUnavailableError as exc:
+        return str(exc)
+    return None
+
+
+def buffer(obj: Any) -> Any:
+    """Wrap a contiguous host (buffer protocol) or device (``__cuda_array_interface__``) array."""
+    load()
+    return _Array(obj)
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and the 127/8 and ::1 addresses."""
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+class Worker:
+    """A UCX context and worker with wakeup (epoll) support, for tag messages.
+
+    Parameters
+    ----------
+    loopback_only:
+        Restrict UCX to the loopback device (``NET_DEVICES=lo``) unless
+        ``UCX_NET_DEVICES`` is set, so nothing of this worker listens on other
+        interfaces.
+    """
+
+    def __init__(self, *, loopback_only: bool) -> None:
+        api = load()
+        config: dict[str, str] = {}
+        if loopback_only and "UCX_NET_DEVICES" not in os.environ:
+            config["NET_DEVICES"] = "lo"
+        self._api = api
+        self._context = api.UCXContext(
+            config_dict=config, feature_flags=(api.Feature.TAG, api.Feature.WAKEUP)
+        )
+        self._worker = api.UCXWorker(self._context)
+        self._worker.init_blocking_progress_mode()
+        self._closed = False
+
+    def fileno(self) -> int:
+        """The worker's epoll fd: readable when progress may complete something."""
+        return int(self._worker.epoll_file_descriptor)
+
+    @property
+    def address(self) -> bytes:
+        """This worker's UCX address (what a peer connects to)."""
+        return bytes(self._worker.address)
+
+    @property
+    def config(self) -> dict[str, str]:
+        """The UCX configuration in effect (``TLS``, ``NET_DEVICES``...)."""
+        return dict(self._context.config)
+
+    def connect(self, address: bytes) -> Any:
+        """An endpoint (with error handling) to the worker at ``address``."""
+        addr = self._api.UCXAddress.create_from_buffer(address)
+        return self._worker.create_endpoint_from_worker_address(addr, True)
+
+    def send(self, endpoint: Any, array: Any, tag: int) -> Any:
+        """Start a tag send of ``array``; return the request."""
+        return endpoint.tag_send(_Array(array), self._api.UCXXTag(tag))
+
+    def recv(self, array: Any, tag: int) -> Any:
+        """Post a tag receive into ``array``; return the request."""
+        return self._worker.tag_recv(_Array(array), self._api.UCXXTag(tag))
+
+    def progress(self) -> None:
+        """Make all the progress available now."""
+        w = self._worker
+        while w.progress_once():
+            pass
+
+    def arm(self) -> bool:
+        """Arm the epoll fd; False when events are pending (progress again, do not sleep)."""
+        return bool(self._worker.arm())
+
+    def cancel(self) -> None:
+        """Cancel every request still in flight on this worker."""
+        self._worker.cancel_inflight_requests()
+
+    def close(self) -> None:
+        """Drop the worker and the context (endpoints must be closed first)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._worker = None
+        self._context = None
+
+
+def request_state(req: Any) -> str | None:
+    """None while ``req`` runs; ``""`` when it succeeded; the error text when it failed."""
+    if not req.completed:
+        return None
+    try:
+        req.check_error()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def close_endpoint(endpoint: Any) -> Any:
+    """Start closing ``endpoint`` (its requests in flight fail); return the close request."""
+    with contextlib.suppress(Exception):
+        endpoint.remove_close_callback()
+    try:
+        return endpoint.close()
+    except Exception:
+        return None
