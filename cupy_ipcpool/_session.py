@@ -1,10 +1,18 @@
 """Publish/subscribe sessions over a Unix ``SOCK_SEQPACKET`` socket, without the GPU parts.
 
 :class:`PublisherCore` listens on a filesystem path, welcomes subscribers
-(handshake on a daemon thread), hands out free slots, publishes frames and
+(handshakes on a daemon thread), hands out free slots, publishes frames and
 collects leases back; :class:`SubscriberCore` connects, receives frames and
 releases them.  The GPU layer wraps both: it fills the opaque payloads (event
 handles, pool descriptor, array handles) and provides the slot fds.
+
+Limits that keep any client, honest or hostile, from locking others out: a
+connection's uid is checked before anything it sent is read; handshakes run
+concurrently, each with one deadline (:data:`HANDSHAKE_TIMEOUT`), at most
+:data:`MAX_PENDING_PER_UID` per uid; every resource taken for a subscriber
+comes back however its connection ends; a ``"latest"`` subscriber's credit is
+capped so that it never makes the producer wait; an optional lease timeout
+evicts a subscriber that holds a frame too long.
 
 Hot path (``acquire``/``publish``/``poll`` on the producer, ``recv``/``release``
 on the consumer): the caller's thread, one ``send``/``recv`` per message,
@@ -14,6 +22,7 @@ thread hand-off.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import math
@@ -21,7 +30,7 @@ import os
 import select
 import socket
 import stat
-import tempfile
+import struct
 import threading
 import time
 import warnings
@@ -33,7 +42,9 @@ from typing import NoReturn
 
 from cupy_ipcpool import _protocol as proto
 from cupy_ipcpool._errors import (
+    ChannelTimeoutError,
     EndOfStream,
+    EvictedError,
     PeerRefusedError,
     PoolClosedError,
     ProtocolError,
@@ -43,10 +54,12 @@ from cupy_ipcpool._errors import (
 )
 from cupy_ipcpool._leases import LeaseBook
 from cupy_ipcpool._protocol import Frame
-from cupy_ipcpool._transport import peer_credentials
+from cupy_ipcpool._transport import Admission, bind_unix, connect_unix, peer_credentials
 
-#: Seconds a connecting peer has to send its HELLO.
+#: Seconds a connecting peer has, from accept, to send its HELLO.
 HANDSHAKE_TIMEOUT = 5.0
+#: Most handshakes of one uid in progress at once; one more makes the oldest go.
+MAX_PENDING_PER_UID = 8
 #: Most fds one SCM_RIGHTS message carries on Linux (``SCM_MAX_FD``).
 MAX_FDS = 253
 #: Default credit of a ``"block"`` subscriber (informational; the ring bounds it).
@@ -54,6 +67,9 @@ DEFAULT_BLOCK_CREDIT = 64
 
 _POLLIN = select.POLLIN
 _POLLOUT = select.POLLOUT
+_POLLRDHUP = select.POLLRDHUP
+_HANGUP = select.POLLHUP | select.POLLRDHUP | select.POLLERR
+_INT_SIZE = struct.calcsize("i")
 _RELEASE_RECV = proto.MAX_RELEASE_SIZE + 1  # one more byte so oversize messages fail to decode
 
 
@@ -84,7 +100,8 @@ class SubscriberInfo:
     mode:
         ``"block"`` or ``"latest"``.
     credit:
-        Most frames it holds at once (enforced for ``"latest"``).
+        Most frames it holds at once (enforced for ``"latest"``): the credit
+        it asked for, capped at the publisher's ``max_credit``.
     hello:
         The opaque HELLO payload (the GPU layer's event handles).
     """
@@ -149,57 +166,32 @@ def _remove_stale(address: str) -> None:
         os.unlink(address)
 
 
-_UMASK_LOCK = threading.Lock()
-
-
-def _bind(sock: socket.socket, address: str, mode: int) -> None:
-    """Bind ``sock`` at ``address`` so that the file never exists with a wider mode than ``mode``.
-
-    The socket is bound inside a fresh 0700 directory next to ``address``,
-    chmod-ed, then hard-linked into place (``EEXIST`` if someone took the path
-    meanwhile).  When that temporary path would not fit ``sun_path``, binds
-    under ``umask(0o177)`` instead.
-    """
-    parent = os.path.dirname(os.path.abspath(address))
-    tmpdir = tempfile.mkdtemp(prefix=".ipcp", dir=parent)
-    try:
-        tmp = os.path.join(tmpdir, "s")
-        if len(os.fsencode(tmp)) >= 108:
-            with _UMASK_LOCK:
-                old = os.umask(0o177)
-                try:
-                    sock.bind(address)
-                finally:
-                    os.umask(old)
-            os.chmod(address, mode)
-            return
-        sock.bind(tmp)
-        os.chmod(tmp, mode)
-        try:
-            os.link(tmp, address)
-        except FileExistsError:
-            raise TransportError(
-                errno.EADDRINUSE, f"{address} was created by someone else while binding"
-            ) from None
-        except OSError:
-            # No hard links on this filesystem: move it into place instead.
-            if os.path.lexists(address):
-                raise TransportError(
-                    errno.EADDRINUSE, f"{address} was created by someone else while binding"
-                ) from None
-            os.rename(tmp, address)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-    finally:
-        os.rmdir(tmpdir)
-
-
 # -- accept thread -----------------------------------------------------------------
+
+
+class _Handshake:
+    """A connection accepted and not yet welcomed (owned by the accept thread)."""
+
+    __slots__ = ("fd", "pid", "sock", "uid")
+
+    def __init__(self, sock: socket.socket, pid: int, uid: int) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.pid = pid
+        self.uid = uid
 
 
 class _Acceptor:
     """The listening socket and the daemon thread that welcomes subscribers.
+
+    One thread drives every handshake without blocking on any: a connection's
+    uid is checked as soon as it is accepted (a refused uid is told so and
+    closed; nothing it sent is looked at), every handshake has one deadline
+    (``handshake_timeout`` from accept), and at most ``max_pending_per_uid``
+    handshakes of one uid are in progress (one more makes the oldest of that
+    uid go).  Welcomed subscribers wait in ``pending`` for the producer to adopt
+    them; one that hangs up meanwhile is reaped here, and ``on_abandon`` gives
+    its resources back.
 
     Shared with the producer's thread: ``pending`` and ``count`` under ``lock``;
     ``next_seq`` is written by the producer only.
@@ -212,20 +204,34 @@ class _Acceptor:
         welcome: Callable[[SubscriberInfo], tuple[bytes, list[int]]],
         allowed_uids: frozenset[int],
         max_subscribers: int,
+        *,
+        on_abandon: Callable[[SubscriberInfo], object] | None = None,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        max_pending_per_uid: int = MAX_PENDING_PER_UID,
+        max_credit: int = proto.MAX_CREDIT,
+        lease_timeout_ms: int = 0,
     ) -> None:
         self.listener = listener
         self.num_slots = num_slots
         self.welcome = welcome
         self.allowed_uids = allowed_uids
         self.max_subscribers = max_subscribers
+        self.on_abandon = on_abandon
+        self.handshake_timeout = handshake_timeout
+        self.max_credit = max_credit
+        self.lease_timeout_ms = lease_timeout_ms
         self.lock = threading.Lock()
         self.pending: list[_Conn] = []
         self.count = 0  # welcomed and not yet dropped (pending + adopted)
         self.next_seq = 0
         self.stopping = False
+        self.abandoned = 0  # welcomed subscribers given back before adoption
         self._next_id = 1
-        self._current: socket.socket | None = None
-        self._wake_r, self._wake_w = os.pipe()
+        self._admission = Admission(max_pending_per_uid, handshake_timeout)
+        self._handshakes: dict[int, _Handshake] = {}
+        self._watch: dict[int, _Conn] = {}  # pending connections watched for a hang-up
+        self._poller = select.poll()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.thread = threading.Thread(target=self._run, name="ipcpool-accept", daemon=True)
 
     def start(self) -> None:
@@ -236,14 +242,8 @@ class _Acceptor:
         self.stopping = True
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
-        with contextlib.suppress(OSError):
-            self.listener.shutdown(socket.SHUT_RDWR)
-        current = self._current
-        if current is not None:
-            with contextlib.suppress(OSError):
-                current.shutdown(socket.SHUT_RDWR)
-        if self.thread.is_alive():
-            self.thread.join(HANDSHAKE_TIMEOUT + 1.0)
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(5.0)
             if self.thread.is_alive():
                 _warn("ipcpool accept thread did not stop in time")
         self.listener.close()
@@ -255,53 +255,133 @@ class _Acceptor:
         for conn in pending:
             _say_bye_and_close(conn.sock)
 
+    def adopted(self) -> None:
+        """The producer took the pending list: stop watching those connections.
+
+        A socket in another thread's ``poll`` set stays open in the kernel
+        until that ``poll`` returns, even once closed: without this wake-up a
+        subscriber the producer drops would not see the end until the accept
+        thread next woke.
+        """
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"a")
+
+    def pending_handshakes(self, uid: int | None = None) -> int:
+        """Handshakes in progress (of ``uid``, or in all); for tests and diagnostics."""
+        return self._admission.count(uid)
+
+    # -- the thread --
+
     def _run(self) -> None:
-        poller = select.poll()
+        poller = self._poller
         poller.register(self.listener, _POLLIN)
         poller.register(self._wake_r, _POLLIN)
-        while not self.stopping:
-            try:
-                poller.poll()
-            except OSError:
-                return
-            if self.stopping:
-                return
-            try:
-                conn, _ = self.listener.accept()
-            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-                continue
-            except OSError as exc:
+        listen_fd = self.listener.fileno()
+        admission = self._admission
+        try:
+            while not self.stopping:
+                deadline = admission.next_deadline()
+                timeout = -1 if deadline is None else _ms(deadline - time.monotonic())
+                try:
+                    events = poller.poll(timeout)
+                except OSError:
+                    return
                 if self.stopping:
                     return
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    # Out of fds: back off instead of spinning on the pending connection.
-                    select.select([self._wake_r], [], [], 0.1)
-                    continue
-                return
-            self._current = conn
-            try:
-                self._handshake(conn)
-            except Exception:
-                conn.close()
-            finally:
-                self._current = None
+                for fd, _ev in events:
+                    if fd == listen_fd:
+                        self._accept_all()
+                    elif fd in self._handshakes:
+                        self._on_hello(self._handshakes[fd])
+                    elif fd in self._watch:
+                        self._on_hangup(fd)
+                    elif fd == self._wake_r:
+                        with contextlib.suppress(OSError):
+                            os.read(self._wake_r, 4096)
+                        if self.stopping:
+                            return
+                        self._unwatch_adopted()
+                for fd in admission.expired(time.monotonic()):
+                    hs = self._handshakes.pop(fd)
+                    self._unregister(hs.fd)
+                    _refuse(hs.sock, f"no HELLO within {self.handshake_timeout} s")
+        except Exception as exc:  # pragma: no cover - a bug; say so instead of dying silently
+            with contextlib.suppress(Exception):
+                _warn(f"ipcpool accept thread failed: {exc!r}")
+        finally:
+            for hs in list(self._handshakes.values()):
+                hs.sock.close()
+            self._handshakes.clear()
+            self._watch.clear()
 
-    def _handshake(self, conn: socket.socket) -> None:
-        pid, uid, _gid = peer_credentials(conn)
-        conn.settimeout(HANDSHAKE_TIMEOUT)
-        # Read the HELLO before any refusal: closing a Unix socket with unread data
-        # resets the peer, which would then never see the REFUSE.
+    def _unwatch_adopted(self) -> None:
+        with self.lock:
+            ours = {id(c) for c in self.pending}
+        for fd, c in list(self._watch.items()):
+            if id(c) not in ours:
+                del self._watch[fd]
+                self._unregister(fd)
+
+    def _unregister(self, fd: int) -> None:
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._poller.unregister(fd)
+
+    def _accept_all(self) -> None:
+        for _ in range(64):  # then let the handshakes in progress have a turn
+            try:
+                conn, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:
+                continue
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # Out of fds: back off instead of spinning on the queued connection.
+                    select.select([self._wake_r], [], [], 0.05)
+                return
+            conn.setblocking(False)
+            try:
+                pid, uid, _gid = peer_credentials(conn)
+            except OSError:
+                conn.close()
+                continue
+            if uid not in self.allowed_uids:
+                _refuse(conn, f"uid {uid} is not allowed to subscribe")
+                continue
+            fd = conn.fileno()
+            stale = self._watch.pop(fd, None)  # the fd number of an adopted, closed connection
+            if stale is not None:
+                self._unregister(fd)
+            for old in self._admission.admit(fd, uid, time.monotonic()):
+                hs = self._handshakes.pop(old)
+                self._unregister(hs.fd)
+                _refuse(
+                    hs.sock,
+                    f"{self._admission.per_uid} handshakes of uid {uid} were in progress; "
+                    "this one, the oldest, made room for a newer one",
+                )
+            hs = _Handshake(conn, pid, uid)
+            self._handshakes[fd] = hs
+            self._poller.register(fd, _POLLIN)
+            self._on_hello(hs)  # the HELLO is often there already
+
+    def _on_hello(self, hs: _Handshake) -> None:
+        conn = hs.sock
         try:
             data = conn.recv(proto.MAX_HELLO_SIZE + 1)
-        except OSError:
-            conn.close()  # timeout, reset, or shut down by close()
+        except (BlockingIOError, InterruptedError):
             return
+        except OSError:
+            data = b""
+        self._admission.remove(hs.fd)
+        del self._handshakes[hs.fd]
+        self._unregister(hs.fd)
         if not data or self.stopping:
             conn.close()
             return
-        if uid not in self.allowed_uids:
-            _refuse(conn, f"uid {uid} is not allowed to subscribe")
-            return
+        self._welcome(conn, hs, data)
+
+    def _welcome(self, conn: socket.socket, hs: _Handshake, data: bytes) -> None:
         with self.lock:
             full = self.count >= self.max_subscribers
         if full:
@@ -318,32 +398,45 @@ class _Acceptor:
         self._next_id += 1
         info = SubscriberInfo(
             sub_id=sub_id,
-            pid=pid or hello.pid,
-            uid=uid,
+            pid=hs.pid or hello.pid,
+            uid=hs.uid,
             mode=proto.MODE_NAMES[hello.mode],
-            credit=hello.credit,
+            credit=max(1, min(hello.credit, self.max_credit)),
             hello=hello.payload,
         )
         try:
             payload, fds = self.welcome(info)
-            if len(fds) > MAX_FDS:
-                raise ValueError(f"{len(fds)} fds do not fit one message (at most {MAX_FDS})")
-            msg = proto.encode_welcome(sub_id, self.num_slots, self.next_seq, payload)
         except Exception as exc:
             _refuse(conn, f"the publisher could not welcome this subscriber: {exc}")
             return
+        # From here on the welcome callback holds resources for this subscriber:
+        # every way out that does not hand it to the producer gives them back.
+        try:
+            if len(fds) > MAX_FDS:
+                raise ValueError(f"{len(fds)} fds do not fit one message (at most {MAX_FDS})")
+            msg = proto.encode_welcome(
+                sub_id,
+                self.num_slots,
+                self.next_seq,
+                payload,
+                credit=info.credit,
+                lease_timeout_ms=self.lease_timeout_ms,
+            )
+        except Exception as exc:
+            _refuse(conn, f"the publisher could not welcome this subscriber: {exc}")
+            self._abandon(info)
+            return
         need = len(msg) + 4096
-        if conn.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) < need:
-            with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):
+            if conn.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) < need:
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, need)
         with self.lock:
             self.count += 1
         try:
             if fds:
-                socket.send_fds(conn, [msg], list(fds))
+                socket.send_fds(conn, [msg], list(fds), socket.MSG_DONTWAIT)
             else:
-                conn.send(msg)
-            conn.setblocking(False)
+                conn.send(msg, socket.MSG_DONTWAIT)
         except OSError as exc:
             with self.lock:
                 self.count -= 1
@@ -354,23 +447,86 @@ class _Acceptor:
                     "raise net.core.wmem_max or send a smaller welcome payload",
                 )
             else:
-                conn.close()
+                conn.close()  # hung up (or timed out and left) before the WELCOME
+            self._abandon(info)
             return
+        c = _Conn(info, conn)
         with self.lock:
-            if self.stopping:
+            stop = self.stopping
+            if stop:
                 self.count -= 1
-                stop = True
             else:
-                self.pending.append(_Conn(info, conn))
-                stop = False
+                self.pending.append(c)
         if stop:
             _say_bye_and_close(conn)
+            self._abandon(info)
+            return
+        self._watch[c.fd] = c
+        self._poller.register(c.fd, _POLLRDHUP)
+
+    def _on_hangup(self, fd: int) -> None:
+        """A pending connection hung up (or was adopted and then closed): reap it if still ours."""
+        c = self._watch.pop(fd)
+        self._unregister(fd)
+        with self.lock:
+            for i, other in enumerate(self.pending):
+                if other is c:
+                    del self.pending[i]
+                    self.count -= 1
+                    break
+            else:
+                return  # adopted by the producer meanwhile: it sees the hang-up itself
+        c.sock.close()
+        self._abandon(c.info)
+
+    def _abandon(self, info: SubscriberInfo) -> None:
+        """Give back what ``welcome`` took for a subscriber that will never be adopted."""
+        self.abandoned += 1
+        if self.on_abandon is None:
+            return
+        try:
+            self.on_abandon(info)
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                warnings.warn(f"on_leave callback raised {exc!r}", RuntimeWarning, stacklevel=2)
 
 
 def _refuse(conn: socket.socket, reason: str) -> None:
+    """Send REFUSE and close, without waiting.
+
+    What the peer sent so far is read first (without waiting): closing a Unix
+    socket with unread data resets the peer, which would then never see the
+    REFUSE.
+    """
     with contextlib.suppress(OSError):
-        conn.send(proto.encode_refuse(reason))
+        conn.setblocking(False)
+        while conn.recv(proto.MAX_HELLO_SIZE + 1):
+            pass
+    with contextlib.suppress(OSError):
+        conn.send(proto.encode_refuse(reason), socket.MSG_DONTWAIT)
     conn.close()
+
+
+def _notify_and_close(sock: socket.socket, reason: str) -> None:
+    """Tell a dropped subscriber why (a REFUSE after its queued frames), then close."""
+    notice = proto.encode_refuse(reason)
+    with contextlib.suppress(OSError):
+        sock.setblocking(False)
+        while sock.recv(proto.MAX_FRAME_SIZE, socket.MSG_DONTWAIT):
+            pass  # unread data would reset the peer, which would then lose the notice
+    try:
+        sock.send(notice, socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        # Its socket is full of frames: room for one more message (the kernel
+        # admits a message while the queued bytes are below the buffer size).
+        with contextlib.suppress(OSError):
+            size = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size * 2)
+        with contextlib.suppress(OSError):
+            sock.send(notice, socket.MSG_DONTWAIT)
+    except OSError:
+        pass
+    sock.close()
 
 
 def _say_bye_and_close(sock: socket.socket) -> None:
@@ -473,17 +629,38 @@ class PublisherCore:
     on_join, on_leave:
         Called in the producer's thread when a subscriber is adopted (at the
         next ``poll``/``acquire``/``publish``) and when it leaves (BYE, EOF,
-        error, out-of-protocol message).  Exceptions become ``RuntimeWarning``.
+        error, out-of-protocol message, eviction).  ``on_leave`` is also called
+        for a subscriber that ``welcome`` accepted but that is never adopted
+        (the WELCOME could not be sent, or it hung up before adoption): then
+        on the accept thread, without an ``on_join`` before it, so that what
+        ``welcome`` took is given back; it must be thread-safe.  Exceptions
+        become ``RuntimeWarning``.
     max_subscribers:
         Further subscribers are refused.
     send_timeout:
         How long a ``"block"`` subscriber's full socket may stall ``publish``
         before that subscriber is dropped.
+    max_credit:
+        Cap on a subscriber's credit (default
+        :func:`~cupy_ipcpool._leases.default_max_credit`: ``num_slots - 2``, at
+        least 1).  Together with the ring's reserve (``"latest"`` subscribers
+        never lease the last two slots) it makes ``"latest"`` never stall the
+        producer, whatever credit a subscriber asks for.
+    lease_timeout:
+        Seconds a subscriber may hold a frame; one that holds a frame longer
+        is evicted (told why, disconnected, its leases taken back).  None (the
+        default): no limit, a ``"block"`` subscriber that never releases
+        stalls the producer until ``acquire`` times out.
+    handshake_timeout:
+        Seconds a connection has, from accept, to send its HELLO.
+    max_pending_per_uid:
+        Most handshakes of one uid in progress at once; one more makes the
+        oldest of that uid go.
 
     Notes
     -----
     Not thread-safe: call every method from one thread.  The accept thread only
-    appends to a lock-protected pending list.
+    appends to a lock-protected pending list (and reaps entries that hang up).
     """
 
     def __init__(
@@ -497,12 +674,28 @@ class PublisherCore:
         on_leave: Callable[[SubscriberInfo], object] | None = None,
         max_subscribers: int = 64,
         send_timeout: float = 5.0,
+        max_credit: int | None = None,
+        lease_timeout: float | None = None,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        max_pending_per_uid: int = MAX_PENDING_PER_UID,
     ) -> None:
         self.address = os.fspath(address)
         self.num_slots = int(num_slots)
-        self._book = LeaseBook(self.num_slots)
         if not 1 <= self.num_slots <= proto.MAX_SLOTS:
             raise ValueError(f"num_slots must be in 1..{proto.MAX_SLOTS}, not {num_slots}")
+        if max_credit is not None and not 1 <= max_credit <= proto.MAX_CREDIT:
+            raise ValueError(f"max_credit must be in 1..{proto.MAX_CREDIT}, not {max_credit}")
+        if lease_timeout is not None and not 0 < lease_timeout < (1 << 32) / 1000:
+            raise ValueError(f"lease_timeout must be positive seconds or None, not {lease_timeout}")
+        if not handshake_timeout > 0:
+            raise ValueError(f"handshake_timeout must be positive, not {handshake_timeout}")
+        if max_subscribers < 1:
+            raise ValueError(f"max_subscribers must be at least 1, not {max_subscribers}")
+        self._book = LeaseBook(self.num_slots, max_credit=max_credit)
+        self.max_credit = self._book.max_credit
+        self.lease_timeout = lease_timeout
+        self._next_expiry: float | None = None
+        self.evictions = 0
         euid = os.geteuid()
         allowed = frozenset({euid} if allowed_uids is None else (int(u) for u in allowed_uids))
         self.allowed_uids = allowed
@@ -519,11 +712,11 @@ class PublisherCore:
         _remove_stale(self.address)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            _bind(listener, self.address, 0o600 if allowed <= {euid} else 0o666)
+            ident = bind_unix(listener, self.address, 0o600 if allowed <= {euid} else 0o666)
             try:
-                st = os.lstat(self.address)
-                ident = (st.st_dev, st.st_ino)
-                listener.listen(min(max_subscribers, socket.SOMAXCONN))
+                # Well above the subscriber limit: the accept thread drains the
+                # queue at once, so only a burst ever sits in it.
+                listener.listen(min(max(4 * max_subscribers, 256), socket.SOMAXCONN))
                 listener.setblocking(False)
             except BaseException:
                 os.unlink(self.address)
@@ -532,7 +725,18 @@ class PublisherCore:
             listener.close()
             raise
         try:
-            self._acc = _Acceptor(listener, self.num_slots, welcome, allowed, max_subscribers)
+            self._acc = _Acceptor(
+                listener,
+                self.num_slots,
+                welcome,
+                allowed,
+                max_subscribers,
+                on_abandon=on_leave,
+                handshake_timeout=handshake_timeout,
+                max_pending_per_uid=max_pending_per_uid,
+                max_credit=self.max_credit,
+                lease_timeout_ms=0 if lease_timeout is None else math.ceil(lease_timeout * 1000),
+            )
         except BaseException:
             listener.close()
             os.unlink(self.address)
@@ -637,7 +841,11 @@ class PublisherCore:
         self._check_open()
         if self._acc.pending:
             self._adopt()
-        return self._wait(timeout)
+        if self._next_expiry is None:
+            return self._wait(timeout)
+        released = self._wait(self._until_expiry(timeout))
+        self._check_leases()
+        return released
 
     def acquire(self, timeout: float | None = None) -> tuple[int, list[int]]:
         """Return a free slot to write the next frame into.
@@ -672,6 +880,8 @@ class PublisherCore:
             if self._acc.pending:
                 self._adopt()
             self._wait(0.0)
+            if self._next_expiry is not None:
+                self._check_leases()
             slot = book.pick_free_slot(self._last_slot + 1)
             if slot is not None:
                 return slot, book.readers_to_wait(slot)
@@ -680,6 +890,8 @@ class PublisherCore:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0.0:
                     raise SlotBusyError(self._busy_message(timeout))
+            if self._next_expiry is not None:
+                remaining = self._until_expiry(remaining)
             self._wait(remaining)
 
     def publish(self, slot: int, payload: bytes = b"") -> int:
@@ -706,7 +918,7 @@ class PublisherCore:
         ------
         ValueError
             The payload is too large.
-        RuntimeError
+        LeaseStateError
             The slot still has leases.
         PoolClosedError
             The publisher is closed.
@@ -717,7 +929,13 @@ class PublisherCore:
             self._adopt()
         seq = acc.next_seq
         msg = proto.encode_frame(seq, slot, payload)
-        receivers = self._book.publishing(slot, seq)
+        if self.lease_timeout is None:
+            receivers = self._book.publishing(slot, seq)
+        else:
+            now = time.monotonic()
+            receivers = self._book.publishing(slot, seq, now)
+            if receivers and self._next_expiry is None:
+                self._next_expiry = now + self.lease_timeout
         acc.next_seq = seq + 1
         self._last_slot = slot
         conns = self._conns
@@ -738,6 +956,36 @@ class PublisherCore:
 
     # -- internals --
 
+    def _until_expiry(self, timeout: float | None) -> float | None:
+        """``timeout`` shortened to end when the oldest lease becomes overdue."""
+        if self._next_expiry is None:
+            return timeout
+        left = max(0.0, self._next_expiry - time.monotonic())
+        return left if timeout is None else min(timeout, left)
+
+    def _check_leases(self) -> None:
+        """Evict every subscriber that holds a frame longer than ``lease_timeout``."""
+        timeout = self.lease_timeout
+        if timeout is None or self._next_expiry is None:
+            return
+        now = time.monotonic()
+        if now < self._next_expiry:
+            return
+        self._wait(0.0)  # releases that already arrived are in time
+        for sub_id in self._book.overdue(now, timeout):
+            conn = self._conns.get(sub_id)
+            if conn is not None:
+                seq = min(self._book.held_by(sub_id))
+                self.evictions += 1
+                self._drop(
+                    conn,
+                    f"evicted: held frame {seq} for more than lease_timeout={timeout} s",
+                    notify=True,
+                )
+            else:
+                self._book.remove_subscriber(sub_id)
+        self._next_expiry = self._book.next_expiry(timeout)
+
     def _send_stalled(self, conn: _Conn, msg: bytes) -> None:
         deadline = time.monotonic() + self._send_timeout
         poller = select.poll()
@@ -745,7 +993,9 @@ class PublisherCore:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0.0:
-                self._drop(conn, f"its socket stayed full for {self._send_timeout} s")
+                self._drop(
+                    conn, f"dropped: its socket stayed full for {self._send_timeout} s", notify=True
+                )
                 return
             poller.poll(_ms(remaining))
             try:
@@ -761,6 +1011,7 @@ class PublisherCore:
         acc = self._acc
         with acc.lock:
             new, acc.pending = acc.pending, []
+        acc.adopted()
         for conn in new:
             info = conn.info
             self._conns[info.sub_id] = conn
@@ -809,7 +1060,14 @@ class PublisherCore:
                 self._drop(conn, f"protocol error: {exc}")
                 return released
 
-    def _drop(self, conn: _Conn, reason: str) -> None:
+    def _drop(self, conn: _Conn, reason: str, notify: bool = False) -> None:
+        """Forget a subscriber, take its leases back, close its socket.
+
+        With ``notify`` (the publisher drops a subscriber that is still there,
+        possibly holding frames), the subscriber is told ``reason`` in a REFUSE
+        after the frames already queued: it reads it as an eviction and stops
+        using those frames.
+        """
         info = conn.info
         if self._conns.pop(info.sub_id, None) is None:
             return
@@ -817,7 +1075,10 @@ class PublisherCore:
         with contextlib.suppress(KeyError, ValueError):
             self._poller.unregister(conn.fd)
         self._book.remove_subscriber(info.sub_id)
-        conn.sock.close()
+        if notify:
+            _notify_and_close(conn.sock, reason)
+        else:
+            conn.sock.close()
         with self._acc.lock:
             self._acc.count -= 1
         self.last_leave_reason = reason
@@ -885,13 +1146,24 @@ class SubscriberCore:
         ``"latest"``: frames are skipped while ``credit`` are held.
     credit:
         Most frames held at once; default 1 for ``"latest"``, 64 for ``"block"``.
+        The publisher may grant less (its ``max_credit``): :attr:`credit` is
+        the credit granted.
     hello:
         Opaque bytes for the publisher (at most 64 KiB).
     timeout:
-        Seconds for connect and handshake; also how long ``release`` may wait
-        for room in the socket.
+        Seconds for connect and handshake together (a full listen backlog is
+        retried until then); also how long ``release`` may wait for room in
+        the socket.
     allowed_uids:
         Uids the publisher may run as (``SO_PEERCRED``); default: own euid.
+
+    Attributes
+    ----------
+    credit:
+        The credit the publisher granted.
+    lease_timeout:
+        Seconds the publisher lets this subscriber hold a frame before it
+        evicts it (None: no limit).
 
     Raises
     ------
@@ -900,10 +1172,12 @@ class SubscriberCore:
         not allowed here.
     TransportError
         Connecting failed (no publisher, no permission).
+    ChannelTimeoutError
+        No WELCOME within ``timeout`` (or the backlog stayed full).
     ProtocolError
         The publisher's reply is malformed.
     EndOfStream
-        The publisher closed the connection during the handshake.
+        The publisher closed or reset the connection during the handshake.
     """
 
     def __init__(
@@ -923,12 +1197,15 @@ class SubscriberCore:
         self.address = os.fspath(address)
         self.mode = mode
         self.credit = int(credit)
+        self.lease_timeout: float | None = None
         self._timeout = timeout
         hello_msg = proto.encode_hello(proto.MODE_CODES[mode], self.credit, os.getpid(), hello)
         allowed = frozenset({os.geteuid()} if allowed_uids is None else allowed_uids)
         self._held: dict[int, int] = {}
         self._eos: str | None = None
         self._eos_clean = False
+        self._evicted = False
+        self._backlog: collections.deque[bytes] = collections.deque()
         self._closed = False
         self._fds: list[int] = []
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -941,19 +1218,27 @@ class SubscriberCore:
         self.sub_id = welcome.sub_id
         self.num_slots = welcome.num_slots
         self.next_seq = welcome.next_seq
+        self.credit = welcome.credit
+        if welcome.lease_timeout_ms:
+            self.lease_timeout = welcome.lease_timeout_ms / 1000.0
         self.welcome_payload = welcome.payload
         self._buf = bytearray(proto.MAX_FRAME_SIZE + 1)
         self._view = memoryview(self._buf)
         self._poller = select.poll()
         self._poller.register(self._sock, _POLLIN)
+        self._hangup = select.poll()
+        self._hangup.register(self._sock, _POLLRDHUP)
 
     def _handshake(self, hello_msg: bytes, allowed: frozenset[int]) -> proto.Welcome:
         sock = self._sock
-        sock.settimeout(self._timeout)
+        deadline = time.monotonic() + self._timeout
         try:
-            sock.connect(self.address)
+            connect_unix(sock, self.address, deadline)
         except TimeoutError:
-            raise
+            raise ChannelTimeoutError(
+                f"cannot connect to the publisher at {self.address} within {self._timeout} s: "
+                "its listen backlog stayed full"
+            ) from None
         except OSError as exc:
             hint = ""
             if exc.errno == errno.EACCES:
@@ -970,8 +1255,11 @@ class SubscriberCore:
                 f"the publisher at {self.address} runs as uid {self.producer_uid}, "
                 f"which is not in allowed_uids {sorted(allowed)}"
             )
-        sock.send(hello_msg)
-        data, fds, flags, _ = socket.recv_fds(sock, proto.MAX_WELCOME_SIZE + 1, MAX_FDS)
+        # A publisher that refuses at once (uid, too many handshakes) may close
+        # before the HELLO arrives: the REFUSE is still queued for us.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(hello_msg)
+        data, fds, flags = self._recv_welcome(deadline)
         try:
             if flags & socket.MSG_CTRUNC:
                 raise ProtocolError("the WELCOME carried more fds than fit (MSG_CTRUNC)")
@@ -991,6 +1279,44 @@ class SubscriberCore:
         self._fds.extend(fds)
         sock.setblocking(False)
         return msg
+
+    def _recv_welcome(self, deadline: float) -> tuple[bytes, list[int], int]:
+        """Receive the publisher's reply, its fds close-on-exec."""
+        sock = self._sock
+        space = socket.CMSG_SPACE(MAX_FDS * _INT_SIZE)
+        reset = False
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ChannelTimeoutError(
+                    f"the publisher at {self.address} did not answer within {self._timeout} s"
+                )
+            sock.settimeout(remaining)
+            try:
+                data, ancdata, flags, _ = sock.recvmsg(
+                    proto.MAX_WELCOME_SIZE + 1, space, socket.MSG_CMSG_CLOEXEC
+                )
+            except TimeoutError:
+                continue
+            except ConnectionResetError:
+                if reset:
+                    raise EndOfStream(
+                        f"the publisher at {self.address} reset the connection during the "
+                        "handshake (it exited or was killed)"
+                    ) from None
+                reset = True  # reported once; a REFUSE may still be queued behind it
+                continue
+            except OSError as exc:
+                raise TransportError(
+                    exc.errno or errno.EIO,
+                    f"the handshake with {self.address} failed: {exc.strerror}",
+                ) from None
+            fds: list[int] = []
+            for level, kind, payload in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    whole = len(payload) - len(payload) % _INT_SIZE
+                    fds.extend(struct.unpack(f"{whole // _INT_SIZE}i", payload[:whole]))
+            return data, fds, flags
 
     # -- context manager / teardown --
 
@@ -1049,10 +1375,14 @@ class SubscriberCore:
 
         Raises
         ------
+        EvictedError
+            The publisher dropped this subscriber while it held frames (lease
+            timeout, full socket): the frames it holds may be overwritten and
+            must not be read (and on every later call).
         EndOfStream
             The publisher said BYE, closed or died (and on every later call).
-        TimeoutError
-            No frame within ``timeout``.
+        ChannelTimeoutError
+            No frame within ``timeout`` (also a ``TimeoutError``).
         ProtocolError
             The publisher sent something malformed; the connection is closed.
         PoolClosedError
@@ -1061,7 +1391,9 @@ class SubscriberCore:
         if self._closed:
             raise PoolClosedError("the subscriber is closed")
         if self._eos is not None:
-            raise EndOfStream(self._eos, self._eos_clean)
+            self._raise_end()
+        if self._backlog:
+            return self._accept(self._backlog.popleft())
         sock = self._sock
         deadline = None
         while True:
@@ -1070,6 +1402,13 @@ class SubscriberCore:
                 break
             except (BlockingIOError, InterruptedError):
                 pass
+            except ConnectionResetError:
+                # Reported once, before what is still queued (a dropped
+                # subscriber's notice among it): look there first.
+                self._scan_after_hangup()
+                if self._backlog:
+                    return self._accept(self._backlog.popleft())
+                self._end("the connection to the publisher was reset")
             except OSError as exc:
                 self._end(f"the connection to the publisher failed: {exc}")
             if timeout is not None:
@@ -1077,14 +1416,18 @@ class SubscriberCore:
                     deadline = time.monotonic() + timeout
                 remaining = deadline - time.monotonic()
                 if remaining <= 0.0:
-                    raise TimeoutError(f"no frame within {timeout} s")
+                    raise ChannelTimeoutError(f"no frame within {timeout} s")
                 self._poller.poll(_ms(remaining))
             else:
                 self._poller.poll(-1)
         if n == 0:
             self._end("the publisher closed the connection")
+        return self._accept(self._view[:n])
+
+    def _accept(self, data: bytes | memoryview) -> Frame:
+        """Decode one message from the publisher; return it if it is a frame we may use."""
         try:
-            msg = proto.decode(self._view[:n])
+            msg = proto.decode(data)
             if type(msg) is Frame:
                 if msg.slot >= self.num_slots:
                     raise ProtocolError(
@@ -1092,20 +1435,74 @@ class SubscriberCore:
                     )
                 if msg.seq in self._held:
                     raise ProtocolError(f"frame {msg.seq} received twice")
+                if not self._backlog and self._hangup.poll(0):
+                    # The publisher is gone: if it dropped us, this frame's lease
+                    # went with it, and the notice is queued behind.
+                    self._scan_after_hangup()
+                    if self._evicted:
+                        self._raise_end()
                 self._held[msg.seq] = msg.slot
                 return msg
             if type(msg) is proto.Bye:
                 self._end("the publisher said BYE", clean=True)
+            if type(msg) is proto.Refuse:
+                self._evict(msg.reason)
             raise ProtocolError(f"unexpected {type(msg).__name__} from the publisher")
         except ProtocolError as exc:
             self._eos = f"the connection was closed after a protocol error: {exc}"
             _close_subscriber(self._sock, [])
             raise
 
+    def _scan_after_hangup(self) -> None:
+        """Read everything still queued (the publisher has hung up); note an eviction notice."""
+        reset = False
+        got: list[bytes] = []
+        while True:
+            try:
+                data = self._sock.recv(proto.MAX_FRAME_SIZE + 1, socket.MSG_DONTWAIT)
+            except ConnectionResetError:
+                if reset:
+                    break
+                reset = True
+                continue
+            except OSError:
+                break
+            if not data:
+                break
+            got.append(data)
+        for data in got:
+            try:
+                msg = proto.decode(data)
+            except ProtocolError:
+                continue  # reported when it is reached
+            if type(msg) is proto.Refuse:
+                self._evicted = True
+                self._eos = f"the publisher evicted this subscriber: {msg.reason}"
+                self._backlog.clear()
+                return
+        self._backlog.extend(got)
+
+    def _evict(self, reason: str) -> NoReturn:
+        self._evicted = True
+        self._eos = f"the publisher evicted this subscriber: {reason}"
+        self._backlog.clear()
+        self._raise_end()
+
+    def _raise_end(self) -> NoReturn:
+        assert self._eos is not None
+        if self._evicted:
+            raise EvictedError(self._eos, False)
+        raise EndOfStream(self._eos, self._eos_clean)
+
     def _end(self, reason: str, clean: bool = False) -> NoReturn:
         self._eos = reason
         self._eos_clean = clean
         raise EndOfStream(reason, clean)
+
+    @property
+    def evicted(self) -> bool:
+        """True once the publisher evicted this subscriber (see :class:`EvictedError`)."""
+        return self._evicted
 
     def release(self, seq: int, slot: int) -> None:
         """Return the lease on frame ``seq`` in ``slot``.
@@ -1114,10 +1511,14 @@ class SubscriberCore:
 
         Raises
         ------
+        EvictedError
+            The publisher evicted this subscriber: the lease had already been
+            taken back, the frame's slot may have been overwritten before this
+            release (the frame is forgotten locally all the same).
         ProtocolError
             This subscriber does not hold that frame (never received, released
             twice, wrong slot); nothing is sent.
-        TimeoutError
+        ChannelTimeoutError
             The publisher did not drain its socket within ``timeout``.
         PoolClosedError
             This subscriber is closed.
@@ -1129,6 +1530,8 @@ class SubscriberCore:
             raise ProtocolError(f"release of frame {seq} in slot {slot}, which is not held")
         del self._held[seq]
         if self._eos is not None:
+            if self._evicted:
+                self._raise_end()
             return
         msg = proto.encode_release(seq, slot)
         try:
@@ -1136,7 +1539,10 @@ class SubscriberCore:
         except BlockingIOError:
             self._send_stalled(msg)
         except OSError:
-            pass  # the publisher is gone; the next recv reports the end
+            # The publisher is gone; was this subscriber dropped?
+            self._scan_after_hangup()
+            if self._evicted:
+                self._raise_end()
 
     def _send_stalled(self, msg: bytes) -> None:
         poller = select.poll()
@@ -1145,7 +1551,9 @@ class SubscriberCore:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0.0:
-                raise TimeoutError(f"the publisher did not take a RELEASE within {self._timeout} s")
+                raise ChannelTimeoutError(
+                    f"the publisher did not take a RELEASE within {self._timeout} s"
+                )
             poller.poll(_ms(remaining))
             try:
                 self._sock.send(msg)
@@ -1156,4 +1564,11 @@ class SubscriberCore:
                 return
 
 
-__all__ = ["Frame", "PublisherCore", "SubscriberCore", "SubscriberInfo"]
+__all__ = [
+    "HANDSHAKE_TIMEOUT",
+    "MAX_PENDING_PER_UID",
+    "Frame",
+    "PublisherCore",
+    "SubscriberCore",
+    "SubscriberInfo",
+]
