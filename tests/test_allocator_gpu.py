@@ -148,12 +148,14 @@ def test_a_slot_with_a_live_array_is_not_recycled(cp, pool):
         y = cp.arange(100)
     assert pool.local_refs(0) >= 1
     assert pool.next() == 1
-    with pytest.raises(cip.SlotBusyError, match="slot 0"):
-        pool.next()
+    z = pool.array(slot=1)  # now both slots are held by arrays
+    with pytest.raises(cip.SlotBusyError, match="slot 0: 1 local array"):
+        pool.next(timeout=0)
     del y
     gc.collect()
     assert pool.local_refs(0) == 0
     assert pool.next() == 0
+    del z
 
 
 def _child_read_handles(desc_bytes, handle_bytes, queue):
@@ -190,3 +192,29 @@ def test_handles_of_views_round_trip_through_a_second_process(cp, pool):
     assert result[0] == "ok", result
     for view, got in zip(views, result[1], strict=True):
         np.testing.assert_array_equal(got, cp.asnumpy(view))
+
+
+def test_spill_goes_to_the_allocator_current_at_entry(cp):
+    calls = []
+    default = cp.get_default_memory_pool()
+
+    def counting(nbytes):
+        calls.append(nbytes)
+        return default.malloc(nbytes)
+
+    with cip.IpcPool(1, 2 * MiB) as pool:
+        with cp.cuda.using_allocator(counting), pool.allocating(overflow="spill") as scope:
+            spilled = cp.ones(MiB, dtype=cp.float32)  # 4 MiB: does not fit
+        assert scope.spills == 1
+        assert calls and calls[-1] >= 4 * MiB  # not CuPy's default pool directly
+        assert float(spilled.sum()) == MiB
+
+
+def test_token_allocating_lands_in_the_token_slot(cp):
+    with cip.IpcPool(3, 8 * MiB) as pool:
+        with pool.acquire(slot=2) as token, token.allocating():
+            y = cp.arange(1000, dtype=cp.float32) * 2
+        assert pool.locate(y.data.ptr)[0] == 2
+        assert token.handle(y).generation == token.generation
+        with pytest.raises(cip.PoolClosedError):
+            token.array((4,))  # released

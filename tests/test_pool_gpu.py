@@ -64,7 +64,7 @@ def test_views_offsets_strides_and_bounds(cp):
             pool.array((4,), np.float32, slot=1, offset=2)  # misaligned
         with pytest.raises(cip.DescriptorError):
             pool.array((2,), np.float32, slot=1, offset=MiB - 4)
-        with pytest.raises(IndexError):
+        with pytest.raises(cip.SlotIndexError):  # also an IndexError
             pool.array(slot=2)
 
 
@@ -80,14 +80,18 @@ def test_next_wraps_and_tracks_generation():
         assert pool.generation(0) == 1 and pool.generation(1) == 2
 
 
-def test_next_refuses_a_slot_with_a_live_array():
-    with cip.IpcPool(2, MiB) as pool:
+def test_next_skips_a_slot_with_a_live_array_and_waits_when_all_are_held():
+    with cip.IpcPool(3, MiB) as pool:
         held = pool.array(slot=1)
-        with pytest.raises(cip.SlotBusyError, match="slot 1"):
-            pool.next()
+        assert pool.next() == 2  # slot 1 is skipped, not recycled
+        held0 = pool.array(slot=0)
+        held2 = pool.array(slot=2)
+        with pytest.raises(cip.SlotBusyError, match="slot 1: 1 local array"):
+            pool.next(timeout=0)
         del held
         gc.collect()
         assert pool.next() == 1
+        del held0, held2
 
 
 def test_dlpack_torch_sees_the_same_memory(cp):
