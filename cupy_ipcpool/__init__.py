@@ -7,6 +7,7 @@ is none.
 """
 
 from ._allocator import allocating
+from ._arrays import dlpack_safe
 from ._channel import Frame, Publisher, PublishFrame, Subscriber, subscribe
 from ._compat import IPCBufferManager
 from ._errors import (
@@ -78,5 +79,6 @@ __all__ = [
     "__version__",
     "allocating",
     "attach",
+    "dlpack_safe",
     "subscribe",
 ]

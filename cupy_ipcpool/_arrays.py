@@ -276,3 +276,37 @@ def as_cupy_stream(stream: Any, device: int) -> Any:
     if from_external is not None:  # CuPy >= 14
         return from_external(source)
     return cp.cuda.ExternalStream(ptr, device)  # pragma: no cover - CuPy 13
+
+
+def dlpack_safe(array: Any, *, copy: bool = False) -> Any:
+    """Return ``array`` if every framework can take it through DLPack, else refuse or copy.
+
+    CuPy views may have negative strides (``a[::-1]``); DLPack can describe
+    them but torch cannot take them, and ``torch.from_dlpack`` on such a view
+    aborts the process instead of raising.  Pass received arrays through this
+    function before handing them to torch or JAX.
+
+    Parameters
+    ----------
+    array:
+        A ``cupy.ndarray`` (a received frame's array, typically).
+    copy:
+        With negative strides: ``False`` raises, ``True`` returns a
+        C-contiguous copy (new memory outside the slot, made on CuPy's current
+        stream; it stays valid after the frame is released).
+
+    Raises
+    ------
+    NotShareableError
+        Negative strides and ``copy=False``.
+    """
+    info = array_info(array)
+    if all(s >= 0 for s in info.strides):
+        return array
+    if not copy:
+        raise NotShareableError(
+            f"array of shape {info.shape} has negative strides {info.strides}: torch cannot "
+            "take it through DLPack (torch.from_dlpack aborts the process on it); pass "
+            "copy=True for a contiguous copy, or publish a view with non-negative strides"
+        )
+    return cupy_module().ascontiguousarray(array)

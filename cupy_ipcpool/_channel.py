@@ -169,6 +169,18 @@ class _PublisherLeases:
         if pub is not None and not pub._closed:
             pub._order_write(slot, stream)
 
+    def describe(self, slot: int) -> str:
+        pub = self._publisher()
+        if pub is None:
+            return ""
+        infos = {info.sub_id: info for info in pub._core.subscribers}
+        parts = []
+        for sub_id, _seq in pub._book.leases(slot):
+            info = infos.get(sub_id)
+            who = f"pid {info.pid}, {info.mode}" if info is not None else "gone"
+            parts.append(f"subscriber {sub_id}, {who}")
+        return "; ".join(parts)
+
 
 class Publisher:
     """Publish frames from an :class:`IpcPool` to subscriber processes.

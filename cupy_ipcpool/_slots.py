@@ -56,6 +56,10 @@ class LeaseSource(Protocol):
         ...
 
 
+# A source may also offer ``describe(slot) -> str`` naming the peers that hold
+# ``slot``; SlotBusyError messages then say who they are.
+
+
 class SlotTable(SlotRefs):
     """Local references, writers, generations and lease sources of ``num_slots`` slots.
 
@@ -221,7 +225,12 @@ class SlotTable(SlotRefs):
                 held.append(f"{self.counts[s]} local array(s) or allocator block(s)")
             leases = self.leases(s)
             if leases:
-                held.append(f"{leases} peer lease(s)")
+                who = [
+                    describe(s)
+                    for source in self._sources
+                    if (describe := getattr(source, "describe", None)) is not None
+                ]
+                held.append(f"{leases} peer lease(s)" + (f" ({', '.join(who)})" if who else ""))
             parts.append(f"slot {s}: {', '.join(held) or 'free'}")
         what = f"slot {slot} is" if slot is not None else f"all {len(self.counts)} slots are"
         return (

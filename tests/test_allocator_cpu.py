@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cupy_ipcpool import SlotFullError, UsageError
+from cupy_ipcpool import SlotFullError
 from cupy_ipcpool._arena import SlotArena
 
 
