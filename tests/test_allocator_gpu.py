@@ -212,9 +212,10 @@ def test_spill_goes_to_the_allocator_current_at_entry(cp):
 
 def test_token_allocating_lands_in_the_token_slot(cp):
     with cip.IpcPool(3, 8 * MiB) as pool:
-        with pool.acquire(slot=2) as token, token.allocating():
-            y = cp.arange(1000, dtype=cp.float32) * 2
+        with pool.acquire(slot=2) as token:
+            with token.allocating():
+                y = cp.arange(1000, dtype=cp.float32) * 2
+            assert token.handle(y).generation == token.generation
         assert pool.locate(y.data.ptr)[0] == 2
-        assert token.handle(y).generation == token.generation
         with pytest.raises(cip.PoolClosedError):
             token.array((4,))  # released
