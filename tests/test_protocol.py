@@ -272,3 +272,77 @@ def test_add_subscriber_validation() -> None:
         book.add_subscriber(3, "latest", 0)
     with pytest.raises(ValueError):
         LeaseBook(0)
+
+
+# -- credit cap, latest reserve, eviction rule ---------------------------------------
+
+
+def test_max_credit_caps_what_a_subscriber_asks() -> None:
+    from cupy_ipcpool._leases import default_latest_reserve, default_max_credit
+
+    assert [default_max_credit(n) for n in (1, 2, 3, 4, 8, 64)] == [1, 1, 1, 2, 6, 62]
+    assert [default_latest_reserve(n) for n in (1, 2, 3, 8)] == [0, 1, 2, 2]
+    book = LeaseBook(8)
+    assert book.add_subscriber(1, "latest", 65535) == 6
+    assert book.credit(1) == 6
+    assert LeaseBook(8, max_credit=3).add_subscriber(1, "latest", 5) == 3
+    with pytest.raises(ValueError):
+        LeaseBook(8, max_credit=0)
+    with pytest.raises(ValueError):
+        LeaseBook(4, latest_reserve=4)
+
+
+def test_latest_subscribers_together_leave_the_reserve_free() -> None:
+    book = LeaseBook(6, max_credit=6)
+    book.add_subscriber(1, "latest", 6)
+    book.add_subscriber(2, "latest", 6)
+    got = [book.publishing(s, s) for s in range(6)]
+    assert got == [[1, 2]] * 4 + [[], []]  # two slots stay out of reach
+    assert book.latest_leased_slots() == 4
+    assert book.free_slots() == [4, 5]
+    book.release(1, 0, 0)
+    assert book.latest_leased_slots() == 4  # subscriber 2 still holds slot 0
+    book.release(2, 0, 0)
+    assert book.latest_leased_slots() == 3
+    assert book.publishing(0, 6) == [1, 2]
+    book.remove_subscriber(1)
+    book.remove_subscriber(2)
+    assert book.latest_leased_slots() == 0
+
+
+def test_block_subscribers_ignore_the_reserve() -> None:
+    book = LeaseBook(3)
+    book.add_subscriber(1, "block", 64)
+    assert [book.publishing(s, s) for s in range(3)] == [[1], [1], [1]]
+    assert book.free_slots() == []
+
+
+def test_cancel_returns_latest_room() -> None:
+    book = LeaseBook(3)
+    book.add_subscriber(1, "latest", 1)
+    assert book.publishing(0, 0) == [1]
+    assert book.cancel(1, 0, 0) is True
+    assert book.latest_leased_slots() == 0
+
+
+def test_overdue_names_subscribers_holding_too_long() -> None:
+    book = LeaseBook(8)
+    book.add_subscriber(1, "block", 64)
+    book.add_subscriber(2, "latest", 2)
+    assert book.overdue(100.0, 1.0) == []
+    assert book.next_expiry(1.0) is None
+    book.publishing(0, 0, now=10.0)
+    book.publishing(1, 1, now=10.5)
+    book.publishing(2, 2, now=11.0)  # latest has its two
+    assert book.oldest_lease(1) == 10.0
+    assert book.next_expiry(1.0) == 11.0
+    assert book.overdue(10.9, 1.0) == []
+    assert book.overdue(11.1, 1.0) == [1, 2]
+    book.release(1, 0, 0)
+    book.release(2, 0, 0)
+    assert book.oldest_lease(1) == 10.5
+    assert book.overdue(11.1, 1.0) == []
+    assert book.overdue(11.6, 1.0) == [1, 2]
+    book.remove_subscriber(2)
+    assert book.overdue(11.6, 1.0) == [1]
+    assert book.oldest_lease(2) is None

@@ -541,3 +541,28 @@ def test_no_fd_leak_over_500_transfers(memfds: list[int]) -> None:
             with pytest.raises(PeerRefusedError):
                 fetch_fds_over_socket(server.path, b"bad", 3)
         assert _wait_fd_count(before) == before
+
+
+# -- admission: per-uid cap and deadlines ------------------------------------------------
+
+
+def test_admission_caps_per_uid_and_drops_the_oldest() -> None:
+    from cupy_ipcpool._transport import Admission
+
+    adm = Admission(2, 5.0)
+    assert adm.admit(10, 1000, 0.0) == []
+    assert adm.admit(11, 1000, 1.0) == []
+    assert adm.admit(20, 2000, 1.5) == []  # another uid has its own room
+    assert adm.admit(12, 1000, 2.0) == [10]
+    assert adm.count(1000) == 2 and adm.count(2000) == 1 and len(adm) == 3
+    assert 10 not in adm and 12 in adm
+    assert adm.next_deadline() == 6.0
+    assert adm.expired(6.4) == [11]
+    assert adm.expired(7.0) == [20, 12]
+    assert adm.next_deadline() is None and len(adm) == 0
+    assert adm.remove(12) is False
+    with pytest.raises(ValueError):
+        Admission(0, 1.0)
+    adm.admit(1, 5, 0.0)
+    with pytest.raises(ValueError):
+        adm.admit(1, 5, 0.0)

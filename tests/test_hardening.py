@@ -1,0 +1,880 @@
+"""Issue 10 for real: no client, honest or hostile, locks out the publisher or the fd server.
+
+Every attack runs against the real session core (memfd slots) or the real fd
+server, from real processes over real sockets; attackers of another user are
+spawned children that drop to uid 65534.  Each test asserts the honest path
+and is bounded in time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import multiprocessing as mp
+import os
+import signal
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+from _memfd_backend import MemfdConsumer, MemfdSlots
+
+from cupy_ipcpool import _protocol as proto
+from cupy_ipcpool._errors import (
+    ChannelTimeoutError,
+    EndOfStream,
+    EvictedError,
+    IpcPoolError,
+    LeaseStateError,
+    PeerRefusedError,
+    TransportError,
+)
+from cupy_ipcpool._session import PublisherCore, SubscriberCore, SubscriberInfo
+from cupy_ipcpool._transport import FdServer, bind_unix, fetch_fds, fetch_fds_over_socket
+
+CTX = mp.get_context("spawn")
+NOBODY = 65534
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="attacks of another user need root to drop to uid 65534"
+)
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def _drop_to(uid: int) -> None:
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+
+
+def _umask() -> int:
+    """The process umask, read without changing it."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    raise AssertionError("no Umask in /proc/self/status")
+
+
+@pytest.fixture
+def public_dir() -> Iterator[str]:
+    """A directory other users can use, sticky like /tmp (tmp_path is private to root)."""
+    d = tempfile.mkdtemp(prefix="ipcpool-hardening-", dir="/tmp")
+    os.chmod(d, 0o1777)
+    yield d
+    for name in os.listdir(d):
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(d, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(d)
+
+
+class RowProducer:
+    """A publisher whose ``welcome`` takes a row, as the channel's sync page does.
+
+    A background thread publishes (memfd slots) and polls, as a live producer
+    would; rows come back through ``on_leave``.
+    """
+
+    def __init__(self, address: str, num_slots: int = 8, **kwargs: Any) -> None:
+        self.slots = MemfdSlots(num_slots)
+        self.lock = threading.Lock()
+        self.free_rows = set(range(kwargs.get("max_subscribers", 64)))
+        self.rows: dict[int, int] = {}
+        self.welcomed = 0
+        self.core = PublisherCore(
+            address, num_slots, welcome=self._welcome, on_leave=self._on_leave, **kwargs
+        )
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._pause = threading.Event()
+        self.published = 0
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _welcome(self, info: SubscriberInfo) -> tuple[bytes, list[int]]:
+        with self.lock:
+            if not self.free_rows:
+                raise RuntimeError("no free subscriber row in the sync page")
+            self.rows[info.sub_id] = self.free_rows.pop()
+            self.welcomed += 1
+        return self.slots.welcome(info)
+
+    def _on_leave(self, info: SubscriberInfo) -> None:
+        with self.lock:
+            row = self.rows.pop(info.sub_id, None)
+            if row is not None:
+                self.free_rows.add(row)
+
+    def rows_in_use(self) -> int:
+        with self.lock:
+            return len(self.rows)
+
+    def _loop(self) -> None:
+        core = self.core
+        try:
+            while not self._stop.is_set():
+                if self._pause.is_set():
+                    time.sleep(0.005)
+                    continue
+                slot, _readers = core.acquire(10.0)
+                seq = core.next_seq
+                self.slots.write(slot, seq)
+                core.publish(slot)
+                self.published += 1
+                core.poll(0.002)
+        except BaseException as exc:
+            self.errors.append(exc)
+
+    def subscribers(self) -> int:
+        self._pause.set()
+        try:
+            time.sleep(0.02)
+            return len(self.core.subscribers)
+        finally:
+            self._pause.clear()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(15)
+        self.core.close()
+        self.slots.close()
+        assert not self.errors, self.errors
+
+    def __enter__(self) -> RowProducer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _hello() -> bytes:
+    return proto.encode_hello(proto.MODE_BLOCK, 4, os.getpid())
+
+
+def _hello_and_hang_up(address: str, n: int, how: str = "close") -> None:
+    for i in range(n):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            s.connect(address)
+            s.send(_hello())
+            if how == "shut_rd" and i % 2:
+                s.shutdown(socket.SHUT_RD)
+        except OSError:
+            pass
+        finally:
+            s.close()
+
+
+def _idle_connections(
+    address: str, n: int, kind: int = socket.SOCK_SEQPACKET
+) -> list[socket.socket]:
+    out = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_UNIX, kind)
+        s.setblocking(False)
+        with contextlib.suppress(OSError):
+            s.connect(address)
+        out.append(s)
+    return out
+
+
+def _child_idle_as(conn: Connection, uid: int, address: str, n: int, kind: int) -> None:
+    """As ``uid``: hold ``n`` idle connections to ``address`` until told to stop."""
+    try:
+        _drop_to(uid)
+        socks = _idle_connections(address, n, kind)
+        conn.send(("ready", len(socks)))
+        conn.recv()
+        for s in socks:
+            s.close()
+        conn.send(("done", 0))
+    except BaseException as exc:
+        conn.send(("err", f"{type(exc).__name__}: {exc}"))
+
+
+def _child_dribble_as(conn: Connection, uid: int, path: str, period: float) -> None:
+    """As ``uid``: connect to an fd server and send one request byte every ``period`` s."""
+    try:
+        _drop_to(uid)
+        request = b"FDS1\x10" + b"x" * 16
+        socks = []
+        conn.send(("ready", 0))
+        i = 0
+        while not conn.poll(period):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            with contextlib.suppress(OSError):
+                s.connect(path)
+                socks.append(s)
+            for s in socks:
+                with contextlib.suppress(OSError):
+                    s.send(request[i % len(request) : i % len(request) + 1])
+            i += 1
+        for s in socks:
+            s.close()
+        conn.send(("done", 0))
+    except BaseException as exc:
+        conn.send(("err", f"{type(exc).__name__}: {exc}"))
+
+
+class Child:
+    def __init__(self, target: Callable[..., None], *args: Any) -> None:
+        self.conn, child_end = CTX.Pipe()
+        self.proc = CTX.Process(target=target, args=(child_end, *args), daemon=True)
+        self.proc.start()
+        child_end.close()
+
+    def expect(self, what: str, timeout: float = 30.0) -> Any:
+        assert self.conn.poll(timeout), f"child sent nothing within {timeout} s"
+        msg = self.conn.recv()
+        assert msg[0] == what, msg
+        return msg[1]
+
+    def finish(self) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.send("stop")
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self.conn.close()
+
+
+@pytest.fixture
+def children() -> Iterator[Callable[..., Child]]:
+    started: list[Child] = []
+
+    def start(target: Callable[..., None], *args: Any) -> Child:
+        child = Child(target, *args)
+        started.append(child)
+        return child
+
+    yield start
+    for child in started:
+        child.finish()
+
+
+def _timed_join(address: str, **kwargs: Any) -> tuple[float, MemfdConsumer]:
+    t0 = time.monotonic()
+    consumer = MemfdConsumer(address, timeout=10.0, **kwargs)
+    return time.monotonic() - t0, consumer
+
+
+# -- 1, 2: the publisher's handshake ------------------------------------------------
+
+
+@needs_root
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nobody_allowed", [False, True], ids=["nobody-refused", "nobody-allowed"])
+def test_honest_join_under_attack(
+    public_dir: str, children: Callable[..., Child], nobody_allowed: bool
+) -> None:
+    address = os.path.join(public_dir, "chan.sock")
+    allowed = {0, NOBODY} if nobody_allowed else {0, NOBODY - 1}  # 0666 socket either way
+    with RowProducer(address, allowed_uids=allowed) as producer:
+        # 50 idle connections of another uid (refused at accept, or capped per uid)
+        nobody = children(_child_idle_as, NOBODY, address, 50, socket.SOCK_SEQPACKET)
+        assert nobody.expect("ready") == 50
+        # 200 clients that say HELLO and hang up at once (half shut down SHUT_RD first)
+        _hello_and_hang_up(address, 100)
+        _hello_and_hang_up(address, 100, how="shut_rd")
+        # 20 honest subscribers that give up (time out) during the handshake
+        timed_out = 0
+        for _ in range(20):
+            try:
+                SubscriberCore(address, timeout=0.0005).close()
+            except ChannelTimeoutError:
+                timed_out += 1
+        # 50 idle connections of our own uid
+        idle = _idle_connections(address, 50)
+        try:
+            # every row taken for a client that left comes back
+            deadline = time.monotonic() + 10
+            while producer.rows_in_use() > producer.subscribers():
+                assert time.monotonic() < deadline, (
+                    f"{producer.rows_in_use()} rows taken for {producer.subscribers()} subscribers"
+                )
+                time.sleep(0.02)
+            assert producer.welcomed >= 1
+            joins = []
+            for _ in range(3):
+                took, consumer = _timed_join(address)
+                with consumer:
+                    joins.append(took)
+                    seqs = [consumer.recv(timeout=5.0).seq for _ in range(3)]
+                    assert seqs == sorted(seqs)
+            assert min(joins) < 1.0, f"honest joins took {joins} s under attack"
+            assert statistics.median(joins) < 1.0, f"honest joins took {joins} s under attack"
+        finally:
+            for s in idle:
+                s.close()
+    print(
+        f"\nhonest join under attack: {[round(t * 1000, 1) for t in joins]} ms; "
+        f"{timed_out} of 20 short-timeout subscribers timed out"
+    )
+
+
+@pytest.mark.timeout(60)
+def test_hello_then_hang_up_gives_every_row_back(tmp_path: Any) -> None:
+    address = str(tmp_path / "chan.sock")
+    with RowProducer(address, max_subscribers=8) as producer:
+        _hello_and_hang_up(address, 64)
+        _hello_and_hang_up(address, 64, how="shut_rd")
+        deadline = time.monotonic() + 10
+        while producer.rows_in_use():
+            assert time.monotonic() < deadline, f"{producer.rows_in_use()} rows leaked"
+            time.sleep(0.02)
+        with MemfdConsumer(address, timeout=5.0) as consumer:
+            consumer.recv(timeout=5.0)
+            assert producer.rows_in_use() == 1
+
+
+@pytest.mark.timeout(60)
+def test_welcome_that_cannot_be_sent_gives_the_row_back(tmp_path: Any) -> None:
+    """A HELLO queued by a client that has left: the WELCOME fails, the row comes back."""
+    address = str(tmp_path / "chan.sock")
+    slots = MemfdSlots(2)
+    left: list[int] = []
+    welcomed: list[int] = []
+
+    def welcome(info: SubscriberInfo) -> tuple[bytes, list[int]]:
+        welcomed.append(info.sub_id)
+        time.sleep(0.05)  # the client is gone by the time the WELCOME goes out
+        return slots.welcome(info)
+
+    core = PublisherCore(address, 2, welcome=welcome, on_leave=lambda i: left.append(i.sub_id))
+    try:
+        for _ in range(5):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.connect(address)
+            s.send(_hello())
+            s.close()
+        deadline = time.monotonic() + 10
+        while len(left) < 5:
+            assert time.monotonic() < deadline, (welcomed, left)
+            time.sleep(0.02)
+        core.poll(0.05)
+        assert sorted(left) == sorted(welcomed)
+        assert core.subscribers == []
+    finally:
+        core.close()
+        slots.close()
+
+
+@pytest.mark.timeout(60)
+def test_idle_connection_does_not_delay_a_join_and_times_out(tmp_path: Any) -> None:
+    address = str(tmp_path / "chan.sock")
+    with RowProducer(address, handshake_timeout=0.5) as producer:
+        idle = _idle_connections(address, 3)
+        took, consumer = _timed_join(address)
+        consumer.close()
+        assert took < 1.0
+        for s in idle:  # each idle one is told why and closed at its deadline
+            s.settimeout(5.0)
+            reply = proto.decode(s.recv(4096))
+            assert isinstance(reply, proto.Refuse) and "no HELLO within" in reply.reason
+            assert s.recv(4096) == b""
+            s.close()
+        assert producer.core._acc.pending_handshakes() == 0
+
+
+@pytest.mark.timeout(60)
+def test_pending_handshakes_are_capped_per_uid(tmp_path: Any) -> None:
+    address = str(tmp_path / "chan.sock")
+    with RowProducer(address, max_pending_per_uid=4) as producer:
+        idle = _idle_connections(address, 10)
+        deadline = time.monotonic() + 5
+        while producer.core._acc.pending_handshakes(os.geteuid()) != 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        refused = 0
+        for s in idle[:6]:  # the oldest six made room
+            s.settimeout(5.0)
+            reply = proto.decode(s.recv(4096))
+            assert isinstance(reply, proto.Refuse) and "oldest" in reply.reason
+            refused += 1
+        assert refused == 6
+        took, consumer = _timed_join(address)
+        consumer.close()
+        assert took < 1.0
+        for s in idle:
+            s.close()
+
+
+@pytest.mark.timeout(60)
+def test_full_backlog_is_retried_until_the_subscribers_timeout(tmp_path: Any) -> None:
+    address = str(tmp_path / "full.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(address)
+    listener.listen(0)  # never accepted: the queue fills at once
+    fillers = _idle_connections(address, 8)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ChannelTimeoutError) as info:
+            SubscriberCore(address, timeout=0.5)
+        took = time.monotonic() - t0
+        assert isinstance(info.value, TimeoutError) and isinstance(info.value, IpcPoolError)
+        assert 0.4 < took < 3.0, f"gave up after {took} s"
+    finally:
+        for s in fillers:
+            s.close()
+        listener.close()
+
+
+# -- 3: the fd server -------------------------------------------------------------------
+
+
+@needs_root
+@pytest.mark.timeout(120)
+def test_fd_fetch_under_idle_and_dribbling_clients(
+    public_dir: str, children: Callable[..., Child], fd_count: Callable[[], int]
+) -> None:
+    slots = MemfdSlots(3)
+    path = os.path.join(public_dir, "fds.sock")
+    token = b"t" * 16
+    # the socket is 0666 (another uid is allowed), so uid 65534 can connect and is refused
+    with FdServer(slots.fds, token=token, path=path, allowed_uids={NOBODY - 1}):
+        idle = _idle_connections(path, 32, socket.SOCK_STREAM)
+        for s in idle[:8]:  # some send half a request and stop
+            with contextlib.suppress(OSError):
+                s.send(b"FD")
+        dribbler = children(_child_dribble_as, NOBODY, path, 0.5)
+        dribbler.expect("ready")
+        own_dribbler = threading.Event()
+
+        def dribble_own() -> None:
+            socks = []
+            while not own_dribbler.wait(0.5):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                with contextlib.suppress(OSError):
+                    s.connect(path)
+                    socks.append(s)
+                for s in socks:
+                    with contextlib.suppress(OSError):
+                        s.send(b"F")
+            for s in socks:
+                s.close()
+
+        t = threading.Thread(target=dribble_own, daemon=True)
+        t.start()
+        try:
+            times = []
+            before = fd_count()
+            for _ in range(9):
+                t0 = time.monotonic()
+                fds = fetch_fds_over_socket(path, token, 3, timeout=5.0)
+                times.append(time.monotonic() - t0)
+                for fd in fds:
+                    assert fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+                    os.close(fd)
+                time.sleep(0.1)
+            assert max(times) < 1.0, f"fetches took {times} s"
+            assert fd_count() <= before + 2  # the dribbler thread's sockets come and go
+        finally:
+            own_dribbler.set()
+            t.join(5)
+            for s in idle:
+                s.close()
+    slots.close()
+    print(f"\nfd fetch under attack: max {max(times) * 1000:.1f} ms")
+
+
+@pytest.mark.timeout(60)
+def test_fd_server_per_uid_cap_drops_the_oldest(tmp_path: Any) -> None:
+    slots = MemfdSlots(2)
+    from cupy_ipcpool import _transport
+
+    with FdServer(slots.fds, token=b"k") as server:
+        idle = _idle_connections(
+            server.path, _transport.MAX_PENDING_PER_UID + 4, socket.SOCK_STREAM
+        )
+        for s in idle[:4]:
+            s.setblocking(True)
+            s.settimeout(5.0)
+            assert s.recv(1) == bytes([_transport.STATUS_BUSY])
+        fds = fetch_fds_over_socket(server.path, b"k", 2, timeout=2.0)
+        for fd in fds:
+            os.close(fd)
+        for s in idle:
+            s.close()
+    slots.close()
+
+
+# -- 4: latest never stalls the producer; lease timeout ---------------------------------
+
+
+def _child_greedy_latest(conn: Connection, address: str) -> None:
+    """Latest subscribers asking for credit 65535 that never release: join on "join", leave
+    on "leave", report the credit granted and the frames received."""
+    try:
+        while conn.recv() == "join":
+            with SubscriberCore(address, mode="latest", credit=65535, timeout=10) as sub:
+                conn.send(("joined", sub.credit))
+                got = 0
+                while not conn.poll(0):
+                    with contextlib.suppress(ChannelTimeoutError):
+                        sub.recv(timeout=0.05)
+                        got += 1
+                assert conn.recv() == "leave"
+            conn.send(("left", got))
+    except BaseException as exc:
+        conn.send(("err", f"{type(exc).__name__}: {exc}"))
+
+
+def _rate(core: PublisherCore, slots: MemfdSlots, seconds: float) -> float:
+    n = 0
+    t0 = time.perf_counter()
+    end = t0 + seconds
+    while True:
+        slot, _ = core.acquire(0.0)  # SlotBusyError if the producer would have to wait
+        slots.write(slot, core.next_seq)
+        core.publish(slot)
+        n += 1
+        if n % 16 == 0:
+            core.poll(0.0)
+            if time.perf_counter() >= end:
+                return n / (time.perf_counter() - t0)
+
+
+@pytest.mark.timeout(120)
+def test_greedy_latest_subscriber_leaves_the_producer_rate(
+    tmp_path: Any, children: Callable[..., Child]
+) -> None:
+    address = str(tmp_path / "chan.sock")
+    # 1 MiB frames: a producer doing real work per frame (~10^4 frames/s, as in the issue)
+    slots = MemfdSlots(8, 1024 * 1024)
+    core = PublisherCore(address, 8, welcome=slots.welcome)
+    try:
+        assert core.max_credit == 6
+        greedy = children(_child_greedy_latest, address)
+        ratios, without, with_greedy = [], [], []
+        for _ in range(5):  # adjacent windows see the same load on a shared machine
+            alone = _rate(core, slots, 0.2)
+            greedy.conn.send("join")
+            while not core.subscribers:
+                core.poll(0.01)
+            assert greedy.expect("joined") == 6  # the credit granted, not the one asked
+            (info,) = core.subscribers
+            assert info.credit == 6
+            together = _rate(core, slots, 0.2)
+            assert core.lease_book.outstanding(info.sub_id) == 6  # it holds all it may
+            assert core.lease_book.latest_leased_slots() == 6
+            greedy.conn.send("leave")
+            assert 1 <= greedy.expect("left") <= 6
+            while core.subscribers:
+                core.poll(0.01)
+            without.append(alone)
+            with_greedy.append(together)
+            ratios.append(together / alone)
+        greedy.conn.send("stop")
+        ratio = statistics.median(ratios)
+        print(
+            f"\nproducer rate: {statistics.median(without):.0f}/s without, "
+            f"{statistics.median(with_greedy):.0f}/s with a credit-65535 latest subscriber "
+            f"(median ratio {ratio:.2f})"
+        )
+        assert ratio >= 0.9, (without, with_greedy)
+    finally:
+        core.close()
+        slots.close()
+
+
+def _child_stopped_block(conn: Connection, address: str) -> None:
+    """A block subscriber that takes frames, gets SIGSTOPped holding them, then resumes."""
+    try:
+        with MemfdConsumer(address, timeout=10) as consumer:
+            conn.send(("joined", consumer.core.lease_timeout))
+            frames = [consumer.recv(timeout=10) for _ in range(2)]
+            conn.send(("holding", [f.seq for f in frames]))
+            os.kill(os.getpid(), signal.SIGSTOP)
+            errors = []
+            try:
+                consumer.core.release(frames[0].seq, frames[0].slot)
+            except IpcPoolError as exc:
+                errors.append(type(exc).__name__)
+            try:
+                consumer.core.recv(timeout=1)
+            except IpcPoolError as exc:
+                errors.append(type(exc).__name__)
+            conn.send(("errors", errors))
+    except BaseException as exc:
+        conn.send(("err", f"{type(exc).__name__}: {exc}"))
+
+
+@pytest.mark.timeout(60)
+def test_lease_timeout_evicts_a_stopped_subscriber(
+    tmp_path: Any, children: Callable[..., Child]
+) -> None:
+    address = str(tmp_path / "chan.sock")
+    slots = MemfdSlots(4)
+    left: list[int] = []
+    core = PublisherCore(
+        address, 4, welcome=slots.welcome, lease_timeout=0.5, on_leave=lambda i: left.append(1)
+    )
+    try:
+        child = children(_child_stopped_block, address)
+        while not core.subscribers:
+            core.poll(0.01)
+        assert child.expect("joined") == 0.5
+        for _ in range(2):
+            slot, _ = core.acquire(5.0)
+            slots.write(slot, core.next_seq)
+            core.publish(slot)
+        child.expect("holding")
+        # the producer keeps going: it waits at most about lease_timeout, never forever
+        t0 = time.monotonic()
+        for _ in range(20):
+            slot, _ = core.acquire(5.0)
+            slots.write(slot, core.next_seq)
+            core.publish(slot)
+        assert time.monotonic() - t0 < 3.0
+        assert core.evictions == 1 and left == [1]
+        assert "evicted" in core.last_leave_reason
+        os.kill(child.proc.pid, signal.SIGCONT)
+        assert child.expect("errors") == ["EvictedError", "EvictedError"]
+    finally:
+        core.close()
+        slots.close()
+
+
+@pytest.mark.timeout(60)
+def test_evicted_subscriber_never_gets_a_revoked_frame(tmp_path: Any) -> None:
+    """Frames queued before the eviction are not handed out; EvictedError instead."""
+    address = str(tmp_path / "chan.sock")
+    slots = MemfdSlots(8)
+    core = PublisherCore(address, 8, welcome=slots.welcome, lease_timeout=0.2)
+    try:
+        with SubscriberCore(address, timeout=5) as sub:
+            assert sub.lease_timeout == 0.2
+            while not core.subscribers:
+                core.poll(0.01)
+            for _ in range(3):
+                slot, _ = core.acquire(1.0)
+                core.publish(slot)
+            time.sleep(0.3)
+            core.poll(0.0)
+            assert core.evictions == 1
+            with pytest.raises(EvictedError) as info:
+                sub.recv(timeout=1)
+            assert "lease_timeout" in str(info.value)
+            assert isinstance(info.value, EndOfStream) and not info.value.clean
+            assert sub.held == {}
+            with pytest.raises(EvictedError):
+                sub.recv(timeout=1)
+            assert sub.evicted
+    finally:
+        core.close()
+        slots.close()
+
+
+# -- 5: the fd client checks who serves the socket ----------------------------------------
+
+
+def _child_squat(conn: Connection, path: str) -> None:
+    """As uid 65534: serve memfds of its own at ``path``; report what a client sent."""
+    try:
+        _drop_to(NOBODY)
+        fd = os.memfd_create("squatter")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        os.chmod(path, 0o666)
+        listener.listen(8)
+        conn.send(("ready", 0))
+        got = b""
+        listener.settimeout(10)
+        for _ in range(3):
+            c, _ = listener.accept()
+            c.settimeout(0.5)
+            with contextlib.suppress(OSError):
+                socket.send_fds(c, [bytes([0]) + (1).to_bytes(4, "big")], [])
+                socket.send_fds(c, [b"F"], [fd])
+                got += c.recv(4096)
+            c.close()
+        conn.send(("got", got))
+    except BaseException as exc:
+        conn.send(("err", f"{type(exc).__name__}: {exc}"))
+
+
+@needs_root
+@pytest.mark.timeout(60)
+def test_fd_client_refuses_a_squatter(
+    public_dir: str, children: Callable[..., Child], fd_count: Callable[[], int]
+) -> None:
+    path = os.path.join(public_dir, "fds.sock")
+    squatter = children(_child_squat, path)
+    squatter.expect("ready")
+    before = fd_count()
+    with pytest.raises(PeerRefusedError, match="nothing was sent"):
+        fetch_fds_over_socket(path, b"secret-pool-id", 1, timeout=2, server_uid=0)
+    with pytest.raises(PeerRefusedError, match="nothing was sent"):
+        fetch_fds_over_socket(path, b"secret-pool-id", 1, timeout=2)  # not our uid, not root
+    from cupy_ipcpool._transport import process_start_time
+
+    with pytest.raises(PeerRefusedError, match="not the exporter"):
+        fetch_fds(
+            pid=os.getpid(),
+            start_time=process_start_time(os.getpid()),
+            fds=[0],
+            socket_path=path,
+            token=b"secret-pool-id",
+            method="socket",
+        )
+    assert fd_count() == before  # no fd of the squatter accepted
+    assert squatter.expect("got") == b""  # and it never saw the token
+
+
+# -- 6, 7: umask, close-on-exec, error types ----------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_binding_never_changes_the_umask(tmp_path: Any) -> None:
+    original = _umask()
+    seen: set[int] = set()
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen.add(_umask())
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    slots = MemfdSlots(1)
+    try:
+        for i in range(20):
+            with FdServer(slots.fds, token=b"k", path=str(tmp_path / f"f{i}.sock")) as server:
+                assert os.stat(server.path).st_mode & 0o777 == 0o600
+            core = PublisherCore(str(tmp_path / f"p{i}.sock"), 1, welcome=slots.welcome)
+            assert os.stat(core.address).st_mode & 0o777 == 0o600
+            core.close()
+        # a path too long for the private directory next to it: fchmod before bind
+        deep = tmp_path / ("d" * (100 - len(str(tmp_path))))
+        deep.mkdir()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        bind_unix(s, str(deep / "s"), 0o600)
+        assert os.stat(deep / "s").st_mode & 0o777 == 0o600
+        s.close()
+    finally:
+        stop.set()
+        t.join(5)
+        slots.close()
+    assert seen == {original}
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".ipcp")]  # temp dirs removed
+
+
+@pytest.mark.timeout(60)
+def test_every_received_fd_is_close_on_exec(tmp_path: Any) -> None:
+    address = str(tmp_path / "chan.sock")
+    slots = MemfdSlots(3)
+    core = PublisherCore(address, 3, welcome=slots.welcome)
+    try:
+        with SubscriberCore(address, timeout=5) as sub:
+            fds = sub.take_fds()
+            assert len(fds) == 3
+            for fd in fds:
+                assert fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+                os.close(fd)
+        with FdServer(slots.fds, token=b"k") as server:
+            for fd in fetch_fds_over_socket(server.path, b"k", 3):
+                assert fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+                os.close(fd)
+    finally:
+        core.close()
+        slots.close()
+
+
+def _child_fake_publisher(conn: Connection, address: str, behaviour: str) -> None:
+    """A 'publisher' that accepts and then misbehaves: dies with the HELLO unread, or is silent."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(address)
+    listener.listen(4)
+    conn.send(("ready", 0))
+    c, _ = listener.accept()
+    if behaviour == "die":
+        deadline = time.monotonic() + 5
+        while not select_readable(c) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)  # the HELLO unread: the subscriber is reset
+    conn.recv()
+    c.close()
+
+
+def select_readable(sock: socket.socket) -> bool:
+    import select
+
+    return bool(select.select([sock], [], [], 0)[0])
+
+
+@pytest.mark.timeout(60)
+def test_handshake_failures_are_documented_errors(
+    tmp_path: Any, children: Callable[..., Child]
+) -> None:
+    dying = str(tmp_path / "dying.sock")
+    child = children(_child_fake_publisher, dying, "die")
+    child.expect("ready")
+    with pytest.raises(EndOfStream) as info:
+        SubscriberCore(dying, timeout=10)
+    assert not info.value.clean  # not a raw ConnectionResetError
+
+    silent = str(tmp_path / "silent.sock")
+    child = children(_child_fake_publisher, silent, "silent")
+    child.expect("ready")
+    t0 = time.monotonic()
+    with pytest.raises(ChannelTimeoutError):
+        SubscriberCore(silent, timeout=0.5)
+    assert time.monotonic() - t0 < 3.0
+
+    with pytest.raises(TransportError):
+        SubscriberCore(str(tmp_path / "nobody-here.sock"), timeout=1)
+
+
+@pytest.mark.timeout(60)
+def test_session_errors_are_library_errors(tmp_path: Any) -> None:
+    address = str(tmp_path / "chan.sock")
+    slots = MemfdSlots(2)
+    core = PublisherCore(address, 2, welcome=slots.welcome)
+    try:
+        with SubscriberCore(address, timeout=5) as sub:
+            while not core.subscribers:
+                core.poll(0.01)
+            with pytest.raises(ChannelTimeoutError):
+                sub.recv(timeout=0.05)
+            slot, _ = core.acquire(1)
+            core.publish(slot)
+            with pytest.raises(LeaseStateError):
+                core.publish(slot)  # still leased
+            with pytest.raises(LeaseStateError):
+                core.unhold(slot)
+            assert issubclass(LeaseStateError, RuntimeError)
+    finally:
+        core.close()
+        slots.close()
+
+
+@pytest.mark.timeout(60)
+def test_refused_uid_costs_nothing(tmp_path: Any) -> None:
+    """A refused peer is told at once, whatever it sends or does not send."""
+    address = str(tmp_path / "chan.sock")
+    slots = MemfdSlots(1)
+    core = PublisherCore(address, 1, welcome=slots.welcome, allowed_uids={os.geteuid() + 1})
+    try:
+        socks = _idle_connections(address, 20)
+        for s in socks:
+            s.setblocking(True)
+            s.settimeout(5)
+            reply = proto.decode(s.recv(4096))
+            assert isinstance(reply, proto.Refuse) and "not allowed" in reply.reason
+            s.close()
+        assert core._acc.pending_handshakes() == 0
+        with pytest.raises(PeerRefusedError, match="not allowed"):
+            SubscriberCore(address, timeout=5)
+    finally:
+        core.close()
+        slots.close()
