@@ -560,7 +560,9 @@ class RemoteServer:
         while (self._sends or self._closing_eps) and time.monotonic() < deadline:
             self._worker.progress()
             self._reap_sends()
-            self._closing_eps = [(r, e) for r, e in self._closing_eps if not r.completed]
+            self._closing_eps = [
+                (r, e) for r, e in self._closing_eps if ucx.request_state(r) is None
+            ]
             if self._sends or self._closing_eps:
                 time.sleep(0.002)
         if self._sends:

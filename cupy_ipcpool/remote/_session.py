@@ -111,6 +111,7 @@ class ClientSession:
         if mode not in wire.MODE_CODES:
             raise ValueError(f"mode must be 'block' or 'latest', not {mode!r}")
         host, port = wire.parse_address(address)
+        ucx.load()  # say so now if UCXX is missing
         secret = auth.secret_from(token)
         if secret is None and not insecure:
             raise ValueError(

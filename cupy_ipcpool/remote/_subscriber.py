@@ -36,7 +36,7 @@ class _Lease:
         if self.released:
             return
         self.released = True
-        self.subscriber._release(self.slot, stream)
+        self.subscriber._release(self.seq, self.slot, stream)
 
     def __del__(self) -> None:
         if not self.released:
@@ -139,6 +139,7 @@ class RemoteSubscriber:
         self._ready: collections.deque[Received] = collections.deque()
         self._released: collections.deque[int] = collections.deque()
         self._waiting_ready: set[int] = set()
+        self._held: dict[int, int] = {}  # seq -> slot, received by the user and not released
         self._cond = threading.Condition()
         self._closed = False
         self._stop = False
@@ -229,7 +230,8 @@ class RemoteSubscriber:
     @property
     def held(self) -> dict[int, int]:
         """Frames received and not released, as ``{seq: slot}``."""
-        return {seq: slot for slot, seq in self._session.book.held.items()}
+        with self._cond:
+            return dict(self._held)
 
     def recv(self, timeout: float | None = None, stream: Any = None) -> RemoteFrame:
         """Wait for the next complete frame.
@@ -259,12 +261,15 @@ class RemoteSubscriber:
                     raise TimeoutError(f"no frame within {timeout} s")
                 self._cond.wait(0.5 if remaining is None else min(remaining, 0.5))
             got = self._ready.popleft()
+            self._held[got.seq] = got.slot
         assert self._memory is not None
         lease = _Lease(self, got.seq, got.slot)
         arrays = tuple(self._memory.arrays(got.slot, got.specs, owner=lease))
         return RemoteFrame(got.seq, got.slot, arrays, got.metadata, lease)
 
-    def _release(self, slot: int, stream: Any) -> None:
+    def _release(self, seq: int, slot: int, stream: Any) -> None:
+        with self._cond:
+            self._held.pop(seq, None)
         if self._closed or self._memory is None:
             return
         self._memory.reading(slot, stream)

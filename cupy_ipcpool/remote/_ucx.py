@@ -108,12 +108,12 @@ class Worker:
         return self._worker.create_endpoint_from_worker_address(addr, True)
 
     def send(self, endpoint: Any, array: Any, tag: int) -> Any:
-        """Start a tag send of ``array``; return the request."""
-        return endpoint.tag_send(_Array(array), self._api.UCXXTag(tag))
+        """Start a tag send of ``array``; return the request (None: the endpoint is gone)."""
+        return _keep_if_empty(endpoint.tag_send(_Array(array), self._api.UCXXTag(tag)))
 
     def recv(self, array: Any, tag: int) -> Any:
         """Post a tag receive into ``array``; return the request."""
-        return self._worker.tag_recv(_Array(array), self._api.UCXXTag(tag))
+        return _keep_if_empty(self._worker.tag_recv(_Array(array), self._api.UCXXTag(tag)))
 
     def progress(self) -> None:
         """Make all the progress available now."""
@@ -140,6 +140,8 @@ class Worker:
 
 def request_state(req: Any) -> str | None:
     """None while ``req`` runs; ``""`` when it succeeded; the error text when it failed."""
+    if req is None or not req.ucxx_ptr:  # UCXX hands back no request for a closed endpoint
+        return "no request (the endpoint is closed)"
     if not req.completed:
         return None
     try:
@@ -150,10 +152,30 @@ def request_state(req: Any) -> str | None:
 
 
 def close_endpoint(endpoint: Any) -> Any:
-    """Start closing ``endpoint`` (its requests in flight fail); return the close request."""
+    """Start closing ``endpoint`` (its requests in flight fail); return the close request.
+
+    The request may be empty (an endpoint already closed by an error): check
+    it with :func:`request_state` only.
+    """
     with contextlib.suppress(Exception):
         endpoint.remove_close_callback()
     try:
-        return endpoint.close()
+        if not endpoint.alive:
+            return None  # closed by an error already
+        req = endpoint.close()
     except Exception:
         return None
+    return _keep_if_empty(req)
+
+
+#: UCXX 0.52 hands back an empty request for an endpoint closed meanwhile, and
+#: freeing that Python object dereferences a null pointer (``UCXRequest.__dealloc__``
+#: calls ``cancel()`` on it).  Such objects are kept for the life of the process.
+_EMPTY_REQUESTS: list[Any] = []
+
+
+def _keep_if_empty(req: Any) -> Any:
+    if req is not None and not req.ucxx_ptr:
+        _EMPTY_REQUESTS.append(req)
+        return None
+    return req
