@@ -93,3 +93,52 @@ def test_construct_raw_driver_sequence(benchmark, record):
 
     benchmark.pedantic(run, rounds=50, warmup_rounds=3)
     record("construct_raw", 1 / SLOTS)
+
+
+ACQUIRES = 1000
+
+
+@pytest.mark.benchmark(group="slot-token")
+def test_acquire_release_token(benchmark, record):
+    """pool.acquire() + release of a token: the per-frame cost of taking a slot (<= 10 us)."""
+    import cupy as cp
+
+    stream = cp.cuda.get_current_stream()
+    with cip.IpcPool(4, MiB) as pool:
+
+        def run():
+            for _ in range(ACQUIRES):
+                pool.acquire(timeout=0, stream=stream).release()
+
+        benchmark.pedantic(run, rounds=30, warmup_rounds=3)
+        record("acquire_release_token", 1 / ACQUIRES)
+        benchmark.extra_info["us_per_token"] = benchmark.stats.stats.median / ACQUIRES * 1e6
+
+
+@pytest.mark.benchmark(group="slot-token")
+def test_acquire_release_baseline_lock(benchmark, record):
+    """Baseline: a lock taken and released, the floor of any slot hand-off."""
+    import threading
+
+    lock = threading.Lock()
+
+    def run():
+        for _ in range(ACQUIRES):
+            lock.acquire()
+            lock.release()
+
+    benchmark.pedantic(run, rounds=30, warmup_rounds=3)
+    record("acquire_release_lock", 1 / ACQUIRES)
+
+
+@pytest.mark.benchmark(group="slot-token")
+def test_next_seed_facade(benchmark, record):
+    """pool.next(), the seed's call, over the same token machinery."""
+    with cip.IpcPool(4, MiB) as pool:
+
+        def run():
+            for _ in range(ACQUIRES):
+                pool.next(timeout=0)
+
+        benchmark.pedantic(run, rounds=30, warmup_rounds=3)
+        record("next", 1 / ACQUIRES)

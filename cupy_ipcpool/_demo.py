@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
                 pub.poll(0.05)
                 drain()
                 if failures or time.monotonic() > deadline:
-                    raise RuntimeError("consumers did not subscribe: " + "; ".join(failures))
+                    raise cip.IpcPoolError("consumers did not subscribe: " + "; ".join(failures))
             start = last = time.monotonic()
             last_pub = 0
             while time.monotonic() - start < args.duration:
