@@ -430,8 +430,8 @@ class Admission:
 
     Notes
     -----
-    Keys are anything hashable (the I/O layer uses fds); remove a key before
-    its fd is closed, so a recycled fd number is never confused with it.
+    Keys are fds; remove a key before its fd is closed, so a recycled fd
+    number is never confused with it.
     """
 
     def __init__(self, per_uid: int, timeout: float) -> None:
@@ -441,10 +441,10 @@ class Admission:
             raise ValueError(f"timeout must be positive, not {timeout}")
         self.per_uid = int(per_uid)
         self.timeout = float(timeout)
-        self._entries: dict[object, tuple[int, float]] = {}  # key -> (uid, deadline), by age
-        self._by_uid: dict[int, dict[object, None]] = {}
+        self._entries: dict[int, tuple[int, float]] = {}  # key -> (uid, deadline), by age
+        self._by_uid: dict[int, dict[int, None]] = {}
 
-    def admit(self, key: object, uid: int, now: float) -> list[object]:
+    def admit(self, key: int, uid: int, now: float) -> list[int]:
         """Admit ``key`` for ``uid``; return the keys that must go to make room (oldest first).
 
         Raises
@@ -455,7 +455,7 @@ class Admission:
         if key in self._entries:
             raise ValueError(f"{key!r} is already admitted")
         same = self._by_uid.setdefault(uid, {})
-        evicted: list[object] = []
+        evicted: list[int] = []
         while len(same) >= self.per_uid:
             oldest = next(iter(same))
             self.remove(oldest)
@@ -465,7 +465,7 @@ class Admission:
         self._entries[key] = (uid, now + self.timeout)
         return evicted
 
-    def remove(self, key: object) -> bool:
+    def remove(self, key: int) -> bool:
         """Forget ``key``; True if it was admitted."""
         entry = self._entries.pop(key, None)
         if entry is None:
@@ -476,7 +476,7 @@ class Admission:
             del self._by_uid[entry[0]]
         return True
 
-    def expired(self, now: float) -> list[object]:
+    def expired(self, now: float) -> list[int]:
         """Remove and return the keys whose deadline has passed (oldest first)."""
         out = []
         for key, (_uid, deadline) in self._entries.items():
@@ -499,7 +499,7 @@ class Admission:
             return len(self._entries)
         return len(self._by_uid.get(uid, ()))
 
-    def __contains__(self, key: object) -> bool:
+    def __contains__(self, key: int) -> bool:
         return key in self._entries
 
     def __len__(self) -> int:
@@ -825,7 +825,7 @@ class FdServer:
                     if conn is not None:
                         self._step(conn, ev, poller)
                 for fd in admission.expired(time.monotonic()):
-                    conn = conns.get(fd)  # type: ignore[call-overload]
+                    conn = conns.get(fd)
                     if conn is not None:
                         self._finish(conn, poller, STATUS_TOO_SLOW)
         finally:
@@ -853,7 +853,7 @@ class FdServer:
                 continue
             conn = _FdConn(sock, uid)
             for fd in self._admission.admit(conn.fd, uid, time.monotonic()):
-                old = self._conns.get(fd)  # type: ignore[call-overload]
+                old = self._conns.get(fd)
                 if old is not None:
                     self._finish(old, poller, STATUS_BUSY)
             self._conns[conn.fd] = conn
