@@ -21,6 +21,8 @@ two processes' counters never share a cache line)::
                                        reserved u32 = 0, payload bytes u32, payload]
     ...   release records: capacity x [pos u64, seq u64, slot u32, generation u32]
 
+The four counters are u64 in native order (little-endian wherever CUDA runs),
+each stored and loaded with one 8-byte access (see ``_U64``).
 ``pos`` is the record's position in its lane (0, 1, 2...): a record is valid
 only if it carries the position the reader expects.
 
@@ -85,7 +87,11 @@ MAX_SLOTS = 1 << 20
 MAX_TOTAL = 1 << 30
 
 _HEADER = struct.Struct("<IHHIIIIIIQ")
-_U64 = struct.Struct("<Q")
+# The four counters are stored in native format: struct's standard-size formats ("<Q")
+# pack and unpack byte by byte, so the other process could see a torn value; the native
+# format copies the 8 aligned bytes with one memcpy (one load or store).  Native order is
+# little-endian on every platform CUDA runs on.
+_U64 = struct.Struct("Q")
 _FRAME = struct.Struct("<QQIIII")  # pos, seq, slot, generation, reserved, payload bytes
 _RELEASE = struct.Struct("<QQII")  # pos, seq, slot, generation
 _FRAME_HEAD, _FRAME_TAIL, _RELEASE_HEAD, _RELEASE_TAIL = 64, 128, 192, 256
@@ -208,6 +214,10 @@ class _Lane:
         (tail,) = _U64.unpack_from(self.buf, self.tail_off)
         used = self.pos - tail
         if not 0 <= used <= self.cap:
+            time.sleep(0)  # re-read once: a value caught mid-store cannot last
+            (tail,) = _U64.unpack_from(self.buf, self.tail_off)
+            used = self.pos - tail
+        if not 0 <= used <= self.cap:
             raise ProtocolError(
                 f"{self.name} lane: the reader's tail {tail} is not within {self.cap} records "
                 f"behind the head {self.pos}"
@@ -235,6 +245,10 @@ class _Lane:
                 os.eventfd_read(self.doorbell)  # orders the writer's stores before our loads
         (head,) = _U64.unpack_from(self.buf, self.head_off)
         n = head - self.pos
+        if not 0 <= n <= self.cap:
+            time.sleep(0)  # re-read once: a value caught mid-store cannot last
+            (head,) = _U64.unpack_from(self.buf, self.head_off)
+            n = head - self.pos
         if not 0 <= n <= self.cap:
             raise ProtocolError(
                 f"{self.name} lane: the writer's head {head} is not within {self.cap} records "
