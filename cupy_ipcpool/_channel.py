@@ -200,6 +200,12 @@ class Publisher:
     send_timeout:
         How long a ``"block"`` subscriber's full socket may stall a publish
         before it is dropped.
+    max_credit:
+        Cap on a subscriber's credit (default: ``num_slots - 2``, at least 1);
+        ``"latest"`` subscribers never make the producer wait, whatever they ask.
+    lease_timeout:
+        Seconds a subscriber may hold a frame before it is evicted (its next
+        call raises :class:`~cupy_ipcpool.EvictedError`); None: no limit.
 
     Notes
     -----
@@ -218,6 +224,8 @@ class Publisher:
         allowed_uids: Iterable[int] | None = None,
         max_subscribers: int = 64,
         send_timeout: float = 5.0,
+        max_credit: int | None = None,
+        lease_timeout: float | None = None,
     ) -> None:
         n = pool.num_slots
         if n > MAX_CHANNEL_SLOTS:
@@ -249,6 +257,8 @@ class Publisher:
                 on_leave=self._on_leave,
                 max_subscribers=max_subscribers,
                 send_timeout=send_timeout,
+                max_credit=max_credit,
+                lease_timeout=lease_timeout,
             )
         except BaseException:
             sync.close()
@@ -775,6 +785,11 @@ class Subscriber:
 
         Raises
         ------
+        EvictedError
+            The publisher evicted this subscriber (it held a frame longer than
+            the publisher's ``lease_timeout``, or its socket stayed full): the
+            frames it holds may be overwritten; subscribe again.  A subclass of
+            :class:`EndOfStream` with ``clean`` False.
         EndOfStream
             The publisher closed (``clean`` True) or died (``clean`` False).
         ChannelTimeoutError
