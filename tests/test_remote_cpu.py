@@ -400,54 +400,54 @@ def test_bad_clients_cannot_block_or_break_the_server() -> None:
 @needs_ucx
 @pytest.mark.timeout(60)
 def test_latest_skips_for_the_slow_one_only() -> None:
-    with producer(num_slots=6) as (pub, server):
-        with remote_sub(server.address, slots=2) as fast, remote_sub(
-            server.address, mode="latest", slots=1
-        ) as slow:
-            wait_for(lambda: len(server.subscribers) == 2)
-            held = None
-            fast_seen, slow_seen = [], []
-            for _ in range(30):
-                publish(pub)
-                with fast.recv(timeout=10) as f:
-                    fast_seen.append(check(f))
-                if held is None:
-                    with contextlib.suppress(TimeoutError):
-                        held = slow.recv(timeout=0.0)
-                        slow_seen.append(check(held))
-            assert fast_seen == list(range(30))  # the block subscriber misses nothing
-            assert held is not None and len(slow_seen) == 1  # holding its only slot: skips
-            held.release()  # credit back: the next frame it gets is the newest one
-            got = None
-            deadline = time.monotonic() + 10
-            while got is None and time.monotonic() < deadline:
-                newest = publish(pub)
-                with fast.recv(timeout=10) as f:
-                    assert check(f) == newest
-                with contextlib.suppress(TimeoutError), slow.recv(timeout=0.2) as f:
-                    got = check(f)
-            assert got == newest
+    with (
+        producer(num_slots=6) as (pub, server),
+        remote_sub(server.address, slots=2) as fast,
+        remote_sub(server.address, mode="latest", slots=1) as slow,
+    ):
+        wait_for(lambda: len(server.subscribers) == 2)
+        held = None
+        fast_seen, slow_seen = [], []
+        for _ in range(30):
+            publish(pub)
+            with fast.recv(timeout=10) as f:
+                fast_seen.append(check(f))
+            if held is None:
+                with contextlib.suppress(TimeoutError):
+                    held = slow.recv(timeout=0.0)
+                    slow_seen.append(check(held))
+        assert fast_seen == list(range(30))  # the block subscriber misses nothing
+        assert held is not None and len(slow_seen) == 1  # holding its only slot: skips
+        held.release()  # credit back: the next frame it gets is the newest one
+        got = None
+        deadline = time.monotonic() + 10
+        while got is None and time.monotonic() < deadline:
+            newest = publish(pub)
+            with fast.recv(timeout=10) as f:
+                assert check(f) == newest
+            with contextlib.suppress(TimeoutError), slow.recv(timeout=0.2) as f:
+                got = check(f)
+        assert got == newest
 
 
 @needs_ucx
 @pytest.mark.timeout(60)
 def test_block_backpressure_reaches_the_producer() -> None:
-    with producer(num_slots=4) as (pub, server):
-        with remote_sub(server.address, slots=2) as sub:
-            wait_for(lambda: server.subscribers)
-            published = []
-            with pytest.raises(SlotBusyError):
-                for _ in range(20):
-                    published.append(publish(pub, timeout=0.5))
-            # 2 frames held by the subscriber, 4 slots retained by the bridge for it
-            assert 4 <= len(published) <= 8
-            got = []
-            while len(got) < len(published):
-                with sub.recv(timeout=10) as f:
-                    got.append(check(f))
-                pub.poll(0.0)
-            assert got == published  # nothing lost while the producer waited
-            publish(pub, timeout=5)  # and it goes on
+    with producer(num_slots=4) as (pub, server), remote_sub(server.address, slots=2) as sub:
+        wait_for(lambda: server.subscribers)
+        published = []
+        with pytest.raises(SlotBusyError):
+            for _ in range(20):
+                published.append(publish(pub, timeout=0.5))
+        # 2 frames held by the subscriber, 4 slots retained by the bridge for it
+        assert 4 <= len(published) <= 8
+        got = []
+        while len(got) < len(published):
+            with sub.recv(timeout=10) as f:
+                got.append(check(f))
+            pub.poll(0.0)
+        assert got == published  # nothing lost while the producer waited
+        publish(pub, timeout=5)  # and it goes on
 
 
 def child_subscriber(conn: Connection, address: str, count: int) -> None:
@@ -498,10 +498,8 @@ def child_producer(conn: Connection, port_path: str) -> None:
             conn.send(("ok", server.address))
             wait_for(lambda: server.subscribers, timeout=30)
             while True:
-                try:
+                with contextlib.suppress(SlotBusyError):
                     publish(pub, timeout=0.2)
-                except SlotBusyError:
-                    pass
                 time.sleep(0.002)
     except BaseException as exc:
         conn.send(("err", type(exc).__name__, str(exc)))
@@ -584,9 +582,8 @@ def test_relay_feeds_two_local_subscribers() -> None:
                             publish(pub, timeout=0.05)
                             sent += 1
                     for sub, seen in ((a, seen_a), (b, seen_b)):
-                        with contextlib.suppress(TimeoutError):
-                            with sub.recv(timeout=0.01) as f:
-                                seen.append(check(f))
+                        with contextlib.suppress(TimeoutError), sub.recv(timeout=0.01) as f:
+                            seen.append(check(f))
                 assert seen_a == list(range(n)) and seen_b == list(range(n))
                 assert relay.relayed == n
                 assert len(server.subscribers) == 1  # one network stream for two readers
