@@ -1,4 +1,4 @@
-"""Command line: ``python -m cupy_ipcpool {info,demo,bench}``."""
+"""Command line: ``python -m cupy_ipcpool {info,demo,bench,relay,serve}``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ def main(argv: list[str] | None = None) -> int:
 
     add_demo(sub.add_parser("demo", help="a producer and consumer processes passing frames"))
     add_bench(sub.add_parser("bench", help="handoff latency against the alternatives"))
+    from .remote._cli import add_relay_arguments, add_serve_arguments
+
+    add_relay_arguments(sub.add_parser("relay", help="republish a ucx:// stream locally"))
+    add_serve_arguments(sub.add_parser("serve", help="serve a local channel over UCX"))
     args = parser.parse_args(argv)
     if args.command == "info":
         from ._info import main as info_main
