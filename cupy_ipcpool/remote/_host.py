@@ -216,6 +216,10 @@ class HostChannelSubscriber:
         The publisher's socket path.
     mode, credit, timeout, allowed_uids:
         As for :class:`cupy_ipcpool._session.SubscriberCore`.
+    writable:
+        Map the slots read-write (the remote server's bridge does: UCX
+        registers read-only mappings poorly and falls back to copies, about
+        2x slower on TCP).  Readers never need it.
     """
 
     def __init__(
@@ -226,6 +230,7 @@ class HostChannelSubscriber:
         credit: int | None = None,
         timeout: float = 10.0,
         allowed_uids: Iterable[int] | None = None,
+        writable: bool = False,
     ) -> None:
         self.core = SubscriberCore(
             address, mode=mode, credit=credit, timeout=timeout, allowed_uids=allowed_uids
@@ -241,7 +246,8 @@ class HostChannelSubscriber:
                 for fd in fds:
                     if os.fstat(fd).st_size < self.slot_nbytes:
                         raise ProtocolError("a host channel slot is smaller than announced")
-                    m = mmap.mmap(fd, self.slot_nbytes, prot=mmap.PROT_READ)
+                    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+                    m = mmap.mmap(fd, self.slot_nbytes, prot=prot)
                     self._bases.append(numpy.frombuffer(m, dtype=numpy.uint8))
             finally:
                 for fd in fds:

@@ -731,7 +731,9 @@ def serve(
     elif memory == "host":
         from ._host import HostChannelSubscriber
 
-        source = HostChannelSubscriber(address, mode=mode, credit=credit, timeout=timeout)
+        source = HostChannelSubscriber(
+            address, mode=mode, credit=credit, timeout=timeout, writable=True
+        )
     else:
         raise ValueError(f"memory must be 'device' or 'host', not {memory!r}")
     try:

@@ -1,0 +1,309 @@
+"""The ``remote`` benchmark lane: frames through the remote channel vs raw UCXX vs a TCP socket.
+
+Three ways to move the same frames from one process to another on one
+machine, each timed in the same run (medians over repeats, ratios against raw
+UCXX):
+
+* ``channel``: a producer's channel (host: :class:`HostChannelPublisher`;
+  device: :class:`cupy_ipcpool.Publisher`) served by
+  :func:`cupy_ipcpool.remote.serve`, received by
+  :func:`cupy_ipcpool.remote.subscribe` in a child process;
+* ``ucxx``: raw UCXX tag send/recv of buffers of the same size, same worker
+  setup, the receiver cycling through the same number of receive buffers;
+* ``tcp``: the hand-written alternative: ``sendall`` / ``recv_into`` over a
+  TCP socket on 127.0.0.1 (host staging; device frames copied to host first).
+
+Run ``python -m cupy_ipcpool._bench.remote [--memory device]`` or
+``benchmarks/test_bench_remote.py``.  ``UCX_TLS`` decides the transport.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+MiB = 1 << 20
+TOKEN = "benchmark-token-not-a-secret-0123456789"
+CTX = mp.get_context("spawn")
+
+
+@dataclass
+class Result:
+    """One lane at one size: seconds per frame (median over repeats)."""
+
+    lane: str
+    nbytes: int
+    frames: int
+    seconds: float
+
+    @property
+    def fps(self) -> float:
+        return self.frames / self.seconds
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes * self.frames / self.seconds / 1e9
+
+
+def _alloc(memory: str, nbytes: int, device: int) -> Any:
+    import numpy as np
+
+    if memory == "host":
+        return np.ones(nbytes, np.uint8)
+    import cupy as cp
+
+    with cp.cuda.Device(device):
+        return cp.ones(nbytes, cp.uint8)
+
+
+# -- children -----------------------------------------------------------------------
+
+
+def _child_channel(conn: Connection, address: str, frames: int, memory: str, dev: int) -> None:
+    from cupy_ipcpool.remote import subscribe
+
+    with subscribe(address, token=TOKEN, memory=memory, device=dev, slots=4) as sub:
+        conn.send("ready")
+        t0 = 0.0
+        for i in range(frames):
+            f = sub.recv(timeout=120)
+            if i == 0:
+                t0 = time.perf_counter()
+            f.release()
+        conn.send(time.perf_counter() - t0)
+
+
+def _child_ucxx(conn: Connection, frames: int, nbytes: int, memory: str, dev: int) -> None:
+    import select
+
+    from cupy_ipcpool.remote import _ucx as ucx
+
+    if memory == "device":
+        import cupy as cp
+
+        cp.cuda.Device(dev).use()
+    worker = ucx.Worker(loopback_only=True)
+    bufs = [_alloc(memory, nbytes, dev) for _ in range(4)]
+    conn.send(worker.address)
+    poller = select.poll()
+    poller.register(worker.fileno(), select.POLLIN)
+    t0 = 0.0
+    pending = [worker.recv(bufs[i % 4], i) for i in range(min(4, frames))]
+    posted = len(pending)
+    done = 0
+    while done < frames:
+        worker.progress()
+        while pending and ucx.request_state(pending[0]) is not None:
+            pending.pop(0)
+            if done == 0:
+                t0 = time.perf_counter()
+            done += 1
+            if posted < frames:
+                pending.append(worker.recv(bufs[posted % 4], posted))
+                posted += 1
+        if done < frames and worker.arm():
+            poller.poll(100)
+    conn.send(time.perf_counter() - t0)
+    conn.recv()
+
+
+def _child_tcp(conn: Connection, port: int, frames: int, nbytes: int) -> None:
+    import numpy as np
+
+    buf = np.empty(nbytes, np.uint8)
+    view = memoryview(buf)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        t0 = 0.0
+        for i in range(frames):
+            got = 0
+            while got < nbytes:
+                n = s.recv_into(view[got:])
+                if not n:
+                    raise EOFError
+                got += n
+            if i == 0:
+                t0 = time.perf_counter()
+        conn.send(time.perf_counter() - t0)
+
+
+# -- lanes --------------------------------------------------------------------------
+
+
+def _channel(nbytes: int, frames: int, memory: str, device: int) -> float:
+    from cupy_ipcpool.remote import serve
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "bench.sock")
+        if memory == "host":
+            from cupy_ipcpool.remote import HostChannelPublisher
+            from cupy_ipcpool.remote._host import spec_of
+
+            pub: Any = HostChannelPublisher(path, 6, nbytes)
+            specs = (spec_of(_alloc("host", nbytes, device)),)
+
+            def send_one() -> None:
+                slot = pub.acquire(60)
+                pub.publish(slot, specs, b"")
+
+        else:
+            import cupy as cp
+
+            from cupy_ipcpool import IpcPool, Publisher
+
+            cp.cuda.Device(device).use()
+            pool = IpcPool(6, nbytes, device=device)
+            pub = Publisher(pool, path)
+
+            def send_one() -> None:
+                with pub.frame(timeout=60) as f:
+                    f.publish(f.array((nbytes,), "uint8"))
+
+        server = serve(path, memory=memory, listen="127.0.0.1:0", token=TOKEN)
+        parent, child = CTX.Pipe()
+        proc = CTX.Process(
+            target=_child_channel, args=(child, server.address, frames, memory, device)
+        )
+        proc.start()
+        try:
+            assert parent.poll(120) and parent.recv() == "ready"
+            deadline = time.monotonic() + 30
+            while not server.subscribers and time.monotonic() < deadline:
+                time.sleep(0.01)
+            for _ in range(frames):
+                send_one()
+            while not parent.poll(0.01):
+                pub.poll(0.0)
+            elapsed = float(parent.recv())
+        finally:
+            proc.join(60)
+            server.close()
+            pub.close()
+            if memory == "device":
+                pool.close()
+    return elapsed / max(frames - 1, 1)
+
+
+def _ucxx(nbytes: int, frames: int, memory: str, device: int) -> float:
+    import select
+
+    from cupy_ipcpool.remote import _ucx as ucx
+
+    parent, child = CTX.Pipe()
+    proc = CTX.Process(target=_child_ucxx, args=(child, frames, nbytes, memory, device))
+    proc.start()
+    try:
+        assert parent.poll(120)
+        address = parent.recv()
+        worker = ucx.Worker(loopback_only=True)
+        ep = worker.connect(address)
+        buf = _alloc(memory, nbytes, device)
+        poller = select.poll()
+        poller.register(worker.fileno(), select.POLLIN)
+        inflight: list[Any] = []
+        for i in range(frames):
+            inflight.append(worker.send(ep, buf, i))
+            while len(inflight) >= 4:
+                worker.progress()
+                inflight = [r for r in inflight if ucx.request_state(r) is None]
+                if len(inflight) >= 4 and worker.arm():
+                    poller.poll(10)
+        while not parent.poll(0.001):
+            worker.progress()
+        elapsed = float(parent.recv())
+        parent.send("bye")
+        ucx.close_endpoint(ep)
+        worker.progress()
+    finally:
+        proc.join(60)
+    return elapsed / max(frames - 1, 1)
+
+
+def _tcp(nbytes: int, frames: int, memory: str, device: int) -> float:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        parent, child = CTX.Pipe()
+        proc = CTX.Process(target=_child_tcp, args=(child, port, frames, nbytes))
+        proc.start()
+        try:
+            conn, _ = listener.accept()
+            with conn:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                src = _alloc(memory, nbytes, device)
+                for _ in range(frames):
+                    data = src if memory == "host" else src.get()  # host staging
+                    conn.sendall(memoryview(data))
+                elapsed = float(parent.recv())
+        finally:
+            proc.join(60)
+    return elapsed / max(frames - 1, 1)
+
+
+LANES = {"channel": _channel, "ucxx": _ucxx, "tcp": _tcp}
+
+
+def run(
+    sizes: tuple[int, ...] = (1 * MiB, 64 * MiB, 256 * MiB),
+    *,
+    memory: str = "host",
+    device: int = 0,
+    repeats: int = 3,
+    budget_bytes: int = 2 << 30,
+) -> list[Result]:
+    """Time every lane at every size; return medians (seconds per frame)."""
+    out = []
+    for nbytes in sizes:
+        frames = max(4, min(200, budget_bytes // nbytes))
+        for lane, fn in LANES.items():
+            secs = [fn(nbytes, frames, memory, device) for _ in range(repeats)]
+            out.append(Result(lane, nbytes, frames, statistics.median(secs) * frames))
+    return out
+
+
+def report(results: list[Result]) -> str:
+    """A table with frames/s, GB/s and the ratio to raw UCXX."""
+    raw = {r.nbytes: r for r in results if r.lane == "ucxx"}
+    lines = [f"{'size':>8} {'lane':>8} {'frames/s':>10} {'GB/s':>7} {'vs ucxx':>8}"]
+    for r in results:
+        ratio = r.gbps / raw[r.nbytes].gbps if r.nbytes in raw else float("nan")
+        lines.append(
+            f"{r.nbytes // MiB:>5} MiB {r.lane:>8} {r.fps:>10.1f} {r.gbps:>7.2f} {ratio:>7.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: ``python -c 'from cupy_ipcpool._bench.remote import main; main()' ...``."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="cupy_ipcpool remote bench")
+    p.add_argument("--memory", choices=("host", "device"), default="host")
+    p.add_argument("--device", type=int, default=0)
+    p.add_argument("--sizes", default="1,64,256", help="MiB, comma-separated")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--budget-mib", type=int, default=2048, help="bytes moved per lane and size")
+    args = p.parse_args(argv)
+    sizes = tuple(int(s) * MiB for s in args.sizes.split(","))
+    results = run(
+        sizes,
+        memory=args.memory,
+        device=args.device,
+        repeats=args.repeats,
+        budget_bytes=args.budget_mib * MiB,
+    )
+    print(f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')} memory={args.memory}")
+    print(report(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
