@@ -118,7 +118,7 @@ def _child_tcp(conn: Connection, port: int, frames: int, nbytes: int) -> None:
     import numpy as np
 
     buf = np.empty(nbytes, np.uint8)
-    view = memoryview(buf)
+    view = buf.data
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         t0 = 0.0

@@ -1,0 +1,227 @@
+"""GPU tier of the remote layer: a real IpcPool + Publisher served over UCX, received on a GPU.
+
+Run on the GPU machine with the remote extra installed.  UCX is forced onto
+TCP (plus ``cuda_copy`` for device buffers) so the test exercises the network
+path even between two processes of one machine::
+
+    UCX_TLS=tcp,cuda_copy python -m pytest tests/test_remote_gpu.py
+
+Every frame's bytes are verified on the receiving GPU (a fill kernel's
+pattern, compared by a reduction on the device).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import struct
+import time
+
+import pytest
+
+from tests.gpu_helpers import fill, report_exception
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(240)]
+
+SPAWN = mp.get_context("spawn")
+SEQ = struct.Struct("<Q")
+TOKEN = "gpu-tier-token-0123456789abcdef"
+ELEMS = (4 << 20) // 4  # 4 MiB frames of uint32
+
+ucx_reason = None
+try:
+    from cupy_ipcpool.remote import _ucx
+
+    ucx_reason = _ucx.available()
+except Exception as exc:  # pragma: no cover
+    ucx_reason = str(exc)
+needs_ucx = pytest.mark.skipif(ucx_reason is not None, reason=f"remote extra: {ucx_reason}")
+
+
+def _env(tls: str) -> None:
+    os.environ.setdefault("UCX_TLS", tls)
+
+
+def _expected_ok(array, seq: int) -> bool:
+    """True when ``array`` (uint32, on the GPU) holds fill(seed=seq); checked on the device."""
+    import cupy as cp
+
+    want = cp.uint32(seq) * cp.uint32(2654435761) + cp.arange(array.size, dtype=cp.uint32)
+    return bool((array == want).all())
+
+
+def producer(address: str, frames: int, device: int, tls: str, q, go=None) -> None:
+    """Publish ``frames`` frames from an IpcPool on ``device`` and serve them over UCX.
+
+    Publishing starts when a remote subscriber joined (and ``go`` is set, if given).
+    """
+    try:
+        _env(tls)
+        import cupy as cp
+
+        import cupy_ipcpool as cip
+        from cupy_ipcpool.remote import serve
+
+        cp.cuda.Device(device).use()
+        with (
+            cip.IpcPool(6, ELEMS * 4, device=device) as pool,
+            cip.Publisher(pool, address) as pub,
+        ):
+            server = serve(address, listen="127.0.0.1:0", token=TOKEN, device=device)
+            q.put(("addr", server.address))
+            deadline = time.monotonic() + 60
+            while not server.subscribers and time.monotonic() < deadline:
+                pub.poll(0.01)
+            while go is not None and not go.wait(0.01):
+                pub.poll(0.0)
+            for seq in range(frames):
+                with pub.frame(timeout=60) as f:
+                    a = f.array((ELEMS,), "uint32")
+                    fill(a, seq)
+                    f.publish(a, metadata=SEQ.pack(seq))
+                pub.poll(0.0)
+            q.put(("published", frames))
+            deadline = time.monotonic() + 120
+            while server.subscribers and time.monotonic() < deadline:  # until they leave
+                pub.poll(0.05)
+            server.close()
+        q.put(("done",))
+    except BaseException:
+        report_exception(q)
+
+
+def consumer(address: str, frames: int, device: int, tls: str, mode: str, q) -> None:
+    """Receive ``frames`` frames on ``device``; verify every byte on that GPU."""
+    try:
+        _env(tls)
+        import cupy as cp
+
+        from cupy_ipcpool.remote import subscribe
+
+        cp.cuda.Device(device).use()
+        bad = []
+        seqs = []
+        with subscribe(address, token=TOKEN, device=device, mode=mode, slots=3) as sub:
+            for _ in range(frames):
+                with sub.recv(timeout=60) as f:
+                    (seq,) = SEQ.unpack(f.metadata)
+                    assert f.seq == seq
+                    assert f.array.device.id == device
+                    if not _expected_ok(f.array, seq):
+                        bad.append(seq)
+                    seqs.append(seq)
+        q.put(("ok", seqs, bad))
+    except BaseException:
+        report_exception(q)
+
+
+def _get(q, timeout=180):
+    msg = q.get(timeout=timeout)
+    if msg[0] == "error":
+        pytest.fail(f"child raised {msg[1]}: {msg[2]}\n{msg[3]}")
+    return msg
+
+
+def _run_pair(tmp_path, *, frames: int, pdev: int, cdev: int, tls: str, mode: str = "block"):
+    address = str(tmp_path / "remote.sock")
+    pq, cq = SPAWN.Queue(), SPAWN.Queue()
+    prod = SPAWN.Process(target=producer, args=(address, frames, pdev, tls, pq))
+    prod.start()
+    try:
+        kind, remote = _get(pq)
+        assert kind == "addr"
+        cons = SPAWN.Process(target=consumer, args=(remote, frames, cdev, tls, mode, cq))
+        cons.start()
+        try:
+            result = _get(cq)
+        finally:
+            cons.join(60)
+        return result
+    finally:
+        prod.join(60)
+        if prod.is_alive():
+            prod.kill()
+
+
+@needs_ucx
+def test_tcp_between_two_processes_every_byte(tmp_path) -> None:
+    _ok, seqs, bad = _run_pair(tmp_path, frames=40, pdev=0, cdev=0, tls="tcp,cuda_copy")
+    assert seqs == list(range(40))
+    assert bad == []
+
+
+@needs_ucx
+@pytest.mark.multigpu
+def test_two_gpus_cuda_ipc_allowed(tmp_path) -> None:
+    import cupy as cp
+
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    _ok, seqs, bad = _run_pair(tmp_path, frames=40, pdev=0, cdev=1, tls="tcp,cuda_copy,cuda_ipc")
+    assert seqs == list(range(40)) and bad == []
+
+
+def local_reader(address: str, frames: int, device: int, q) -> None:
+    """A local subscriber of the relay: verify every frame it gets on the GPU."""
+    try:
+        import cupy as cp
+
+        import cupy_ipcpool as cip
+
+        cp.cuda.Device(device).use()
+        seqs, bad = [], []
+        with cip.subscribe(address, device=device) as sub:
+            q.put(("joined",))
+            for _ in range(frames):
+                with sub.recv(timeout=60) as f:
+                    (seq,) = SEQ.unpack(f.metadata)
+                    cp.cuda.get_current_stream().synchronize()
+                    if not _expected_ok(f.array, seq):
+                        bad.append(seq)
+                    seqs.append(seq)
+        q.put(("ok", seqs, bad))
+    except BaseException:
+        report_exception(q)
+
+
+@needs_ucx
+def test_relay_feeds_two_local_subscribers(tmp_path) -> None:
+    os.environ.setdefault("UCX_TLS", "tcp,cuda_copy")
+    from cupy_ipcpool.remote import Relay
+
+    frames = 20
+    address = str(tmp_path / "remote.sock")
+    local = str(tmp_path / "relay.sock")
+    pq, go = SPAWN.Queue(), SPAWN.Event()
+    prod = SPAWN.Process(target=producer, args=(address, frames, 0, "tcp,cuda_copy", pq, go))
+    prod.start()
+    readers = []
+    try:
+        _kind, remote = _get(pq)
+        relay = Relay(remote, local, token=TOKEN, memory="device", device=0, slots=4)
+        try:
+            for _ in range(2):
+                q = SPAWN.Queue()
+                p = SPAWN.Process(target=local_reader, args=(local, frames, 0, q))
+                p.start()
+                readers.append((p, q))
+            for _p, q in readers:
+                assert _get(q)[0] == "joined"
+            deadline = time.monotonic() + 60
+            while len(relay.subscribers) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert len(relay.subscribers) == 2
+            go.set()  # both local readers are in: publish
+            for _p, q in readers:
+                _ok, seqs, bad = _get(q)
+                assert bad == []
+                assert seqs == list(range(frames))  # every frame, in order, to both
+            assert relay.relayed == frames
+        finally:
+            relay.close()
+    finally:
+        for p, _q in readers:
+            p.join(30)
+        prod.join(60)
+        if prod.is_alive():
+            prod.kill()
