@@ -67,6 +67,27 @@ def pidfd_summary() -> str:
     return f"{verdict} [{scope_txt}, CAP_SYS_PTRACE={'yes' if cap else 'no'}]"
 
 
+def remote_summary() -> str:
+    """One line on the remote extra (UCXX) and the UCX version it loads."""
+    v = _version("ucxx-cu13")
+    if v == "not installed":
+        return "remote (UCXX): not installed; pip install 'cupy_ipcpool[remote]'"
+    return f"remote (UCXX): ucxx-cu13 {v}, libucx-cu13 {_version('libucx-cu13')}"
+
+
+def gpudirect_rdma(ordinal: int) -> str:
+    """Whether the device supports GPUDirect RDMA (UCX can register its memory with a NIC)."""
+    try:
+        dev = _driver.get_device(ordinal)
+        attr = (
+            _driver.driver_module().CUdevice_attribute.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED
+        )
+        supported = int(_driver.call("cuDeviceGetAttribute", attr, dev))
+    except Exception:
+        return "unknown"
+    return "yes" if supported else "no"
+
+
 def report() -> tuple[int, list[str]]:
     """Return ``(exit code, lines)`` describing drivers, devices and transports."""
     lines = [
@@ -75,6 +96,7 @@ def report() -> tuple[int, list[str]]:
         f"cupy {_cupy_version()}  cuda-bindings {_version('cuda-bindings')}",
         f"pidfd_getfd: {pidfd_summary()}",
         "socket transport (SCM_RIGHTS): available",
+        remote_summary(),
     ]
     try:
         version = _driver.driver_version()
@@ -99,7 +121,7 @@ def report() -> tuple[int, list[str]]:
             f"  [{i}] {d.name} sm_{d.compute_capability[0]}{d.compute_capability[1]} "
             f"{d.total_memory / 2**30:.1f} GiB uuid={d.uuid.hex()} VMM={'yes' if d.vmm else 'no'} "
             f"POSIX-fd={'yes' if d.posix_fd else 'no'} fabric={'yes' if d.fabric else 'no'} "
-            f"granularity={gran}"
+            f"granularity={gran} GPUDirect-RDMA={gpudirect_rdma(i)}"
         )
     if not usable:
         lines.append("no device supports VMM with POSIX-fd handles")
