@@ -35,6 +35,7 @@ RATIOS: list[tuple[str, str, str, str, float]] = [
 # (label, name, target seconds)
 ABSOLUTE: list[tuple[str, str, float]] = [
     ("handle -> cupy.ndarray in consumer", "frame_handle_to_array", 10e-6),
+    ("acquire + release of a token", "acquire_release_token", 10e-6),
     ("round trip p50 1 MiB", "roundtrip_p50_1MiB", 50e-6),
     ("round trip p50 64 MiB", "roundtrip_p50_64MiB", 50e-6),
     ("round trip p50 256 MiB", "roundtrip_p50_256MiB", 50e-6),

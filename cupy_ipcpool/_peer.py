@@ -103,6 +103,7 @@ def _import_all(
             socket_path=desc.socket_path,
             token=desc.pool_id,
             method=transport,
+            exporter_uid=desc.exporter_uid,
         )
     try:
         if len(fds) != desc.num_slots:
