@@ -608,3 +608,38 @@ def test_import_needs_no_ucxx() -> None:
         "    raise AssertionError('no error')\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@needs_ucx
+@pytest.mark.timeout(90)
+def test_relay_command_line() -> None:
+    import subprocess
+    import sys
+
+    from cupy_ipcpool.remote import HostChannelSubscriber
+
+    with producer() as (pub, server), tempfile.TemporaryDirectory() as tmp:
+        local = os.path.join(tmp, "relay.sock")
+        env = {**os.environ, auth.TOKEN_ENV: TOKEN}
+        cmd = [sys.executable, "-m", "cupy_ipcpool", "relay", server.address, local]
+        proc = subprocess.Popen([*cmd, "--memory", "host"], env=env, stdout=subprocess.PIPE)
+        try:
+            wait_for(lambda: os.path.exists(local), timeout=30)
+            with HostChannelSubscriber(local) as reader:
+                seen: list[int] = []
+                deadline = time.monotonic() + 30
+                while len(seen) < 3 and time.monotonic() < deadline:
+                    if server.subscribers:
+                        with contextlib.suppress(SlotBusyError):
+                            publish(pub, timeout=0.05)
+                    with contextlib.suppress(TimeoutError), reader.recv(timeout=0.05) as f:
+                        seen.append(check(f))
+                assert len(seen) >= 3 and seen == sorted(seen)
+            proc.send_signal(signal.SIGINT)
+            out, _ = proc.communicate(timeout=30)
+            assert proc.returncode == 0, out
+            assert b"relayed" in out
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
