@@ -252,7 +252,7 @@ def test_full_lane_blocks_up_to_the_timeout() -> None:
         assert pub.send_frame(0, 0, 0) and pub.send_frame(1, 0, 0)
         t0 = time.monotonic()
         assert pub.send_frame(2, 0, 0, timeout=0.2) is False
-        assert 0.15 < time.monotonic() - t0 < 2.0
+        assert 0.15 < time.monotonic() - t0 < 5.0
         assert pub.send_frame(2, 0, 0, timeout=0) is False
 
 
@@ -265,8 +265,8 @@ def test_blocked_writer_wakes_when_the_reader_frees_space(spawn: Callable[..., C
         assert pub.send_frame(0, 0, 0) and pub.send_frame(1, 0, 0)
         child.conn.send(1)  # the child consumes one record, which frees one
         t0 = time.monotonic()
-        assert pub.send_frame(2, 0, 0, timeout=10)
-        assert time.monotonic() - t0 < 2.0
+        assert pub.send_frame(2, 0, 0, timeout=20)
+        assert time.monotonic() - t0 < 5.0
         assert child.expect() == [0]
         child.conn.send(2)
         assert child.expect() == [1, 2]
@@ -386,6 +386,7 @@ def test_bad_header_refused_at_attach(
     edit: Callable[[mmap.mmap], None], match: str, fd_count: Callable[[], int]
 ) -> None:
     fds = _header_fds(edit)
+    gc.collect()
     before = fd_count()
     with pytest.raises(ProtocolError, match=match):
         SubscriberRing.attach(fds, SLOTS)
