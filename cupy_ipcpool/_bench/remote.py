@@ -67,7 +67,7 @@ def _alloc(memory: str, nbytes: int, device: int) -> Any:
 
 
 def _child_channel(conn: Connection, address: str, frames: int, memory: str, dev: int) -> None:
-    from cupy_ipcpool.remote import subscribe
+    from cupy_ipcpool.remote._subscriber import subscribe
 
     with subscribe(address, token=TOKEN, memory=memory, device=dev, slots=4) as sub:
         conn.send("ready")
@@ -138,13 +138,12 @@ def _child_tcp(conn: Connection, port: int, frames: int, nbytes: int) -> None:
 
 
 def _channel(nbytes: int, frames: int, memory: str, device: int) -> float:
-    from cupy_ipcpool.remote import serve
+    from cupy_ipcpool.remote._server import serve
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "bench.sock")
         if memory == "host":
-            from cupy_ipcpool.remote import HostChannelPublisher
-            from cupy_ipcpool.remote._host import spec_of
+            from cupy_ipcpool.remote._host import HostChannelPublisher, spec_of
 
             pub: Any = HostChannelPublisher(path, 6, nbytes)
             specs = (spec_of(_alloc("host", nbytes, device)),)
