@@ -76,12 +76,10 @@ def remote_summary() -> str:
 
 
 def gpudirect_rdma(ordinal: int) -> str:
-    """Whether the device supports GPUDirect RDMA (UCX can register its memory with a NIC)."""
+    """Whether VMM allocations on the device can be GPUDirect-RDMA capable (NIC registration)."""
     try:
         dev = _driver.get_device(ordinal)
-        attr = (
-            _driver.driver_module().CUdevice_attribute.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED
-        )
+        attr = _driver.driver_module().CUdevice_attribute.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
         supported = int(_driver.call("cuDeviceGetAttribute", attr, dev))
     except Exception:
         return "unknown"
