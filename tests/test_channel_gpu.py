@@ -367,7 +367,7 @@ def test_publish_rejects_arrays_outside_the_slot(address):
     import cupy as cp
 
     with cip.IpcPool(2, 1 << 16) as pool, cip.Publisher(pool, address) as pub:
-        with pytest.raises(RuntimeError, match="acquire"):
+        with pytest.raises(cip.UsageError, match="acquire"):
             pub.publish(pool.array(slot=0))
         with pub.frame() as f:
             with pytest.raises(cip.NotShareableError):
