@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from cupy_ipcpool._ctlring import PublisherRing, SubscriberRing
+from cupy_ipcpool.channel._ctlring import PublisherRing, SubscriberRing
 
 try:  # the shared summary of the benchmark suite, when its conftest is importable
     from conftest import record_value

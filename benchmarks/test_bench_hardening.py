@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 
-from cupy_ipcpool import _protocol as proto
-from cupy_ipcpool._session import PublisherCore, SubscriberInfo
+from cupy_ipcpool.channel import _protocol as proto
+from cupy_ipcpool.channel._session import PublisherCore, SubscriberInfo
 
 SLOTS = 8
 SLOT_BYTES = 1 << 20

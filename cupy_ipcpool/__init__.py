@@ -8,8 +8,8 @@ is none.
 
 from ._allocator import allocating
 from ._arrays import dlpack_safe
-from ._channel import Frame, Publisher, PublishFrame, Subscriber, subscribe
 from ._compat import IPCBufferManager
+from ._connect import subscribe
 from ._errors import (
     ChannelTimeoutError,
     CudaError,
@@ -40,6 +40,7 @@ from ._peer import PeerPool, attach
 from ._pool import IpcPool, SlotToken
 from ._slots import LeaseSource
 from ._version import __version__
+from .channel import Frame, Publisher, PublishFrame, Subscriber
 
 __all__ = [
     "ArrayHandle",

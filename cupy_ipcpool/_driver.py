@@ -175,8 +175,12 @@ def _primary_context(ordinal: int) -> Any:
     return ctx
 
 
-def allocation_prop(ordinal: int) -> Any:
-    """A ``CUmemAllocationProp`` for pinned device memory exportable as a POSIX fd."""
+def allocation_prop(ordinal: int, *, gpudirect_rdma: bool | None = None) -> Any:
+    """A ``CUmemAllocationProp`` for pinned device memory exportable as a POSIX fd.
+
+    ``gpudirect_rdma`` (default: where the device supports it with VMM) asks for
+    memory a NIC can register, so UCX can send slots with GPUDirect RDMA.
+    """
     driver = _load()
     prop = driver.CUmemAllocationProp()
     prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
@@ -185,6 +189,11 @@ def allocation_prop(ordinal: int) -> Any:
     prop.requestedHandleTypes = (
         driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
     )
+    if gpudirect_rdma is None:
+        gpudirect_rdma = device_info(ordinal).gpudirect_rdma
+    if gpudirect_rdma:
+        # lets a NIC register the slots (UCX / GPUDirect RDMA for remote subscribers)
+        prop.allocFlags.gpuDirectRDMACapable = 1
     return prop
 
 
@@ -212,7 +221,9 @@ def granularity(ordinal: int, *, recommended: bool = False) -> int:
         if recommended
         else driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
     )
-    gran = int(call("cuMemGetAllocationGranularity", allocation_prop(ordinal), flag))
+    gran = int(
+        call("cuMemGetAllocationGranularity", allocation_prop(ordinal, gpudirect_rdma=False), flag)
+    )
     if gran <= 0:
         raise UnsupportedDeviceError(
             f"device {ordinal}: the driver reports an allocation granularity of {gran}"
@@ -233,6 +244,7 @@ class DeviceInfo:
     posix_fd: bool
     fabric: bool
     granularity: int | None
+    gpudirect_rdma: bool = False
 
     @property
     def usable(self) -> bool:
@@ -267,13 +279,17 @@ def _query_device_info(ordinal: int) -> DeviceInfo:
         fabric = bool(_attr(dev, "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED"))
     except (CudaError, AttributeError):
         fabric = False
+    try:
+        rdma = bool(_attr(dev, "CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED"))
+    except (CudaError, AttributeError):
+        rdma = False
     gran: int | None = None
     if vmm and posix:
         try:
             gran = granularity(ordinal)
         except (CudaError, UnsupportedDeviceError):
             gran = None
-    return DeviceInfo(ordinal, name, uuid, cc, total, vmm, posix, fabric, gran)
+    return DeviceInfo(ordinal, name, uuid, cc, total, vmm, posix, fabric, gran, rdma)
 
 
 def require_vmm_device(ordinal: int) -> DeviceInfo:

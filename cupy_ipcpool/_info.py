@@ -78,12 +78,10 @@ def remote_summary() -> str:
 def gpudirect_rdma(ordinal: int) -> str:
     """Whether VMM allocations on the device can be GPUDirect-RDMA capable (NIC registration)."""
     try:
-        dev = _driver.get_device(ordinal)
-        attr = _driver.driver_module().CUdevice_attribute.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
-        supported = int(_driver.call("cuDeviceGetAttribute", attr, dev))
+        supported = _driver.device_info(ordinal).gpudirect_rdma
     except Exception:
         return "unknown"
-    return "yes" if supported else "no"
+    return "yes (slots are allocated GPUDirect-RDMA capable)" if supported else "no"
 
 
 def report() -> tuple[int, list[str]]:

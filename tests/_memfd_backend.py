@@ -12,8 +12,8 @@ import mmap
 import os
 import struct
 
-from cupy_ipcpool._protocol import Frame
-from cupy_ipcpool._session import PublisherCore, SubscriberCore, SubscriberInfo
+from cupy_ipcpool.channel._protocol import Frame
+from cupy_ipcpool.channel._session import PublisherCore, SubscriberCore, SubscriberInfo
 
 _SIZE = struct.Struct("<Q")
 

@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from cupy_ipcpool import _ctlring
-from cupy_ipcpool._ctlring import PublisherRing, SubscriberRing, layout
 from cupy_ipcpool._errors import PoolClosedError, ProtocolError
+from cupy_ipcpool.channel import _ctlring
+from cupy_ipcpool.channel._ctlring import PublisherRing, SubscriberRing, layout
 
 CTX = mp.get_context("spawn")
 SLOTS = 8

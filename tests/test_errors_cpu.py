@@ -165,10 +165,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("allocator", ("_allocator", "_compat")),
     (
         "channel",
-        ("_protocol", "_leases", "_ctlring", "_syncpage", "_session", "_channel", "channel.*"),
+        ("channel.*",),
     ),
     ("remote", ("remote.*",)),
-    ("application", ("__init__", "__main__", "_demo", "_info", "_bench.*")),
+    ("application", ("__init__", "__main__", "_connect", "_demo", "_info", "_bench.*")),
 ]
 
 

@@ -25,7 +25,6 @@ from typing import Any
 import pytest
 from _memfd_backend import MemfdConsumer, MemfdSlots
 
-from cupy_ipcpool import _protocol as proto
 from cupy_ipcpool._errors import (
     ChannelTimeoutError,
     EndOfStream,
@@ -35,8 +34,9 @@ from cupy_ipcpool._errors import (
     PeerRefusedError,
     TransportError,
 )
-from cupy_ipcpool._session import PublisherCore, SubscriberCore, SubscriberInfo
 from cupy_ipcpool._transport import FdServer, bind_unix, fetch_fds, fetch_fds_over_socket
+from cupy_ipcpool.channel import _protocol as proto
+from cupy_ipcpool.channel._session import PublisherCore, SubscriberCore, SubscriberInfo
 
 CTX = mp.get_context("spawn")
 NOBODY = 65534

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import cupy_ipcpool as cip
-from cupy_ipcpool import _protocol as proto
+from cupy_ipcpool.channel import _protocol as proto
 from tests.gpu_helpers import report_exception
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180)]

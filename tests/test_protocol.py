@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cupy_ipcpool import _protocol as proto
 from cupy_ipcpool._errors import ProtocolError
-from cupy_ipcpool._leases import LeaseBook
+from cupy_ipcpool.channel import _protocol as proto
+from cupy_ipcpool.channel._leases import LeaseBook
 
 VALID = [
     (
@@ -278,7 +278,7 @@ def test_add_subscriber_validation() -> None:
 
 
 def test_max_credit_caps_what_a_subscriber_asks() -> None:
-    from cupy_ipcpool._leases import default_latest_reserve, default_max_credit
+    from cupy_ipcpool.channel._leases import default_latest_reserve, default_max_credit
 
     assert [default_max_credit(n) for n in (1, 2, 3, 4, 8, 64)] == [1, 1, 1, 2, 6, 62]
     assert [default_latest_reserve(n) for n in (1, 2, 3, 8)] == [0, 1, 2, 2]

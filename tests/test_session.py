@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 from _memfd_backend import MemfdConsumer, MemfdProducer
 
-from cupy_ipcpool import _protocol as proto
 from cupy_ipcpool._errors import (
     EndOfStream,
     PeerRefusedError,
@@ -29,7 +28,8 @@ from cupy_ipcpool._errors import (
     SlotBusyError,
     TransportError,
 )
-from cupy_ipcpool._session import PublisherCore, SubscriberCore, SubscriberInfo
+from cupy_ipcpool.channel import _protocol as proto
+from cupy_ipcpool.channel._session import PublisherCore, SubscriberCore, SubscriberInfo
 
 CTX = mp.get_context("spawn")
 

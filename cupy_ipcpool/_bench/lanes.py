@@ -964,13 +964,13 @@ def wire_sizes() -> tuple[int, int]:
     try:
         import numpy
 
-        from .. import _channel, _protocol
         from .._handles import ArrayHandle
+        from ..channel import _payload, _protocol
 
         h = ArrayHandle(
             slot=0, generation=1, offset=0, shape=(1 << 24,), strides=(4,), dtype=numpy.dtype("i4")
         )
-        payload = _channel._FRAME_HEAD.pack(0, 1, _VALUE.size) + h.pack() + bytes(_VALUE.size)
+        payload = _payload.FRAME_HEAD.pack(0, 1, _VALUE.size) + h.pack() + bytes(_VALUE.size)
         return len(_protocol.encode_frame(1, 0, payload)), len(_protocol.encode_release(1, 0))
     except Exception:
         return 96, 16

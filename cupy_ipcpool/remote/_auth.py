@@ -21,6 +21,7 @@ import hashlib
 import hmac
 import os
 
+from .._errors import UsageError
 from . import _wire as wire
 
 _LABEL_SERVER = b"cupy_ipcpool remote v1 server proof\x00"
@@ -52,7 +53,7 @@ def secret_from(token: str | bytes | None) -> bytes | None:
         token = env
     raw = token.encode("utf-8") if isinstance(token, str) else bytes(token)
     if len(raw) < MIN_SECRET:
-        raise ValueError(
+        raise UsageError(
             f"the shared secret has {len(raw)} bytes; use at least {MIN_SECRET} "
             "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"
         )

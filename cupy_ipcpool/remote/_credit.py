@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-from .._errors import ProtocolError
+from .._errors import ProtocolError, UsageError
 
 BLOCK = "block"
 LATEST = "latest"
@@ -54,11 +54,11 @@ class ServerBook:
             Duplicate id, unknown mode, or a ring of fewer than one slot.
         """
         if sub_id in self._subs:
-            raise ValueError(f"subscriber {sub_id} is already registered")
+            raise UsageError(f"subscriber {sub_id} is already registered")
         if mode not in (BLOCK, LATEST):
-            raise ValueError(f"mode must be 'block' or 'latest', not {mode!r}")
+            raise UsageError(f"mode must be 'block' or 'latest', not {mode!r}")
         if num_slots < 1:
-            raise ValueError(f"num_slots must be at least 1, not {num_slots}")
+            raise UsageError(f"num_slots must be at least 1, not {num_slots}")
         self._subs[sub_id] = _Sub(mode, num_slots)
 
     def remove_subscriber(self, sub_id: int) -> list[int]:
@@ -185,7 +185,7 @@ class ClientBook:
 
     def __init__(self, num_slots: int, next_seq: int = 0) -> None:
         if num_slots < 1:
-            raise ValueError(f"num_slots must be at least 1, not {num_slots}")
+            raise UsageError(f"num_slots must be at least 1, not {num_slots}")
         self.num_slots = num_slots
         self._granted: set[int] = set()
         self._receiving: dict[int, int] = {}  # slot -> seq
@@ -201,9 +201,9 @@ class ClientBook:
             The slot is out of range or not free.
         """
         if not 0 <= slot < self.num_slots:
-            raise ValueError(f"slot {slot} outside the {self.num_slots}-slot ring")
+            raise UsageError(f"slot {slot} outside the {self.num_slots}-slot ring")
         if slot in self._granted or slot in self._receiving or slot in self._held:
-            raise ValueError(f"slot {slot} is not free")
+            raise UsageError(f"slot {slot} is not free")
         self._granted.add(slot)
 
     def frame(self, seq: int, slot: int) -> None:
@@ -241,7 +241,7 @@ class ClientBook:
             The slot is not held.
         """
         if slot not in self._held:
-            raise ValueError(f"slot {slot} is not held")
+            raise UsageError(f"slot {slot} is not held")
         del self._held[slot]
 
     @property

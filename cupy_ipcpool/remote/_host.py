@@ -2,7 +2,7 @@
 
 The GPU channel (:class:`cupy_ipcpool.Publisher`) carries device frames; this
 one carries host frames over the same session core
-(:mod:`cupy_ipcpool._session`: Unix socket, leases, ``block``/``latest``), with
+(:mod:`cupy_ipcpool.channel._session`: Unix socket, leases, ``block``/``latest``), with
 one memfd per slot handed to subscribers once.  The remote layer uses it as
 the GPU-free source and sink of a :class:`~cupy_ipcpool.remote.RemoteServer`
 and a :class:`~cupy_ipcpool.remote.Relay` (``memory="host"``); it needs no GPU
@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy
 
-from .._errors import EndOfStream, ProtocolError
-from .._session import PublisherCore, SubscriberCore, SubscriberInfo
+from .._errors import EndOfStream, ProtocolError, UsageError
+from ..channel._session import PublisherCore, SubscriberCore, SubscriberInfo
 from . import _wire as wire
 from ._memory import HostSlots
 
@@ -42,7 +42,7 @@ def spec_of(array: Any) -> wire.ArraySpec:
 def encode_payload(specs: tuple[wire.ArraySpec, ...], metadata: bytes) -> bytes:
     """A host FRAME payload."""
     if len(specs) > wire.MAX_ARRAYS or len(metadata) > wire.MAX_METADATA:
-        raise ValueError(
+        raise UsageError(
             f"at most {wire.MAX_ARRAYS} arrays and {wire.MAX_METADATA} metadata bytes per frame"
         )
     return _HEAD.pack(len(specs), len(metadata)) + wire.encode_specs(specs) + bytes(metadata)
@@ -73,7 +73,7 @@ class HostChannelPublisher:
     num_slots, slot_nbytes:
         The ring of memfd slots.
     **kwargs:
-        Passed to :class:`cupy_ipcpool._session.PublisherCore`
+        Passed to :class:`cupy_ipcpool.channel._session.PublisherCore`
         (``allowed_uids``, ``max_subscribers``, ``send_timeout``, ``on_join``, ``on_leave``).
 
     Notes
@@ -215,7 +215,7 @@ class HostChannelSubscriber:
     address:
         The publisher's socket path.
     mode, credit, timeout, allowed_uids:
-        As for :class:`cupy_ipcpool._session.SubscriberCore`.
+        As for :class:`cupy_ipcpool.channel._session.SubscriberCore`.
     writable:
         Map the slots read-write (the remote server's bridge does: UCX
         registers read-only mappings poorly and falls back to copies, about

@@ -6,7 +6,7 @@ import contextlib
 import socket
 import time
 
-from .._errors import EndOfStream, ProtocolError
+from .._errors import ChannelTimeoutError, EndOfStream, ProtocolError
 from . import _wire as wire
 
 
@@ -23,7 +23,7 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     while n:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise TimeoutError("the peer did not answer in time")
+            raise ChannelTimeoutError("the peer did not answer in time")
         sock.settimeout(remaining)
         data = sock.recv(n)
         if not data:

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import numpy
 
+from .._errors import UsageError
 from . import _wire as wire
 
 
@@ -87,7 +88,7 @@ class HostSlots:
 
     def __init__(self, num_slots: int, slot_nbytes: int) -> None:
         if num_slots < 1 or slot_nbytes < 1:
-            raise ValueError("num_slots and slot_nbytes must be at least 1")
+            raise UsageError("num_slots and slot_nbytes must be at least 1")
         self.num_slots = num_slots
         self.slot_nbytes = slot_nbytes
         self.fds: list[int] = []

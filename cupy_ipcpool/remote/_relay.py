@@ -17,7 +17,7 @@ import select
 import threading
 from typing import Any
 
-from .._errors import EndOfStream, ProtocolError, SlotBusyError, SlotFullError
+from .._errors import EndOfStream, ProtocolError, SlotBusyError, SlotFullError, UsageError
 from . import _wire as wire
 from ._credit import ClientBook
 from ._session import ClientSession, Received
@@ -93,8 +93,8 @@ class _DeviceSink:
         self.relayed = 0
 
     def setup(self, max_frame: int) -> None:
-        from .._channel import Publisher
         from .._pool import IpcPool
+        from ..channel import Publisher
 
         self.pool = IpcPool(self.num_slots, max(max_frame, 1) + _SLACK, device=self.device)
         try:
@@ -200,7 +200,7 @@ class Relay:
         elif memory == "device":
             self.sink = _DeviceSink(local, slots, device, publisher)
         else:
-            raise ValueError(f"memory must be 'device' or 'host', not {memory!r}")
+            raise UsageError(f"memory must be 'device' or 'host', not {memory!r}")
         self.path = local
         self.remote = remote
         self._memory = memory

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .._errors import EndOfStream, ProtocolError, TeardownWarning, TransportError
+from .._errors import EndOfStream, ProtocolError, TeardownWarning, TransportError, UsageError
 from . import _auth as auth
 from . import _io
 from . import _ucx as ucx
@@ -245,7 +245,7 @@ class RemoteServer:
     ) -> None:
         secret = auth.secret_from(token)
         if secret is None and not insecure:
-            raise ValueError(
+            raise UsageError(
                 "a remote server needs a shared secret: pass token=... (or set "
                 f"${auth.TOKEN_ENV}); insecure=True serves without one"
             )
@@ -653,7 +653,7 @@ class DeviceSource:
         allowed_uids: Iterable[int] | None = None,
     ) -> None:
         from .._arrays import cupy_module
-        from .._channel import subscribe
+        from ..channel import subscribe
 
         self._cp = cupy_module()
         self._sub = subscribe(
@@ -735,7 +735,7 @@ def serve(
             address, mode=mode, credit=credit, timeout=timeout, writable=True
         )
     else:
-        raise ValueError(f"memory must be 'device' or 'host', not {memory!r}")
+        raise UsageError(f"memory must be 'device' or 'host', not {memory!r}")
     try:
         return RemoteServer(
             source,

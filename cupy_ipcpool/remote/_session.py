@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .._errors import EndOfStream, PeerRefusedError, ProtocolError, TransportError
+from .._errors import EndOfStream, PeerRefusedError, ProtocolError, TransportError, UsageError
 from . import _auth as auth
 from . import _io
 from . import _ucx as ucx
@@ -109,12 +109,12 @@ class ClientSession:
         timeout: float = 10.0,
     ) -> None:
         if mode not in wire.MODE_CODES:
-            raise ValueError(f"mode must be 'block' or 'latest', not {mode!r}")
+            raise UsageError(f"mode must be 'block' or 'latest', not {mode!r}")
         host, port = wire.parse_address(address)
         ucx.load()  # say so now if UCXX is missing
         secret = auth.secret_from(token)
         if secret is None and not insecure:
-            raise ValueError(
+            raise UsageError(
                 "a remote subscription needs the server's shared secret: pass token=... "
                 f"(or set ${auth.TOKEN_ENV}); insecure=True connects without one"
             )

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from .._errors import EndOfStream, PoolClosedError
+from .._errors import EndOfStream, PoolClosedError, UsageError
 from . import _wire as wire
 from ._credit import ClientBook
 from ._memory import DeviceSlots, HostSlots
@@ -127,9 +127,9 @@ class RemoteSubscriber:
         timeout: float = 10.0,
     ) -> None:
         if memory not in ("device", "host"):
-            raise ValueError(f"memory must be 'device' or 'host', not {memory!r}")
+            raise UsageError(f"memory must be 'device' or 'host', not {memory!r}")
         if not 1 <= slots <= wire.MAX_RING_SLOTS:
-            raise ValueError(f"slots must be in 1..{wire.MAX_RING_SLOTS}, not {slots}")
+            raise UsageError(f"slots must be in 1..{wire.MAX_RING_SLOTS}, not {slots}")
         self.num_slots = slots
         self.mode = mode
         self.address = address

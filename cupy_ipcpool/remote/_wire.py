@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from .._errors import ProtocolError
+from .._errors import ProtocolError, UsageError
 
 MAGIC = 0x4952
 VERSION = 1
@@ -212,27 +212,27 @@ def _msg(kind: int, body: bytes) -> bytes:
 def encode_hello(nonce: bytes, mode: int, num_slots: int) -> bytes:
     """Encode HELLO.  Raises ValueError on a bad nonce, mode or ring size."""
     if len(nonce) != NONCE_SIZE:
-        raise ValueError(f"nonce must be {NONCE_SIZE} bytes")
+        raise UsageError(f"nonce must be {NONCE_SIZE} bytes")
     if mode not in MODE_NAMES:
-        raise ValueError(f"unknown mode {mode}")
+        raise UsageError(f"unknown mode {mode}")
     if not 1 <= num_slots <= MAX_RING_SLOTS:
-        raise ValueError(f"num_slots must be in 1..{MAX_RING_SLOTS}, not {num_slots}")
+        raise UsageError(f"num_slots must be in 1..{MAX_RING_SLOTS}, not {num_slots}")
     return _msg(HELLO, _HELLO.pack(nonce, mode, 0, num_slots))
 
 
 def encode_challenge(nonce: bytes, auth: bool, proof: bytes) -> bytes:
     """Encode CHALLENGE."""
     if len(nonce) != NONCE_SIZE or len(proof) != MAC_SIZE:
-        raise ValueError("nonce and proof must be 32 bytes")
+        raise UsageError("nonce and proof must be 32 bytes")
     return _msg(CHALLENGE, _CHALLENGE.pack(nonce, int(auth), proof))
 
 
 def encode_proof(proof: bytes, ucx_address: bytes) -> bytes:
     """Encode PROOF.  Raises ValueError on a bad proof or an oversized address."""
     if len(proof) != MAC_SIZE:
-        raise ValueError(f"proof must be {MAC_SIZE} bytes")
+        raise UsageError(f"proof must be {MAC_SIZE} bytes")
     if not 0 < len(ucx_address) <= MAX_UCX_ADDRESS:
-        raise ValueError(f"UCX address of {len(ucx_address)} bytes (at most {MAX_UCX_ADDRESS})")
+        raise UsageError(f"UCX address of {len(ucx_address)} bytes (at most {MAX_UCX_ADDRESS})")
     return _msg(PROOF, _PROOF.pack(proof, len(ucx_address)) + bytes(ucx_address))
 
 
@@ -263,9 +263,9 @@ def encode_specs(specs: tuple[ArraySpec, ...] | list[ArraySpec]) -> bytes:
 def encode_frame(seq: int, slot: int, specs: tuple[ArraySpec, ...], metadata: bytes = b"") -> bytes:
     """Encode FRAME.  Raises ValueError when a field is out of range."""
     if len(specs) > MAX_ARRAYS:
-        raise ValueError(f"at most {MAX_ARRAYS} arrays per frame, got {len(specs)}")
+        raise UsageError(f"at most {MAX_ARRAYS} arrays per frame, got {len(specs)}")
     if len(metadata) > MAX_METADATA:
-        raise ValueError(f"metadata is {len(metadata)} bytes; at most {MAX_METADATA}")
+        raise UsageError(f"metadata is {len(metadata)} bytes; at most {MAX_METADATA}")
     head = _FRAME.pack(seq, slot, len(specs), len(metadata))
     return _msg(FRAME, head + encode_specs(specs) + bytes(metadata))
 
@@ -476,16 +476,16 @@ def parse_address(address: str) -> tuple[str, int]:
     text = address if "://" in address else f"ucx://{address}"
     parts = urlsplit(text)
     if parts.scheme != "ucx":
-        raise ValueError(f"{address!r} is not a ucx:// address")
+        raise UsageError(f"{address!r} is not a ucx:// address")
     if parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise ValueError(f"{address!r}: expected ucx://host:port")
+        raise UsageError(f"{address!r}: expected ucx://host:port")
     try:
         port = parts.port
     except ValueError:
-        raise ValueError(f"{address!r}: the port must be a number in 0..65535") from None
+        raise UsageError(f"{address!r}: the port must be a number in 0..65535") from None
     host = parts.hostname
     if not host:
-        raise ValueError(f"{address!r}: no host")
+        raise UsageError(f"{address!r}: no host")
     return host, DEFAULT_PORT if port is None else port
 
 

@@ -31,7 +31,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from cupy_ipcpool._errors import ProtocolError
+from .._errors import ProtocolError, UsageError
+from .._handles import MAX_SLOTS as HANDLES_MAX_SLOTS
 
 MAGIC = 0x4950
 VERSION = 2
@@ -53,7 +54,7 @@ MAX_WELCOME_PAYLOAD = 1024 * 1024
 MAX_REFUSE_REASON = 1024
 MAX_FRAME_PAYLOAD = 64 * 1024
 MAX_CREDIT = 0xFFFF
-MAX_SLOTS = 1 << 20
+MAX_SLOTS = HANDLES_MAX_SLOTS  # the one slot-count limit (cupy_ipcpool._handles)
 
 _HEADER = struct.Struct("<HBB")
 _HELLO = struct.Struct("<HBBBHII")
@@ -170,7 +171,7 @@ Message = Hello | Welcome | Refuse | Frame | Release | Bye
 
 def _check_len(what: str, n: int, limit: int) -> None:
     if n > limit:
-        raise ValueError(f"{what} is {n} bytes, more than the limit of {limit}")
+        raise UsageError(f"{what} is {n} bytes, more than the limit of {limit}")
 
 
 def encode_hello(mode: int, credit: int, pid: int, payload: bytes = b"") -> bytes:
@@ -198,9 +199,9 @@ def encode_hello(mode: int, credit: int, pid: int, payload: bytes = b"") -> byte
         A field is out of range.
     """
     if mode not in MODE_NAMES:
-        raise ValueError(f"mode must be {MODE_BLOCK} (block) or {MODE_LATEST} (latest), not {mode}")
+        raise UsageError(f"mode must be {MODE_BLOCK} (block) or {MODE_LATEST} (latest), not {mode}")
     if not 1 <= credit <= MAX_CREDIT:
-        raise ValueError(f"credit must be in 1..{MAX_CREDIT}, not {credit}")
+        raise UsageError(f"credit must be in 1..{MAX_CREDIT}, not {credit}")
     _check_len("hello payload", len(payload), MAX_HELLO_PAYLOAD)
     return _HELLO.pack(MAGIC, VERSION, HELLO, mode, credit, pid, len(payload)) + bytes(payload)
 
@@ -234,11 +235,11 @@ def encode_welcome(
         A field is out of range.
     """
     if not 1 <= num_slots <= MAX_SLOTS:
-        raise ValueError(f"num_slots must be in 1..{MAX_SLOTS}, not {num_slots}")
+        raise UsageError(f"num_slots must be in 1..{MAX_SLOTS}, not {num_slots}")
     if not 1 <= credit <= MAX_CREDIT:
-        raise ValueError(f"credit must be in 1..{MAX_CREDIT}, not {credit}")
+        raise UsageError(f"credit must be in 1..{MAX_CREDIT}, not {credit}")
     if not 0 <= lease_timeout_ms <= _U32:
-        raise ValueError(f"lease_timeout_ms must be in 0..{_U32}, not {lease_timeout_ms}")
+        raise UsageError(f"lease_timeout_ms must be in 0..{_U32}, not {lease_timeout_ms}")
     _check_len("welcome payload", len(payload), MAX_WELCOME_PAYLOAD)
     head = _WELCOME.pack(
         MAGIC,

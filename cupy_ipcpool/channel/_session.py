@@ -40,8 +40,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import NoReturn
 
-from cupy_ipcpool import _protocol as proto
-from cupy_ipcpool._errors import (
+from .._errors import (
     ChannelTimeoutError,
     EndOfStream,
     EvictedError,
@@ -51,10 +50,12 @@ from cupy_ipcpool._errors import (
     SlotBusyError,
     TeardownWarning,
     TransportError,
+    UsageError,
 )
-from cupy_ipcpool._leases import LeaseBook
-from cupy_ipcpool._protocol import Frame
-from cupy_ipcpool._transport import Admission, bind_unix, connect_unix, peer_credentials
+from .._transport import Admission, bind_unix, connect_unix, peer_credentials
+from . import _protocol as proto
+from ._leases import LeaseBook
+from ._protocol import Frame
 
 #: Seconds a connecting peer has, from accept, to send its HELLO.
 HANDSHAKE_TIMEOUT = 5.0
@@ -413,7 +414,7 @@ class _Acceptor:
         # every way out that does not hand it to the producer gives them back.
         try:
             if len(fds) > MAX_FDS:
-                raise ValueError(f"{len(fds)} fds do not fit one message (at most {MAX_FDS})")
+                raise UsageError(f"{len(fds)} fds do not fit one message (at most {MAX_FDS})")
             msg = proto.encode_welcome(
                 sub_id,
                 self.num_slots,
@@ -642,7 +643,7 @@ class PublisherCore:
         before that subscriber is dropped.
     max_credit:
         Cap on a subscriber's credit (default
-        :func:`~cupy_ipcpool._leases.default_max_credit`: ``num_slots - 2``, at
+        :func:`~cupy_ipcpool.channel._leases.default_max_credit`: ``num_slots - 2``, at
         least 1).  Together with the ring's reserve (``"latest"`` subscribers
         never lease the last two slots) it makes ``"latest"`` never stall the
         producer, whatever credit a subscriber asks for.
@@ -682,15 +683,15 @@ class PublisherCore:
         self.address = os.fspath(address)
         self.num_slots = int(num_slots)
         if not 1 <= self.num_slots <= proto.MAX_SLOTS:
-            raise ValueError(f"num_slots must be in 1..{proto.MAX_SLOTS}, not {num_slots}")
+            raise UsageError(f"num_slots must be in 1..{proto.MAX_SLOTS}, not {num_slots}")
         if max_credit is not None and not 1 <= max_credit <= proto.MAX_CREDIT:
-            raise ValueError(f"max_credit must be in 1..{proto.MAX_CREDIT}, not {max_credit}")
+            raise UsageError(f"max_credit must be in 1..{proto.MAX_CREDIT}, not {max_credit}")
         if lease_timeout is not None and not 0 < lease_timeout < (1 << 32) / 1000:
-            raise ValueError(f"lease_timeout must be positive seconds or None, not {lease_timeout}")
+            raise UsageError(f"lease_timeout must be positive seconds or None, not {lease_timeout}")
         if not handshake_timeout > 0:
-            raise ValueError(f"handshake_timeout must be positive, not {handshake_timeout}")
+            raise UsageError(f"handshake_timeout must be positive, not {handshake_timeout}")
         if max_subscribers < 1:
-            raise ValueError(f"max_subscribers must be at least 1, not {max_subscribers}")
+            raise UsageError(f"max_subscribers must be at least 1, not {max_subscribers}")
         self._book = LeaseBook(self.num_slots, max_credit=max_credit)
         self.max_credit = self._book.max_credit
         self.lease_timeout = lease_timeout
@@ -1191,7 +1192,7 @@ class SubscriberCore:
         allowed_uids: Iterable[int] | None = None,
     ) -> None:
         if mode not in proto.MODE_CODES:
-            raise ValueError(f"mode must be 'block' or 'latest', not {mode!r}")
+            raise UsageError(f"mode must be 'block' or 'latest', not {mode!r}")
         if credit is None:
             credit = 1 if mode == "latest" else DEFAULT_BLOCK_CREDIT
         self.address = os.fspath(address)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cupy_ipcpool._errors import LeaseStateError, ProtocolError
+from .._errors import LeaseStateError, ProtocolError, SlotIndexError, UsageError
 
 BLOCK = "block"
 LATEST = "latest"
@@ -67,16 +67,16 @@ class LeaseBook:
         self, num_slots: int, *, max_credit: int | None = None, latest_reserve: int | None = None
     ) -> None:
         if num_slots < 1:
-            raise ValueError(f"num_slots must be at least 1, not {num_slots}")
+            raise UsageError(f"num_slots must be at least 1, not {num_slots}")
         self.num_slots = num_slots
         if max_credit is None:
             max_credit = default_max_credit(num_slots)
         if max_credit < 1:
-            raise ValueError(f"max_credit must be at least 1, not {max_credit}")
+            raise UsageError(f"max_credit must be at least 1, not {max_credit}")
         if latest_reserve is None:
             latest_reserve = default_latest_reserve(num_slots)
         if not 0 <= latest_reserve < num_slots:
-            raise ValueError(f"latest_reserve must be in 0..{num_slots - 1}, not {latest_reserve}")
+            raise UsageError(f"latest_reserve must be in 0..{num_slots - 1}, not {latest_reserve}")
         self.max_credit = int(max_credit)
         self.latest_reserve = int(latest_reserve)
         self._latest_budget = num_slots - self.latest_reserve
@@ -120,11 +120,11 @@ class LeaseBook:
             Duplicate id, unknown mode or credit below 1.
         """
         if sub_id in self._subs:
-            raise ValueError(f"subscriber {sub_id} is already registered")
+            raise UsageError(f"subscriber {sub_id} is already registered")
         if mode not in (BLOCK, LATEST):
-            raise ValueError(f"mode must be 'block' or 'latest', not {mode!r}")
+            raise UsageError(f"mode must be 'block' or 'latest', not {mode!r}")
         if credit < 1:
-            raise ValueError(f"credit must be at least 1, not {credit}")
+            raise UsageError(f"credit must be at least 1, not {credit}")
         granted = min(int(credit), self.max_credit)
         self._subs[sub_id] = _Subscriber(mode, granted)
         return granted
@@ -443,7 +443,7 @@ class LeaseBook:
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
-            raise IndexError(f"slot {slot} is outside 0..{self.num_slots - 1}")
+            raise SlotIndexError(f"slot {slot} is outside 0..{self.num_slots - 1}")
 
 
 __all__ = ["BLOCK", "LATEST", "LeaseBook", "default_latest_reserve", "default_max_credit"]

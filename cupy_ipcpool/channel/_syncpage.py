@@ -21,8 +21,9 @@ other process's kernel had finished.)  The comparison is the driver's cyclic
 
 from __future__ import annotations
 
-from . import _driver
-from ._vmm import Allocation, round_up
+from .. import _driver
+from .._errors import UsageError
+from .._vmm import Allocation, round_up
 
 _FLAG = 4
 
@@ -45,7 +46,7 @@ class SyncPage:
         self.max_subscribers = max_subscribers
         self._reads = round_up(num_slots * _FLAG, 256)
         if self._reads + num_slots * max_subscribers * _FLAG > alloc.size:
-            raise ValueError("sync page too small for its layout")
+            raise UsageError("sync page too small for its layout")
         driver = _driver.driver_module()
         self._write = driver.cuStreamWriteValue32
         self._wait = driver.cuStreamWaitValue32

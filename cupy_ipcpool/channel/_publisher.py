@@ -1,7 +1,7 @@
-"""Publish / subscribe frames between processes: leases, GPU-side ordering, backpressure.
+"""The producer side of the channel: :class:`Publisher` and :class:`PublishFrame`.
 
-The GPU layer over :mod:`cupy_ipcpool._session` (sockets, leases),
-:mod:`cupy_ipcpool._peer` (imports) and :mod:`cupy_ipcpool._syncpage`
+The GPU layer over :mod:`cupy_ipcpool.channel._session` (sockets, leases),
+:mod:`cupy_ipcpool._peer` (imports) and :mod:`cupy_ipcpool.channel._syncpage`
 (cross-process ordering):
 
 * the producer's :class:`Publisher` owns a :class:`SyncPage` of 32-bit flags
@@ -23,55 +23,28 @@ See ``docs/protocol.md`` for the sequence diagram.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import select
-import struct
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from types import TracebackType
 from typing import Any
 
-from ._arrays import array_info, cupy_module, stream_ptr
-from ._errors import (
+from .._arrays import array_info, cupy_module, stream_ptr
+from .._errors import (
     DescriptorError,
-    EndOfStream,
     NotShareableError,
     PeerRefusedError,
     PoolClosedError,
-    ProtocolError,
     TeardownWarning,
     UsageError,
 )
-from ._handles import ArrayHandle, PoolDescriptor
-from ._peer import PeerPool, attach_fds
-from ._pool import DEFAULT_TIMEOUT, IpcPool, SlotToken
-from ._session import PublisherCore, SubscriberCore, SubscriberInfo
+from .._handles import ArrayHandle
+from .._pool import DEFAULT_TIMEOUT, IpcPool, SlotToken
+from ._payload import FRAME_HEAD, MAX_ARRAYS, MAX_CHANNEL_SLOTS, MAX_METADATA, WELCOME_HEAD
+from ._session import PublisherCore, SubscriberInfo
 from ._syncpage import SyncPage
-from ._transport import SCM_MAX_FD
-
-#: Most bytes of user metadata per frame.
-MAX_METADATA = 16384
-#: Most arrays per frame.
-MAX_ARRAYS = 64
-#: Most slots a published pool may have: the WELCOME message carries one fd per
-#: slot and the sync page's, in one ``SCM_RIGHTS`` message (``SCM_MAX_FD`` fds).
-MAX_CHANNEL_SLOTS = SCM_MAX_FD - 1
-#: Most streams a subscriber tracks before it forgets those with no work left.
-_STREAMS_KEPT = 8
-
-# WELCOME payload: descriptor length u32, num_slots u32, max_subscribers u32, this
-# subscriber's index in the sync page u32, sync page bytes u64, then the descriptor.
-# Its fds: one per slot, then the sync page's.
-_WELCOME_HEAD = struct.Struct("<IIIIQ")
-# FRAME payload: flag index u32 (the slot), generation u32 (low bits), number of
-# arrays u16, metadata length u16, then the packed array handles, then the metadata.
-_FRAME_HEAD = struct.Struct("<IIHH")
-
-
-# ----------------------------------------------------------------------- producer
 
 
 class PublishFrame:
@@ -287,7 +260,7 @@ class Publisher:
                 raise PeerRefusedError("no free subscriber row in the sync page")
             self._next_index = index + 1
             self._indices[info.sub_id] = index
-        head = _WELCOME_HEAD.pack(
+        head = WELCOME_HEAD.pack(
             len(self._desc_bytes),
             self._pool.num_slots,
             self._max_subscribers,
@@ -423,7 +396,7 @@ class Publisher:
         base = pool.ptr(slot)
         limit = pool.slot_nbytes
         generation = token.generation
-        parts = [_FRAME_HEAD.pack(slot, generation & 0xFFFFFFFF, len(arrays), len(metadata))]
+        parts = [FRAME_HEAD.pack(slot, generation & 0xFFFFFFFF, len(arrays), len(metadata))]
         for a in arrays:
             info = array_info(a)
             offset = info.ptr - base
@@ -525,455 +498,3 @@ def _close_publisher(
     # freeing it under them would be a dangling mapping, so it is leaked instead.
     if sync is not None and all_gone and os.getpid() == pid:
         sync.close()
-
-
-# ----------------------------------------------------------------------- consumer
-
-
-class _StreamsInUse:
-    """Streams a subscriber enqueued flag operations on, which may still run them.
-
-    Closing the subscriber synchronizes these before it unmaps the sync page.
-    The set stays small: when it reaches ``_STREAMS_KEPT`` entries, streams
-    with no work left (``cudaStreamQuery``) are forgotten.  The stream objects
-    are kept, so that a CuPy or torch stream is not destroyed while tracked.
-    """
-
-    __slots__ = ("_streams",)
-
-    def __init__(self) -> None:
-        self._streams: dict[int, Any] = {}
-
-    def note(self, ptr: int, stream: Any) -> None:
-        streams = self._streams
-        if ptr in streams:
-            return
-        if len(streams) >= _STREAMS_KEPT:
-            rt = cupy_module().cuda.runtime
-            for known in list(streams):
-                try:
-                    idle = rt.streamQuery(known) == 0
-                except Exception:  # not a valid stream any more: nothing to wait for
-                    idle = True
-                if idle:
-                    del streams[known]
-        streams[ptr] = stream
-
-    def __len__(self) -> int:
-        return len(self._streams)
-
-    def synchronize(self) -> None:
-        rt = cupy_module().cuda.runtime
-        streams, self._streams = self._streams, {}
-        for ptr in streams:
-            rt.streamSynchronize(ptr)
-
-    def clear(self) -> None:
-        self._streams.clear()
-
-
-class _Lease:
-    """Owner of a received frame's arrays: returns the lease when released or collected.
-
-    It also pins the mapped slot (``pin``), so closing the subscriber never
-    unmaps memory that a frame's arrays still use.
-    """
-
-    __slots__ = ("__weakref__", "generation", "pin", "released", "seq", "slot", "subscriber")
-
-    def __init__(
-        self, subscriber: Subscriber, seq: int, slot: int, generation: int, pin: object
-    ) -> None:
-        self.subscriber = subscriber
-        self.seq = seq
-        self.slot = slot
-        self.generation = generation
-        self.pin = pin
-        self.released = False
-
-    def release(self, stream: Any = None) -> None:
-        if self.released:
-            return
-        self.released = True
-        self.subscriber._release(self.seq, self.slot, self.generation, stream)
-
-    def __del__(self) -> None:
-        if not self.released:
-            try:  # noqa: SIM105 - cheaper than contextlib.suppress in a finalizer
-                self.release()
-            except Exception:  # the subscriber is gone or closed: nothing to return
-                pass
-
-
-class Frame:
-    """A received frame: arrays over the producer's slot, held under a lease.
-
-    Attributes
-    ----------
-    seq:
-        Sequence number (increasing; gaps mean skipped frames in ``latest`` mode).
-    slot:
-        The slot the frame lives in.
-    arrays:
-        The published arrays, as ``cupy.ndarray`` views of the shared slot
-        (no copy).  The current stream at :meth:`Subscriber.recv` already waits
-        for the producer's writes.
-    metadata:
-        The user bytes sent with the frame.
-
-    Notes
-    -----
-    Release the frame (:meth:`release`, or leave a ``with`` block) when done:
-    the producer cannot reuse the slot before.  The lease is also returned
-    when the frame and all of its arrays have been garbage collected.  Using
-    the arrays after :meth:`release` is a bug: the producer may overwrite them.
-    """
-
-    __slots__ = ("_lease", "arrays", "metadata", "seq", "slot")
-
-    def __init__(
-        self, seq: int, slot: int, arrays: tuple[Any, ...], metadata: bytes, lease: _Lease
-    ) -> None:
-        self.seq = seq
-        self.slot = slot
-        self.arrays = arrays
-        self.metadata = metadata
-        self._lease = lease
-
-    @property
-    def array(self) -> Any:
-        """The first (often only) array."""
-        return self.arrays[0]
-
-    @property
-    def released(self) -> bool:
-        """True once the lease was returned."""
-        return self._lease.released
-
-    def release(self, stream: Any = None) -> None:
-        """Return the lease: set the read flag on ``stream`` (default: current) and
-        tell the producer.  Idempotent."""
-        self._lease.release(stream)
-
-    def __enter__(self) -> Frame:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        shapes = ", ".join(str(tuple(a.shape)) for a in self.arrays)
-        return f"Frame(seq={self.seq}, slot={self.slot}, arrays=[{shapes}])"
-
-
-class Subscriber:
-    """The consumer end of a channel; made by :func:`subscribe`."""
-
-    def __init__(
-        self,
-        address: str | os.PathLike[str],
-        *,
-        mode: str = "block",
-        credit: int | None = None,
-        device: int | None = None,
-        timeout: float = 10.0,
-        allowed_uids: Iterable[int] | None = None,
-    ) -> None:
-        cp = cupy_module()
-        self._cp = cp
-        self._closed = False
-        self._peer: PeerPool | None = None
-        self._sync: SyncPage | None = None
-        self._index = 0
-        self._streams = _StreamsInUse()  # streams this subscriber enqueued flag operations on
-        self._core = SubscriberCore(
-            address, mode=mode, credit=credit, timeout=timeout, allowed_uids=allowed_uids
-        )
-        self._alive = select.poll()
-        self._pidfd = -1
-        try:
-            if self._core.producer_pid > 0:
-                # readable once the producer exits: frames still queued then must not be
-                # used, their flags will never be written
-                self._pidfd = os.pidfd_open(self._core.producer_pid)
-                self._alive.register(self._pidfd, select.POLLIN)
-            self._setup(device)
-        except BaseException:
-            self._teardown()
-            raise
-        self.mode = mode
-        self.address = self._core.address
-        self._finalizer = weakref.finalize(
-            self,
-            _teardown_subscriber,
-            self._core,
-            self._sync,
-            self._peer,
-            self._pidfd,
-            self._streams,
-            os.getpid(),
-        )
-
-    def _setup(self, device: int | None) -> None:
-        core = self._core
-        payload = core.welcome_payload
-        fds = core.take_fds()
-        try:
-            n = core.num_slots
-            if len(payload) < _WELCOME_HEAD.size:
-                raise ProtocolError("WELCOME payload too short")
-            desc_len, n_slots, max_subs, index, sync_nbytes = _WELCOME_HEAD.unpack_from(payload)
-            if (
-                n_slots != n
-                or len(payload) != _WELCOME_HEAD.size + desc_len
-                or not 0 <= index < max_subs <= 1 << 16
-                or len(fds) != n + 1
-            ):
-                raise ProtocolError(
-                    f"WELCOME does not add up: {n_slots} slots (session says {n}), "
-                    f"{len(payload)} payload bytes for a {desc_len}-byte descriptor, "
-                    f"row {index} of {max_subs}, {len(fds)} fds"
-                )
-            try:
-                desc = PoolDescriptor.from_bytes(payload[_WELCOME_HEAD.size :])
-            except DescriptorError as exc:
-                raise ProtocolError(f"bad pool descriptor in WELCOME: {exc}") from None
-            if desc.num_slots != n:
-                raise ProtocolError(f"WELCOME announces {n} slots, the descriptor {desc.num_slots}")
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
-        sync_fd = fds.pop()
-        try:
-            self._peer = peer = attach_fds(desc, fds, device=device)
-            self._sync = SyncPage.import_fd(sync_fd, sync_nbytes, n, max_subs, peer.device)
-        finally:
-            os.close(sync_fd)
-        self._index = index
-
-    # -- state --
-
-    @property
-    def peer(self) -> PeerPool:
-        """The producer's pool as mapped in this process."""
-        assert self._peer is not None
-        return self._peer
-
-    @property
-    def producer_pid(self) -> int:
-        """Pid of the publishing process."""
-        return int(self._core.producer_pid)
-
-    @property
-    def held(self) -> dict[int, int]:
-        """Frames received and not released, as ``{seq: slot}``."""
-        return self._core.held
-
-    @property
-    def closed(self) -> bool:
-        """True after :meth:`close`."""
-        return self._closed
-
-    # -- hot path --
-
-    def recv(self, timeout: float | None = None, stream: Any = None) -> Frame:
-        """Wait for the next frame.
-
-        ``stream`` (default: CuPy's current stream) is made to wait on the
-        producer's frame flag (on the GPU); the host does not block.
-
-        Raises
-        ------
-        EvictedError
-            The publisher evicted this subscriber (it held a frame longer than
-            the publisher's ``lease_timeout``, or its socket stayed full): the
-            frames it holds may be overwritten; subscribe again.  A subclass of
-            :class:`EndOfStream` with ``clean`` False.
-        EndOfStream
-            The publisher closed (``clean`` True) or died (``clean`` False).
-        ChannelTimeoutError
-            No frame within ``timeout`` seconds (also a ``TimeoutError``).
-        ProtocolError
-            The publisher sent a malformed frame; the subscription is closed.
-        """
-        if self._closed:
-            raise PoolClosedError("the Subscriber is closed")
-        try:
-            msg = self._core.recv(timeout)
-        except ProtocolError:
-            self.close()
-            raise
-        if self._alive.poll(0):
-            self.close()
-            raise EndOfStream(
-                f"the publisher (pid {self._core.producer_pid}) exited; frames still queued "
-                "are dropped (their flags will never be set)",
-                False,
-            )
-        seq, slot, payload = msg.seq, msg.slot, msg.payload
-        try:
-            if len(payload) < _FRAME_HEAD.size:
-                raise ProtocolError(f"frame {seq}: payload too short")
-            flag, generation, count, meta_len = _FRAME_HEAD.unpack_from(payload, 0)
-            if flag != slot:
-                raise ProtocolError(f"frame {seq} in slot {slot} names flag {flag}")
-            if count > MAX_ARRAYS or meta_len > MAX_METADATA:
-                raise ProtocolError(f"frame {seq}: {count} arrays, {meta_len} metadata bytes")
-            assert self._peer is not None
-            lease = _Lease(self, seq, slot, generation, self._peer.pin(slot))
-            try:
-                arrays, pos = self._peer.arrays_from_wire(payload, _FRAME_HEAD.size, count, lease)
-            except DescriptorError as exc:
-                lease.released = True
-                raise ProtocolError(f"frame {seq}: {exc}") from None
-            if len(payload) - pos != meta_len:
-                lease.released = True
-                raise ProtocolError(f"frame {seq}: metadata length does not match")
-        except ProtocolError:
-            self.close()
-            raise
-        if stream is None:
-            stream = self._cp.cuda.get_current_stream()
-        sptr = stream_ptr(stream)
-        self._streams.note(sptr, stream)
-        sync = self._sync
-        assert sync is not None
-        sync.wait(sptr, sync.frame_flag(slot), generation)
-        return Frame(seq, slot, tuple(arrays), bytes(payload[pos:]), lease)
-
-    def _release(self, seq: int, slot: int, generation: int, stream: Any) -> None:
-        if self._closed:
-            return
-        if stream is None:
-            stream = self._cp.cuda.get_current_stream()
-        sptr = stream_ptr(stream)
-        self._streams.note(sptr, stream)
-        sync = self._sync
-        assert sync is not None
-        sync.write(sptr, sync.read_flag(self._index, slot), generation)
-        with contextlib.suppress(EndOfStream):  # the producer is gone: nobody to return it to
-            self._core.release(seq, slot)
-
-    def __iter__(self) -> Iterator[Frame]:
-        """Yield frames until the publisher closes.
-
-        A clean close ends the iteration; a publisher that died raises
-        :class:`EndOfStream` with ``clean=False``; a malformed message raises
-        :class:`ProtocolError` and closes this subscriber.
-        """
-        while True:
-            try:
-                frame = self.recv()
-            except EndOfStream as exc:
-                if exc.clean:
-                    return
-                raise
-            yield frame
-
-    # -- teardown --
-
-    def close(self) -> None:
-        """Say goodbye and drop the mapping (once no frame's arrays use it).
-
-        Idempotent; never raises.  Frames still alive keep their slots mapped
-        until they are collected; their leases are not returned any more.
-        """
-        if self._closed:
-            return
-        self._closed = True
-        fin = getattr(self, "_finalizer", None)
-        if fin is not None:
-            fin()
-        else:
-            self._teardown()
-
-    def _teardown(self) -> None:
-        self._closed = True
-        _teardown_subscriber(
-            self._core, self._sync, self._peer, self._pidfd, self._streams, os.getpid()
-        )
-
-    def __enter__(self) -> Subscriber:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-
-def _teardown_subscriber(
-    core: SubscriberCore,
-    sync: SyncPage | None,
-    peer: PeerPool | None,
-    pidfd: int,
-    streams: _StreamsInUse,
-    pid: int,
-) -> None:
-    """Close a subscriber (also its finalizer); never raises."""
-    core.close()
-    if os.getpid() != pid:
-        return
-    producer_alive = True
-    if pidfd >= 0:
-        producer_alive = not select.select([pidfd], [], [], 0)[0]
-        with contextlib.suppress(OSError):
-            os.close(pidfd)
-    # Flag operations still queued on our streams must not hit an unmapped page.
-    # If the producer died, a queued wait may never be satisfied: keep the page
-    # mapped (leaked) rather than block here forever or unmap it under the GPU.
-    if sync is not None and producer_alive:
-        try:
-            streams.synchronize()
-            sync.close()
-        except Exception as exc:
-            warnings.warn(f"closing the sync page failed: {exc}", TeardownWarning, stacklevel=2)
-    streams.clear()
-    if peer is not None:
-        peer.close()
-
-
-def subscribe(
-    address: str | os.PathLike[str],
-    *,
-    mode: str = "block",
-    credit: int | None = None,
-    device: int | None = None,
-    timeout: float = 10.0,
-    allowed_uids: Iterable[int] | None = None,
-) -> Subscriber:
-    """Connect to a :class:`Publisher` and map its pool; frames arrive with ``recv()``.
-
-    Parameters
-    ----------
-    address:
-        The publisher's socket path.
-    mode:
-        ``"block"``: receive every frame; the producer waits (with a timeout)
-        for a free slot when this subscriber holds them all.  ``"latest"``:
-        the producer never waits for this subscriber; frames published while
-        it holds ``credit`` of them are skipped.
-    credit:
-        Most frames held at once (default 1 for ``latest``).
-    device:
-        Local GPU to map on (default: the producer's GPU, by UUID).
-    timeout:
-        Seconds for connecting and the handshake.
-    allowed_uids:
-        Uids the publisher may run as (default: this process's euid).
-
-    Raises
-    ------
-    TransportError
-        No publisher at ``address``, or no permission to connect.
-    PeerRefusedError
-        The publisher refused this subscriber (uid, capacity), or runs as a
-        uid not allowed here.
-    """
-    return Subscriber(
-        address, mode=mode, credit=credit, device=device, timeout=timeout, allowed_uids=allowed_uids
-    )

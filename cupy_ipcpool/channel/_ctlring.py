@@ -72,7 +72,8 @@ import weakref
 from collections.abc import Iterable, Sequence
 from types import TracebackType
 
-from ._errors import PoolClosedError, ProtocolError, TeardownWarning
+from .._errors import PoolClosedError, ProtocolError, TeardownWarning, UsageError
+from .._handles import MAX_SLOTS as HANDLES_MAX_SLOTS
 
 MAGIC = 0x52435043  # 'CPCR'
 VERSION = 1
@@ -82,7 +83,7 @@ MAX_CAPACITY = 1 << 16
 #: Most inline payload bytes per FRAME record.
 MAX_INLINE = 64 * 1024
 #: Most slots a ring may name.
-MAX_SLOTS = 1 << 20
+MAX_SLOTS = HANDLES_MAX_SLOTS  # the one slot-count limit (cupy_ipcpool._handles)
 #: Largest memfd a subscriber accepts.
 MAX_TOTAL = 1 << 30
 
@@ -132,11 +133,11 @@ def layout(
     """
     for name, cap in (("frame_capacity", frame_capacity), ("release_capacity", release_capacity)):
         if not 1 <= cap <= MAX_CAPACITY or cap & (cap - 1):
-            raise ValueError(f"{name} must be a power of two in 1..{MAX_CAPACITY}, got {cap}")
+            raise UsageError(f"{name} must be a power of two in 1..{MAX_CAPACITY}, got {cap}")
     if not 0 <= inline_max <= MAX_INLINE or inline_max % 8:
-        raise ValueError(f"inline_max must be a multiple of 8 in 0..{MAX_INLINE}, got {inline_max}")
+        raise UsageError(f"inline_max must be a multiple of 8 in 0..{MAX_INLINE}, got {inline_max}")
     if not 1 <= num_slots <= MAX_SLOTS:
-        raise ValueError(f"num_slots must be in 1..{MAX_SLOTS}, got {num_slots}")
+        raise UsageError(f"num_slots must be in 1..{MAX_SLOTS}, got {num_slots}")
     frame_rec = _round64(_FRAME.size + inline_max)
     release_rec = 32
     release_off = _RECORDS + frame_capacity * frame_rec
@@ -294,9 +295,9 @@ class _End:
         full: str,
     ) -> None:
         if full not in ("block", "drop"):
-            raise ValueError(f"full must be 'block' or 'drop', got {full!r}")
+            raise UsageError(f"full must be 'block' or 'drop', got {full!r}")
         if spin_us < 0:
-            raise ValueError(f"spin_us must be >= 0, got {spin_us}")
+            raise UsageError(f"spin_us must be >= 0, got {spin_us}")
         self._mm = mm
         self._buf = memoryview(mm)
         self._memfd = memfd
@@ -578,13 +579,13 @@ class PublisherRing(_End):
         self._check()
         n = len(payload)
         if n > self.inline_max:
-            raise ValueError(f"payload is {n} bytes; this ring carries at most {self.inline_max}")
+            raise UsageError(f"payload is {n} bytes; this ring carries at most {self.inline_max}")
         if (
             not 0 <= slot < self.num_slots
             or not 0 <= seq <= _U64_MAX
             or not 0 <= generation <= _U32_MAX
         ):
-            raise ValueError(
+            raise UsageError(
                 f"FRAME field out of range: seq {seq}, slot {slot}, generation {generation}"
             )
         lane = self._frame
@@ -754,7 +755,7 @@ class SubscriberRing(_End):
             or not 0 <= seq <= _U64_MAX
             or not 0 <= generation <= _U32_MAX
         ):
-            raise ValueError(
+            raise UsageError(
                 f"RELEASE field out of range: seq {seq}, slot {slot}, generation {generation}"
             )
         lane = self._release
