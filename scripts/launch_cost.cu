@@ -12,8 +12,9 @@
 // Build and run (nvcc 13 on the GPU machine):
 //   nvcc -O2 -o /tmp/launch_cost scripts/launch_cost.cu -lcuda
 //   /tmp/launch_cost              # all rows, 2000 frames each (a few seconds per row)
-//   /tmp/launch_cost --quick      # 6 rows, 400 frames
+//   /tmp/launch_cost --quick      # 7 rows, 400 frames
 //   /tmp/launch_cost --frames N --only A5,V-
+//   /tmp/launch_cost --only A5,V-satisfied,V-pending,V-lag,V-norelwait,V-rel   # the second run
 // Prints a markdown table: config | step | p50 us | p99 us | n.
 
 #include <cuda.h>
@@ -80,6 +81,16 @@ __global__ void spin(unsigned char* p, long long cycles) {
 enum Producer { P_NONE, P_IDLE, P_PINGPONG };
 enum PKernel { K_NONE, K_TRIVIAL, K_SPIN };
 enum Wait { W_NONE, W_IMPORTED, W_LOCAL };
+// How the producer issues its release wait:
+//  R_ASYNC  enqueue it before the kernel, the host goes on (the channel's acquire);
+//  R_SYNC   enqueue it, then cuStreamSynchronize: the release has been seen before the kernel
+//           is launched, so the producer's stream is never blocked on the consumer's flag
+//           while the consumer works (its frame wait may still be pending);
+//  R_AHEAD  (with psync) after the frame flag is written and the stream synchronised, enqueue
+//           the wait for the release of the frame about to be sent (>= i): the consumer's
+//           frame wait is already met, the producer's stream blocked on the consumer's
+//           release flag during the consumer's launches.
+enum RelMode { R_ASYNC, R_SYNC, R_AHEAD };
 
 struct Cfg {
   const char* name;
@@ -93,6 +104,11 @@ struct Cfg {
   bool psync;          // producer synchronises before the ping: the wait is already met
   unsigned waitflags;  // CU_STREAM_WAIT_VALUE_*
   unsigned sched;      // consumer context CU_CTX_SCHED_*
+  // The producer's release wait (only with `release`): before frame i's kernel its stream
+  // waits until the release flag >= i - lag (A5: lag 1, the frame just released; a ring of
+  // N slots reusing the least recently released slot: lag N); lag 0: never waits.
+  int lag = 1;
+  RelMode relmode = R_ASYNC;
 };
 
 #define A5 P_PINGPONG, K_TRIVIAL, W_IMPORTED, true, true
@@ -131,8 +147,22 @@ static const Cfg CONFIGS[] = {
      true, true, false, CU_STREAM_WAIT_VALUE_GEQ, CU_CTX_SCHED_AUTO},
     {"V-nb-alone", "A0 on a non-blocking stream", P_NONE, K_NONE, W_NONE, false, false, true,
      false, CU_STREAM_WAIT_VALUE_GEQ, CU_CTX_SCHED_AUTO},
+    // Second run: is it the cycle of pending cross-process stream waits? Does a ring's lag fix it?
+    {"V-lag2", "A5, producer waits release >= i-2 (a ring of 2 slots)", A5, false, false,
+     CU_STREAM_WAIT_VALUE_GEQ, CU_CTX_SCHED_AUTO, 2, R_ASYNC},
+    {"V-lag3", "A5, producer waits release >= i-3 (a ring of 3 slots)", A5, false, false,
+     CU_STREAM_WAIT_VALUE_GEQ, CU_CTX_SCHED_AUTO, 3, R_ASYNC},
+    {"V-lag7", "A5, producer waits release >= i-7 (a ring of 7 slots)", A5, false, false,
+     CU_STREAM_WAIT_VALUE_GEQ, CU_CTX_SCHED_AUTO, 7, R_ASYNC},
+    {"V-norelwait", "A5, consumer writes the release flag, producer never waits (unsafe)", A5,
+     false, false, CU_STREAM_WAIT_VALUE_GEQ, CU_CTX_SCHED_AUTO, 0, R_ASYNC},
+    {"V-relsync", "A5, producer host syncs on its release wait (>= i-1) before its kernel", A5,
+     false, false, CU_STREAM_WAIT_VALUE_GEQ, CU_CTX_SCHED_AUTO, 1, R_SYNC},
+    {"V-relpending", "V-satisfied, then producer stream waits release >= i before the ping", A5,
+     false, true, CU_STREAM_WAIT_VALUE_GEQ, CU_CTX_SCHED_AUTO, 0, R_AHEAD},
 };
-static const char* QUICK[] = {"A0", "A2", "A5", "V-nonblocking", "V-satisfied", "V-pending"};
+static const char* QUICK[] = {"A0",          "A2",        "A5",    "V-nonblocking",
+                              "V-satisfied", "V-pending", "V-lag3"};
 
 static inline long long now_ns() {
   struct timespec ts;
@@ -278,25 +308,34 @@ static void producer(const Cfg& c, int sock, int frames) {
   spin<<<1, 1, 0, s>>>((unsigned char*)data, 1);
   CKR(cudaGetLastError());
   CK(cuCtxSynchronize());
-  std::vector<long long> rt, kern;
+  std::vector<long long> rt, kern, relw;
+  bool relwait = c.release && c.lag > 0 && c.relmode != R_AHEAD;
   recv_u64(sock);  // READY
   for (int i = 1; i <= frames + WARMUP; i++) {
     long long t0 = now_ns();
     if (c.pkernel == K_SPIN) CK(cuStreamSynchronize(s));
-    if (c.release && i > 1)
-      CK(cuStreamWaitValue32(s, page + RELEASE_FLAG, (cuuint32_t)(i - 1), CU_STREAM_WAIT_VALUE_GEQ));
+    long long tr = now_ns();
+    if (relwait && i > c.lag) {
+      CK(cuStreamWaitValue32(s, page + RELEASE_FLAG, (cuuint32_t)(i - c.lag),
+                             CU_STREAM_WAIT_VALUE_GEQ));
+      if (c.relmode == R_SYNC) CK(cuStreamSynchronize(s));
+    }
     long long t1 = now_ns();
     if (c.pkernel == K_TRIVIAL) touch<<<1, 1, 0, s>>>((unsigned char*)data);
     if (c.pkernel == K_SPIN) spin<<<1, 1, 0, s>>>((unsigned char*)data, cycles);
     long long t2 = now_ns();
     if (c.wait == W_IMPORTED) CK(cuStreamWriteValue32(s, page + FRAME_FLAG, (cuuint32_t)i, 0));
     if (c.psync) CK(cuStreamSynchronize(s));
+    // R_AHEAD: the stream now waits for the release of the frame the consumer is about to get
+    if (c.release && c.relmode == R_AHEAD)
+      CK(cuStreamWaitValue32(s, page + RELEASE_FLAG, (cuuint32_t)i, CU_STREAM_WAIT_VALUE_GEQ));
     send_u64(sock, (uint64_t)i);
     recv_u64(sock);
     long long t3 = now_ns();
     if (i > WARMUP) {
       rt.push_back(t3 - t0);
       kern.push_back(t2 - t1);
+      if (relwait) relw.push_back(t1 - tr);
     }
   }
   CKR(cudaGetLastError());
@@ -306,6 +345,7 @@ static void producer(const Cfg& c, int sock, int frames) {
   CK(cuCtxSynchronize());
   print_stat(c.name, "P round trip", rt);
   print_stat(c.name, "P kernel launch", kern);
+  print_stat(c.name, "P release wait (host)", relw);
   fflush(stdout);
   _exit(0);
 }

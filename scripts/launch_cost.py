@@ -17,9 +17,11 @@ context on the GPU.
 
 Usage (on the GPU machine)::
 
-    python3 scripts/launch_cost.py                # all rows, 2000 frames each, < 3 min on an H200
-    python3 scripts/launch_cost.py --quick        # 6 rows, 400 frames: a smoke test (~30 s)
+    python3 scripts/launch_cost.py                # all rows, 2000 frames each, ~1 min on an H200
+    python3 scripts/launch_cost.py --quick        # 7 rows, 400 frames: a smoke test (~30 s)
     python3 scripts/launch_cost.py --only A5,V-   # rows whose name starts with one of these
+    python3 scripts/launch_cost.py --only A5,V-satisfied,V-pending,V-lag,V-norelwait,V-rel
+                                                  # the second run's rows with their controls
     python3 scripts/launch_cost.py --list         # the rows and what each isolates
     OUT=/tmp/out python3 scripts/launch_cost.py   # also writes $OUT/launch_cost.json
 
@@ -87,6 +89,17 @@ class Cfg:
     psync: bool = False  # producer synchronises before sending: the wait is already satisfied
     pin: bool = False  # pin consumer and producer to two distinct cores
     query: bool = False  # after the reply: cuStreamQuery, counts frames still busy (untimed)
+    # The producer's release wait (only with ``release``): before frame i's kernel its stream
+    # waits until the release flag >= i - rel_lag (A5: 1, the frame just released; a ring of N
+    # slots reusing the least recently released slot: N); 0: never waits (unsafe, measurement).
+    rel_lag: int = 1
+    # async: enqueue the wait, the host goes on (the channel's acquire);
+    # sync: enqueue it, then synchronise: the release has been seen before the producer's kernel
+    #   is launched, so its stream never waits on the consumer while the consumer works;
+    # ahead: (with psync) after the frame flag is written and the stream synchronised, enqueue
+    #   the wait for the release of the frame about to be sent (>= i) before the ping: the
+    #   consumer's frame wait is already met, the producer's stream blocked on its release flag.
+    relwait: str = "async"
 
 
 BASE5 = dict(
@@ -154,6 +167,30 @@ CONFIGS: list[Cfg] = [
         "V-pending on a non-blocking stream",
         **{**BASE5, "pkernel": "spin", "stream": "nonblocking"},
     ),
+    # -- second run: a cycle of pending cross-process stream waits? does a ring's lag fix it? --
+    Cfg("V-lag2", "A5, producer waits release >= i-2 (a ring of 2 slots)", **BASE5, rel_lag=2),
+    Cfg("V-lag3", "A5, producer waits release >= i-3 (a ring of 3 slots)", **BASE5, rel_lag=3),
+    Cfg("V-lag7", "A5, producer waits release >= i-7 (a ring of 7 slots)", **BASE5, rel_lag=7),
+    Cfg(
+        "V-norelwait",
+        "A5, consumer writes the release flag, producer never waits on it (unsafe)",
+        **BASE5,
+        rel_lag=0,
+    ),
+    Cfg(
+        "V-relsync",
+        "A5, producer host synchronises on its release wait (>= i-1) before its kernel",
+        **BASE5,
+        relwait="sync",
+    ),
+    Cfg(
+        "V-relpending",
+        "V-satisfied, then the producer stream waits release >= i before the ping",
+        **BASE5,
+        psync=True,
+        rel_lag=0,
+        relwait="ahead",
+    ),
     Cfg(
         "V-busypoll",
         "A5, consumer busy-polls the socket instead of blocking",
@@ -166,7 +203,7 @@ CONFIGS: list[Cfg] = [
         stream="nonblocking",
     ),
 ]
-QUICK = ("A0", "A2", "A5", "V-nonblocking", "V-satisfied", "V-pending")
+QUICK = ("A0", "A2", "A5", "V-nonblocking", "V-satisfied", "V-pending", "V-lag3")
 
 LAUNCHES = ("cupy_ew", "cupy_raw", "cuLaunchKernel")
 
@@ -350,16 +387,21 @@ def producer_main(cfg: Cfg, sock: socket.socket, results: Any, frames: int) -> N
         geq = int(d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
         frame_flag, rel_flag = page_ptr + FRAME_FLAG, page_ptr + RELEASE_FLAG
         _recv_exact(sock, buf)  # READY
-        rt, kern, flag, sync_t = [], [], [], []
+        rt, kern, flag, sync_t, relw = [], [], [], [], []
+        lag = cfg.rel_lag
+        relwait = cfg.release and lag > 0 and cfg.relwait != "ahead"
         total = frames + WARMUP
         for i in range(1, total + 1):
             t0 = time.perf_counter_ns()
             if cfg.pkernel == "spin":
                 stream.synchronize()  # keep at most one spin kernel queued
-            if cfg.release and i > 1:
-                (err,) = wait(sptr, rel_flag, i - 1, geq)  # the channel's acquire
+            tr = time.perf_counter_ns()
+            if relwait and i > lag:
+                (err,) = wait(sptr, rel_flag, i - lag, geq)  # the channel's acquire
                 if err:
                     cu.ck("cuStreamWaitValue32 (producer)", (err,))
+                if cfg.relwait == "sync":
+                    stream.synchronize()
             t1 = time.perf_counter_ns()
             if cfg.pkernel == "trivial":
                 slot_arr[:1] += 1
@@ -373,6 +415,11 @@ def producer_main(cfg: Cfg, sock: socket.socket, results: Any, frames: int) -> N
             t3 = time.perf_counter_ns()
             if cfg.psync:
                 stream.synchronize()
+            if cfg.release and cfg.relwait == "ahead":
+                # the stream waits for the release of the frame the consumer is about to get
+                (err,) = wait(sptr, rel_flag, i, geq)
+                if err:
+                    cu.ck("cuStreamWaitValue32 (producer, ahead)", (err,))
             t4 = time.perf_counter_ns()
             sock.send(_MSG.pack(i))
             _recv_exact(sock, buf)
@@ -382,6 +429,8 @@ def producer_main(cfg: Cfg, sock: socket.socket, results: Any, frames: int) -> N
                 kern.append(t2 - t1)
                 flag.append(t3 - t2)
                 sync_t.append(t4 - t3)
+                if relwait:
+                    relw.append(t1 - tr)
         sock.send(_MSG.pack(0))
         _recv_exact(sock, buf)  # DONE: the consumer's stream is drained
         stream.synchronize()
@@ -390,6 +439,8 @@ def producer_main(cfg: Cfg, sock: socket.socket, results: Any, frames: int) -> N
             stats["P flag write"] = _stats(flag)
         if cfg.psync:
             stats["P synchronize"] = _stats(sync_t)
+        if relwait:
+            stats["P release wait (host)"] = _stats(relw)
         results.put(("producer", stats, None))
     except BaseException as exc:
         results.put(("producer", stats, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
