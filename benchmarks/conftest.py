@@ -31,6 +31,19 @@ RATIOS: list[tuple[str, str, str, str, float]] = [
     ("fan-out p50 4 subs / 1 sub", "fanout_p50_4", "fanout_p50_1", "<=", 2.0),
     ("round trip p50 64 MiB / socket floor", "roundtrip_p50_64MiB", "socket_floor_p50", "<=", 3.0),
     ("round trip p50 256 MiB / 1 MiB", "roundtrip_p50_256MiB", "roundtrip_p50_1MiB", "<=", 1.5),
+    ("fan-out p50 8 subs / 1 sub", "fanout_p50_8", "fanout_p50_1", "<=", 2.0),
+]
+# remote lane (issue 12): channel rate / raw UCXX rate on the same transport, per size
+RATIOS += [
+    (
+        f"remote {memory} channel/raw UCXX {mib} MiB",
+        f"remote_{memory}_ucxx_{mib}MiB",
+        f"remote_{memory}_channel_{mib}MiB",
+        ">=",
+        0.9,
+    )
+    for memory in ("device", "host")
+    for mib in (1, 64, 256)
 ]
 # (label, name, target seconds)
 ABSOLUTE: list[tuple[str, str, float]] = [
