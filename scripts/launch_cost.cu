@@ -15,6 +15,14 @@
 //   /tmp/launch_cost --quick      # 7 rows, 400 frames
 //   /tmp/launch_cost --frames N --only A5,V-
 //   /tmp/launch_cost --only A5,V-satisfied,V-pending,V-lag,V-norelwait,V-rel   # the second run
+//   /tmp/launch_cost --only A5,V-lag3,V-norelwait,H-   # the third run: flags in host memory
+//
+// Rows H-*: the release flag (H-both: the frame flag too) lives in a page of host memory
+// shared by both processes (mmap MAP_SHARED | MAP_ANONYMOUS in the parent before the fork,
+// registered in each child with cuMemHostRegister(DEVICEMAP | PORTABLE) once its context
+// exists; the streams use the device pointer from cuMemHostGetDevicePointer). The producer
+// can then read the consumer's release on the host with an acquire load and enqueue its
+// cuStreamWaitValue32 only when the release has not been written yet.
 // Prints a markdown table: config | step | p50 us | p99 us | n.
 
 #include <cuda.h>
@@ -26,6 +34,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/types.h>
 #include <sys/wait.h>
@@ -40,7 +49,12 @@ static const int WARMUP = 200;
 static const int SPIN_US = 200;
 static const size_t SLOT = 2u << 20;
 static const size_t FRAME_FLAG = 0, RELEASE_FLAG = 256;
+static const size_t HOST_PAGE = 4096;  // the shared host page of the H rows (same flag offsets)
+static const int HOST_SPIN_US = 100;   // H-release-spin: the producer's host spin before a GPU wait
 static const char* g_row = "?";
+// The H rows' shared host page: mapped by the parent before the fork (no CUDA there), so both
+// children inherit the same physical page; each registers it after creating its context.
+static unsigned char* g_host = nullptr;
 
 #define CK(x)                                                                              \
   do {                                                                                     \
@@ -91,6 +105,15 @@ enum Wait { W_NONE, W_IMPORTED, W_LOCAL };
 //           frame wait is already met, the producer's stream blocked on the consumer's
 //           release flag during the consumer's launches.
 enum RelMode { R_ASYNC, R_SYNC, R_AHEAD };
+// Flags in host memory (rows H-*), bits of Cfg::host:
+//  HF_RELEASE  the release flag is in the shared host page (the consumer's stream writes it
+//              through the registered page's device pointer);
+//  HF_FRAME    the frame flag too (the producer's stream writes it, the consumer's waits on it);
+//  HF_CHECK    the producer reads the release flag on the host (acquire load) and enqueues its
+//              cuStreamWaitValue32 only when the flag is short of the value needed;
+//  HF_SPIN     (with HF_CHECK) the producer spins on the host up to HOST_SPIN_US before it
+//              falls back to the GPU wait.
+enum HostFlags { HF_RELEASE = 1, HF_FRAME = 2, HF_CHECK = 4, HF_SPIN = 8 };
 
 struct Cfg {
   const char* name;
@@ -109,6 +132,7 @@ struct Cfg {
   // N slots reusing the least recently released slot: lag N); lag 0: never waits.
   int lag = 1;
   RelMode relmode = R_ASYNC;
+  unsigned host = 0;  // HostFlags
 };
 
 #define A5 P_PINGPONG, K_TRIVIAL, W_IMPORTED, true, true
@@ -160,6 +184,21 @@ static const Cfg CONFIGS[] = {
      false, false, CU_STREAM_WAIT_VALUE_GEQ, CU_CTX_SCHED_AUTO, 1, R_SYNC},
     {"V-relpending", "V-satisfied, then producer stream waits release >= i before the ping", A5,
      false, true, CU_STREAM_WAIT_VALUE_GEQ, CU_CTX_SCHED_AUTO, 0, R_AHEAD},
+    // Third run: flags in shared host memory; the producer checks the release on the host.
+    {"H-release",
+     "A5, release flag in shared host memory; producer checks it on the host, GPU wait only if "
+     "unmet",
+     A5, false, false, CU_STREAM_WAIT_VALUE_GEQ, CU_CTX_SCHED_AUTO, 1, R_ASYNC,
+     HF_RELEASE | HF_CHECK},
+    {"H-both", "H-release, and the frame flag in shared host memory too", A5, false, false,
+     CU_STREAM_WAIT_VALUE_GEQ, CU_CTX_SCHED_AUTO, 1, R_ASYNC, HF_RELEASE | HF_FRAME | HF_CHECK},
+    {"H-release-always",
+     "A5, release flag in shared host memory; producer always enqueues the GPU wait on it", A5,
+     false, false, CU_STREAM_WAIT_VALUE_GEQ, CU_CTX_SCHED_AUTO, 1, R_ASYNC, HF_RELEASE},
+    {"H-release-spin",
+     "H-release; when unmet the producer spins on the host (<= 100 us) before a GPU wait", A5,
+     false, false, CU_STREAM_WAIT_VALUE_GEQ, CU_CTX_SCHED_AUTO, 1, R_ASYNC,
+     HF_RELEASE | HF_CHECK | HF_SPIN},
 };
 static const char* QUICK[] = {"A0",          "A2",        "A5",    "V-nonblocking",
                               "V-satisfied", "V-pending", "V-lag3"};
@@ -230,6 +269,9 @@ static uint64_t recv_u64(int sock) {
 
 static void send_u64(int sock, uint64_t v) { CKS(send(sock, &v, sizeof(v), 0)); }
 
+// The H rows' ping carries this bit when the producer enqueued a GPU release wait for the frame.
+static const uint64_t PING_GPU_WAIT = 1ull << 32;
+
 // ---------------------------------------------------------------------- CUDA helpers
 
 static CUdevice init_ctx(unsigned sched) {
@@ -276,6 +318,31 @@ static CUdeviceptr create_exported(size_t size, int* fd) {
   return ptr;
 }
 
+// Register the shared host page in this process (its context is current) and return the
+// device pointer the stream memory operations use.
+static CUdeviceptr register_host_page(const char* who) {
+  if (!g_host) {
+    fprintf(stderr, "[%s] no shared host page\n", g_row);
+    _exit(3);
+  }
+  CUdevice dev;
+  CK(cuDeviceGet(&dev, 0));
+  int same_va = -1, mapped = -1;
+  CK(cuDeviceGetAttribute(&same_va, CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM,
+                          dev));
+  CK(cuDeviceGetAttribute(&mapped, CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY, dev));
+  CK(cuMemHostRegister(g_host, HOST_PAGE,
+                       CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_PORTABLE));
+  CUdeviceptr d = 0;
+  CK(cuMemHostGetDevicePointer(&d, g_host, 0));
+  fprintf(stderr,
+          "[%s] %s: host page %p registered, device pointer 0x%llx (%s the host address); "
+          "CAN_MAP_HOST_MEMORY %d, CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM %d\n",
+          g_row, who, (void*)g_host, (unsigned long long)d,
+          d == (CUdeviceptr)(uintptr_t)g_host ? "same as" : "not", mapped, same_va);
+  return d;
+}
+
 static CUdeviceptr import_fd(int fd, size_t size) {
   CUmemGenericAllocationHandle h;
   CK(cuMemImportFromShareableHandle(&h, (void*)(uintptr_t)fd,
@@ -304,6 +371,14 @@ static void producer(const Cfg& c, int sock, int frames) {
   cuDeviceGetAttribute(&clock_khz, CU_DEVICE_ATTRIBUTE_CLOCK_RATE, dev);
   long long cycles = (long long)SPIN_US * clock_khz / 1000;
   CUstream s = 0;  // legacy default stream, as the channel's producer in the benchmarks
+  // Where the flags are: the exported page (A5), or the shared host page (H rows).
+  CUdeviceptr hdev = c.host ? register_host_page("producer") : 0;
+  CUdeviceptr fptr = (c.host & HF_FRAME) ? hdev + FRAME_FLAG : page + FRAME_FLAG;
+  CUdeviceptr relptr = (c.host & HF_RELEASE) ? hdev + RELEASE_FLAG : page + RELEASE_FLAG;
+  uint32_t* hrel = (c.host & HF_RELEASE) ? (uint32_t*)(g_host + RELEASE_FLAG) : nullptr;
+  bool hcheck = (c.host & HF_RELEASE) && (c.host & HF_CHECK);
+  long long spin_ns = (c.host & HF_SPIN) ? (long long)HOST_SPIN_US * 1000 : 0;
+  size_t gpu_waits = 0, host_spun = 0, timed = 0;
   touch<<<1, 1, 0, s>>>((unsigned char*)data);
   spin<<<1, 1, 0, s>>>((unsigned char*)data, 1);
   CKR(cudaGetLastError());
@@ -315,27 +390,52 @@ static void producer(const Cfg& c, int sock, int frames) {
     long long t0 = now_ns();
     if (c.pkernel == K_SPIN) CK(cuStreamSynchronize(s));
     long long tr = now_ns();
+    bool gpu_wait = false;
     if (relwait && i > c.lag) {
-      CK(cuStreamWaitValue32(s, page + RELEASE_FLAG, (cuuint32_t)(i - c.lag),
-                             CU_STREAM_WAIT_VALUE_GEQ));
+      cuuint32_t need = (cuuint32_t)(i - c.lag);
+      gpu_wait = true;
+      if (hcheck) {
+        // Acquire load of the flag the consumer's stream wrote after its kernels (with the
+        // write's memory barrier): seeing `need` means the consumer's work on the frame is
+        // done, so the GPU wait can be skipped. Cyclic >=, as the GPU's GEQ.
+        uint32_t v = __atomic_load_n(hrel, __ATOMIC_ACQUIRE);
+        if ((int32_t)(v - need) < 0 && spin_ns > 0) {
+          if (i > WARMUP) host_spun++;
+          long long until = now_ns() + spin_ns;
+          do {
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#elif defined(__aarch64__)
+            __asm__ __volatile__("yield");
+#endif
+            v = __atomic_load_n(hrel, __ATOMIC_ACQUIRE);
+          } while ((int32_t)(v - need) < 0 && now_ns() < until);
+        }
+        gpu_wait = (int32_t)(v - need) < 0;
+      }
+      if (gpu_wait) CK(cuStreamWaitValue32(s, relptr, need, CU_STREAM_WAIT_VALUE_GEQ));
       if (c.relmode == R_SYNC) CK(cuStreamSynchronize(s));
     }
     long long t1 = now_ns();
     if (c.pkernel == K_TRIVIAL) touch<<<1, 1, 0, s>>>((unsigned char*)data);
     if (c.pkernel == K_SPIN) spin<<<1, 1, 0, s>>>((unsigned char*)data, cycles);
     long long t2 = now_ns();
-    if (c.wait == W_IMPORTED) CK(cuStreamWriteValue32(s, page + FRAME_FLAG, (cuuint32_t)i, 0));
+    if (c.wait == W_IMPORTED) CK(cuStreamWriteValue32(s, fptr, (cuuint32_t)i, 0));
     if (c.psync) CK(cuStreamSynchronize(s));
     // R_AHEAD: the stream now waits for the release of the frame the consumer is about to get
     if (c.release && c.relmode == R_AHEAD)
-      CK(cuStreamWaitValue32(s, page + RELEASE_FLAG, (cuuint32_t)i, CU_STREAM_WAIT_VALUE_GEQ));
-    send_u64(sock, (uint64_t)i);
+      CK(cuStreamWaitValue32(s, relptr, (cuuint32_t)i, CU_STREAM_WAIT_VALUE_GEQ));
+    send_u64(sock, (uint64_t)i | (hcheck && gpu_wait ? PING_GPU_WAIT : 0));
     recv_u64(sock);
     long long t3 = now_ns();
     if (i > WARMUP) {
       rt.push_back(t3 - t0);
       kern.push_back(t2 - t1);
       if (relwait) relw.push_back(t1 - tr);
+      if (relwait && i > c.lag) {
+        timed++;
+        gpu_waits += gpu_wait;
+      }
     }
   }
   CKR(cudaGetLastError());
@@ -346,6 +446,14 @@ static void producer(const Cfg& c, int sock, int frames) {
   print_stat(c.name, "P round trip", rt);
   print_stat(c.name, "P kernel launch", kern);
   print_stat(c.name, "P release wait (host)", relw);
+  if (c.host & HF_RELEASE) {
+    // counts, not times: the n column holds the count
+    printf("| %s | P release waits enqueued on the GPU: %zu of %zu frames (count in n) | – | – | %zu |\n",
+           c.name, gpu_waits, timed, gpu_waits);
+    if (spin_ns > 0)
+      printf("| %s | P release unmet at first look, host spin: %zu of %zu frames (count in n) | – | – | %zu |\n",
+             c.name, host_spun, timed, host_spun);
+  }
   fflush(stdout);
   _exit(0);
 }
@@ -384,17 +492,28 @@ static void consumer(const Cfg& c, int sock, int frames) {
   touch<<<1, 1, 0, (cudaStream_t)s>>>((unsigned char*)target);
   CKR(cudaGetLastError());
   CK(cuCtxSynchronize());
-  CUdeviceptr flag = c.wait == W_IMPORTED ? page + FRAME_FLAG : local_flag;
+  CUdeviceptr hdev = c.host ? register_host_page("consumer") : 0;
+  CUdeviceptr flag = c.wait != W_IMPORTED ? local_flag
+                     : (c.host & HF_FRAME) ? hdev + FRAME_FLAG
+                                           : page + FRAME_FLAG;
+  CUdeviceptr relptr = (c.host & HF_RELEASE) ? hdev + RELEASE_FLAG : page + RELEASE_FLAG;
   std::vector<long long> wake, wait, l_drv, l_rt, launch2, rel, reply, active;
+  // H rows with the host check: both launches (launch + launch2) split by whether the producer
+  // enqueued a GPU release wait before this frame's kernel (a bit of the ping)
+  std::vector<long long> l_gw, l_nogw;
+  bool split = (c.host & HF_RELEASE) && (c.host & HF_CHECK);
   bool pingpong = c.producer == P_PINGPONG;
   if (sock >= 0) send_u64(sock, 0xAAAA);  // READY
   int total = frames + WARMUP;
   for (int n = 1;; n++) {
     long long tw = now_ns();
     uint64_t i;
+    bool pgw = false;
     if (pingpong) {
       i = recv_u64(sock);
       if (i == 0) break;
+      pgw = (i & PING_GPU_WAIT) != 0;
+      i &= 0xffffffffu;
     } else {
       i = (uint64_t)n;
       if (n > total) break;
@@ -415,7 +534,7 @@ static void consumer(const Cfg& c, int sock, int frames) {
     long long t2 = now_ns();
     CK(cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, s, params, nullptr));
     long long t3 = now_ns();
-    if (c.release) CK(cuStreamWriteValue32(s, page + RELEASE_FLAG, (cuuint32_t)i, 0));
+    if (c.release) CK(cuStreamWriteValue32(s, relptr, (cuuint32_t)i, 0));
     long long t4 = now_ns();
     if (pingpong) send_u64(sock, i);
     long long t5 = now_ns();
@@ -423,6 +542,7 @@ static void consumer(const Cfg& c, int sock, int frames) {
       wake.push_back(t0 - tw);
       if (c.wait != W_NONE) wait.push_back(t1 - t0);
       (kind == 0 ? l_drv : l_rt).push_back(t2 - t1);
+      if (split) (pgw ? l_gw : l_nogw).push_back(t3 - t1);
       launch2.push_back(t3 - t2);
       if (c.release) rel.push_back(t4 - t3);
       if (pingpong) reply.push_back(t5 - t4);
@@ -436,6 +556,8 @@ static void consumer(const Cfg& c, int sock, int frames) {
   print_stat(c.name, "launch[cuLaunchKernel]", l_drv);
   print_stat(c.name, "launch[runtime <<<>>>]", l_rt);
   print_stat(c.name, "launch2[cuLaunchKernel]", launch2);
+  print_stat(c.name, "launch+launch2, frames the producer enqueued a GPU release wait", l_gw);
+  print_stat(c.name, "launch+launch2, frames the producer skipped it", l_nogw);
   print_stat(c.name, "release", rel);
   print_stat(c.name, "reply", reply);
   print_stat(c.name, "active (wait..reply)", active);
@@ -510,6 +632,16 @@ int main(int argc, char** argv) {
       perror("socketpair");
       return 1;
     }
+    if (c.host) {
+      // before the fork, so both children share the page; no CUDA in the parent
+      void* m = mmap(nullptr, HOST_PAGE, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+      if (m == MAP_FAILED) {
+        perror("mmap");
+        return 1;
+      }
+      memset(m, 0, HOST_PAGE);
+      g_host = (unsigned char*)m;
+    }
     fflush(stdout);
     pid_t pp = -1;
     if (c.producer != P_NONE) {
@@ -535,6 +667,10 @@ int main(int argc, char** argv) {
       ok = wait_child(pp, deadline, "producer", c.name) && ok;
     }
     failed += !ok;
+    if (g_host) {
+      munmap(g_host, HOST_PAGE);
+      g_host = nullptr;
+    }
     fflush(stdout);
   }
   printf("\nRows:\n");
