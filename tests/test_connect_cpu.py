@@ -47,3 +47,9 @@ def test_local_path_reaches_the_local_channel(tmp_path) -> None:
     with pytest.raises(cip.TransportError) as info:
         cip.subscribe(str(tmp_path / "nobody.sock"), timeout=1)
     assert "ucx" not in str(info.value)
+
+
+def test_remote_frames_are_frames() -> None:
+    from cupy_ipcpool import remote
+
+    assert issubclass(remote.RemoteFrame, cip.Frame)

@@ -13,7 +13,7 @@ import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 from .._arrays import cupy_module, stream_ptr
 from .._errors import (
@@ -73,6 +73,14 @@ class _StreamsInUse:
 
     def clear(self) -> None:
         self._streams.clear()
+
+
+class FrameLease(Protocol):
+    """What a :class:`Frame` holds: its lease, returned once (here or by a remote subscriber)."""
+
+    released: bool
+
+    def release(self, stream: Any = None) -> None: ...
 
 
 class _Lease:
@@ -135,7 +143,7 @@ class Frame:
     __slots__ = ("_lease", "arrays", "metadata", "seq", "slot")
 
     def __init__(
-        self, seq: int, slot: int, arrays: tuple[Any, ...], metadata: bytes, lease: _Lease
+        self, seq: int, slot: int, arrays: tuple[Any, ...], metadata: bytes, lease: FrameLease
     ) -> None:
         self.seq = seq
         self.slot = slot
@@ -166,7 +174,7 @@ class Frame:
 
     def __repr__(self) -> str:
         shapes = ", ".join(str(tuple(a.shape)) for a in self.arrays)
-        return f"Frame(seq={self.seq}, slot={self.slot}, arrays=[{shapes}])"
+        return f"{type(self).__name__}(seq={self.seq}, slot={self.slot}, arrays=[{shapes}])"
 
 
 class Subscriber:

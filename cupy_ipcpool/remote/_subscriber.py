@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .._errors import EndOfStream, PoolClosedError, UsageError
+from ..channel import Frame
 from . import _wire as wire
 from ._credit import ClientBook
 from ._memory import DeviceSlots, HostSlots
@@ -46,7 +47,7 @@ class _Lease:
                 pass
 
 
-class RemoteFrame:
+class RemoteFrame(Frame):
     """A frame received from a remote server, in one slot of this process's receive ring.
 
     Attributes
@@ -69,40 +70,7 @@ class RemoteFrame:
     and all of its arrays are garbage collected.
     """
 
-    __slots__ = ("_lease", "arrays", "metadata", "seq", "slot")
-
-    def __init__(
-        self, seq: int, slot: int, arrays: tuple[Any, ...], metadata: bytes, lease: _Lease
-    ) -> None:
-        self.seq = seq
-        self.slot = slot
-        self.arrays = arrays
-        self.metadata = metadata
-        self._lease = lease
-
-    @property
-    def array(self) -> Any:
-        """The first (often only) array."""
-        return self.arrays[0]
-
-    @property
-    def released(self) -> bool:
-        """True once released."""
-        return self._lease.released
-
-    def release(self, stream: Any = None) -> None:
-        """Give the slot back once ``stream``'s work (default: current) is done. Idempotent."""
-        self._lease.release(stream)
-
-    def __enter__(self) -> RemoteFrame:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        shapes = ", ".join(str(tuple(a.shape)) for a in self.arrays)
-        return f"RemoteFrame(seq={self.seq}, slot={self.slot}, arrays=[{shapes}])"
+    __slots__ = ()
 
 
 class RemoteSubscriber:
