@@ -656,12 +656,15 @@ def test_evicted_subscriber_never_gets_a_revoked_frame(tmp_path: Any) -> None:
             assert sub.lease_timeout == 0.2
             while not core.subscribers:
                 core.poll(0.01)
+            assert sub.connected()
             for _ in range(3):
                 slot, _ = core.acquire(1.0)
                 core.publish(slot)
             time.sleep(0.3)
             core.poll(0.0)
             assert core.evictions == 1
+            # the GPU subscriber asks this before writing its sync-page row
+            assert not sub.connected()
             with pytest.raises(EvictedError) as info:
                 sub.recv(timeout=1)
             assert "lease_timeout" in str(info.value)
@@ -670,6 +673,35 @@ def test_evicted_subscriber_never_gets_a_revoked_frame(tmp_path: Any) -> None:
             with pytest.raises(EvictedError):
                 sub.recv(timeout=1)
             assert sub.evicted
+    finally:
+        core.close()
+        slots.close()
+
+
+@pytest.mark.timeout(60)
+def test_connected_turns_false_on_a_clean_close_and_keeps_queued_frames(tmp_path: Any) -> None:
+    """After the publisher hangs up, ``connected()`` is False; frames sent before still arrive."""
+    address = str(tmp_path / "chan.sock")
+    slots = MemfdSlots(4)
+    core = PublisherCore(address, 4, welcome=slots.welcome)
+    try:
+        with SubscriberCore(address, timeout=5) as sub:
+            while not core.subscribers:
+                core.poll(0.01)
+            assert sub.connected()
+            slot, _ = core.acquire(1.0)
+            seq = core.publish(slot)
+            core.close()
+            deadline = time.monotonic() + 5
+            while sub.connected():
+                assert time.monotonic() < deadline, "the hang-up was never seen"
+                time.sleep(0.01)
+            frame = sub.recv(timeout=1)
+            assert (frame.seq, frame.slot) == (seq, slot)
+            assert not sub.evicted
+            with pytest.raises(EndOfStream) as info:
+                sub.recv(timeout=1)
+            assert info.value.clean
     finally:
         core.close()
         slots.close()

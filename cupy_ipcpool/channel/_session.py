@@ -1505,6 +1505,24 @@ class SubscriberCore:
         """True once the publisher evicted this subscriber (see :class:`EvictedError`)."""
         return self._evicted
 
+    def connected(self) -> bool:
+        """False once the publisher has hung up on this subscriber (ended, died or evicted it).
+
+        One ``poll(0)``; after a hang-up it reads what is still queued, to
+        notice an eviction notice (frames queued before a BYE stay for
+        :meth:`recv`).  The GPU subscriber asks before it writes its read flag
+        in the sync page: an evicted subscriber's row may already belong to a
+        newer subscriber, which a late write of an older generation would
+        disturb.  (A publisher that evicts between this call and the write is
+        not caught: the window is one flag write.)
+        """
+        if self._closed or self._eos is not None:
+            return False
+        if self._hangup.poll(0):
+            self._scan_after_hangup()
+            return False
+        return True
+
     def release(self, seq: int, slot: int) -> None:
         """Return the lease on frame ``seq`` in ``slot``.
 

@@ -362,7 +362,9 @@ class Subscriber:
         self._streams.note(sptr, stream)
         sync = self._sync
         assert sync is not None
-        sync.write(sptr, sync.read_flag(self._index, slot), generation)
+        if self._core.connected():
+            # never after an eviction: the row may have been given to another subscriber
+            sync.write(sptr, sync.read_flag(self._index, slot), generation)
         with contextlib.suppress(EndOfStream):  # the producer is gone: nobody to return it to
             self._core.release(seq, slot)
 
