@@ -49,6 +49,27 @@ needs_root = pytest.mark.skipif(
 # -- helpers ---------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _memfd_channel(
+    address: str, num_slots: int, slot_size: int = 4096, **kwargs: Any
+) -> Iterator[tuple[PublisherCore, MemfdSlots]]:
+    """A publisher core over memfd slots, driven by the test itself; both closed after."""
+    slots = MemfdSlots(num_slots, slot_size)
+    try:
+        core = PublisherCore(address, num_slots, welcome=slots.welcome, **kwargs)
+        try:
+            yield core, slots
+        finally:
+            core.close()
+    finally:
+        slots.close()
+
+
+def _until_subscribed(core: PublisherCore) -> None:
+    while not core.subscribers:
+        core.poll(0.01)
+
+
 def _drop_to(uid: int) -> None:
     os.setgroups([])
     os.setgid(uid)
@@ -550,17 +571,14 @@ def test_greedy_latest_subscriber_leaves_the_producer_rate(
 ) -> None:
     address = str(tmp_path / "chan.sock")
     # 1 MiB frames: a producer doing real work per frame (~10^4 frames/s, as in the issue)
-    slots = MemfdSlots(8, 1024 * 1024)
-    core = PublisherCore(address, 8, welcome=slots.welcome)
-    try:
+    with _memfd_channel(address, 8, 1024 * 1024) as (core, slots):
         assert core.max_credit == 6
         greedy = children(_child_greedy_latest, address)
         ratios, without, with_greedy = [], [], []
         for _ in range(5):  # adjacent windows see the same load on a shared machine
             alone = _rate(core, slots, 0.2)
             greedy.conn.send("join")
-            while not core.subscribers:
-                core.poll(0.01)
+            _until_subscribed(core)
             assert greedy.expect("joined") == 6  # the credit granted, not the one asked
             (info,) = core.subscribers
             assert info.credit == 6
@@ -582,9 +600,6 @@ def test_greedy_latest_subscriber_leaves_the_producer_rate(
             f"(median ratio {ratio:.2f})"
         )
         assert ratio >= 0.9, (without, with_greedy)
-    finally:
-        core.close()
-        slots.close()
 
 
 def _child_stopped_block(conn: Connection, address: str) -> None:
@@ -614,15 +629,13 @@ def test_lease_timeout_evicts_a_stopped_subscriber(
     tmp_path: Any, children: Callable[..., Child]
 ) -> None:
     address = str(tmp_path / "chan.sock")
-    slots = MemfdSlots(4)
     left: list[int] = []
-    core = PublisherCore(
-        address, 4, welcome=slots.welcome, lease_timeout=0.5, on_leave=lambda i: left.append(1)
-    )
-    try:
+    with _memfd_channel(address, 4, lease_timeout=0.5, on_leave=lambda i: left.append(1)) as (
+        core,
+        slots,
+    ):
         child = children(_child_stopped_block, address)
-        while not core.subscribers:
-            core.poll(0.01)
+        _until_subscribed(core)
         assert child.expect("joined") == 0.5
         for _ in range(2):
             slot, _ = core.acquire(5.0)
@@ -640,71 +653,57 @@ def test_lease_timeout_evicts_a_stopped_subscriber(
         assert "evicted" in core.last_leave_reason
         os.kill(child.proc.pid, signal.SIGCONT)
         assert child.expect("errors") == ["EvictedError", "EvictedError"]
-    finally:
-        core.close()
-        slots.close()
 
 
 @pytest.mark.timeout(60)
 def test_evicted_subscriber_never_gets_a_revoked_frame(tmp_path: Any) -> None:
     """Frames queued before the eviction are not handed out; EvictedError instead."""
     address = str(tmp_path / "chan.sock")
-    slots = MemfdSlots(8)
-    core = PublisherCore(address, 8, welcome=slots.welcome, lease_timeout=0.2)
-    try:
-        with SubscriberCore(address, timeout=5) as sub:
-            assert sub.lease_timeout == 0.2
-            while not core.subscribers:
-                core.poll(0.01)
-            assert sub.connected()
-            for _ in range(3):
-                slot, _ = core.acquire(1.0)
-                core.publish(slot)
-            time.sleep(0.3)
-            core.poll(0.0)
-            assert core.evictions == 1
-            # the GPU subscriber asks this before writing its sync-page row
-            assert not sub.connected()
-            with pytest.raises(EvictedError) as info:
-                sub.recv(timeout=1)
-            assert "lease_timeout" in str(info.value)
-            assert isinstance(info.value, EndOfStream) and not info.value.clean
-            assert sub.held == {}
-            with pytest.raises(EvictedError):
-                sub.recv(timeout=1)
-            assert sub.evicted
-    finally:
-        core.close()
-        slots.close()
+    with (
+        _memfd_channel(address, 8, lease_timeout=0.2) as (core, _slots),
+        SubscriberCore(address, timeout=5) as sub,
+    ):
+        assert sub.lease_timeout == 0.2
+        _until_subscribed(core)
+        assert sub.connected()
+        for _ in range(3):
+            slot, _ = core.acquire(1.0)
+            core.publish(slot)
+        time.sleep(0.3)
+        core.poll(0.0)
+        assert core.evictions == 1
+        # the GPU subscriber asks this before writing its sync-page row
+        assert not sub.connected()
+        with pytest.raises(EvictedError) as info:
+            sub.recv(timeout=1)
+        assert "lease_timeout" in str(info.value)
+        assert isinstance(info.value, EndOfStream) and not info.value.clean
+        assert sub.held == {}
+        with pytest.raises(EvictedError):
+            sub.recv(timeout=1)
+        assert sub.evicted
 
 
 @pytest.mark.timeout(60)
 def test_connected_turns_false_on_a_clean_close_and_keeps_queued_frames(tmp_path: Any) -> None:
     """After the publisher hangs up, ``connected()`` is False; frames sent before still arrive."""
     address = str(tmp_path / "chan.sock")
-    slots = MemfdSlots(4)
-    core = PublisherCore(address, 4, welcome=slots.welcome)
-    try:
-        with SubscriberCore(address, timeout=5) as sub:
-            while not core.subscribers:
-                core.poll(0.01)
-            assert sub.connected()
-            slot, _ = core.acquire(1.0)
-            seq = core.publish(slot)
-            core.close()
-            deadline = time.monotonic() + 5
-            while sub.connected():
-                assert time.monotonic() < deadline, "the hang-up was never seen"
-                time.sleep(0.01)
-            frame = sub.recv(timeout=1)
-            assert (frame.seq, frame.slot) == (seq, slot)
-            assert not sub.evicted
-            with pytest.raises(EndOfStream) as info:
-                sub.recv(timeout=1)
-            assert info.value.clean
-    finally:
+    with _memfd_channel(address, 4) as (core, _slots), SubscriberCore(address, timeout=5) as sub:
+        _until_subscribed(core)
+        assert sub.connected()
+        slot, _ = core.acquire(1.0)
+        seq = core.publish(slot)
         core.close()
-        slots.close()
+        deadline = time.monotonic() + 5
+        while sub.connected():
+            assert time.monotonic() < deadline, "the hang-up was never seen"
+            time.sleep(0.01)
+        frame = sub.recv(timeout=1)
+        assert (frame.seq, frame.slot) == (seq, slot)
+        assert not sub.evicted
+        with pytest.raises(EndOfStream) as info:
+            sub.recv(timeout=1)
+        assert info.value.clean
 
 
 # -- 5: the fd client checks who serves the socket ----------------------------------------
@@ -874,8 +873,7 @@ def test_session_errors_are_library_errors(tmp_path: Any) -> None:
     core = PublisherCore(address, 2, welcome=slots.welcome)
     try:
         with SubscriberCore(address, timeout=5) as sub:
-            while not core.subscribers:
-                core.poll(0.01)
+            _until_subscribed(core)
             with pytest.raises(ChannelTimeoutError):
                 sub.recv(timeout=0.05)
             slot, _ = core.acquire(1)
