@@ -127,7 +127,7 @@ def layout(
 
     Raises
     ------
-    ValueError
+    UsageError
         A capacity not a power of two or out of range, a bad ``inline_max`` or
         ``num_slots``.
     """
@@ -496,7 +496,7 @@ class PublisherRing(_End):
 
         Raises
         ------
-        ValueError
+        UsageError
             A bad layout parameter.
         OSError
             ``memfd_create``/``eventfd`` failed.
@@ -571,7 +571,7 @@ class PublisherRing(_End):
 
         Raises
         ------
-        ValueError
+        UsageError
             A field out of range (a caller's bug, checked before anything is written).
         ProtocolError
             The subscriber corrupted the lane's tail.

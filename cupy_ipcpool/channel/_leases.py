@@ -116,7 +116,7 @@ class LeaseBook:
 
         Raises
         ------
-        ValueError
+        UsageError
             Duplicate id, unknown mode or credit below 1.
         """
         if sub_id in self._subs:

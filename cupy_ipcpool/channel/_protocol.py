@@ -195,7 +195,7 @@ def encode_hello(mode: int, credit: int, pid: int, payload: bytes = b"") -> byte
 
     Raises
     ------
-    ValueError
+    UsageError
         A field is out of range.
     """
     if mode not in MODE_NAMES:
@@ -231,7 +231,7 @@ def encode_welcome(
 
     Raises
     ------
-    ValueError
+    UsageError
         A field is out of range.
     """
     if not 1 <= num_slots <= MAX_SLOTS:
@@ -291,7 +291,7 @@ def encode_frame(seq: int, slot: int, payload: bytes = b"") -> bytes:
 
     Raises
     ------
-    ValueError
+    UsageError
         The payload is too large.
     """
     _check_len("frame payload", len(payload), MAX_FRAME_PAYLOAD)

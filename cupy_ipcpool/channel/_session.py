@@ -917,7 +917,7 @@ class PublisherCore:
 
         Raises
         ------
-        ValueError
+        UsageError
             The payload is too large.
         LeaseStateError
             The slot still has leases.

@@ -43,7 +43,7 @@ def secret_from(token: str | bytes | None) -> bytes | None:
 
     Raises
     ------
-    ValueError
+    UsageError
         The secret is shorter than 16 bytes.
     """
     if token is None:

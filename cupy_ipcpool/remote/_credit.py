@@ -50,7 +50,7 @@ class ServerBook:
 
         Raises
         ------
-        ValueError
+        UsageError
             Duplicate id, unknown mode, or a ring of fewer than one slot.
         """
         if sub_id in self._subs:
@@ -197,7 +197,7 @@ class ClientBook:
 
         Raises
         ------
-        ValueError
+        UsageError
             The slot is out of range or not free.
         """
         if not 0 <= slot < self.num_slots:
@@ -237,7 +237,7 @@ class ClientBook:
 
         Raises
         ------
-        ValueError
+        UsageError
             The slot is not held.
         """
         if slot not in self._held:

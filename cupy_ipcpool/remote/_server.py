@@ -222,7 +222,7 @@ class RemoteServer:
 
     Raises
     ------
-    ValueError
+    UsageError
         No secret and not ``insecure``; a bad ``listen`` address.
     TransportError
         The listener cannot bind.

@@ -470,7 +470,7 @@ def parse_address(address: str) -> tuple[str, int]:
 
     Raises
     ------
-    ValueError
+    UsageError
         Not a ``ucx://`` address, or no valid port.
     """
     text = address if "://" in address else f"ucx://{address}"
