@@ -8,6 +8,7 @@ recycles the slot under it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -136,6 +137,12 @@ def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
 
 def normalize_shape(shape: Any) -> tuple[int, ...]:
     """Accept an int or a sequence of ints; return a tuple of non-negative ints."""
+    if type(shape) is tuple:
+        for n in shape:
+            if type(n) is not int or n < 0:
+                break
+        else:
+            return shape  # the common case: already a tuple of non-negative ints
     if isinstance(shape, (int, numpy.integer)):
         shape = (int(shape),)
     try:
@@ -147,9 +154,25 @@ def normalize_shape(shape: Any) -> tuple[int, ...]:
     return out
 
 
+_DTYPE_CACHE: dict[Any, numpy.dtype] = {}
+_DTYPE_CACHE_MAX = 256
+
+
 def normalize_dtype(dtype: Any) -> numpy.dtype:
-    """Return the numpy dtype, restricted to the library's shareable dtypes."""
-    return validate_dtype(dtype)
+    """Return the numpy dtype, restricted to the library's shareable dtypes.
+
+    Answers for the dtype objects, types and strings seen before come from a
+    small cache (one dict lookup: this runs for every array made per frame).
+    """
+    try:
+        return _DTYPE_CACHE[dtype]
+    except (KeyError, TypeError):  # unseen, or unhashable (then validated each time)
+        pass
+    dt = validate_dtype(dtype)
+    if len(_DTYPE_CACHE) < _DTYPE_CACHE_MAX:
+        with contextlib.suppress(TypeError):
+            _DTYPE_CACHE[dtype] = dt
+    return dt
 
 
 # ------------------------------------------------------------------ interop

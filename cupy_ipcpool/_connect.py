@@ -24,6 +24,7 @@ def subscribe(
     allowed_uids: Iterable[int] | None = None,
     token: str | bytes | None = None,
     insecure: bool = False,
+    spin_us: float = 0.0,
 ) -> Subscriber | RemoteSubscriber:
     """Connect to a publisher and receive its frames.
 
@@ -54,6 +55,9 @@ def subscribe(
     token, insecure:
         Remote servers only: the shared secret (default
         ``$CUPY_IPCPOOL_TOKEN``), or ``insecure=True`` for a server without one.
+    spin_us:
+        Local publishers only: microseconds ``recv`` busy-polls before it
+        sleeps (default 0).
 
     Raises
     ------
@@ -64,6 +68,8 @@ def subscribe(
     if isinstance(text, str) and text.startswith("ucx://"):
         if allowed_uids is not None:
             raise UsageError("allowed_uids applies to local publishers; remote ones use a token")
+        if spin_us:
+            raise UsageError("spin_us applies to local publishers")
         from .remote import subscribe as subscribe_remote
 
         kwargs: dict[str, Any] = {} if credit is None else {"slots": credit}
@@ -87,4 +93,5 @@ def subscribe(
         device=device,
         timeout=timeout,
         allowed_uids=allowed_uids,
+        spin_us=spin_us,
     )

@@ -125,6 +125,88 @@ def call(name: str, *args: Any) -> Any:
     return check(name, getattr(driver, name)(*args))
 
 
+class StreamMemops:
+    """``cuStreamWriteValue32`` / ``cuStreamWaitValue32`` as plain callables (the per-frame path).
+
+    ``write(stream, addr, value)`` and ``wait(stream, addr, value)`` enqueue the
+    operation (the wait with ``CU_STREAM_WAIT_VALUE_GEQ``) and raise
+    :class:`CudaError` on failure.  Each frame makes four of these calls, so
+    they go through the driver's function pointers (``cuGetProcAddress``) with
+    ``ctypes``: about a microsecond per call, against 2-4 µs through the
+    binding's argument conversion (docs/performance.md).  Where the pointer
+    cannot be had, the binding's functions are used, with the same semantics.
+
+    Attributes
+    ----------
+    direct:
+        True when the calls go through the driver's function pointers.
+    """
+
+    def __init__(self) -> None:
+        driver = _load()
+        self._driver = driver
+        self._geq = int(driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+        self._plain = int(driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
+        write = _proc("cuStreamWriteValue32")
+        wait = _proc("cuStreamWaitValue32")
+        self.direct = write is not None and wait is not None
+        self._write_fn = write
+        self._wait_fn = wait
+
+    def write(self, stream: int, addr: int, value: int) -> None:
+        """Enqueue on ``stream``: after prior work, store the u32 ``value`` at ``addr``."""
+        fn = self._write_fn
+        if fn is not None:
+            err = fn(stream, addr, value & 0xFFFFFFFF, self._plain)
+        else:
+            (err,) = self._driver.cuStreamWriteValue32(
+                stream, addr, value & 0xFFFFFFFF, self._plain
+            )
+        if err:
+            check("cuStreamWriteValue32", (err,))
+
+    def wait(self, stream: int, addr: int, value: int) -> None:
+        """Enqueue on ``stream``: wait until the u32 at ``addr`` reaches ``value`` (cyclic >=)."""
+        fn = self._wait_fn
+        if fn is not None:
+            err = fn(stream, addr, value & 0xFFFFFFFF, self._geq)
+        else:
+            (err,) = self._driver.cuStreamWaitValue32(stream, addr, value & 0xFFFFFFFF, self._geq)
+        if err:
+            check("cuStreamWaitValue32", (err,))
+
+
+def _proc(symbol: str) -> Any:
+    """A ctypes callable for a ``(CUstream, CUdeviceptr, cuuint32_t, unsigned)`` driver entry.
+
+    None when the driver does not hand out the pointer (the caller then uses
+    the binding).
+    """
+    import ctypes
+
+    driver = _load()
+    try:
+        version = driver_version()
+        res = driver.cuGetProcAddress(symbol.encode(), min(version, 12000), 0)
+        err, pfn = res[0], int(res[1])
+    except Exception:
+        return None
+    if err or not pfn:
+        return None
+    proto = ctypes.CFUNCTYPE(
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint
+    )
+    return proto(pfn)
+
+
+def stream_memops() -> StreamMemops:
+    """The process's :class:`StreamMemops` (made once)."""
+    ops = _state.get("memops")
+    if ops is None:
+        ops = _state["memops"] = StreamMemops()
+    return ops
+
+
 def driver_version() -> int:
     """Return the driver's CUDA version as an int (e.g. ``13000``)."""
     return int(call("cuDriverGetVersion"))

@@ -940,6 +940,27 @@ class ArrayHandle:
         )
         return handle, pos + layout.size
 
+    def pack_parts(self) -> tuple[bytes, bytes]:
+        """The packed handle split around its generation: ``(head, tail)``.
+
+        ``head + pack_generation(g) + tail`` is the packed handle of the same
+        array with generation ``g``: a sender that publishes the same geometry
+        frame after frame validates it once and packs only the generation.
+        """
+        packed = self.pack()
+        return packed[:_GENERATION_AT], packed[_OFFSET_AT:]
+
+    @staticmethod
+    def pack_generation(generation: int) -> bytes:
+        """The generation field as :meth:`pack_parts` expects it (u64).
+
+        Raises
+        ------
+        struct.error
+            ``generation`` outside 0..2**64-1.
+        """
+        return _U64.pack(generation)
+
     @staticmethod
     def peek(data: bytes | memoryview, pos: int = 0) -> tuple[bytes, int, int]:
         """Split one packed handle at ``pos`` without decoding it (the per-frame cache key).

@@ -198,9 +198,11 @@ class SlotTable(SlotRefs):
             s = i % n
             if counts[s] or writing[s]:
                 continue
-            if sources and any(src.leases(s) for src in sources):
-                continue
-            return s
+            for src in sources:
+                if src.leases(s):
+                    break
+            else:
+                return s
         return None
 
     def _lease_bound(self, slot: int | None) -> LeaseSource | None:

@@ -80,8 +80,12 @@ NOTES = (
     "cupy_ipcpool's throughput keeps up to num_slots frames in flight; the other lanes hand "
     "over one frame at a time, as their round trip requires.",
     "socket_floor sends a message the size of a cupy_ipcpool FRAME over the same socket kind "
-    "(SOCK_SEQPACKET) and one the size of a RELEASE back; inprocess_floor enqueues the same "
-    "fill and check in one process (its round trip is the host cost of that GPU work).",
+    "(SOCK_SEQPACKET) and one the size of a RELEASE back; socket_gpu_floor does that round "
+    "trip with the same kernels, the producer filling its own array and the consumer "
+    "checking its own zero-filled one (no data shared: the IPC-free floor of two processes "
+    "each launching one kernel per frame plus one socket round trip); inprocess_floor "
+    "enqueues the same fill and check in one process (its round trip is the host cost of "
+    "that GPU work).",
 )
 
 

@@ -1002,6 +1002,8 @@ def _floor_message(value: int, nbytes: int) -> bytes:
 
 
 class _SocketFloorProducer(ProducerSide):
+    """The floors' producer socket: a FRAME-sized message out, a RELEASE-sized one back."""
+
     def __init__(self, links: Sequence[Connection], cfg: BenchConfig) -> None:
         super().__init__()
         self.msg_bytes, self.reply_bytes = wire_sizes()
@@ -1045,25 +1047,141 @@ class _SocketFloorProducer(ProducerSide):
 
 
 class _SocketFloorConsumer(ConsumerSide):
+    """The floors' consumer socket: :meth:`receive` the message, :meth:`reply` to it."""
+
     def __init__(self, link: Connection, cfg: BenchConfig) -> None:
         self.msg_bytes, self.reply_bytes = wire_sizes()
         path = expect(link, b"listening ", cfg.frame_timeout)[len(b"listening ") :].decode()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock.settimeout(cfg.frame_timeout)
         self.sock.connect(path)
-        self.reply = bytes(self.reply_bytes)
+        self.reply_msg = bytes(self.reply_bytes)
 
-    def step(self, *, full: bool) -> tuple[int, bool]:
+    def receive(self) -> tuple[int, bool]:
+        """The next message's value, and whether its bytes are the ones sent for it."""
         msg = self.sock.recv(self.msg_bytes + 1)
         if len(msg) < _VALUE.size:
             raise EOFError("the producer closed the floor socket")
         (value,) = _VALUE.unpack(msg[: _VALUE.size])
-        ok = msg == _floor_message(value, self.msg_bytes)
-        self.sock.send(self.reply)
+        return value, msg == _floor_message(value, self.msg_bytes)
+
+    def reply(self) -> None:
+        """Send the RELEASE-sized answer."""
+        self.sock.send(self.reply_msg)
+
+    def step(self, *, full: bool) -> tuple[int, bool]:
+        value, ok = self.receive()
+        self.reply()
         return value, ok
 
     def close(self) -> None:
         self.sock.close()
+
+
+class SocketGpuFloorLane(Lane):
+    """socket_floor's round trip plus the same kernels, each process on its own memory.
+
+    The IPC-free floor of "two processes each launching one kernel per frame
+    plus one socket round trip": per frame the producer enqueues the common
+    fill (:meth:`GpuWork.fill`) of its own int32 array with the frame's value
+    and sends the FRAME-sized message exactly as :class:`SocketFloorLane`
+    does; the consumer receives it, compares its bytes, enqueues the same
+    sampled check kernel (:func:`check_frame`, same grid) on its own
+    zero-filled int32 array of the frame's length, compared with 0 (a real
+    check that must count no mismatch), and sends the RELEASE-sized reply.
+    No data are shared: each process reads and writes only its own memory, so
+    the difference to cupy_ipcpool is the cost of sharing the frame (the
+    mapping, the interprocess ordering, the channel's bookkeeping), not of the
+    kernels or of the socket.  Neither side waits for the GPU per frame; the
+    counter is read at the end of each timed phase, as in every lane.
+    """
+
+    name = "socket_gpu_floor"
+    title = "floor: Unix-socket round trip + the same kernels"
+    sync_note = (
+        "none per frame: the IPC-free floor of two processes each launching one kernel per "
+        "frame plus one socket round trip. The producer enqueues the fill of its own array "
+        "and sends; the consumer enqueues the same sampled check on its own zero-filled "
+        "array (value 0: it must count no mismatch) and answers without waiting. No data "
+        "are shared (each process uses its own memory). Each side synchronises once at "
+        "the end of each timed phase."
+    )
+
+    def available(self) -> str | None:
+        return None if _has_module("cupy") else "cupy is not installed"
+
+    def open_producer(
+        self, links: Sequence[Connection], cfg: BenchConfig, nbytes: int
+    ) -> ProducerSide:
+        return _SocketGpuFloorProducer(links, cfg, nbytes)
+
+    def open_consumer(self, link: Connection, cfg: BenchConfig, nbytes: int) -> ConsumerSide:
+        return _SocketGpuFloorConsumer(link, cfg, nbytes)
+
+
+def _own_int32(cfg: BenchConfig, nelem: int, *, zeroed: bool) -> tuple[GpuWork, Any]:
+    """A :class:`GpuWork` on ``cfg.device`` and an int32 array of ``nelem`` made on its stream."""
+    cp = _cupy_or_skip()
+    work = GpuWork(cp, cfg.device)
+    with work.stream:
+        arr = cp.zeros(nelem, dtype=cp.int32) if zeroed else cp.empty(nelem, dtype=cp.int32)
+    work.stream.synchronize()
+    return work, arr
+
+
+class _SocketGpuFloorProducer(_SocketFloorProducer):
+    # Per frame: enqueue the fill of our own array, send the floor message. No host wait.
+    def __init__(self, links: Sequence[Connection], cfg: BenchConfig, nbytes: int) -> None:
+        self.nelem = _check_frame_size(nbytes)
+        self.work, self.arr = self.open_gpu(cfg, self.nelem)
+        super().__init__(links, cfg)
+
+    def open_gpu(self, cfg: BenchConfig, nelem: int) -> tuple[Any, Any]:
+        """The work and the producer's own array (overridden by the CPU tests)."""
+        return _own_int32(cfg, nelem, zeroed=False)
+
+    def send(self, value: int) -> None:
+        self.work.fill(self.arr, value)
+        super().send(value)
+
+    def flush_checks(self) -> int:
+        # Waits for the fills: a timed phase ends with this side's GPU work done.
+        return int(self.work.flush())
+
+    def close(self) -> None:
+        try:
+            self.work.stream.synchronize()
+        finally:
+            super().close()
+            self.arr = None
+
+
+class _SocketGpuFloorConsumer(_SocketFloorConsumer):
+    # Per frame: receive, enqueue the sampled check of our own zeros, reply. No host wait.
+    def __init__(self, link: Connection, cfg: BenchConfig, nbytes: int) -> None:
+        self.nelem = _check_frame_size(nbytes)
+        self.work, self.local = self.open_gpu(cfg, self.nelem)
+        super().__init__(link, cfg)
+
+    def open_gpu(self, cfg: BenchConfig, nelem: int) -> tuple[Any, Any]:
+        """The work and the consumer's own zero-filled array (overridden by the CPU tests)."""
+        return _own_int32(cfg, nelem, zeroed=True)
+
+    def step(self, *, full: bool) -> tuple[int, bool]:
+        value, ok = self.receive()
+        checked = check_frame(self.work, self.local, 0, self.nelem, full=full)
+        self.reply()
+        return value, ok and checked
+
+    def flush_checks(self) -> int:
+        return int(self.work.flush())
+
+    def close(self) -> None:
+        try:
+            self.work.stream.synchronize()
+        finally:
+            super().close()
+            self.local = None
 
 
 class InProcessFloorLane(Lane):
@@ -1173,6 +1291,7 @@ ALL_LANES: tuple[Lane, ...] = (
     TorchQueueLane(),
     CudaCoreLane(),
     SocketFloorLane(),
+    SocketGpuFloorLane(),
     InProcessFloorLane(),
 )
 

@@ -40,6 +40,15 @@ TARGETS: tuple[Target, ...] = (
     Target(
         "cupy_ipcpool within 3x of the bare socket round trip", BASELINE, "socket_floor", "<=", 3.0
     ),
+    # The floor that does the same GPU work without sharing anything: what is left above
+    # it is the cost of sharing the frame (``n/a`` when that lane was skipped or not run).
+    Target(
+        "cupy_ipcpool within 1.3x of the socket + GPU floor",
+        BASELINE,
+        "socket_gpu_floor",
+        "<=",
+        1.3,
+    ),
 )
 
 

@@ -341,6 +341,14 @@ class LeaseBook:
         """Return True when ``slot`` has no leases and no local holds."""
         return not self._holders[slot] and self._holds[slot] == 0
 
+    def lease_count(self, slot: int) -> int:
+        """Return how many subscribers lease ``slot`` (the cheap form of :meth:`leases`)."""
+        return len(self._holders[slot])
+
+    def any_leased(self) -> bool:
+        """Return True while any subscriber holds any lease."""
+        return any(self._holders)
+
     def free_slots(self) -> list[int]:
         """Return all free slots in index order."""
         return [s for s in range(self.num_slots) if self.is_free(s)]

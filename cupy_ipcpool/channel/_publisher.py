@@ -46,6 +46,8 @@ from ._payload import FRAME_HEAD, MAX_ARRAYS, MAX_CHANNEL_SLOTS, MAX_METADATA, W
 from ._session import PublisherCore, SubscriberInfo
 from ._syncpage import SyncPage
 
+_TEMPLATES = 1024  # most array geometries whose wire form a publisher keeps
+
 
 class PublishFrame:
     """The slot being written, from :meth:`Publisher.frame` (a slot token plus publish).
@@ -120,20 +122,23 @@ class _PublisherLeases:
 
     def __init__(self, publisher: Publisher) -> None:
         self._publisher = weakref.ref(publisher)
+        self._book = publisher._book
+        self._core = publisher._core
+        self.closed = False  # set by the publisher's close
         self.lock = threading.RLock()  # serialises the (single-threaded) session core
 
     def leases(self, slot: int) -> int:
-        pub = self._publisher()
-        return 0 if pub is None or pub._closed else len(pub._book.leases(slot))
+        return 0 if self.closed else self._book.lease_count(slot)
 
     def collect(self, timeout: float | None) -> int:
-        pub = self._publisher()
-        if pub is None or pub._closed:
+        if self.closed or self._core.closed:
             return 0
+        if timeout == 0.0 and not self._book.any_leased():
+            return 0  # nothing to take back: spare the poll(2)
         if not self.lock.acquire(timeout=-1 if timeout is None else timeout):
             return 0
         try:
-            return pub._core.poll(timeout) if not pub._core.closed else 0
+            return self._core.poll(timeout) if not self._core.closed else 0
         finally:
             self.lock.release()
 
@@ -179,6 +184,10 @@ class Publisher:
     lease_timeout:
         Seconds a subscriber may hold a frame before it is evicted (its next
         call raises :class:`~cupy_ipcpool.EvictedError`); None: no limit.
+    spin_us:
+        Microseconds :meth:`poll` (and a waiting ``acquire``) busy-polls the
+        subscribers' sockets before sleeping; default 0 (no CPU while waiting).
+        See docs/performance.md for what it buys.
 
     Notes
     -----
@@ -199,6 +208,7 @@ class Publisher:
         send_timeout: float = 5.0,
         max_credit: int | None = None,
         lease_timeout: float | None = None,
+        spin_us: float = 0.0,
     ) -> None:
         n = pool.num_slots
         if n > MAX_CHANNEL_SLOTS:
@@ -232,10 +242,16 @@ class Publisher:
                 send_timeout=send_timeout,
                 max_credit=max_credit,
                 lease_timeout=lease_timeout,
+                spin_us=spin_us,
             )
         except BaseException:
             sync.close()
             raise
+        # per-frame lookups, made once: the slots' and flags' addresses, and the
+        # validated wire form of each array geometry published (see publish)
+        self._ptrs = [pool.ptr(i) for i in range(n)]
+        self._frame_flags = [sync.frame_flag(i) for i in range(n)]
+        self._templates: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
         self.address = self._core.address
         self._book = self._core.lease_book
         self._leases = _PublisherLeases(self)
@@ -388,40 +404,60 @@ class Publisher:
             )
         if len(arrays) > MAX_ARRAYS:
             raise UsageError(f"at most {MAX_ARRAYS} arrays per frame, got {len(arrays)}")
-        metadata = bytes(metadata)
+        if type(metadata) is not bytes:
+            metadata = bytes(metadata)
         if len(metadata) > MAX_METADATA:
             raise UsageError(f"metadata is {len(metadata)} bytes; at most {MAX_METADATA}")
-        pool = self._pool
         slot = token.slot
-        base = pool.ptr(slot)
-        limit = pool.slot_nbytes
         generation = token.generation
+        base = self._ptrs[slot]
+        gen = ArrayHandle.pack_generation(generation)
         parts = [FRAME_HEAD.pack(slot, generation & 0xFFFFFFFF, len(arrays), len(metadata))]
+        ndarray = self._cp.ndarray
+        templates = self._templates
         for a in arrays:
-            info = array_info(a)
-            offset = info.ptr - base
-            if not 0 <= offset < limit:
-                where = pool.locate(info.ptr)
-                raise NotShareableError(
-                    f"array lies in slot {where[0]}, but this frame was acquired in slot {slot}"
-                    if where is not None
-                    else "array does not lie in the pool; allocate it with frame.array() or "
-                    "under pool.allocating()"
-                )
-            try:
-                handle = ArrayHandle(slot, generation, offset, info.shape, info.strides, info.dtype)
-                handle.check_fits(limit)
-            except DescriptorError as exc:
-                raise NotShareableError(f"array extends beyond slot {slot}: {exc}") from None
-            parts.append(handle.pack())
+            if type(a) is ndarray:
+                # the common case: a CuPy array of a geometry published before
+                key = (slot, a.data.ptr - base, a.shape, a.strides, a.dtype)
+                parts_of = templates.get(key)
+                if parts_of is None:
+                    parts_of = self._template(a, slot, base)
+                    if len(templates) >= _TEMPLATES:
+                        templates.clear()
+                    templates[key] = parts_of
+            else:
+                parts_of = self._template(a, slot, base)
+            parts.append(parts_of[0])
+            parts.append(gen)
+            parts.append(parts_of[1])
         parts.append(metadata)
         sptr = stream_ptr(stream)
-        self._sync.write(sptr, self._sync.frame_flag(slot), generation)
+        self._sync.write(sptr, self._frame_flags[slot], generation)
         self._published[slot] = generation
         with self._leases.lock:
             seq = self._core.publish(slot, b"".join(parts))
         self._end_write(token)
         return seq
+
+    def _template(self, a: Any, slot: int, base: int) -> tuple[bytes, bytes]:
+        """Validate ``a`` as an array in ``slot``; its packed handle split around the generation."""
+        info = array_info(a)
+        offset = info.ptr - base
+        limit = self._pool.slot_nbytes
+        if not 0 <= offset < limit:
+            where = self._pool.locate(info.ptr)
+            raise NotShareableError(
+                f"array lies in slot {where[0]}, but this frame was acquired in slot {slot}"
+                if where is not None
+                else "array does not lie in the pool; allocate it with frame.array() or "
+                "under pool.allocating()"
+            )
+        try:
+            handle = ArrayHandle(slot, 0, offset, info.shape, info.strides, info.dtype)
+            handle.check_fits(limit)
+        except DescriptorError as exc:
+            raise NotShareableError(f"array extends beyond slot {slot}: {exc}") from None
+        return handle.pack_parts()
 
     def poll(self, timeout: float | None = 0.0) -> int:
         """Adopt new subscribers and collect returned leases; return how many came back.
@@ -456,6 +492,7 @@ class Publisher:
         if self._closed:
             return
         self._closed = True
+        self._leases.closed = True
         all_gone = self._core.close(linger=timeout)
         if not all_gone:
             warnings.warn(
@@ -488,6 +525,7 @@ def _close_publisher(
     leases: _PublisherLeases,
     pid: int,
 ) -> None:
+    leases.closed = True
     try:
         all_gone = core.close()
     except Exception as exc:  # pragma: no cover - core.close never raises

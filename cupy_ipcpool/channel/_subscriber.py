@@ -189,6 +189,7 @@ class Subscriber:
         device: int | None = None,
         timeout: float = 10.0,
         allowed_uids: Iterable[int] | None = None,
+        spin_us: float = 0.0,
     ) -> None:
         cp = cupy_module()
         self._cp = cp
@@ -198,7 +199,12 @@ class Subscriber:
         self._index = 0
         self._streams = _StreamsInUse()  # streams this subscriber enqueued flag operations on
         self._core = SubscriberCore(
-            address, mode=mode, credit=credit, timeout=timeout, allowed_uids=allowed_uids
+            address,
+            mode=mode,
+            credit=credit,
+            timeout=timeout,
+            allowed_uids=allowed_uids,
+            spin_us=spin_us,
         )
         self._alive = select.poll()
         self._pidfd = -1
@@ -208,6 +214,9 @@ class Subscriber:
                 # used, their flags will never be written
                 self._pidfd = os.pidfd_open(self._core.producer_pid)
                 self._alive.register(self._pidfd, select.POLLIN)
+                # the core's per-frame hang-up check covers the pidfd too: recv looks
+                # at it on its own only once that check has fired (core.alarm)
+                self._core.watch(self._pidfd)
             self._setup(device)
         except BaseException:
             self._teardown()
@@ -258,10 +267,15 @@ class Subscriber:
         sync_fd = fds.pop()
         try:
             self._peer = peer = attach_fds(desc, fds, device=device)
-            self._sync = SyncPage.import_fd(sync_fd, sync_nbytes, n, max_subs, peer.device)
+            self._sync = sync = SyncPage.import_fd(sync_fd, sync_nbytes, n, max_subs, peer.device)
         finally:
             os.close(sync_fd)
         self._index = index
+        # per-frame lookups, made once
+        self._frame_flags = [sync.frame_flag(i) for i in range(n)]
+        self._read_flags = [sync.read_flag(index, i) for i in range(n)]
+        self._wait = sync.wait
+        self._write = sync.write
 
     # -- state --
 
@@ -310,12 +324,13 @@ class Subscriber:
         """
         if self._closed:
             raise PoolClosedError("the Subscriber is closed")
+        core = self._core
         try:
-            msg = self._core.recv(timeout)
+            msg = core.recv(timeout)
         except ProtocolError:
             self.close()
             raise
-        if self._alive.poll(0):
+        if core.alarm and self._alive.poll(0):
             self.close()
             raise EndOfStream(
                 f"the publisher (pid {self._core.producer_pid}) exited; frames still queued "
@@ -348,9 +363,7 @@ class Subscriber:
             stream = self._cp.cuda.get_current_stream()
         sptr = stream_ptr(stream)
         self._streams.note(sptr, stream)
-        sync = self._sync
-        assert sync is not None
-        sync.wait(sptr, sync.frame_flag(slot), generation)
+        self._wait(sptr, self._frame_flags[slot], generation)
         return Frame(seq, slot, tuple(arrays), bytes(payload[pos:]), lease)
 
     def _release(self, seq: int, slot: int, generation: int, stream: Any) -> None:
@@ -360,11 +373,9 @@ class Subscriber:
             stream = self._cp.cuda.get_current_stream()
         sptr = stream_ptr(stream)
         self._streams.note(sptr, stream)
-        sync = self._sync
-        assert sync is not None
         if self._core.connected():
             # never after an eviction: the row may have been given to another subscriber
-            sync.write(sptr, sync.read_flag(self._index, slot), generation)
+            self._write(sptr, self._read_flags[slot], generation)
         with contextlib.suppress(EndOfStream):  # the producer is gone: nobody to return it to
             self._core.release(seq, slot)
 
@@ -458,6 +469,7 @@ def subscribe(
     device: int | None = None,
     timeout: float = 10.0,
     allowed_uids: Iterable[int] | None = None,
+    spin_us: float = 0.0,
 ) -> Subscriber:
     """Connect to a :class:`Publisher` and map its pool; frames arrive with ``recv()``.
 
@@ -478,6 +490,11 @@ def subscribe(
         Seconds for connecting and the handshake.
     allowed_uids:
         Uids the publisher may run as (default: this process's euid).
+    spin_us:
+        Microseconds ``recv`` busy-polls for the next frame before it sleeps
+        (default 0: sleep at once; an idle subscriber then uses no CPU).  Tens
+        of microseconds cut the wake-up latency of a high-rate stream; see
+        docs/performance.md.
 
     Raises
     ------
@@ -488,5 +505,11 @@ def subscribe(
         uid not allowed here.
     """
     return Subscriber(
-        address, mode=mode, credit=credit, device=device, timeout=timeout, allowed_uids=allowed_uids
+        address,
+        mode=mode,
+        credit=credit,
+        device=device,
+        timeout=timeout,
+        allowed_uids=allowed_uids,
+        spin_us=spin_us,
     )

@@ -1,0 +1,194 @@
+"""Where a frame's host time goes, per step and per function, on a GPU machine.
+
+Usage::
+
+    python3 scripts/profile_hot_path.py            # prints a table; $OUT/profile_*.txt if OUT is set
+    python3 scripts/profile_hot_path.py --frames 3000 --no-profile
+
+Producer and consumer run the comparison lanes' GPU work (the ``cipbench_fill``
+and ``cipbench_check`` raw kernels, on one created stream per process), so the
+figures hold the library's cost and one raw launch per side, not CuPy's
+elementwise machinery.  Three loops:
+
+* ``rt``: round trip, one frame in flight (the producer waits for the lease);
+* ``stream``: the producer publishes as fast as slots come back (8 slots);
+* ``profile``: ``rt`` again under ``cProfile`` in both processes (the top
+  functions by own time go to ``$OUT/profile_producer.txt`` / ``_consumer.txt``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import multiprocessing as mp
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+
+MiB = 1 << 20
+SPAWN = mp.get_context("spawn")
+
+
+def _med(xs: list[int]) -> float:
+    return statistics.median(xs) / 1e3 if xs else float("nan")
+
+
+def _p99(xs: list[int]) -> float:
+    xs = sorted(xs)
+    return xs[int(0.99 * (len(xs) - 1))] / 1e3 if xs else float("nan")
+
+
+def _consumer(address: str, frames: int, profile: bool, q) -> None:  # type: ignore[no-untyped-def]
+    import cupy as cp
+
+    import cupy_ipcpool as cip
+    from cupy_ipcpool._bench.lanes import GpuWork
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    work = GpuWork(cp, 0, stream)
+    prof = cProfile.Profile() if profile else None
+    steps: dict[str, list[int]] = {"recv": [], "kernel": [], "release": []}
+    with cip.subscribe(address) as sub:
+        q.put("ready")
+        if prof is not None:
+            prof.enable()
+        n = 0
+        while True:
+            t0 = time.perf_counter_ns()
+            try:
+                f = sub.recv(timeout=60, stream=stream)
+            except cip.EndOfStream:
+                break
+            t1 = time.perf_counter_ns()
+            a = f.arrays[0]
+            work.enqueue_check(a, 7)
+            t2 = time.perf_counter_ns()
+            f.release(stream=stream)
+            t3 = time.perf_counter_ns()
+            del a, f
+            n += 1
+            if n > 200:
+                steps["recv"].append(t1 - t0)
+                steps["kernel"].append(t2 - t1)
+                steps["release"].append(t3 - t2)
+        if prof is not None:
+            prof.disable()
+    stream.synchronize()
+    text = ""
+    if prof is not None:
+        buf = io.StringIO()
+        st = pstats.Stats(prof, stream=buf)
+        st.sort_stats("tottime").print_stats(35)
+        st.sort_stats("cumulative").print_stats(45)
+        text = buf.getvalue()
+    q.put(({k: (_med(v), _p99(v)) for k, v in steps.items()}, text, work.flush()))
+
+
+def _run(mode: str, frames: int, mib: int, profile: bool) -> dict[str, object]:
+    import cupy as cp
+
+    import cupy_ipcpool as cip
+    from cupy_ipcpool._bench.lanes import GpuWork
+
+    q = SPAWN.Queue()
+    address = os.path.join(tempfile.mkdtemp(), "s")
+    stream = cp.cuda.Stream(non_blocking=True)
+    work = GpuWork(cp, 0, stream)
+    nelem = mib * MiB // 4
+    steps: dict[str, list[int]] = {
+        k: [] for k in ("acquire", "array", "kernel", "publish", "exit", "wait", "total")
+    }
+    prof = cProfile.Profile() if profile else None
+    slots = 4 if mode == "rt" else 8
+    with cip.IpcPool(slots, mib * MiB) as pool, cip.Publisher(pool, address) as pub:
+        p = SPAWN.Process(target=_consumer, args=(address, frames, profile, q))
+        p.start()
+        assert q.get(timeout=120) == "ready"
+        while not pub.subscribers:
+            pub.poll(0.05)
+        if prof is not None:
+            prof.enable()
+        t_start = 0
+        for i in range(frames + 200):
+            if i == 200:
+                t_start = time.perf_counter_ns()
+            t0 = time.perf_counter_ns()
+            with pub.frame(timeout=10, stream=stream) as f:
+                t1 = time.perf_counter_ns()
+                a = f.array((nelem,), cp.int32)
+                t2 = time.perf_counter_ns()
+                work.fill(a, 7)
+                t3 = time.perf_counter_ns()
+                f.publish(a)
+                t4 = time.perf_counter_ns()
+                del a
+            t5 = time.perf_counter_ns()
+            if mode == "rt":
+                while pub.leases(f.slot):
+                    pub.poll(None)
+            t6 = time.perf_counter_ns()
+            if i >= 200:
+                for k, v in zip(
+                    steps,
+                    (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t6 - t0),
+                    strict=True,
+                ):
+                    steps[k].append(v)
+        while any(pub.leases(s) for s in range(pool.num_slots)):
+            pub.poll(None)
+        elapsed = time.perf_counter_ns() - t_start
+        if prof is not None:
+            prof.disable()
+    cons_steps, cons_prof, mismatches = q.get(timeout=120)
+    p.join(30)
+    stream.synchronize()
+    text = ""
+    if prof is not None:
+        buf = io.StringIO()
+        st = pstats.Stats(prof, stream=buf)
+        st.sort_stats("tottime").print_stats(35)
+        st.sort_stats("cumulative").print_stats(45)
+        text = buf.getvalue()
+    return {
+        "producer": {k: (_med(v), _p99(v)) for k, v in steps.items()},
+        "consumer": cons_steps,
+        "fps": frames / (elapsed / 1e9),
+        "mismatches": mismatches,
+        "producer_profile": text,
+        "consumer_profile": cons_prof,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--frames", type=int, default=3000)
+    ap.add_argument("--mib", type=int, default=1)
+    ap.add_argument("--no-profile", action="store_true")
+    args = ap.parse_args()
+    out = os.environ.get("OUT")
+    runs = [("rt", False), ("stream", False)]
+    if not args.no_profile:
+        runs.append(("rt", True))
+    for mode, profile in runs:
+        r = _run(mode, args.frames, args.mib, profile)
+        label = f"{mode}{' (cProfile)' if profile else ''} {args.mib} MiB"
+        print(f"== {label}: {r['fps']:.0f} frames/s, mismatching samples {r['mismatches']}")
+        for side in ("producer", "consumer"):
+            cells = ", ".join(
+                f"{k} {m:.1f}/{p:.1f}"
+                for k, (m, p) in r[side].items()  # type: ignore[attr-defined]
+            )
+            print(f"   {side} p50/p99 us: {cells}")
+        if profile and out:
+            for side in ("producer", "consumer"):
+                with open(os.path.join(out, f"profile_{side}.txt"), "w") as fh:
+                    fh.write(str(r[f"{side}_profile"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
