@@ -1,8 +1,11 @@
 """Benchmark harness: medians from pytest-benchmark, ratios against a baseline of the same run.
 
-Each benchmark records its median with the ``record`` fixture; the ratios in
-``RATIOS`` are printed at the end of the session (and written as JSON to
-``$BENCH_SUMMARY`` when set), with the issue's target beside each.
+Each benchmark records its median with the ``record`` fixture (or a value with
+``record_value``); the ratios in ``RATIOS`` and the values in ``ABSOLUTE`` are
+printed at the end of the session (and written as JSON to ``$BENCH_SUMMARY``
+when set), with the issue's target beside each.  Both take ``">="`` or ``"<="``.
+Recorded values are seconds unless :func:`unit_of` says otherwise (rates such
+as frames/s, fractions such as CPU time per wall second).
 """
 
 from __future__ import annotations
@@ -29,9 +32,20 @@ RATIOS: list[tuple[str, str, str, str, float]] = [
     ("matmul 8192^2 default/hook", "matmul_default", "matmul_hook", ">=", 0.98),
     ("elementwise 1 GiB default/hook", "ew1g_default", "ew1g_hook", ">=", 0.98),
     ("fan-out p50 4 subs / 1 sub", "fanout_p50_4", "fanout_p50_1", "<=", 2.0),
-    ("round trip p50 64 MiB / socket floor", "roundtrip_p50_64MiB", "socket_floor_p50", "<=", 3.0),
-    ("round trip p50 256 MiB / 1 MiB", "roundtrip_p50_256MiB", "roundtrip_p50_1MiB", "<=", 1.5),
     ("fan-out p50 8 subs / 1 sub", "fanout_p50_8", "fanout_p50_1", "<=", 2.0),
+    ("round trip p50 64 MiB / socket floor", "roundtrip_p50_64MiB", "socket_floor_p50", "<=", 3.0),
+    ("round trip p50 1 GiB / 1 MiB", "roundtrip_p50_1024MiB", "roundtrip_p50_1MiB", "<=", 1.5),
+]
+# round trip tail (issue 11): p99 / p50 at each size
+RATIOS += [
+    (
+        f"round trip p99/p50 {mib} MiB",
+        f"roundtrip_p99_{mib}MiB",
+        f"roundtrip_p50_{mib}MiB",
+        "<=",
+        2.0,
+    )
+    for mib in (1, 64, 1024)
 ]
 # remote lane (issue 12): channel rate / raw UCXX rate on the same transport, per size
 RATIOS += [
@@ -45,20 +59,34 @@ RATIOS += [
     for memory in ("device", "host")
     for mib in (1, 64, 256)
 ]
-# (label, name, target seconds)
-ABSOLUTE: list[tuple[str, str, float]] = [
-    ("handle -> cupy.ndarray in consumer", "frame_handle_to_array", 10e-6),
-    ("acquire + release of a token", "acquire_release_token", 10e-6),
-    ("round trip p50 1 MiB", "roundtrip_p50_1MiB", 50e-6),
-    ("round trip p50 64 MiB", "roundtrip_p50_64MiB", 50e-6),
-    ("round trip p50 256 MiB", "roundtrip_p50_256MiB", 50e-6),
+
+#: Units of recorded values: seconds (printed in µs), a rate, or a plain fraction.
+SECONDS, PER_SECOND, FRACTION = "s", "/s", "fraction"
+
+# (label, name, comparison, target, unit): the value itself against the target
+ABSOLUTE: list[tuple[str, str, str, float, str]] = [
+    ("handle -> cupy.ndarray in consumer", "frame_handle_to_array", "<=", 10e-6, SECONDS),
+    ("acquire + release of a token", "acquire_release_token", "<=", 10e-6, SECONDS),
+    ("round trip p50 1 MiB", "roundtrip_p50_1MiB", "<=", 50e-6, SECONDS),
+    ("round trip p50 64 MiB", "roundtrip_p50_64MiB", "<=", 50e-6, SECONDS),
+    ("round trip p50 1 GiB", "roundtrip_p50_1024MiB", "<=", 50e-6, SECONDS),
+    ("throughput 1 MiB frames/s", "throughput_fps_1MiB", ">=", 20000.0, PER_SECOND),
+    ("throughput 64 MiB frames/s", "throughput_fps_64MiB", ">=", 20000.0, PER_SECOND),
+    ("pipelined 1 MiB frames/s", "pipelined_fps_1MiB", ">=", 40000.0, PER_SECOND),
+    ("pipelined 64 MiB frames/s", "pipelined_fps_64MiB", ">=", 40000.0, PER_SECOND),
+    ("idle subscriber CPU / wall", "idle_subscriber_cpu_fraction", "<=", 0.01, FRACTION),
+    (
+        "idle subscriber CPU / wall, spin_us=50",
+        "idle_subscriber_cpu_fraction_spin",
+        "<=",
+        0.01,
+        FRACTION,
+    ),
 ]
-# (label, name, minimum): values that are rates, not seconds
-MINIMUMS: list[tuple[str, str, float]] = [
-    ("throughput 1 MiB frames/s", "throughput_fps_1MiB", 20000.0),
-    ("throughput 64 MiB frames/s", "throughput_fps_64MiB", 20000.0),
-    ("throughput 256 MiB frames/s", "throughput_fps_256MiB", 20000.0),
-]
+
+#: Units of recorded names that have no ABSOLUTE entry, by prefix or substring.
+_RATE_PREFIXES = ("throughput_fps", "pipelined_fps")
+_FRACTION_MARK = "cpu_fraction"
 
 
 def _gpu_reason() -> str | None:
@@ -88,13 +116,15 @@ def record(benchmark: Any):
     return _record
 
 
-def record_value(name: str, seconds: float) -> None:
-    """Record a median measured outside pytest-benchmark (e.g. p50 of a latency series).
+def record_value(name: str, value: float) -> None:
+    """Record a value measured outside pytest-benchmark (e.g. p50 of a latency series).
 
-    The summary file (``$BENCH_SUMMARY``) is rewritten at once, so a run cut
-    short by a timeout still leaves what it measured.
+    ``value`` is in seconds, or in the unit :func:`unit_of` gives ``name``
+    (frames/s, a fraction).  The summary file (``$BENCH_SUMMARY``) is
+    rewritten at once, so a run cut short by a timeout still leaves what it
+    measured.
     """
-    _medians[name] = seconds
+    _medians[name] = value
     _write_summary()
 
 
@@ -105,30 +135,56 @@ def _write_summary() -> None:
             json.dump(_summary()[1], f, indent=2)
 
 
+def unit_of(name: str) -> str:
+    """The unit of the recorded ``name``: :data:`SECONDS` unless a rate or a fraction."""
+    for _, n, _, _, unit in ABSOLUTE:
+        if n == name:
+            return unit
+    if name.startswith(_RATE_PREFIXES):
+        return PER_SECOND
+    if _FRACTION_MARK in name:
+        return FRACTION
+    return SECONDS
+
+
+def fmt_value(value: float, unit: str) -> str:
+    """``12.34 us``, ``20000 /s`` or ``0.0042`` (right-aligned, for the summary)."""
+    if unit == SECONDS:
+        return f"{value * 1e6:12.2f} us"
+    if unit == PER_SECOND:
+        return f"{value:12.0f} /s"
+    return f"{value:12.4f}"
+
+
+def _met(value: float, op: str, target: float) -> bool:
+    if op == ">=":
+        return value >= target
+    if op == "<=":
+        return value <= target
+    raise ValueError(f"unknown comparison {op!r}")
+
+
 def _summary() -> tuple[list[str], dict[str, Any]]:
     lines, out = [], {"medians_s": dict(_medians), "ratios": {}, "absolute": {}}
     for label, num, den, op, target in RATIOS:
         if num in _medians and den in _medians and _medians[den] > 0:
             r = _medians[num] / _medians[den]
-            ok = r >= target if op == ">=" else r <= target
+            ok = _met(r, op, target)
             out["ratios"][label] = {"ratio": r, "target": f"{op} {target}", "met": ok}
             lines.append(f"{label:<40} {r:8.3f}  (target {op} {target}) {'OK' if ok else 'MISSED'}")
-    for label, name, target in ABSOLUTE:
+    for label, name, op, target, unit in ABSOLUTE:
         if name in _medians:
             v = _medians[name]
-            ok = v <= target
-            out["absolute"][label] = {"median_s": v, "target_s": target, "met": ok}
+            ok = _met(v, op, target)
+            out["absolute"][label] = {
+                "value": v,
+                "target": f"{op} {target}",
+                "unit": unit,
+                "met": ok,
+            }
+            shown = fmt_value(target, unit).strip()
             lines.append(
-                f"{label:<40} {v * 1e6:8.2f} us (target <= {target * 1e6:g} us) "
-                f"{'OK' if ok else 'MISSED'}"
-            )
-    for label, name, minimum in MINIMUMS:
-        if name in _medians:
-            v = _medians[name]
-            ok = v >= minimum
-            out["absolute"][label] = {"value": v, "minimum": minimum, "met": ok}
-            lines.append(
-                f"{label:<40} {v:10.0f}    (target >= {minimum:g}) {'OK' if ok else 'MISSED'}"
+                f"{label:<40} {fmt_value(v, unit)} (target {op} {shown}) {'OK' if ok else 'MISSED'}"
             )
     return lines, out
 
@@ -138,12 +194,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     if not _medians:
         return
     terminalreporter.section("cupy_ipcpool benchmark medians and ratios")
-    rates = {name for _, name, _ in MINIMUMS}
     for name, v in sorted(_medians.items()):
-        if name in rates or name.startswith("throughput_fps"):
-            terminalreporter.write_line(f"{name:<40} {v:12.0f} /s")
-        else:
-            terminalreporter.write_line(f"{name:<40} {v * 1e6:12.2f} us")
+        terminalreporter.write_line(f"{name:<40} {fmt_value(v, unit_of(name))}")
     for line in lines:
         terminalreporter.write_line(line)
     _write_summary()

@@ -196,6 +196,7 @@ def test_lane_registry():
         "torch_mp",
         "cuda_core",
         "socket_floor",
+        "socket_gpu_floor",
         "inprocess_floor",
     )
     assert [ln.name for ln in lanes.get_lanes(["socket_floor", "cupy_ipcpool"])] == [
@@ -308,6 +309,67 @@ def test_targets():
     assert "MET: host staging" in text and "MISSED: legacy IPC" in text and "n/a: torch" in text
 
 
+def _gpu_floor_target(ms):
+    (r,) = [t for t in report.evaluate_targets(ms) if t.target.denominator == "socket_gpu_floor"]
+    return r
+
+
+def test_socket_gpu_floor_target():
+    t = _gpu_floor_target([]).target
+    assert (t.numerator, t.op, t.bound) == ("cupy_ipcpool", "<=", 1.3)
+    assert "socket + GPU floor" in t.label
+    met = _gpu_floor_target([_m("cupy_ipcpool", 64, 26.0), _m("socket_gpu_floor", 64, 20.0)])
+    assert met.status == "MET" and met.ratio == pytest.approx(1.3)
+    missed = _gpu_floor_target([_m("cupy_ipcpool", 64, 30.0), _m("socket_gpu_floor", 64, 20.0)])
+    assert missed.status == "MISSED" and missed.ratio == pytest.approx(1.5)
+
+
+def test_socket_gpu_floor_target_without_the_lane():
+    # the sample has no socket_gpu_floor row at all: n/a, the other targets unchanged
+    r = _gpu_floor_target(_sample())
+    assert r.status == "n/a" and r.ratio is None
+    assert r.note == "socket_gpu_floor not measured at 64 MiB"
+    # skipped (cupy missing in the child): n/a with the reason, and the report still renders
+    ms = [*_sample(), _m("socket_gpu_floor", 64, 0, SKIPPED, "cupy is not installed")]
+    r = _gpu_floor_target(ms)
+    assert r.status == "n/a" and "socket_gpu_floor skipped: cupy is not installed" in r.note
+    targets = report.evaluate_targets(ms)
+    text = report.targets_text(targets)
+    assert "- n/a: cupy_ipcpool within 1.3x of the socket + GPU floor: - (target <= 1.3x)" in text
+    md = report.render_markdown(ms, targets)
+    assert "| socket_gpu_floor | all | skipped: cupy is not installed | | | |" in md
+    data = report.results_dict(ms, targets, environment={}, config={})
+    assert data["targets"][-1]["numerator"] == "cupy_ipcpool"
+    assert data["targets"][-1]["denominator"] == "socket_gpu_floor"
+    assert data["targets"][-1]["status"] == "n/a"
+
+
+def test_socket_gpu_floor_lane_without_cupy(monkeypatch):
+    lane = lanes.get_lanes(["socket_gpu_floor"])[0]
+    assert isinstance(lane, lanes.SocketGpuFloorLane)
+    assert lane.processes == 2 and not lane.pipelined
+    assert "+ the same kernels" in lane.title
+    assert "no data are shared" in lane.sync_note.lower()
+    monkeypatch.setattr(lanes, "_has_module", lambda name: name != "cupy")
+    assert lane.available() == "cupy is not installed"
+    ms = harness.run_lane(lane, BenchConfig(sizes=(MiB,), schedule=SMALL))
+    assert [(m.status, m.reason) for m in ms] == [(SKIPPED, "cupy is not installed")]
+
+
+def test_cupy_import_failure_is_a_skip(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    with pytest.raises(LaneUnavailable, match="cupy is not importable"):
+        lanes._cupy_or_skip()
+
+
+def test_notes_describe_every_floor():
+    floors = [n for n in bench.NOTES if "socket_floor" in n]
+    assert len(floors) == 1
+    for name in ("socket_floor", "socket_gpu_floor", "inprocess_floor"):
+        assert name in floors[0]
+    assert "no data shared" in floors[0]
+
+
 def test_targets_not_met_when_floor_is_far():
     ms = [_m("cupy_ipcpool", 64, 40.0), _m("socket_floor", 64, 10.0)]
     (r,) = [t for t in report.evaluate_targets(ms) if t.target.denominator == "socket_floor"]
@@ -412,6 +474,138 @@ def test_fan_out_with_three_consumers():
     (m,) = harness.run_lane(lanes.SocketFloorLane(), cfg, timeout=120)
     assert m.status == OK, m.reason
     assert m.frames_verified == 3 * SMALL.total
+
+
+class _NumpyWork:
+    """:class:`lanes.GpuWork`'s interface on numpy arrays, so the GPU floor runs on a CPU.
+
+    ``enqueue_check`` compares the same samples the kernel compares
+    (:func:`lanes.sample_indices`) and counts mismatches; ``flush`` returns
+    them since the previous flush, through the same :class:`lanes.MismatchCounter`.
+    """
+
+    class _Stream:
+        def synchronize(self):
+            pass
+
+    def __init__(self):
+        self.stream = self._Stream()
+        self.errors = 0
+        self.fills = 0
+        self.checks = 0
+        self._counter = lanes.MismatchCounter()
+
+    def fill(self, a, value):
+        self.fills += 1
+        a[:] = value
+
+    def enqueue_check(self, a, value):
+        self.checks += 1
+        self.errors += int(np.count_nonzero(a[lanes.sample_indices(a.size)] != value))
+
+    def full_check(self, a, value):
+        return bool(np.all(a == value))
+
+    def flush(self):
+        return self._counter.take(self.errors)
+
+
+class NumpyGpuFloorLane(lanes.SocketGpuFloorLane):
+    """socket_gpu_floor with numpy arrays and :class:`_NumpyWork` instead of CuPy."""
+
+    name = "numpy_gpu_floor"
+
+    def available(self):
+        return None
+
+    def open_producer(self, links, cfg, nbytes):
+        return _NumpyFloorProducer(links, cfg, nbytes)
+
+    def open_consumer(self, link, cfg, nbytes):
+        return _NumpyFloorConsumer(link, cfg, nbytes)
+
+
+class _NumpyFloorProducer(lanes._SocketGpuFloorProducer):
+    def open_gpu(self, cfg, nelem):
+        return _NumpyWork(), np.empty(nelem, dtype=np.int32)
+
+
+class _NumpyFloorConsumer(lanes._SocketGpuFloorConsumer):
+    zero_fill = 0  # the value the consumer's own array holds
+
+    def open_gpu(self, cfg, nelem):
+        return _NumpyWork(), np.full(nelem, self.zero_fill, dtype=np.int32)
+
+
+def test_socket_gpu_floor_sides_run_in_two_processes():
+    cfg = BenchConfig(sizes=(4096, MiB), schedule=SMALL, frame_timeout=10.0)
+    res = harness.run_pair(NumpyGpuFloorLane(), cfg, timeout=120)
+    assert res.status == OK, res.reason
+    ms = harness.measurements_from(NumpyGpuFloorLane(), cfg, res)
+    assert [m.status for m in ms] == [OK, OK], [m.reason for m in ms]
+    for m in ms:
+        assert m.frames_verified == SMALL.total and not m.pipelined
+    for key in ("4096", str(MiB)):
+        c = res.consumers[0][key]
+        assert c["device_checked"] == SMALL.iters + SMALL.tput and c["device_mismatches"] == 0
+
+
+class NonzeroGpuFloorLane(NumpyGpuFloorLane):
+    """The consumer's own array is not zero: its check is real and must fail the lane."""
+
+    name = "nonzero_gpu_floor"
+
+    def open_consumer(self, link, cfg, nbytes):
+        return _NonzeroFloorConsumer(link, cfg, nbytes)
+
+
+class _NonzeroFloorConsumer(_NumpyFloorConsumer):
+    zero_fill = 7
+
+
+def test_socket_gpu_floor_check_is_real():
+    cfg = BenchConfig(sizes=(MiB,), schedule=SMALL, frame_timeout=10.0)
+    (m,) = harness.run_lane(NonzeroGpuFloorLane(), cfg, timeout=120)
+    assert m.status == FAILED and m.p50_us is None
+    assert "does not hold 1 (full check)" in m.reason
+
+
+def test_socket_gpu_floor_sides_in_one_process(tmp_path):
+    # the sides directly, over a real socket: one fill and one check per frame, same kernels'
+    # arguments (the consumer's check compares its own zeros with 0, over the whole frame)
+    import multiprocessing
+    import threading
+
+    cfg = BenchConfig(sizes=(MiB,), workdir=str(tmp_path), frame_timeout=10.0)
+    p_end, c_end = multiprocessing.Pipe()
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("c", _NumpyFloorConsumer(c_end, cfg, MiB)))
+    t.start()
+    prod = _NumpyFloorProducer([p_end], cfg, MiB)
+    t.join(10)
+    cons = box["c"]
+    try:
+        for value in (1, 2, 3):
+            prod.send(value)
+            assert cons.step(full=value == 1) == (value, True)
+            prod.wait_done(value, full=False)
+            assert int(prod.arr[0]) == value and int(prod.arr[-1]) == value
+        assert prod.work.fills == 3 and cons.work.checks == 2  # frame 1 was a full check
+        assert not np.any(cons.local) and cons.local.size == MiB // 4
+        assert prod.flush_checks() == 0 and cons.flush_checks() == 0
+        cons.local[-1] = 5  # the last sampled element
+        prod.send(4)
+        assert cons.step(full=False) == (4, True)  # enqueued: the flush gives the verdict
+        prod.wait_done(4, full=False)
+        assert cons.flush_checks() == 1
+    finally:
+        prod.close()
+        cons.close()
+        p_end.close()
+        c_end.close()
+    assert prod.arr is None and cons.local is None and prod.socks == []
+    with pytest.raises(ValueError, match="multiple of 4"):
+        _NumpyFloorProducer([p_end], cfg, 6)
 
 
 class PipelinedFloorLane(lanes.SocketFloorLane):
