@@ -2,7 +2,7 @@
 
 Usage::
 
-    python3 scripts/profile_hot_path.py            # prints a table; $OUT/profile_*.txt if OUT is set
+    python3 scripts/profile_hot_path.py     # prints a table; $OUT/profile_*.txt if OUT is set
     python3 scripts/profile_hot_path.py --frames 3000 --no-profile
 
 Producer and consumer run the comparison lanes' GPU work (the ``cipbench_fill``
@@ -42,7 +42,7 @@ def _p99(xs: list[int]) -> float:
     return xs[int(0.99 * (len(xs) - 1))] / 1e3 if xs else float("nan")
 
 
-def _consumer(address: str, frames: int, profile: bool, q) -> None:  # type: ignore[no-untyped-def]
+def _consumer(address: str, frames: int, profile: bool, q, spin: float) -> None:  # type: ignore[no-untyped-def]
     import cupy as cp
 
     import cupy_ipcpool as cip
@@ -52,7 +52,7 @@ def _consumer(address: str, frames: int, profile: bool, q) -> None:  # type: ign
     work = GpuWork(cp, 0, stream)
     prof = cProfile.Profile() if profile else None
     steps: dict[str, list[int]] = {"recv": [], "kernel": [], "release": []}
-    with cip.subscribe(address) as sub:
+    with cip.subscribe(address, spin_us=spin) as sub:
         q.put("ready")
         if prof is not None:
             prof.enable()
@@ -88,7 +88,7 @@ def _consumer(address: str, frames: int, profile: bool, q) -> None:  # type: ign
     q.put(({k: (_med(v), _p99(v)) for k, v in steps.items()}, text, work.flush()))
 
 
-def _run(mode: str, frames: int, mib: int, profile: bool) -> dict[str, object]:
+def _run(mode: str, frames: int, mib: int, profile: bool, spin: float = 0.0) -> dict[str, object]:
     import cupy as cp
 
     import cupy_ipcpool as cip
@@ -104,8 +104,8 @@ def _run(mode: str, frames: int, mib: int, profile: bool) -> dict[str, object]:
     }
     prof = cProfile.Profile() if profile else None
     slots = 4 if mode == "rt" else 8
-    with cip.IpcPool(slots, mib * MiB) as pool, cip.Publisher(pool, address) as pub:
-        p = SPAWN.Process(target=_consumer, args=(address, frames, profile, q))
+    with cip.IpcPool(slots, mib * MiB) as pool, cip.Publisher(pool, address, spin_us=spin) as pub:
+        p = SPAWN.Process(target=_consumer, args=(address, frames, profile, q, spin))
         p.start()
         assert q.get(timeout=120) == "ready"
         while not pub.subscribers:
@@ -168,8 +168,18 @@ def main() -> int:
     ap.add_argument("--frames", type=int, default=3000)
     ap.add_argument("--mib", type=int, default=1)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--spin", type=float, action="append", default=[], help="extra rt runs")
     args = ap.parse_args()
     out = os.environ.get("OUT")
+    for spin in args.spin:
+        r = _run("rt", args.frames, args.mib, False, spin)
+        print(f"== rt spin_us={spin} {args.mib} MiB: {r['fps']:.0f} frames/s")
+        for side in ("producer", "consumer"):
+            cells = ", ".join(
+                f"{k} {m:.1f}/{p:.1f}"
+                for k, (m, p) in r[side].items()  # type: ignore[attr-defined]
+            )
+            print(f"   {side} p50/p99 us: {cells}")
     runs = [("rt", False), ("stream", False)]
     if not args.no_profile:
         runs.append(("rt", True))

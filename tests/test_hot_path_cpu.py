@@ -42,9 +42,8 @@ def _cpu_seconds() -> float:
 
 @pytest.mark.parametrize("bad", [-1, MAX_SPIN_US + 1, True, "50", None])
 def test_spin_us_is_validated(address: str, bad: object) -> None:
-    with MemfdProducer(address, 2):
-        with pytest.raises(UsageError, match="spin_us"):
-            SubscriberCore(address, spin_us=bad)  # type: ignore[arg-type]
+    with MemfdProducer(address, 2), pytest.raises(UsageError, match="spin_us"):
+        SubscriberCore(address, spin_us=bad)  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="spin_us"):
         PublisherCore(address, 2, welcome=lambda info: (b"", []), spin_us=bad)  # type: ignore[arg-type]
 
@@ -90,15 +89,14 @@ def test_round_trips_with_and_without_spin(address: str, spin_us: float) -> None
 
 def test_spin_respects_the_timeout(address: str) -> None:
     """recv(timeout) with a spin longer than the timeout still ends at the timeout."""
-    with MemfdProducer(address, 2) as producer:
-        with SubscriberCore(address, spin_us=MAX_SPIN_US) as sub:
-            producer.wait_subscribers(1)
-            t0 = time.monotonic()
-            with pytest.raises(ChannelTimeoutError):
-                sub.recv(timeout=0.002)
-            assert time.monotonic() - t0 < 1.0
-            with pytest.raises(ChannelTimeoutError):
-                sub.recv(timeout=0)  # no frame, no wait, no spin
+    with MemfdProducer(address, 2) as producer, SubscriberCore(address, spin_us=MAX_SPIN_US) as sub:
+        producer.wait_subscribers(1)
+        t0 = time.monotonic()
+        with pytest.raises(ChannelTimeoutError):
+            sub.recv(timeout=0.002)
+        assert time.monotonic() - t0 < 1.0
+        with pytest.raises(ChannelTimeoutError):
+            sub.recv(timeout=0)  # no frame, no wait, no spin
 
 
 # -- idle: no CPU without spin -----------------------------------------------------

@@ -131,10 +131,17 @@ class _PublisherLeases:
         return 0 if self.closed else self._book.lease_count(slot)
 
     def collect(self, timeout: float | None) -> int:
+        # The pool asks before every acquire (timeout 0): with nothing leased there is
+        # nothing to take back, so the poll(2) is spared.  (New subscribers are adopted
+        # by publish and poll.)
+        if timeout == 0.0 and not self._book.any_leased():
+            return 0
+        return self.poll(timeout)
+
+    def poll(self, timeout: float | None) -> int:
+        """Adopt new subscribers and take back returned leases (:meth:`PublisherCore.poll`)."""
         if self.closed or self._core.closed:
             return 0
-        if timeout == 0.0 and not self._book.any_leased():
-            return 0  # nothing to take back: spare the poll(2)
         if not self.lock.acquire(timeout=-1 if timeout is None else timeout):
             return 0
         try:
@@ -468,7 +475,7 @@ class Publisher:
         or ``pool.next()`` are woken when leases came back.
         """
         self._check()
-        returned = self._leases.collect(timeout)
+        returned = self._leases.poll(timeout)
         self._pool.notify_released()
         return returned
 

@@ -47,11 +47,11 @@ class SyncPage:
         self._reads = round_up(num_slots * _FLAG, 256)
         if self._reads + num_slots * max_subscribers * _FLAG > alloc.size:
             raise UsageError("sync page too small for its layout")
-        ops = _driver.stream_memops()
-        #: ``write(stream, addr, value)``: enqueue a store of ``value`` after prior work.
-        self.write = ops.write
-        #: ``wait(stream, addr, value)``: enqueue a wait until the flag reaches ``value``.
-        self.wait = ops.wait
+        driver = _driver.driver_module()
+        self._write = driver.cuStreamWriteValue32
+        self._wait = driver.cuStreamWaitValue32
+        self._geq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        self._plain = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
         self._reads_base = alloc.ptr + self._reads
 
     @staticmethod
@@ -100,6 +100,18 @@ class SyncPage:
     def read_flag(self, index: int, slot: int) -> int:
         """Device address of subscriber ``index``'s read flag for ``slot``."""
         return self._reads_base + (index * self.num_slots + slot) * _FLAG
+
+    def write(self, stream: int, addr: int, value: int) -> None:
+        """Enqueue on ``stream``: after prior work, store ``value`` at ``addr``."""
+        (err,) = self._write(stream, addr, value & 0xFFFFFFFF, self._plain)
+        if err:
+            _driver.check("cuStreamWriteValue32", (err,))
+
+    def wait(self, stream: int, addr: int, value: int) -> None:
+        """Enqueue on ``stream``: wait until the flag at ``addr`` reaches ``value`` (cyclic)."""
+        (err,) = self._wait(stream, addr, value & 0xFFFFFFFF, self._geq)
+        if err:
+            _driver.check("cuStreamWaitValue32", (err,))
 
     def close(self) -> None:
         """Unmap and release (idempotent, never raises)."""
