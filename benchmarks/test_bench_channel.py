@@ -66,7 +66,8 @@ FRAME_TIMEOUT = 10.0
 RECV_TIMEOUT = 60.0
 #: Seconds the idle subscriber waits in ``recv`` while nothing is published.
 IDLE_S = 5.0
-SPIN_US = 200  # longer than the other side's per-frame work (~50-60 us), so the spin covers the wait
+#: Busy-poll of the spin benchmarks: longer than the other side's per-frame work (~50-60 us).
+SPIN_US = 200
 
 # The frame's value; negative on the last frame of a phase: "release everything you hold".
 _VALUE = struct.Struct("<q")
