@@ -76,7 +76,7 @@ ABSOLUTE: list[tuple[str, str, str, float, str]] = [
     ("pipelined 64 MiB frames/s", "pipelined_fps_64MiB", ">=", 40000.0, PER_SECOND),
     ("idle subscriber CPU / wall", "idle_subscriber_cpu_fraction", "<=", 0.01, FRACTION),
     (
-        "idle subscriber CPU / wall, spin_us=50",
+        "idle subscriber CPU / wall, spin_us=200",
         "idle_subscriber_cpu_fraction_spin",
         "<=",
         0.01,
