@@ -19,6 +19,7 @@ and its owner (a :class:`Block`) counts as a local reference to the slot.
 
 from __future__ import annotations
 
+import sys
 import threading
 from contextlib import suppress
 from typing import Any
@@ -209,6 +210,104 @@ class Block(SlotRef):
         super().__del__()
 
 
+class ViewOwner:
+    """Owner of a :class:`ReusableView`'s memory: keeps the mapping alive, uncounted.
+
+    A reusable view is not counted as a local reference while the pool keeps it
+    (its use is seen by :meth:`ReusableView.in_use`).  When the pool closes
+    while the view is in use, :meth:`count` makes it a counted reference, so
+    the mapping outlives the pool until the view is gone.
+    """
+
+    __slots__ = ("__weakref__", "counted", "keepalive", "refs", "slot")
+
+    def __init__(self, keepalive: Any, refs: SlotRefs, slot: int) -> None:
+        self.keepalive = keepalive
+        self.refs = refs
+        self.slot = slot
+        self.counted = False
+
+    def count(self) -> None:
+        """Count this owner as a local reference from now on (hold ``refs.lock``)."""
+        if not self.counted:
+            self.counted = True
+            self.refs.counts[self.slot] += 1
+
+    def __del__(self) -> None:
+        if self.counted:
+            try:  # noqa: SIM105 - cheaper than contextlib.suppress in a finalizer
+                self.refs.decr(self.slot)
+            except Exception:  # interpreter shutdown
+                pass
+
+
+class ReusableView:
+    """The first array of a frame in a slot, kept to be handed out again.
+
+    A producer that writes one array of the same shape and dtype into every
+    frame gets this same ``cupy.ndarray`` back the next time the slot is
+    written (``token.array``), instead of a new array, a new arena block and a
+    new owner each frame.  The view occupies the arena's first block for as
+    long as the pool keeps it.
+
+    The view is *in use* while anything but the pool references the array,
+    its ``MemoryPointer`` or its memory (a variable, a slice or view of it, a
+    DLPack capsule, a torch tensor made from it): reference counts are
+    compared with those taken when only the pool held it.  A slot whose view
+    is in use is busy, exactly like a slot with a live array.
+
+    Parameters
+    ----------
+    cp:
+        The ``cupy`` module.
+    ptr, nbytes:
+        The block's device address and size.
+    owner:
+        The memory's :class:`ViewOwner`.
+    device:
+        CUDA device ordinal.
+    shape, dtype:
+        The array's (normalised) shape and dtype.
+    offset:
+        The block's offset in the slot's arena.
+    stream:
+        The raw stream the block was allocated for; the view is handed out
+        again only to a writer on the same stream.
+    """
+
+    __slots__ = ("_base", "array", "key", "offset", "owner", "stream")
+
+    def __init__(
+        self,
+        cp: Any,
+        ptr: int,
+        nbytes: int,
+        owner: ViewOwner,
+        device: int,
+        shape: tuple[int, ...],
+        dtype: Any,
+        offset: int,
+        stream: int,
+    ) -> None:
+        mem = cp.cuda.UnownedMemory(ptr, nbytes, owner, device)
+        self.array = cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, 0))
+        del mem
+        self.key = (shape, dtype)
+        self.offset = offset
+        self.owner = owner
+        self.stream = stream
+        self._base = self._refcounts()  # only this object holds the array now
+
+    def _refcounts(self) -> tuple[int, int, int]:
+        a = self.array
+        memptr = a.data
+        return sys.getrefcount(a), sys.getrefcount(memptr), sys.getrefcount(memptr.mem)
+
+    def in_use(self) -> bool:
+        """True while anything besides the pool refers to the array or its memory."""
+        return self._refcounts() != self._base
+
+
 def block_pointer(
     arena: SlotArena,
     base: int,
@@ -286,4 +385,12 @@ class AllocationScope:
         self.allocate = allocate
 
 
-__all__ = ["ALIGNMENT", "OVERFLOW_POLICIES", "AllocationScope", "Block", "SlotArena"]
+__all__ = [
+    "ALIGNMENT",
+    "OVERFLOW_POLICIES",
+    "AllocationScope",
+    "Block",
+    "ReusableView",
+    "SlotArena",
+    "ViewOwner",
+]

@@ -22,7 +22,7 @@ from typing import Any
 import numpy
 
 from . import _driver
-from ._arena import AllocationScope, SlotArena, block_pointer
+from ._arena import AllocationScope, ReusableView, SlotArena, ViewOwner, block_pointer
 from ._arrays import (
     SlotRef,
     array_info,
@@ -82,6 +82,15 @@ class _PoolMemory:
         """Release now, or as soon as the last array over the pool is gone."""
         with self.table.lock:
             self.close_requested = True
+            # Reusable views the user still holds become counted references (the
+            # mapping stays until they are gone); idle ones are simply dropped.
+            views = self.table.views
+            for slot, view in enumerate(views):
+                if view is not None:
+                    views[slot] = None
+                    if view.in_use():
+                        view.owner.count()
+                    del view
             if self.fd_server is not None:
                 if os.getpid() == self.pid:  # a forked child must not unlink the parent's socket
                     self.fd_server.close()
@@ -424,7 +433,7 @@ class IpcPool:
 
     def local_refs(self, slot: int) -> int:
         """Number of live local owners (arrays, allocator blocks) in ``slot``."""
-        return self._table.counts[self._check_slot(slot)]
+        return self._table.local_refs(self._check_slot(slot))
 
     def remote_leases(self, slot: int) -> int:
         """Number of peer leases held on ``slot`` (over every registered lease source)."""
@@ -609,8 +618,42 @@ class IpcPool:
         nbytes = dt.itemsize
         for n in shape_t:
             nbytes *= n
+        arena = self._arena(slot)
+        views = self._table.views
+        view = views[slot]
+        if view is not None and not view.in_use():
+            if (
+                view.key == (shape_t, dt)
+                and view.stream == stream
+                and arena.top == view.offset + max(nbytes, 1)
+            ):
+                return view.array  # the slot's last frame had this shape: hand it out again
+            self._drop_view(slot)
+            view = views[slot]
+        if view is None and arena.top == 0:
+            # the first array of an empty slot: keep it for the slot's next frame
+            offset = arena.alloc(nbytes, stream, stream_obj)
+            owner = ViewOwner(self._mem, self._table, slot)
+            try:
+                view = ReusableView(
+                    cp,
+                    self._ptrs[slot] + offset,
+                    nbytes,
+                    owner,
+                    self._device,
+                    shape_t,
+                    dt,
+                    offset,
+                    stream,
+                )
+            except BaseException:
+                arena.free(offset)
+                raise
+            with self._table.lock:
+                views[slot] = view
+            return view.array
         memptr = block_pointer(
-            self._arena(slot),
+            arena,
             self._ptrs[slot],
             self._mem,
             self._table,
@@ -620,6 +663,16 @@ class IpcPool:
             stream_obj,
         )
         return cp.ndarray(shape_t, dt, memptr)
+
+    def _drop_view(self, slot: int) -> None:
+        """Forget ``slot``'s reusable view if nothing uses it; its arena block is freed."""
+        table = self._table
+        with table.lock:
+            view = table.views[slot]
+            if view is None or view.in_use():
+                return
+            table.views[slot] = None
+        self._arena(slot).free(view.offset)
 
     def locate(self, ptr: int) -> tuple[int, int] | None:
         """Return ``(slot, offset)`` of a device pointer inside the pool, or None."""
@@ -797,6 +850,7 @@ class IpcPool:
     @contextmanager
     def _allocating(self, slot: int, overflow: str) -> Iterator[AllocationScope]:
         self._check()
+        self._drop_view(slot)  # the arena's space goes to the allocations, not a kept view
         cp = cupy_module()
         scope = AllocationScope(
             self._arena(slot), self._ptrs[slot], self._mem, self._table, self._device, overflow

@@ -19,10 +19,13 @@ the common single-threaded program nothing else could free a slot.
 from __future__ import annotations
 
 import time
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ._arrays import SlotRefs
 from ._errors import SlotBusyError
+
+#: While a reusable view is in use, a waiting ``take`` looks again this often (s).
+_VIEW_RECHECK_S = 0.005
 
 
 @runtime_checkable
@@ -81,6 +84,9 @@ class SlotTable(SlotRefs):
         self.generation = [0] * num_slots
         self.writing = [False] * num_slots
         self.current = 0
+        #: Per slot: an object with ``in_use() -> bool`` that holds the slot while
+        #: in use without being counted (the pool's reusable view), or None.
+        self.views: list[Any] = [None] * num_slots
         self._sources: tuple[LeaseSource, ...] = ()
         self._collecting = False
 
@@ -114,7 +120,18 @@ class SlotTable(SlotRefs):
 
     def is_busy(self, slot: int) -> bool:
         """True while a local reference, a writer or a peer lease holds ``slot``."""
-        return bool(self.counts[slot] or self.writing[slot] or self.leases(slot))
+        return bool(
+            self.counts[slot] or self.writing[slot] or self.view_in_use(slot) or self.leases(slot)
+        )
+
+    def view_in_use(self, slot: int) -> bool:
+        """True while ``slot``'s reusable view (if any) is referenced outside the pool."""
+        view = self.views[slot]
+        return view is not None and bool(view.in_use())
+
+    def local_refs(self, slot: int) -> int:
+        """Counted local references to ``slot``, plus one for a view in use."""
+        return self.counts[slot] + (1 if self.view_in_use(slot) else 0)
 
     def notify(self) -> None:
         """Wake the threads waiting in :meth:`take` so that they look again."""
@@ -169,9 +186,15 @@ class SlotTable(SlotRefs):
                 if not self._collecting:
                     source = self._lease_bound(slot)
                 if source is None:
+                    # A reusable view becomes free without a notification (nothing
+                    # runs when its last outside reference goes): while one is in
+                    # use, look again every few milliseconds.
+                    step = remaining
+                    if any(v is not None for v in self.views):
+                        step = _VIEW_RECHECK_S if step is None else min(step, _VIEW_RECHECK_S)
                     self.waiters += 1
                     try:
-                        self.cond.wait(remaining)
+                        self.cond.wait(step)
                     finally:
                         self.waiters -= 1
                     continue
@@ -194,9 +217,13 @@ class SlotTable(SlotRefs):
             start = self.current + 1
             candidates = range(start, start + n)
         n = len(counts)
+        views = self.views
         for i in candidates:
             s = i % n
             if counts[s] or writing[s]:
+                continue
+            view = views[s]
+            if view is not None and view.in_use():
                 continue
             for src in sources:
                 if src.leases(s):
@@ -209,7 +236,7 @@ class SlotTable(SlotRefs):
         """A source whose returned lease would free a slot (only leases hold it), or None."""
         n = len(self.counts)
         for s in range(n) if slot is None else (slot,):
-            if self.counts[s] or self.writing[s]:
+            if self.counts[s] or self.writing[s] or self.view_in_use(s):
                 continue
             for source in self._sources:
                 if source.leases(s):
@@ -223,8 +250,8 @@ class SlotTable(SlotRefs):
             held = []
             if self.writing[s]:
                 held.append("an open slot token writes it")
-            if self.counts[s]:
-                held.append(f"{self.counts[s]} local array(s) or allocator block(s)")
+            if self.counts[s] or self.view_in_use(s):
+                held.append(f"{self.local_refs(s)} local array(s) or allocator block(s)")
             leases = self.leases(s)
             if leases:
                 who = [

@@ -54,3 +54,32 @@ def report_exception(queue: Any) -> None:
 
     exc = sys.exc_info()[1]
     queue.put(("error", type(exc).__name__, str(exc), traceback.format_exc()))
+
+
+def run_consumer_checking_values(address: str, frames: int, queue: Any) -> None:
+    """Subscribe, receive ``frames`` frames of constant arrays; put the list of their values.
+
+    Each frame's array must hold one value everywhere (checked on the GPU,
+    waited for); the value is ``int(array[0])``.  Puts ``"ready"`` first, and
+    an error tuple (see :func:`report_exception`) if anything fails.
+    """
+    try:
+        import cupy as cp
+
+        import cupy_ipcpool as cip
+
+        values = []
+        with cip.subscribe(address) as sub:
+            queue.put("ready")
+            for _ in range(frames):
+                with sub.recv(timeout=60) as frame:
+                    a = frame.array
+                    first = int(a[0])
+                    if not bool((a == first).all()):
+                        raise AssertionError(f"frame {frame.seq} is not constant")
+                    values.append(first)
+                    del a
+            cp.cuda.get_current_stream().synchronize()
+        queue.put(values)
+    except BaseException:
+        report_exception(queue)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing as mp
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -85,6 +86,63 @@ def test_a_waiter_wakes_when_a_token_is_released() -> None:
     table.release_writer(0)
     thread.join(5)
     assert got == [(0, 2)]
+
+
+class _Kept:
+    """A stand-in for the pool's reusable view: in use while anything else refers to ``obj``.
+
+    The same rule as :class:`cupy_ipcpool._arena.ReusableView`, over a plain
+    Python object instead of a ``cupy.ndarray`` (the table itself needs no GPU).
+    """
+
+    def __init__(self) -> None:
+        self.obj = bytearray(16)
+        self._base = self._count()
+
+    def _count(self) -> int:
+        obj = self.obj
+        return sys.getrefcount(obj)
+
+    def in_use(self) -> bool:
+        return self._count() != self._base
+
+
+def test_a_view_in_use_holds_its_slot_like_an_array() -> None:
+    table = SlotTable(2)
+    kept = _Kept()
+    table.views[1] = kept
+    assert table.take(0) == (1, 1) and table.release_writer(1) is None  # idle: free
+    held = kept.obj  # the user holds the view
+    assert table.view_in_use(1) and table.is_busy(1) and table.local_refs(1) == 1
+    assert table.take(0) == (0, 1)  # slot 1 is skipped
+    table.release_writer(0)
+    with pytest.raises(SlotBusyError, match="slot 1: 1 local array"):
+        table.take(0, slot=1)
+    del held
+    assert not table.is_busy(1) and table.local_refs(1) == 0
+    assert table.take(0) == (1, 2)
+
+
+def test_a_waiter_sees_a_view_dropped_by_another_thread() -> None:
+    """Nothing notifies when a view's last outside reference goes: the waiter looks again."""
+    table = SlotTable(1)
+    kept = _Kept()
+    table.views[0] = kept
+    held = [kept.obj]
+    woke: list[float] = []
+
+    def waiter() -> None:
+        table.take(10.0)
+        woke.append(time.monotonic())
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    time.sleep(0.2)
+    assert not woke  # still waiting: the view is in use
+    dropped = time.monotonic()
+    held.clear()
+    thread.join(5)
+    assert woke and woke[0] - dropped < 0.5
 
 
 def test_timeout_zero_does_not_wait() -> None:
