@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import warnings
 import weakref
@@ -28,6 +29,48 @@ from ._vmm import Allocation, UndoStack
 
 _CacheKey = tuple[bytes, int, int, int]
 _GEOMETRY_CACHE = 1024
+
+
+class _Holder:
+    """Owner of a kept view's memory: refers to the owner of the frame it was handed out with."""
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+
+
+class _KeptView:
+    """An array built for a received handle, kept to be handed out again for the same geometry.
+
+    Idle while nothing but the peer pool refers to the array, its
+    ``MemoryPointer`` or its memory (reference counts against those taken when
+    only this object held it).  Handing it out again points its memory's
+    owner (a :class:`_Holder`) at the new frame's owner.
+    """
+
+    __slots__ = ("_base", "array", "holder", "key")
+
+    def __init__(
+        self, cp: Any, base_ptr: int, size: int, device: int, key: bytes, geometry: Any, owner: Any
+    ) -> None:
+        self.key = key
+        self.holder = _Holder(owner)
+        mem = cp.cuda.UnownedMemory(base_ptr, size, self.holder, device)
+        self.array = cp.ndarray(
+            geometry[2], geometry[4], cp.cuda.MemoryPointer(mem, geometry[1]), strides=geometry[3]
+        )
+        del mem
+        self._base = self._refcounts()
+
+    def _refcounts(self) -> tuple[int, int, int]:
+        a = self.array
+        memptr = a.data
+        return sys.getrefcount(a), sys.getrefcount(memptr), sys.getrefcount(memptr.mem)
+
+    def idle(self) -> bool:
+        """True while nothing besides the peer pool refers to the array or its memory."""
+        return self._refcounts() == self._base
 
 
 class _ImportedSlots:
@@ -140,6 +183,8 @@ class PeerPool:
         self._epoch = _driver.fork_epoch()
         self._seen_generation = [0] * desc.num_slots
         self._geometry: dict[bytes, tuple[Any, ...]] = {}
+        self._views: dict[bytes, _KeptView] = {}  # by geometry: arrays to hand out again
+        self._lent: list[_KeptView] = []  # views handed out since the last drop_idle_owners
         self._closed = False
         self._cp = cupy_module()
         self._finalizer = weakref.finalize(self, slots.detach)
@@ -232,7 +277,11 @@ class PeerPool:
         Each array's memory is owned by ``owner`` (the frame's lease), which
         must keep this peer pool alive.  A handle's geometry (slot, offset,
         shape, strides, dtype) is validated against the slot once and cached;
-        the generation is checked on every call.
+        the generation is checked on every call.  The array built for a
+        geometry is kept and handed out again the next time that geometry
+        arrives, when nothing refers to it any more (no new ``cupy.ndarray``
+        per frame); call :meth:`drop_idle_owners` before waiting for the next
+        frame, so that an owner is not kept alive by the cache.
 
         Returns
         -------
@@ -245,8 +294,9 @@ class PeerPool:
         """
         self._check()
         cp = self._cp
-        unowned, memory_pointer, ndarray = cp.cuda.UnownedMemory, cp.cuda.MemoryPointer, cp.ndarray
         cache = self._geometry
+        views = self._views
+        lent = self._lent
         seen = self._seen_generation
         ptrs = self._slots.ptrs
         size = self._desc.slot_nbytes
@@ -274,14 +324,39 @@ class PeerPool:
                     f"{seen[slot]} has been received since, so its memory was reused"
                 )
             seen[slot] = generation
-            mem = unowned(ptrs[slot], size, owner, device)
-            out.append(
-                ndarray(
-                    geometry[2], geometry[4], memory_pointer(mem, geometry[1]), strides=geometry[3]
-                )
-            )
+            view = views.get(key)
+            if view is not None and view.idle():
+                view.holder.owner = owner  # the same array again, now owned by this frame
+            else:
+                view = _KeptView(cp, ptrs[slot], size, device, key, geometry, owner)
+                if len(views) >= _GEOMETRY_CACHE:
+                    views.clear()
+                views[key] = view  # one in use lives on with its user
+            lent.append(view)
+            out.append(view.array)
             pos = end
         return out, pos
+
+    def drop_idle_owners(self) -> None:
+        """Let go of the owners of handed-out arrays that nothing uses any more.
+
+        A kept array's memory refers to the owner it was last handed out with
+        (a frame's lease), which would otherwise live on in the cache.  Called
+        before waiting for the next frame, this does what collecting the array
+        would have done: an owner that nothing else holds is collected then.
+        """
+        lent = self._lent
+        if lent:
+            views = self._views
+            keep = []
+            for view in lent:
+                if views.get(view.key) is not view:
+                    continue  # no longer kept: it goes, with its owner, when its users drop it
+                if view.idle():
+                    view.holder.owner = None
+                else:
+                    keep.append(view)
+            self._lent = keep
 
     def local_refs(self, slot: int) -> int:
         """Number of live arrays over ``slot`` in this process."""
@@ -295,6 +370,8 @@ class PeerPool:
         if self._closed:
             return
         self._closed = True
+        self._views.clear()  # kept arrays in use live on with their owners
+        self._lent.clear()
         try:
             self._finalizer()
         except Exception as exc:  # pragma: no cover - teardown never raises

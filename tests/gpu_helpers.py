@@ -83,3 +83,38 @@ def run_consumer_checking_values(address: str, frames: int, queue: Any) -> None:
         queue.put(values)
     except BaseException:
         report_exception(queue)
+
+
+def run_consumer_tracking_arrays(address: str, frames: int, release: bool, queue: Any) -> None:
+    """Receive ``frames`` frames; put ``(values, frames whose array was the slot's last one)``.
+
+    ``release``: release each frame explicitly; else drop it (and its array)
+    without releasing, relying on the lease coming back when both are gone.
+    Arrays are compared by identity through weak references (which do not
+    keep them in use).
+    """
+    try:
+        import weakref
+
+        import cupy as cp
+
+        import cupy_ipcpool as cip
+
+        values, reused = [], 0
+        last: dict[int, Any] = {}
+        with cip.subscribe(address) as sub:
+            queue.put("ready")
+            for _ in range(frames):
+                frame = sub.recv(timeout=30)
+                a = frame.array
+                previous = last.get(frame.slot)
+                reused += previous is not None and previous() is a
+                last[frame.slot] = weakref.ref(a)
+                values.append(int(a[0]))
+                if release:
+                    frame.release()
+                del a, frame
+            cp.cuda.get_current_stream().synchronize()
+        queue.put((values, reused))
+    except BaseException:
+        report_exception(queue)

@@ -1058,13 +1058,17 @@ class PublisherCore:
         if not self._by_fd and timeout == 0.0:
             return 0
         released = 0
+        # A blocking wait takes one message per ready socket (a caller that waits
+        # wants the first one; more are found by the next poll at once), which
+        # spares the failing recv that would end a drain; poll(0) drains all.
+        limit = 1 << 30 if timeout == 0.0 else 1
         for fd, _events in self._poller.poll(_ms(timeout)):
             conn = self._by_fd.get(fd)
             if conn is not None:
-                released += self._drain(conn)
+                released += self._drain(conn, limit)
         return released
 
-    def _drain(self, conn: _Conn) -> int:
+    def _drain(self, conn: _Conn, limit: int) -> int:
         sock = conn.sock
         book = self._book
         sub_id = conn.info.sub_id
@@ -1085,6 +1089,9 @@ class PublisherCore:
                 if type(msg) is proto.Release:
                     book.release(sub_id, msg.seq, msg.slot)
                     released += 1
+                    limit -= 1
+                    if limit == 0:
+                        return released
                     continue
                 if type(msg) is proto.Bye:
                     self._drop(conn, "said BYE")
@@ -1270,6 +1277,7 @@ class SubscriberCore:
         self._hangup = select.poll()
         self._hangup.register(self._sock, _POLLRDHUP)
         self._sock_fd = self._sock.fileno()
+        self._waited = False  # the last recv had to wait for its frame
         #: True once a hang-up (or a watched fd, :meth:`watch`) was seen: from then on
         #: the caller should look at its own death signals for every frame.
         self.alarm = False
@@ -1466,29 +1474,37 @@ class SubscriberCore:
         sock = self._sock
         deadline = None
         spin_end = 0
+        # When the last call had to wait, this one most likely will too: poll first
+        # and spare the failing recv (not with a spin, nor without a timeout to wait).
+        skip_recv = self._waited and not self.spin_ns and timeout != 0
+        waited = False
         while True:
-            try:
-                n = sock.recv_into(self._buf)
-                break
-            except (BlockingIOError, InterruptedError):
-                if self.spin_ns and timeout != 0:
-                    now = time.perf_counter_ns()
-                    if not spin_end:
-                        spin = self.spin_ns
-                        if timeout is not None:
-                            spin = min(spin, int(timeout * 1e9))
-                        spin_end = now + spin
-                    if now < spin_end:
-                        continue
-            except ConnectionResetError:
-                # Reported once, before what is still queued (a dropped
-                # subscriber's notice among it): look there first.
-                self._scan_after_hangup()
-                if self._backlog:
-                    return self._accept(self._backlog.popleft())
-                self._end("the connection to the publisher was reset")
-            except OSError as exc:
-                self._end(f"the connection to the publisher failed: {exc}")
+            if skip_recv:
+                skip_recv = False
+            else:
+                try:
+                    n = sock.recv_into(self._buf)
+                    break
+                except (BlockingIOError, InterruptedError):
+                    if self.spin_ns and timeout != 0:
+                        now = time.perf_counter_ns()
+                        if not spin_end:
+                            spin = self.spin_ns
+                            if timeout is not None:
+                                spin = min(spin, int(timeout * 1e9))
+                            spin_end = now + spin
+                        if now < spin_end:
+                            continue
+                except ConnectionResetError:
+                    # Reported once, before what is still queued (a dropped
+                    # subscriber's notice among it): look there first.
+                    self._scan_after_hangup()
+                    if self._backlog:
+                        return self._accept(self._backlog.popleft())
+                    self._end("the connection to the publisher was reset")
+                except OSError as exc:
+                    self._end(f"the connection to the publisher failed: {exc}")
+            waited = True
             if timeout is not None:
                 if deadline is None:
                     deadline = time.monotonic() + timeout
@@ -1498,6 +1514,7 @@ class SubscriberCore:
                 self._poller.poll(_ms(remaining))
             else:
                 self._poller.poll(-1)
+        self._waited = waited
         if n == 0:
             self._end("the publisher closed the connection")
         return self._accept(self._view[:n])

@@ -136,7 +136,9 @@ class Frame:
     -----
     Release the frame (:meth:`release`, or leave a ``with`` block) when done:
     the producer cannot reuse the slot before.  The lease is also returned
-    when the frame and all of its arrays have been garbage collected.  Using
+    when the frame and all of its arrays are gone (garbage collected, noticed
+    at the latest by the next :meth:`Subscriber.recv`: the arrays are kept
+    and handed out again for the next frame of the same slot and layout).  Using
     the arrays after :meth:`release` is a bug: the producer may overwrite them.
     """
 
@@ -325,6 +327,9 @@ class Subscriber:
         if self._closed:
             raise PoolClosedError("the Subscriber is closed")
         core = self._core
+        peer = self._peer
+        assert peer is not None
+        peer.drop_idle_owners()  # frames dropped without release() go back now, as collected
         try:
             msg = core.recv(timeout)
         except ProtocolError:
