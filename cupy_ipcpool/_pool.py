@@ -455,7 +455,8 @@ class IpcPool:
         The slot is the first free one after the current slot, round-robin
         (or exactly ``slot``); it becomes the current slot and its generation
         is bumped.  A slot is free when no local array, allocator block, open
-        token or peer lease holds it.  While none is free the call waits —
+        token or peer lease holds it (leases that came back are taken in when
+        no slot is known to be free, all at once).  While none is free the call waits —
         without polling: local releases and returned leases wake it — for at
         most ``timeout`` seconds (``None``: no limit, ``0``: not at all).
 

@@ -10,10 +10,13 @@ slot is *busy* while any of these hold it:
   :meth:`SlotTable.add_source` (a :class:`~cupy_ipcpool.Publisher` is one).
 
 :meth:`SlotTable.take` hands out the first free slot after the current one
-(round-robin) and waits, without polling, while none is free: on the table's
+(round-robin); returned leases are taken in when no slot is known to be free,
+all at once.  While none is free it waits without polling: on the table's
 condition, which local releases and returned leases notify, or inside the
 lease source (``collect``) when only peer leases stand in the way, since in
-the common single-threaded program nothing else could free a slot.
+the common single-threaded program nothing else could free a slot.  (A
+reusable view, the pool's kept array, frees its slot without a notification:
+while one is in use the wait looks again every 5 ms.)
 """
 
 from __future__ import annotations
@@ -149,6 +152,12 @@ class SlotTable(SlotRefs):
     def take(self, timeout: float | None, slot: int | None = None) -> tuple[int, int]:
         """Take a free slot for writing: mark it written, bump its generation.
 
+        A slot is free when nothing holds it as far as the table knows: leases
+        that came back are taken in (``collect``) only when no slot is known
+        to be free, all at once, so a producer that runs ahead of its
+        subscribers collects their releases in batches rather than one poll
+        per frame.
+
         Parameters
         ----------
         timeout:
@@ -168,8 +177,7 @@ class SlotTable(SlotRefs):
             Nothing became free in time; the message says who holds what.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        for known in self._sources:
-            known.collect(0.0)
+        collected = False
         while True:
             with self.lock:
                 found = self._pick(slot)
@@ -179,6 +187,14 @@ class SlotTable(SlotRefs):
                     self.generation[found] = generation
                     self.current = found
                     return found, generation
+            if not collected:
+                # Nothing known to be free: take in every lease that came back (all
+                # of them at once, so a producer running ahead collects in batches).
+                collected = True
+                for known in self._sources:
+                    known.collect(0.0)
+                continue
+            with self.lock:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0.0:
                     raise SlotBusyError(self.busy_message(timeout, slot))

@@ -63,7 +63,7 @@ def test_anything_referring_to_the_view_keeps_the_slot_busy(cp, hold):
         elif hold == "view":
             kept = a.view(cp.uint32)
         else:
-            kept = a.toDlpack()
+            kept = a.__dlpack__()  # a DLPack capsule refers to the array
         del a
         gc.collect()
         assert pool.is_busy(slot) and pool.local_refs(slot) == 1
