@@ -102,32 +102,27 @@ def test_spin_respects_the_timeout(address: str) -> None:
 # -- idle: no CPU without spin -----------------------------------------------------
 
 
-def test_idle_subscriber_uses_no_cpu(address: str) -> None:
+def _idle_recv(address: str, spin_us: float) -> tuple[float, float]:
+    """CPU seconds and wall seconds of one ``recv(timeout=1.0)`` with nothing published."""
+    with MemfdProducer(address, 2) as producer, SubscriberCore(address, spin_us=spin_us) as sub:
+        producer.wait_subscribers(1)
+        cpu0, wall0 = _cpu_seconds(), time.monotonic()
+        with pytest.raises(ChannelTimeoutError):
+            sub.recv(timeout=1.0)
+        return _cpu_seconds() - cpu0, time.monotonic() - wall0
+
+
+@pytest.mark.parametrize("spin_us", [0, 1000], ids=["no spin", "1 ms spin"])
+def test_idle_subscriber_uses_no_cpu(address: str, spin_us: float) -> None:
     """A subscriber blocked in recv for a second uses (almost) no CPU: it sleeps in poll(2).
 
-    A busy loop would use the whole second; the bound leaves room for a loaded
-    CI machine (the benchmark measures the real fraction over 5 s).
+    With ``spin_us`` one recv burns at most its spin, then sleeps like the
+    default.  A busy loop would use the whole second; the bound leaves room
+    for a loaded CI machine (the benchmark measures the real fraction over 5 s).
     """
-    with MemfdProducer(address, 2) as producer, SubscriberCore(address) as sub:
-        producer.wait_subscribers(1)
-        cpu0, wall0 = _cpu_seconds(), time.monotonic()
-        with pytest.raises(ChannelTimeoutError):
-            sub.recv(timeout=1.0)
-        cpu, wall = _cpu_seconds() - cpu0, time.monotonic() - wall0
+    cpu, wall = _idle_recv(address, spin_us)
     assert wall >= 0.9
     assert cpu / wall < 0.05, f"idle recv used {cpu:.3f} s of CPU in {wall:.3f} s"
-
-
-def test_spin_costs_cpu_only_for_the_spin(address: str) -> None:
-    """With spin_us, one recv burns at most its spin, then sleeps like the default."""
-    with MemfdProducer(address, 2) as producer, SubscriberCore(address, spin_us=1000) as sub:
-        producer.wait_subscribers(1)
-        cpu0, wall0 = _cpu_seconds(), time.monotonic()
-        with pytest.raises(ChannelTimeoutError):
-            sub.recv(timeout=1.0)
-        cpu, wall = _cpu_seconds() - cpu0, time.monotonic() - wall0
-    assert wall >= 0.9
-    assert cpu / wall < 0.05, f"recv with a 1 ms spin used {cpu:.3f} s of CPU in {wall:.3f} s"
 
 
 # -- watch(): the hang-up check covers another fd ----------------------------------
