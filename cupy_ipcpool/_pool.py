@@ -184,10 +184,17 @@ class SlotToken:
             )
 
     def array(self, shape: Any, dtype: Any = numpy.float32) -> Any:
-        """A new ``cupy.ndarray`` carved out of the slot (uninitialised).
+        """A ``cupy.ndarray`` carved out of the slot (uninitialised).
 
         Arrays of one token do not overlap: they come from the slot's arena,
         as allocations under :meth:`allocating` do, ordered on :attr:`stream`.
+        The first array of a slot is kept by the pool: when the slot is
+        written again with the same shape, dtype and stream and nothing refers
+        to that array any more, the same ``cupy.ndarray`` object is returned
+        (its contents are what the last frame left), which spares building an
+        array per frame.  While anything refers to it (the array, a slice or
+        view of it, a DLPack capsule or tensor made from it) the slot stays
+        busy, as with any live array.
 
         Raises
         ------
@@ -631,8 +638,9 @@ class IpcPool:
                 return view.array  # the slot's last frame had this shape: hand it out again
             self._drop_view(slot)
             view = views[slot]
-        if view is None and arena.top == 0:
+        if view is None and arena.top == 0 and not self._mem.close_requested:
             # the first array of an empty slot: keep it for the slot's next frame
+            # (not once the pool is closing: an uncounted view could outlive the mapping)
             offset = arena.alloc(nbytes, stream, stream_obj)
             owner = ViewOwner(self._mem, self._table, slot)
             try:
@@ -651,7 +659,10 @@ class IpcPool:
                 arena.free(offset)
                 raise
             with self._table.lock:
-                views[slot] = view
+                if self._mem.close_requested:
+                    view.owner.count()  # closed meanwhile: an ordinary counted array
+                else:
+                    views[slot] = view
             return view.array
         memptr = block_pointer(
             arena,
