@@ -131,9 +131,9 @@ class _PublisherLeases:
         return 0 if self.closed else self._book.lease_count(slot)
 
     def collect(self, timeout: float | None) -> int:
-        # The pool asks before every acquire (timeout 0): with nothing leased there is
-        # nothing to take back, so the poll(2) is spared.  (New subscribers are adopted
-        # by publish and poll.)
+        # The pool asks (timeout 0) when no slot is known to be free: with nothing
+        # leased there is nothing to take back, so the poll(2) is spared.  (New
+        # subscribers are adopted by publish and poll.)
         if timeout == 0.0 and not self._book.any_leased():
             return 0
         return self.poll(timeout)
