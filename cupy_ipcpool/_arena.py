@@ -19,12 +19,11 @@ and its owner (a :class:`Block`) counts as a local reference to the slot.
 
 from __future__ import annotations
 
-import sys
 import threading
 from contextlib import suppress
 from typing import Any
 
-from ._arrays import SlotRef, SlotRefs, cupy_module
+from ._arrays import KeptArray, SlotRef, SlotRefs, cupy_module
 from ._errors import SlotFullError, UsageError
 
 ALIGNMENT = 256
@@ -241,20 +240,16 @@ class ViewOwner:
                 pass
 
 
-class ReusableView:
+class ReusableView(KeptArray):
     """The first array of a frame in a slot, kept to be handed out again.
 
-    A producer that writes one array of the same shape and dtype into every
-    frame gets this same ``cupy.ndarray`` back the next time the slot is
-    written (``token.array``), instead of a new array, a new arena block and a
-    new owner each frame.  The view occupies the arena's first block for as
-    long as the pool keeps it.
-
-    The view is *in use* while anything but the pool references the array,
-    its ``MemoryPointer`` or its memory (a variable, a slice or view of it, a
-    DLPack capsule, a torch tensor made from it): reference counts are
-    compared with those taken when only the pool held it.  A slot whose view
-    is in use is busy, exactly like a slot with a live array.
+    A producer that writes one array of the same shape and dtype per frame
+    gets this same ``cupy.ndarray`` back the next time the slot is written
+    (``token.array``), instead of a new array, a new arena block and a new
+    owner each frame.  The view occupies the arena's first block for as long
+    as the pool keeps it.  A slot whose view is in use
+    (:meth:`~cupy_ipcpool._arrays.KeptArray.in_use`) is busy, exactly like a
+    slot with a live array.
 
     Parameters
     ----------
@@ -275,7 +270,7 @@ class ReusableView:
         again only to a writer on the same stream.
     """
 
-    __slots__ = ("_base", "array", "key", "offset", "owner", "stream")
+    __slots__ = ("key", "offset", "owner", "stream")
 
     def __init__(
         self,
@@ -289,23 +284,11 @@ class ReusableView:
         offset: int,
         stream: int,
     ) -> None:
-        mem = cp.cuda.UnownedMemory(ptr, nbytes, owner, device)
-        self.array = cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, 0))
-        del mem
+        super().__init__(cp, ptr, nbytes, owner, device, 0, shape, dtype)
         self.key = (shape, dtype)
         self.offset = offset
         self.owner = owner
         self.stream = stream
-        self._base = self._refcounts()  # only this object holds the array now
-
-    def _refcounts(self) -> tuple[int, int, int]:
-        a = self.array
-        memptr = a.data
-        return sys.getrefcount(a), sys.getrefcount(memptr), sys.getrefcount(memptr.mem)
-
-    def in_use(self) -> bool:
-        """True while anything besides the pool refers to the array or its memory."""
-        return self._refcounts() != self._base
 
 
 def block_pointer(

@@ -9,6 +9,7 @@ recycles the slot under it.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -87,6 +88,59 @@ class SlotRef:
             self.refs.decr(self.slot)
         except Exception:  # interpreter shutdown: nothing sensible left to do
             pass
+
+
+class KeptArray:
+    """A ``cupy.ndarray`` over mapped slot memory that its keeper hands out again.
+
+    The pool's reusable views and the subscriber's kept arrays are this.  The
+    array is *in use* while anything but this object refers to it, to its
+    ``MemoryPointer`` or to its memory (a variable, a slice or view of it, a
+    DLPack capsule, a torch tensor made from it): the reference counts of
+    those three are compared with the ones taken when only this object held
+    the array.
+
+    Parameters
+    ----------
+    cp:
+        The ``cupy`` module.
+    ptr, size:
+        The memory's device address and size (``UnownedMemory``).
+    owner:
+        The memory's owner (keeps the mapping alive).
+    device:
+        CUDA device ordinal.
+    offset, shape, dtype, strides:
+        The array inside the memory (``strides`` None: C-contiguous).
+    """
+
+    __slots__ = ("_base", "array")
+
+    def __init__(
+        self,
+        cp: Any,
+        ptr: int,
+        size: int,
+        owner: Any,
+        device: int,
+        offset: int,
+        shape: tuple[int, ...],
+        dtype: Any,
+        strides: tuple[int, ...] | None = None,
+    ) -> None:
+        mem = cp.cuda.UnownedMemory(ptr, size, owner, device)
+        self.array = cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides=strides)
+        del mem
+        self._base = self._refcounts()  # only this object holds the array now
+
+    def _refcounts(self) -> tuple[int, int, int]:
+        a = self.array
+        memptr = a.data
+        return sys.getrefcount(a), sys.getrefcount(memptr), sys.getrefcount(memptr.mem)
+
+    def in_use(self) -> bool:
+        """True while anything besides this object refers to the array or its memory."""
+        return self._refcounts() != self._base
 
 
 def make_array(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
 import warnings
 import weakref
@@ -12,7 +11,7 @@ from types import TracebackType
 from typing import Any
 
 from . import _driver
-from ._arrays import SlotRef, SlotRefs, cupy_module, view_unchecked
+from ._arrays import KeptArray, SlotRef, SlotRefs, cupy_module, view_unchecked
 from ._errors import (
     DescriptorError,
     ForkedProcessError,
@@ -40,37 +39,24 @@ class _Holder:
         self.owner = owner
 
 
-class _KeptView:
-    """An array built for a received handle, kept to be handed out again for the same geometry.
+class _KeptView(KeptArray):
+    """The array built for a received handle, kept to be handed out again for the same geometry.
 
-    Idle while nothing but the peer pool refers to the array, its
-    ``MemoryPointer`` or its memory (reference counts against those taken when
-    only this object held it).  Handing it out again points its memory's
-    owner (a :class:`_Holder`) at the new frame's owner.
+    Handing it out again points its memory's owner (a :class:`_Holder`) at
+    the new frame's owner.
     """
 
-    __slots__ = ("_base", "array", "holder", "key")
+    __slots__ = ("holder", "key")
 
     def __init__(
         self, cp: Any, base_ptr: int, size: int, device: int, key: bytes, geometry: Any, owner: Any
     ) -> None:
-        self.key = key
-        self.holder = _Holder(owner)
-        mem = cp.cuda.UnownedMemory(base_ptr, size, self.holder, device)
-        self.array = cp.ndarray(
-            geometry[2], geometry[4], cp.cuda.MemoryPointer(mem, geometry[1]), strides=geometry[3]
+        holder = _Holder(owner)
+        super().__init__(
+            cp, base_ptr, size, holder, device, geometry[1], geometry[2], geometry[4], geometry[3]
         )
-        del mem
-        self._base = self._refcounts()
-
-    def _refcounts(self) -> tuple[int, int, int]:
-        a = self.array
-        memptr = a.data
-        return sys.getrefcount(a), sys.getrefcount(memptr), sys.getrefcount(memptr.mem)
-
-    def idle(self) -> bool:
-        """True while nothing besides the peer pool refers to the array or its memory."""
-        return self._refcounts() == self._base
+        self.key = key
+        self.holder = holder
 
 
 class _ImportedSlots:
@@ -325,7 +311,7 @@ class PeerPool:
                 )
             seen[slot] = generation
             view = views.get(key)
-            if view is not None and view.idle():
+            if view is not None and not view.in_use():
                 view.holder.owner = owner  # the same array again, now owned by this frame
             else:
                 view = _KeptView(cp, ptrs[slot], size, device, key, geometry, owner)
@@ -352,7 +338,7 @@ class PeerPool:
             for view in lent:
                 if views.get(view.key) is not view:
                     continue  # no longer kept: it goes, with its owner, when its users drop it
-                if view.idle():
+                if not view.in_use():
                     view.holder.owner = None
                 else:
                     keep.append(view)

@@ -42,6 +42,21 @@ def _p99(xs: list[int]) -> float:
     return xs[int(0.99 * (len(xs) - 1))] / 1e3 if xs else float("nan")
 
 
+def _profile_text(prof: cProfile.Profile | None) -> str:
+    """The top functions by own and by cumulative time ("" without a profile)."""
+    if prof is None:
+        return ""
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("tottime").print_stats(35)
+    st.sort_stats("cumulative").print_stats(45)
+    return buf.getvalue()
+
+
+def _summary(steps: dict[str, list[int]]) -> dict[str, tuple[float, float]]:
+    return {k: (_med(v), _p99(v)) for k, v in steps.items()}
+
+
 def _consumer(address: str, frames: int, profile: bool, q, spin: float) -> None:  # type: ignore[no-untyped-def]
     import cupy as cp
 
@@ -78,14 +93,8 @@ def _consumer(address: str, frames: int, profile: bool, q, spin: float) -> None:
         if prof is not None:
             prof.disable()
     stream.synchronize()
-    text = ""
-    if prof is not None:
-        buf = io.StringIO()
-        st = pstats.Stats(prof, stream=buf)
-        st.sort_stats("tottime").print_stats(35)
-        st.sort_stats("cumulative").print_stats(45)
-        text = buf.getvalue()
-    q.put(({k: (_med(v), _p99(v)) for k, v in steps.items()}, text, work.flush()))
+    text = _profile_text(prof)
+    q.put((_summary(steps), text, work.flush()))
 
 
 def _run(mode: str, frames: int, mib: int, profile: bool, spin: float = 0.0) -> dict[str, object]:
@@ -146,15 +155,9 @@ def _run(mode: str, frames: int, mib: int, profile: bool, spin: float = 0.0) -> 
     cons_steps, cons_prof, mismatches = q.get(timeout=120)
     p.join(30)
     stream.synchronize()
-    text = ""
-    if prof is not None:
-        buf = io.StringIO()
-        st = pstats.Stats(prof, stream=buf)
-        st.sort_stats("tottime").print_stats(35)
-        st.sort_stats("cumulative").print_stats(45)
-        text = buf.getvalue()
+    text = _profile_text(prof)
     return {
-        "producer": {k: (_med(v), _p99(v)) for k, v in steps.items()},
+        "producer": _summary(steps),
         "consumer": cons_steps,
         "fps": frames / (elapsed / 1e9),
         "mismatches": mismatches,
@@ -171,22 +174,17 @@ def main() -> int:
     ap.add_argument("--spin", type=float, action="append", default=[], help="extra rt runs")
     args = ap.parse_args()
     out = os.environ.get("OUT")
-    for spin in args.spin:
-        r = _run("rt", args.frames, args.mib, False, spin)
-        print(f"== rt spin_us={spin} {args.mib} MiB: {r['fps']:.0f} frames/s")
-        for side in ("producer", "consumer"):
-            cells = ", ".join(
-                f"{k} {m:.1f}/{p:.1f}"
-                for k, (m, p) in r[side].items()  # type: ignore[attr-defined]
-            )
-            print(f"   {side} p50/p99 us: {cells}")
-    runs = [("rt", False), ("stream", False)]
+    runs = [("rt", False, spin) for spin in args.spin]
+    runs += [("rt", False, 0.0), ("stream", False, 0.0)]
     if not args.no_profile:
-        runs.append(("rt", True))
-    for mode, profile in runs:
-        r = _run(mode, args.frames, args.mib, profile)
-        label = f"{mode}{' (cProfile)' if profile else ''} {args.mib} MiB"
-        print(f"== {label}: {r['fps']:.0f} frames/s, mismatching samples {r['mismatches']}")
+        runs.append(("rt", True, 0.0))
+    for mode, profile, spin in runs:
+        r = _run(mode, args.frames, args.mib, profile, spin)
+        label = f"{mode}{' (cProfile)' if profile else ''}{f' spin_us={spin}' if spin else ''}"
+        print(
+            f"== {label} {args.mib} MiB: {r['fps']:.0f} frames/s, "
+            f"mismatching samples {r['mismatches']}"
+        )
         for side in ("producer", "consumer"):
             cells = ", ".join(
                 f"{k} {m:.1f}/{p:.1f}"

@@ -13,7 +13,7 @@ import multiprocessing as mp
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -57,9 +57,8 @@ def test_busy_message_says_who_holds_what() -> None:
     del pins
 
 
-def test_a_waiter_wakes_when_another_thread_drops_an_array() -> None:
-    table = SlotTable(1)
-    pin = SlotRef(None, table, 0)
+def _wake_delay(table: SlotTable, drop: Callable[[], None]) -> float:
+    """Seconds between ``drop()`` (which frees the table's only slot) and a waiting take()."""
     woke: list[float] = []
 
     def waiter() -> None:
@@ -71,9 +70,16 @@ def test_a_waiter_wakes_when_another_thread_drops_an_array() -> None:
     time.sleep(0.2)
     assert not woke  # still waiting: the slot is held
     dropped = time.monotonic()
-    del pin
+    drop()
     thread.join(5)
-    assert woke and woke[0] - dropped < 0.05  # notified, not polled
+    assert woke
+    return woke[0] - dropped
+
+
+def test_a_waiter_wakes_when_another_thread_drops_an_array() -> None:
+    table = SlotTable(1)
+    pins = [SlotRef(None, table, 0)]
+    assert _wake_delay(table, pins.clear) < 0.05  # notified, not polled
 
 
 def test_a_waiter_wakes_when_a_token_is_released() -> None:
@@ -129,20 +135,7 @@ def test_a_waiter_sees_a_view_dropped_by_another_thread() -> None:
     kept = _Kept()
     table.views[0] = kept
     held = [kept.obj]
-    woke: list[float] = []
-
-    def waiter() -> None:
-        table.take(10.0)
-        woke.append(time.monotonic())
-
-    thread = threading.Thread(target=waiter)
-    thread.start()
-    time.sleep(0.2)
-    assert not woke  # still waiting: the view is in use
-    dropped = time.monotonic()
-    held.clear()
-    thread.join(5)
-    assert woke and woke[0] - dropped < 0.5
+    assert _wake_delay(table, held.clear) < 0.5
 
 
 def test_timeout_zero_does_not_wait() -> None:

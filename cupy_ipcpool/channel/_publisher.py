@@ -31,10 +31,8 @@ from collections.abc import Iterable
 from types import TracebackType
 from typing import Any
 
-from .._arrays import array_info, cupy_module, stream_ptr
+from .._arrays import cupy_module, stream_ptr
 from .._errors import (
-    DescriptorError,
-    NotShareableError,
     PeerRefusedError,
     PoolClosedError,
     TeardownWarning,
@@ -131,14 +129,6 @@ class _PublisherLeases:
         return 0 if self.closed else self._book.lease_count(slot)
 
     def collect(self, timeout: float | None) -> int:
-        # The pool asks (timeout 0) when no slot is known to be free: with nothing
-        # leased there is nothing to take back, so the poll(2) is spared.  (New
-        # subscribers are adopted by publish and poll.)
-        if timeout == 0.0 and not self._book.any_leased():
-            return 0
-        return self.poll(timeout)
-
-    def poll(self, timeout: float | None) -> int:
         """Adopt new subscribers and take back returned leases (:meth:`PublisherCore.poll`)."""
         if self.closed or self._core.closed:
             return 0
@@ -428,12 +418,12 @@ class Publisher:
                 key = (slot, a.data.ptr - base, a.shape, a.strides, a.dtype)
                 parts_of = templates.get(key)
                 if parts_of is None:
-                    parts_of = self._template(a, slot, base)
+                    parts_of = token.handle(a).pack_parts()
                     if len(templates) >= _TEMPLATES:
                         templates.clear()
                     templates[key] = parts_of
             else:
-                parts_of = self._template(a, slot, base)
+                parts_of = token.handle(a).pack_parts()
             parts.append(parts_of[0])
             parts.append(gen)
             parts.append(parts_of[1])
@@ -446,26 +436,6 @@ class Publisher:
         self._end_write(token)
         return seq
 
-    def _template(self, a: Any, slot: int, base: int) -> tuple[bytes, bytes]:
-        """Validate ``a`` as an array in ``slot``; its packed handle split around the generation."""
-        info = array_info(a)
-        offset = info.ptr - base
-        limit = self._pool.slot_nbytes
-        if not 0 <= offset < limit:
-            where = self._pool.locate(info.ptr)
-            raise NotShareableError(
-                f"array lies in slot {where[0]}, but this frame was acquired in slot {slot}"
-                if where is not None
-                else "array does not lie in the pool; allocate it with frame.array() or "
-                "under pool.allocating()"
-            )
-        try:
-            handle = ArrayHandle(slot, 0, offset, info.shape, info.strides, info.dtype)
-            handle.check_fits(limit)
-        except DescriptorError as exc:
-            raise NotShareableError(f"array extends beyond slot {slot}: {exc}") from None
-        return handle.pack_parts()
-
     def poll(self, timeout: float | None = 0.0) -> int:
         """Adopt new subscribers and collect returned leases; return how many came back.
 
@@ -475,7 +445,7 @@ class Publisher:
         or ``pool.next()`` are woken when leases came back.
         """
         self._check()
-        returned = self._leases.poll(timeout)
+        returned = self._leases.collect(timeout)
         self._pool.notify_released()
         return returned
 
