@@ -125,6 +125,34 @@ def call(name: str, *args: Any) -> Any:
     return check(name, getattr(driver, name)(*args))
 
 
+def memop_pointers() -> tuple[int, int]:
+    """The driver's ``cuStreamWriteValue32`` and ``cuStreamWaitValue32`` entry points (cached).
+
+    Resolved with ``cuGetProcAddress`` (the default-stream semantics the
+    binding's functions have), for :mod:`cupy_ipcpool._fastpath` to call
+    without the binding's argument conversion.
+
+    Raises
+    ------
+    CudaError
+        The driver does not know one of them.
+    """
+    ptrs = _state.get("memops")
+    if ptrs is None:
+        driver = _load()
+        version = min(driver_version(), 12000)
+        found = []
+        for symbol in ("cuStreamWriteValue32", "cuStreamWaitValue32"):
+            res = driver.cuGetProcAddress(symbol.encode(), version, 0)
+            check(f"cuGetProcAddress({symbol})", (res[0],))
+            pfn = int(res[1])
+            if not pfn:
+                raise CudaError(f"cuGetProcAddress({symbol})", 500, "CUDA_ERROR_NOT_FOUND")
+            found.append(pfn)
+        ptrs = _state["memops"] = (found[0], found[1])
+    return ptrs
+
+
 def driver_version() -> int:
     """Return the driver's CUDA version as an int (e.g. ``13000``)."""
     return int(call("cuDriverGetVersion"))

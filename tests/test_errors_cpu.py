@@ -157,7 +157,7 @@ def test_undo_stack_runs_steps_newest_first_and_warns_on_failures() -> None:
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("errors", ("_errors", "_version")),
     ("handles", ("_handles",)),
-    ("driver", ("_driver",)),
+    ("driver", ("_driver", "_fastpath")),
     ("vmm", ("_vmm",)),
     ("transport", ("_transport",)),
     ("pool", ("_arrays", "_slots", "_arena", "_pool")),
@@ -194,7 +194,8 @@ def _module_name(path: pathlib.Path) -> str:
 def _imports(path: pathlib.Path) -> Iterator[str]:
     """Modules of the package that ``path`` imports, at any depth of the file."""
     package = list(path.relative_to(PACKAGE).parts[:-1])
-    modules = {_module_name(p) for p in PACKAGE.rglob("*.py")}
+    # compiled modules have a stub (.pyi) beside their C source
+    modules = {_module_name(p) for pattern in ("*.py", "*.pyi") for p in PACKAGE.rglob(pattern)}
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             if node.level:

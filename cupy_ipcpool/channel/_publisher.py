@@ -5,13 +5,14 @@ The GPU layer over :mod:`cupy_ipcpool.channel._session` (sockets, leases),
 (cross-process ordering):
 
 * the producer's :class:`Publisher` owns a :class:`SyncPage` of 32-bit flags
-  in shared device memory.  The WELCOME message carries the pool descriptor,
+  in shared host memory, registered for the GPU.  The WELCOME message carries the pool descriptor,
   the slot fds and the page's fd, and the subscriber's index in the page.
 * publishing makes the producer's stream write the slot's generation into the
   slot's frame flag (after the kernels that wrote the frame) and sends a FRAME
   message (seq, slot, flag index, generation, array handles, metadata); the
   subscriber's stream waits on that flag before its work touches the frame —
-  the GPU waits, the host never does.
+  the GPU waits, the host never does (and where the host sees the flag set
+  already, nobody waits).
 * releasing makes the subscriber's stream write the generation into its read
   flag for the slot and sends RELEASE; before the producer writes the slot
   again, its stream waits on the read flags of every subscriber that read it.
@@ -278,7 +279,7 @@ class Publisher:
             self._pool.num_slots,
             self._max_subscribers,
             index,
-            self._sync.alloc.size,
+            self._sync.nbytes,
         )
         return head + self._desc_bytes, self._welcome_fds
 
@@ -320,7 +321,9 @@ class Publisher:
             rows = [self._indices.get(sub_id) for sub_id in readers]
         for index in rows:
             if index is not None:
-                sync.wait(stream, sync.read_flag(index, slot), last)
+                # no GPU wait when the host sees the release has landed already (the
+                # usual case: the slot was read a whole ring ago)
+                sync.order(stream, sync.read_flag(index, slot), last)
 
     def _end_write(self, token: SlotToken) -> None:
         token.release()
@@ -461,10 +464,12 @@ class Publisher:
         Subscribers get a clean end of stream after the frames already sent;
         frames they hold stay readable (they mapped the memory themselves).
         ``close`` waits up to ``timeout`` seconds for every subscriber to
-        disconnect, because their streams may still write and wait on the
-        shared sync page until then.  If some are still connected after that,
-        the page is kept mapped (leaked, with a :class:`TeardownWarning`)
-        rather than freed under them.  Idempotent; never raises.
+        disconnect: until then the publisher's streams may have waits queued
+        on their read flags in the sync page (each subscriber maps the page
+        itself, so its own streams never depend on the publisher's mapping).
+        If some are still connected after that, the page is kept mapped and
+        registered (leaked, with a :class:`TeardownWarning`) rather than
+        unmapped under a queued wait.  Idempotent; never raises.
         """
         if self._closed:
             return
@@ -509,7 +514,7 @@ def _close_publisher(
         warnings.warn(f"closing the publisher socket failed: {exc}", TeardownWarning, stacklevel=2)
         all_gone = False
     pool.remove_lease_source(leases)
-    # Subscribers may still wait on the page for frames queued before the BYE:
-    # freeing it under them would be a dangling mapping, so it is leaked instead.
+    # A subscriber still connected may not have released its frames: this process's
+    # streams may still wait on its read flags, so the page is leaked instead.
     if sync is not None and all_gone and os.getpid() == pid:
         sync.close()

@@ -276,7 +276,7 @@ class Subscriber:
         # per-frame lookups, made once
         self._frame_flags = [sync.frame_flag(i) for i in range(n)]
         self._read_flags = [sync.read_flag(index, i) for i in range(n)]
-        self._wait = sync.wait
+        self._order = sync.order  # waits on the GPU only if the host does not see the flag set
         self._write = sync.write
 
     # -- state --
@@ -368,7 +368,7 @@ class Subscriber:
             stream = self._cp.cuda.get_current_stream()
         sptr = stream_ptr(stream)
         self._streams.note(sptr, stream)
-        self._wait(sptr, self._frame_flags[slot], generation)
+        self._order(sptr, self._frame_flags[slot], generation)
         return Frame(seq, slot, tuple(arrays), bytes(payload[pos:]), lease)
 
     def _release(self, seq: int, slot: int, generation: int, stream: Any) -> None:

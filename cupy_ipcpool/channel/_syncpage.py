@@ -1,118 +1,329 @@
 """Cross-process GPU ordering with stream memory operations on a shared flag page.
 
-A :class:`SyncPage` is one small VMM allocation, shared like a slot (POSIX fd),
-that holds 32-bit flags:
+A :class:`SyncPage` holds 32-bit flags in a page of *host* memory shared by
+the publisher and its subscribers (a sealed memfd, :class:`SharedFlags`),
+registered with CUDA in each process (``cuMemHostRegister``, ``DEVICEMAP |
+PORTABLE``) so that their streams can write and wait on it:
 
 * one *frame flag* per slot: the producer's stream writes the slot's
   generation there after the kernels that filled it
   (``cuStreamWriteValue32``); a subscriber's stream waits until the flag has
   reached that generation (``cuStreamWaitValue32`` with ``GEQ``) before its
   work touches the frame;
-* one *read flag* per (subscriber index, slot): the subscriber's stream
-  writes the generation it read there when it releases the frame; before the
+* one *read flag* per (subscriber row, slot): the subscriber's stream writes
+  the generation it read there when it releases the frame; before the
   producer writes the slot again, its stream waits for every reader's flag.
 
-Both operations are executed by the GPU: neither host blocks.  (Interprocess
-CUDA events were tried first: on the H200 with driver 580 a kernel launch
-on a stream that waits on another process's event blocked the host until the
-other process's kernel had finished.)  The comparison is the driver's cyclic
-``(int32_t)(*flag - value) >= 0``, so generations may wrap around 2**32.
+Neither host blocks.  Because the flags are in host memory, each side first
+looks at the flag itself (:meth:`SyncPage.order`): when it already holds the
+value — the frame flag has usually landed by the time the subscriber receives
+the frame, and a reader's release long before the producer comes round the
+ring to that slot again — no wait is enqueued at all.  A write is made with a
+memory barrier (the driver's default), so once the host sees the value, the
+work before the write is done and its memory visible to every device.
+(docs/performance.md, section 4, has what this saves.  The page used to be
+VMM device memory, where every frame needed both waits on the GPU; before
+that, interprocess CUDA events made the host block, see git history.)
+
+The comparison is the driver's cyclic ``(int32_t)(*flag - value) >= 0``, so
+generations may wrap around 2**32.  The stream memory operations go through
+:mod:`cupy_ipcpool._fastpath` (compiled), not the binding.
 """
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
+import mmap
+import os
+import stat
+
 from .. import _driver
-from .._errors import UsageError
-from .._vmm import Allocation, round_up
+from .._errors import ProtocolError, UsageError
+from .._vmm import round_up
 
 _FLAG = 4
+_PAGE = mmap.PAGESIZE
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+_HALF = 1 << 31
+_MASK = 0xFFFFFFFF
+
+
+class FlagLayout:
+    """Where the flags of a channel lie in its page.
+
+    Frame flags first (one per slot), then ``max_subscribers`` rows of
+    ``num_slots`` read flags, starting 256-byte aligned; the page is a whole
+    number of host pages.
+    """
+
+    __slots__ = ("max_subscribers", "nbytes", "num_slots", "reads_offset")
+
+    def __init__(self, num_slots: int, max_subscribers: int) -> None:
+        if num_slots < 1 or max_subscribers < 1:
+            raise UsageError(
+                f"a sync page needs at least one slot and one subscriber row "
+                f"(got {num_slots} and {max_subscribers})"
+            )
+        self.num_slots = num_slots
+        self.max_subscribers = max_subscribers
+        self.reads_offset = round_up(num_slots * _FLAG, 256)
+        self.nbytes = round_up(self.reads_offset + num_slots * max_subscribers * _FLAG, _PAGE)
+
+    def frame_offset(self, slot: int) -> int:
+        """Byte offset of ``slot``'s frame flag."""
+        return slot * _FLAG
+
+    def read_offset(self, row: int, slot: int) -> int:
+        """Byte offset of subscriber row ``row``'s read flag for ``slot``."""
+        return self.reads_offset + (row * self.num_slots + slot) * _FLAG
+
+
+class SharedFlags:
+    """The host side of a flag page: a sealed memfd mapped read-write.
+
+    No GPU is involved here: the page is created by the publisher
+    (:meth:`create`), received by a subscriber as an fd and checked before it
+    is mapped (:meth:`open`), and read with :meth:`load` / :meth:`reached`.
+
+    Attributes
+    ----------
+    address:
+        The host address of the mapping.
+    nbytes:
+        Its size.
+    """
+
+    def __init__(self, fd: int, nbytes: int) -> None:
+        self._mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._fd = fd
+        self.nbytes = nbytes
+        self._words = memoryview(self._mm).cast("I")
+        anchor = ctypes.c_char.from_buffer(self._mm)
+        self.address = ctypes.addressof(anchor)
+        del anchor  # the address stays valid while the mapping lives
+
+    @classmethod
+    def create(cls, nbytes: int) -> SharedFlags:
+        """A zeroed page of ``nbytes`` in a new memfd, sealed against shrinking and growing."""
+        fd = os.memfd_create("cupy_ipcpool-sync", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, nbytes)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS | fcntl.F_SEAL_SEAL)
+            return cls(fd, nbytes)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def open(cls, fd: int, nbytes: int) -> SharedFlags:
+        """Map a page received from the publisher; ``fd`` stays owned by the caller.
+
+        Raises
+        ------
+        ProtocolError
+            ``fd`` is no memfd sealed against shrinking and growing (the
+            publisher could otherwise truncate it under this process), or its
+            size is not ``nbytes``.
+        """
+        try:
+            st = os.fstat(fd)
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError as exc:
+            raise ProtocolError(f"the sync page fd is no sealed memfd ({exc})") from None
+        if not stat.S_ISREG(st.st_mode) or seals & _SEALS != _SEALS:
+            raise ProtocolError(
+                "the sync page fd is not sealed against shrinking and growing "
+                f"(seals {seals:#x}); refusing to map it"
+            )
+        if st.st_size != nbytes:
+            raise ProtocolError(f"the sync page is {st.st_size} bytes, the WELCOME says {nbytes}")
+        own = os.dup(fd)
+        try:
+            return cls(own, nbytes)
+        except BaseException:
+            os.close(own)
+            raise
+
+    @property
+    def fd(self) -> int:
+        """The memfd (owned by this object until :meth:`close`)."""
+        return self._fd
+
+    def load(self, offset: int) -> int:
+        """The 32-bit flag at byte ``offset`` (one aligned load)."""
+        return int(self._words[offset >> 2])
+
+    def store(self, offset: int, value: int) -> None:
+        """Set the flag at ``offset`` from the host (tests and tools; the GPU writes flags)."""
+        self._words[offset >> 2] = value & _MASK
+
+    def reached(self, offset: int, value: int) -> bool:
+        """True when the flag at ``offset`` is at or past ``value`` (cyclic, as on the GPU)."""
+        return ((self._words[offset >> 2] - value) & _MASK) < _HALF
+
+    def close(self) -> None:
+        """Unmap and close the fd (idempotent)."""
+        if self._fd < 0:
+            return
+        self._words.release()
+        self._mm.close()
+        os.close(self._fd)
+        self._fd = -1
+
+
+def _memops() -> tuple[object, int, int, int, int]:
+    """``(_fastpath.memop, write pointer, wait pointer, write flags, wait flags)``."""
+    try:
+        from .._fastpath import memop
+    except ImportError as exc:
+        raise ImportError(
+            "cupy_ipcpool._fastpath, the compiled part of cupy_ipcpool, is not built "
+            f"({exc}): install the package with pip (pip install .), or build it in place "
+            "with 'python3 setup.py build_ext --inplace'"
+        ) from None
+    write_fn, wait_fn = _driver.memop_pointers()
+    driver = _driver.driver_module()
+    return (
+        memop,
+        write_fn,
+        wait_fn,
+        int(driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
+        int(driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
+    )
 
 
 class SyncPage:
-    """Flags for one channel: ``num_slots`` frame flags and read flags per subscriber.
+    """The flags of one channel, mapped for the host and for ``device``'s streams.
 
     Parameters
     ----------
-    alloc:
-        The mapped allocation (created here or imported from a peer).
-    num_slots, max_subscribers:
-        The layout: frame flags first, then ``max_subscribers`` rows of
-        ``num_slots`` read flags, starting 256-byte aligned.
+    flags:
+        The host mapping (created here or received from the publisher); the
+        page owns it from now on.
+    layout:
+        Where the flags lie.
+    device:
+        The device whose streams write and wait on the flags (the page is
+        registered ``PORTABLE``, so other devices' streams may use it too).
     """
 
-    def __init__(self, alloc: Allocation, num_slots: int, max_subscribers: int) -> None:
-        self.alloc = alloc
-        self.num_slots = num_slots
-        self.max_subscribers = max_subscribers
-        self._reads = round_up(num_slots * _FLAG, 256)
-        if self._reads + num_slots * max_subscribers * _FLAG > alloc.size:
+    def __init__(self, flags: SharedFlags, layout: FlagLayout, device: int) -> None:
+        if flags.nbytes < layout.nbytes:
             raise UsageError("sync page too small for its layout")
+        self.flags = flags
+        self.layout = layout
+        self.num_slots = layout.num_slots
+        self.max_subscribers = layout.max_subscribers
+        self._memop, self._write_fn, self._wait_fn, self._plain, self._geq = _memops()
         driver = _driver.driver_module()
-        self._write = driver.cuStreamWriteValue32
-        self._wait = driver.cuStreamWaitValue32
-        self._geq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-        self._plain = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
-        self._reads_base = alloc.ptr + self._reads
-
-    @staticmethod
-    def nbytes_for(num_slots: int, max_subscribers: int, granularity: int) -> int:
-        """Bytes to allocate for this layout (a multiple of ``granularity``)."""
-        need = round_up(num_slots * _FLAG, 256) + num_slots * max_subscribers * _FLAG
-        return round_up(need, granularity)
+        _driver.use_device(device)
+        reg = driver.CU_MEMHOSTREGISTER_PORTABLE | driver.CU_MEMHOSTREGISTER_DEVICEMAP
+        _driver.call("cuMemHostRegister", flags.address, flags.nbytes, reg)
+        try:
+            self._base = int(_driver.call("cuMemHostGetDevicePointer", flags.address, 0))
+        except BaseException:
+            _driver.call("cuMemHostUnregister", flags.address)
+            raise
+        self._registered = True
 
     @classmethod
     def create(cls, num_slots: int, max_subscribers: int, device: int) -> SyncPage:
-        """Allocate, export and zero a page on ``device``."""
-        import cupy
-
-        size = cls.nbytes_for(num_slots, max_subscribers, _driver.granularity(device))
-        alloc = Allocation.create(size, device)
+        """A zeroed page for this layout, registered for ``device``."""
+        layout = FlagLayout(num_slots, max_subscribers)
+        flags = SharedFlags.create(layout.nbytes)
         try:
-            with cupy.cuda.Device(device):
-                cupy.cuda.runtime.memset(alloc.ptr, 0, size)
-                cupy.cuda.runtime.deviceSynchronize()
-            return cls(alloc, num_slots, max_subscribers)
+            return cls(flags, layout, device)
         except BaseException:
-            alloc.close()
+            flags.close()
             raise
 
     @classmethod
     def import_fd(
         cls, fd: int, nbytes: int, num_slots: int, max_subscribers: int, device: int
     ) -> SyncPage:
-        """Map a peer's page from ``fd`` (which stays owned by the caller)."""
-        alloc = Allocation.import_fd(fd, nbytes, device)
+        """Map and register the publisher's page from ``fd`` (which stays owned by the caller).
+
+        Raises
+        ------
+        ProtocolError
+            The fd is not a sealed memfd of exactly the layout's size.
+        """
+        layout = FlagLayout(num_slots, max_subscribers)
+        if nbytes != layout.nbytes:
+            raise ProtocolError(
+                f"the WELCOME announces a {nbytes}-byte sync page; {num_slots} slots and "
+                f"{max_subscribers} rows take {layout.nbytes}"
+            )
+        flags = SharedFlags.open(fd, nbytes)
         try:
-            return cls(alloc, num_slots, max_subscribers)
+            return cls(flags, layout, device)
         except BaseException:
-            alloc.close()
+            flags.close()
             raise
 
     @property
     def fd(self) -> int:
-        """The exported fd (creator side)."""
-        return self.alloc.fd
+        """The page's memfd (sent to subscribers in the WELCOME)."""
+        return self.flags.fd
+
+    @property
+    def nbytes(self) -> int:
+        """The page's size in bytes."""
+        return self.flags.nbytes
 
     def frame_flag(self, slot: int) -> int:
         """Device address of ``slot``'s frame flag."""
-        return self.alloc.ptr + slot * _FLAG
+        return self._base + self.layout.frame_offset(slot)
 
     def read_flag(self, index: int, slot: int) -> int:
-        """Device address of subscriber ``index``'s read flag for ``slot``."""
-        return self._reads_base + (index * self.num_slots + slot) * _FLAG
+        """Device address of subscriber row ``index``'s read flag for ``slot``."""
+        return self._base + self.layout.read_offset(index, slot)
+
+    def reached(self, addr: int, value: int) -> bool:
+        """True when the flag at device address ``addr`` already holds ``value`` or later."""
+        return self.flags.reached(addr - self._base, value)
 
     def write(self, stream: int, addr: int, value: int) -> None:
-        """Enqueue on ``stream``: after prior work, store ``value`` at ``addr``."""
-        (err,) = self._write(stream, addr, value & 0xFFFFFFFF, self._plain)
-        if err:
-            _driver.check("cuStreamWriteValue32", (err,))
+        """Enqueue on ``stream``: after prior work and a memory barrier, store ``value``."""
+        rc = self._memop(self._write_fn, stream, addr, value, self._plain)  # type: ignore[operator]
+        if rc:
+            _raise("cuStreamWriteValue32", rc)
 
     def wait(self, stream: int, addr: int, value: int) -> None:
         """Enqueue on ``stream``: wait until the flag at ``addr`` reaches ``value`` (cyclic)."""
-        (err,) = self._wait(stream, addr, value & 0xFFFFFFFF, self._geq)
-        if err:
-            _driver.check("cuStreamWaitValue32", (err,))
+        rc = self._memop(self._wait_fn, stream, addr, value, self._geq)  # type: ignore[operator]
+        if rc:
+            _raise("cuStreamWaitValue32", rc)
+
+    def order(self, stream: int, addr: int, value: int) -> bool:
+        """Order ``stream`` after the flag at ``addr`` reaching ``value``; True if it must wait.
+
+        A wait is enqueued on the GPU (and True returned) unless the host
+        already sees the value: the write that set it came after a memory
+        barrier, so the work it stands for is done and visible.
+        """
+        if ((self.flags._words[(addr - self._base) >> 2] - value) & _MASK) < _HALF:
+            return False
+        self.wait(stream, addr, value)
+        return True
 
     def close(self) -> None:
-        """Unmap and release (idempotent, never raises)."""
-        self.alloc.close()
+        """Unregister and unmap (idempotent, never raises).
+
+        The caller makes sure no stream still has an operation on the page queued.
+        """
+        if self._registered:
+            self._registered = False
+            try:
+                _driver.call("cuMemHostUnregister", self.flags.address)
+            except Exception:
+                # still registered: leave the mapping in place rather than unmap
+                # memory the driver may touch
+                return
+        self.flags.close()
+
+
+def _raise(call: str, rc: int) -> None:
+    driver = _driver.driver_module()
+    _driver.check(call, (driver.CUresult(rc),))

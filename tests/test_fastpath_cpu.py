@@ -1,0 +1,109 @@
+"""The compiled ``_fastpath.memop`` trampoline: arguments in, result out, bad input refused.
+
+It calls whatever function pointer it is given; on the GPU machine that is
+the driver's ``cuStreamWriteValue32`` / ``cuStreamWaitValue32``
+(``tests/test_syncpage_gpu.py``).  Here it calls a C-callable made with
+``ctypes`` that records its arguments, which checks the conversion and the
+calling convention, not the driver.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+import pytest
+
+from cupy_ipcpool._fastpath import memop
+
+_PROTO = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint
+)
+
+
+class _Recorder:
+    def __init__(self, result: int = 0) -> None:
+        self.calls: list[tuple[int | None, int, int, int]] = []
+        self.result = result
+        self.fn = _PROTO(self._call)
+        self.address = ctypes.cast(self.fn, ctypes.c_void_p).value or 0
+
+    def _call(self, stream: int | None, addr: int, value: int, flags: int) -> int:
+        self.calls.append((stream, addr, value, flags))
+        return self.result
+
+
+def test_arguments_reach_the_function_and_its_result_comes_back() -> None:
+    rec = _Recorder(result=700)
+    assert memop(rec.address, 0x7F00_1234_5678, (1 << 63) + 8, 41, 1) == 700
+    assert rec.calls == [(0x7F00_1234_5678, (1 << 63) + 8, 41, 1)]
+
+
+def test_value_is_taken_modulo_2_32_and_stream_0_is_allowed() -> None:
+    rec = _Recorder()
+    assert memop(rec.address, 0, 16, (5 << 32) | 3, 0) == 0
+    assert memop(rec.address, 0, 16, -1, 0) == 0
+    assert rec.calls == [(None, 16, 3, 0), (None, 16, 0xFFFFFFFF, 0)]
+
+
+def test_other_threads_run_during_the_call() -> None:
+    """The GIL is released around the call (the driver may block while a stream's queue is full).
+
+    The function called is libc's ``usleep``, which takes the "stream" as its
+    microseconds and never touches Python: a thread that counts meanwhile can
+    only make progress if the GIL was let go.
+    """
+    usleep = ctypes.CDLL(None).usleep
+    address = ctypes.cast(usleep, ctypes.c_void_p).value
+    counted = [0]
+    stop = threading.Event()
+
+    def count() -> None:
+        while not stop.is_set():
+            counted[0] += 1
+
+    thread = threading.Thread(target=count)
+    thread.start()
+    try:
+        while counted[0] == 0:
+            pass
+        before = counted[0]
+        time.sleep(0.03)  # releases the GIL for 30 ms: what the thread counts then
+        reference = counted[0] - before
+        before = counted[0]
+        assert memop(address, 300_000, 0, 0, 0) == 0  # usleep(300 ms)
+        during = counted[0] - before
+    finally:
+        stop.set()
+        thread.join()
+    # ten times as long as the reference; held, the GIL would let the thread run for
+    # at most a switch interval or two (5 ms each)
+    assert during > 3 * reference, (during, reference)
+
+
+FN = "the recorder's address"
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        ((FN, 2, 3, 4), TypeError),  # too few
+        ((FN, 2, 3, 4, 5, 6), TypeError),  # too many
+        ((0, 1, 2, 3, 0), ValueError),  # NULL function pointer
+        ((None, 1, 2, 3, 0), TypeError),
+        ((FN, "s", 2, 3, 0), TypeError),  # stream
+        ((FN, 1, -1, 3, 0), OverflowError),  # a negative address
+        ((FN, 1, 1 << 64, 3, 0), OverflowError),
+        ((FN, 1, 2, "3", 0), TypeError),  # value
+        ((FN, 1, 2, 3.0, 0), TypeError),
+        ((FN, 1, 2, 3, 1 << 32), OverflowError),  # flags wider than 32 bits
+        ((FN, 1, 2, 3, -1), OverflowError),
+    ],
+)
+def test_bad_arguments_raise_and_call_nothing(args: tuple, error: type) -> None:  # type: ignore[type-arg]
+    rec = _Recorder()
+    args = tuple(rec.address if a is FN else a for a in args)
+    with pytest.raises(error):
+        memop(*args)
+    assert rec.calls == []

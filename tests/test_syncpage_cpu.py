@@ -1,0 +1,163 @@
+"""The sync page's host side, for real: memfds, seals, mappings shared between processes.
+
+The flags that order the GPU work of a channel live in a sealed memfd that the
+publisher creates and every subscriber maps (``channel/_syncpage.py``).  What a
+subscriber receives is untrusted: anything but a memfd sealed against
+shrinking and growing, of exactly the announced size, is refused before it is
+mapped.  The GPU side (registration, stream writes and waits) is in
+``tests/test_syncpage_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from cupy_ipcpool._errors import ProtocolError, UsageError
+from cupy_ipcpool.channel._syncpage import FlagLayout, SharedFlags, SyncPage
+
+
+def test_layout_puts_frame_flags_first_and_rows_after_256_bytes() -> None:
+    layout = FlagLayout(5, 3)
+    assert [layout.frame_offset(s) for s in range(5)] == [0, 4, 8, 12, 16]
+    assert layout.reads_offset == 256
+    assert layout.read_offset(0, 0) == 256
+    assert layout.read_offset(2, 4) == 256 + (2 * 5 + 4) * 4
+    assert layout.nbytes % os.sysconf("SC_PAGE_SIZE") == 0
+    assert layout.nbytes >= layout.read_offset(2, 4) + 4
+
+
+@pytest.mark.parametrize(("slots", "rows"), [(0, 1), (1, 0), (-1, 4)])
+def test_layout_needs_a_slot_and_a_row(slots: int, rows: int) -> None:
+    with pytest.raises(UsageError, match="at least one slot"):
+        FlagLayout(slots, rows)
+
+
+def test_created_page_is_zeroed_and_sealed() -> None:
+    page = SharedFlags.create(FlagLayout(4, 2).nbytes)
+    try:
+        seals = fcntl.fcntl(page.fd, fcntl.F_GET_SEALS)
+        for seal in (fcntl.F_SEAL_SHRINK, fcntl.F_SEAL_GROW, fcntl.F_SEAL_SEAL):
+            assert seals & seal
+        assert all(page.load(off) == 0 for off in range(0, page.nbytes, 4))
+        # the publisher itself cannot shrink it under its subscribers
+        with pytest.raises(PermissionError):
+            os.ftruncate(page.fd, 0)
+    finally:
+        page.close()
+
+
+def test_reached_compares_cyclically_like_the_gpu() -> None:
+    page = SharedFlags.create(4096)
+    try:
+        page.store(8, 7)
+        assert page.reached(8, 7) and page.reached(8, 6) and not page.reached(8, 8)
+        page.store(8, 0xFFFFFFFF)
+        assert page.reached(8, 0xFFFFFFFE) and not page.reached(8, 0)
+        page.store(8, 3)  # wrapped past 2**32: 3 comes after 0xFFFFFFFF
+        assert page.reached(8, 0xFFFFFFFF) and page.reached(8, 1 << 32 | 3)
+        assert page.load(8) == 3 and page.load(4) == 0
+    finally:
+        page.close()
+
+
+def test_a_second_mapping_sees_the_same_flags_and_owns_its_fd(fd_count) -> None:  # type: ignore[no-untyped-def]
+    before = fd_count()
+    page = SharedFlags.create(8192)
+    other = SharedFlags.open(page.fd, 8192)
+    try:
+        assert other.fd != page.fd  # a dup: the caller keeps its fd
+        page.store(4100, 42)
+        assert other.load(4100) == 42
+        other.store(0, 9)
+        assert page.reached(0, 9)
+    finally:
+        other.close()
+        other.close()  # idempotent
+        page.close()
+    assert fd_count() == before
+
+
+def test_another_process_maps_the_page_from_its_fd() -> None:
+    """The flag a child process stores is what this process loads (fd passed at exec)."""
+    page = SharedFlags.create(4096)
+    try:
+        os.set_inheritable(page.fd, True)
+        code = textwrap.dedent(
+            f"""
+            from cupy_ipcpool.channel._syncpage import SharedFlags
+            page = SharedFlags.open({page.fd}, 4096)
+            assert page.load(16) == 5
+            page.store(20, 0xDEADBEEF)
+            page.close()
+            """
+        )
+        page.store(16, 5)
+        subprocess.run([sys.executable, "-c", code], check=True, pass_fds=[page.fd], timeout=60)
+        assert page.load(20) == 0xDEADBEEF
+    finally:
+        page.close()
+
+
+def _memfd(size: int, seals: int) -> int:
+    fd = os.memfd_create("test", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+@pytest.mark.parametrize(
+    "seals",
+    [0, fcntl.F_SEAL_SHRINK, fcntl.F_SEAL_GROW, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_WRITE],
+    ids=["none", "shrink-only", "grow-only", "seal+write"],
+)
+def test_a_page_that_could_be_truncated_is_refused(seals: int, fd_count) -> None:  # type: ignore[no-untyped-def]
+    fd = _memfd(4096, seals)
+    before = fd_count()
+    try:
+        with pytest.raises(ProtocolError, match="not sealed"):
+            SharedFlags.open(fd, 4096)
+        assert fd_count() == before
+    finally:
+        os.close(fd)
+
+
+def test_a_page_of_another_size_is_refused() -> None:
+    fd = _memfd(8192, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    try:
+        with pytest.raises(ProtocolError, match="8192 bytes, the WELCOME says 4096"):
+            SharedFlags.open(fd, 4096)
+    finally:
+        os.close(fd)
+
+
+def test_fds_that_are_no_memfd_are_refused(tmp_path: os.PathLike[str]) -> None:
+    r, w = os.pipe()
+    path = os.path.join(os.fspath(tmp_path), "flags")
+    with open(path, "wb") as fh:
+        fh.write(bytes(4096))
+    f = os.open(path, os.O_RDWR)
+    try:
+        for fd in (r, f):
+            with pytest.raises(ProtocolError, match="sync page"):
+                SharedFlags.open(fd, 4096)
+    finally:
+        for fd in (r, w, f):
+            os.close(fd)
+
+
+def test_import_refuses_a_size_that_does_not_fit_the_layout_before_mapping() -> None:
+    """Checked against the layout first: no mapping, no driver call."""
+    layout = FlagLayout(4, 2)
+    fd = _memfd(layout.nbytes * 2, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    try:
+        with pytest.raises(ProtocolError, match="sync page"):
+            SyncPage.import_fd(fd, layout.nbytes * 2, 4, 2, 0)
+    finally:
+        os.close(fd)

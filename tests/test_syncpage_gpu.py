@@ -1,0 +1,104 @@
+"""GPU tier: the sync page's flags in registered host memory, written and waited on by streams.
+
+What the channel relies on: a stream's write lands where the host (and any
+other mapping of the page) sees it; ``order`` enqueues no wait when the host
+already sees the value, and a wait it does enqueue holds the stream back until
+the flag gets there; the memory operations go through the compiled
+``_fastpath`` and report driver errors as :class:`CudaError`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from cupy_ipcpool._errors import CudaError
+from cupy_ipcpool.channel._syncpage import SyncPage
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def cp():
+    import cupy
+
+    return cupy
+
+
+@pytest.fixture
+def page():
+    p = SyncPage.create(4, 2, 0)
+    yield p
+    p.close()
+
+
+def test_a_stream_write_lands_where_the_host_and_another_mapping_see_it(cp, page):
+    other = SyncPage.import_fd(page.fd, page.nbytes, 4, 2, 0)
+    try:
+        stream = cp.cuda.Stream(non_blocking=True)
+        flag = page.frame_flag(3)
+        page.write(stream.ptr, flag, 0x1234_5678)
+        page.write(stream.ptr, page.read_flag(1, 2), 9)
+        stream.synchronize()
+        assert page.flags.load(page.layout.frame_offset(3)) == 0x1234_5678
+        assert other.flags.load(other.layout.read_offset(1, 2)) == 9
+        assert page.reached(flag, 0x1234_5678) and not page.reached(flag, 0x1234_5679)
+    finally:
+        other.close()
+
+
+def test_order_enqueues_nothing_when_the_flag_is_already_there(cp, page):
+    stream = cp.cuda.Stream(non_blocking=True)
+    flag = page.read_flag(0, 1)
+    page.flags.store(page.layout.read_offset(0, 1), 5)
+    assert page.order(stream.ptr, flag, 5) is False
+    assert page.order(stream.ptr, flag, 4) is False
+    assert page.order(stream.ptr, flag, 6) is True  # not there yet: the stream waits
+    page.flags.store(page.layout.read_offset(0, 1), 6)
+    stream.synchronize()
+
+
+def test_a_wait_holds_the_stream_until_the_flag_arrives(cp, page):
+    stream = cp.cuda.Stream(non_blocking=True)
+    flag = page.frame_flag(0)
+    marker = cp.zeros(1, dtype=cp.int32)
+    cp.cuda.Device().synchronize()
+    assert page.order(stream.ptr, flag, 2) is True
+    with stream:
+        marker.fill(1)  # behind the wait
+    time.sleep(0.05)
+    assert not stream.done and int(marker.get()) == 0
+    page.flags.store(page.layout.frame_offset(0), 1)  # not enough yet
+    time.sleep(0.05)
+    assert not stream.done
+    page.flags.store(page.layout.frame_offset(0), 2)
+    stream.synchronize()
+    assert int(marker.get()) == 1
+
+
+def test_a_wait_is_ordered_after_a_write_on_another_stream(cp, page):
+    """Producer stream writes after its kernel; consumer stream waits, then reads the data."""
+    producer = cp.cuda.Stream(non_blocking=True)
+    consumer = cp.cuda.Stream(non_blocking=True)
+    data = cp.zeros(1 << 24, dtype=cp.float32)
+    out = cp.zeros(1, dtype=cp.float32)
+    cp.cuda.Device().synchronize()
+    flag = page.frame_flag(1)
+    for gen in range(1, 21):
+        with producer:
+            data.fill(float(gen))
+        page.write(producer.ptr, flag, gen)
+        page.order(consumer.ptr, flag, gen)
+        with consumer:
+            out[...] = data[-1]
+        consumer.synchronize()
+        assert float(out.get()[0]) == float(gen)
+
+
+def test_driver_errors_are_cuda_errors(cp, page):
+    stream = cp.cuda.Stream(non_blocking=True)
+    with pytest.raises(CudaError, match="cuStreamWriteValue32"):
+        page.write(stream.ptr, 3, 1)  # a misaligned address the driver refuses
+    with pytest.raises(CudaError, match="cuStreamWaitValue32"):
+        page.wait(stream.ptr, 3, 1)
