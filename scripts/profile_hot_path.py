@@ -57,6 +57,21 @@ def _summary(steps: dict[str, list[int]]) -> dict[str, tuple[float, float]]:
     return {k: (_med(v), _p99(v)) for k, v in steps.items()}
 
 
+def _count_waits(obj: object, attr: str) -> list[int]:
+    """Wrap ``obj.attr`` (a sync page's ``order``): count the calls and the GPU waits enqueued."""
+    counts = [0, 0]
+    order = getattr(obj, attr)
+
+    def counted(stream: int, addr: int, value: int) -> bool:
+        waited = order(stream, addr, value)
+        counts[0] += 1
+        counts[1] += waited
+        return waited
+
+    setattr(obj, attr, counted)
+    return counts
+
+
 def _consumer(address: str, frames: int, profile: bool, q, spin: float) -> None:  # type: ignore[no-untyped-def]
     import cupy as cp
 
@@ -68,6 +83,7 @@ def _consumer(address: str, frames: int, profile: bool, q, spin: float) -> None:
     prof = cProfile.Profile() if profile else None
     steps: dict[str, list[int]] = {"recv": [], "kernel": [], "release": []}
     with cip.subscribe(address, spin_us=spin) as sub:
+        waits = _count_waits(sub, "_order")
         q.put("ready")
         if prof is not None:
             prof.enable()
@@ -94,7 +110,7 @@ def _consumer(address: str, frames: int, profile: bool, q, spin: float) -> None:
             prof.disable()
     stream.synchronize()
     text = _profile_text(prof)
-    q.put((_summary(steps), text, work.flush()))
+    q.put((_summary(steps), text, work.flush(), waits))
 
 
 def _run(mode: str, frames: int, mib: int, profile: bool, spin: float = 0.0) -> dict[str, object]:
@@ -114,6 +130,7 @@ def _run(mode: str, frames: int, mib: int, profile: bool, spin: float = 0.0) -> 
     prof = cProfile.Profile() if profile else None
     slots = 4 if mode == "rt" else 8
     with cip.IpcPool(slots, mib * MiB) as pool, cip.Publisher(pool, address, spin_us=spin) as pub:
+        waits = _count_waits(pub._sync, "order")
         p = SPAWN.Process(target=_consumer, args=(address, frames, profile, q, spin))
         p.start()
         assert q.get(timeout=120) == "ready"
@@ -152,7 +169,7 @@ def _run(mode: str, frames: int, mib: int, profile: bool, spin: float = 0.0) -> 
         elapsed = time.perf_counter_ns() - t_start
         if prof is not None:
             prof.disable()
-    cons_steps, cons_prof, mismatches = q.get(timeout=120)
+    cons_steps, cons_prof, mismatches, cons_waits = q.get(timeout=120)
     p.join(30)
     stream.synchronize()
     text = _profile_text(prof)
@@ -161,6 +178,7 @@ def _run(mode: str, frames: int, mib: int, profile: bool, spin: float = 0.0) -> 
         "consumer": cons_steps,
         "fps": frames / (elapsed / 1e9),
         "mismatches": mismatches,
+        "gpu_waits": f"producer {waits[1]} of {waits[0]}, consumer {cons_waits[1]} of {cons_waits[0]}",
         "producer_profile": text,
         "consumer_profile": cons_prof,
     }
@@ -183,7 +201,7 @@ def main() -> int:
         label = f"{mode}{' (cProfile)' if profile else ''}{f' spin_us={spin}' if spin else ''}"
         print(
             f"== {label} {args.mib} MiB: {r['fps']:.0f} frames/s, "
-            f"mismatching samples {r['mismatches']}"
+            f"mismatching samples {r['mismatches']}; GPU waits enqueued: {r['gpu_waits']}"
         )
         for side in ("producer", "consumer"):
             cells = ", ".join(
