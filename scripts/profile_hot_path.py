@@ -178,7 +178,9 @@ def _run(mode: str, frames: int, mib: int, profile: bool, spin: float = 0.0) -> 
         "consumer": cons_steps,
         "fps": frames / (elapsed / 1e9),
         "mismatches": mismatches,
-        "gpu_waits": f"producer {waits[1]} of {waits[0]}, consumer {cons_waits[1]} of {cons_waits[0]}",
+        "gpu_waits": (
+            f"producer {waits[1]} of {waits[0]}, consumer {cons_waits[1]} of {cons_waits[0]}"
+        ),
         "producer_profile": text,
         "consumer_profile": cons_prof,
     }
