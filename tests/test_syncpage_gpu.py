@@ -50,17 +50,21 @@ def test_a_stream_write_lands_where_the_host_and_another_mapping_see_it(cp, page
 
 def test_order_enqueues_nothing_when_the_flag_is_already_there(cp, page):
     stream = cp.cuda.Stream(non_blocking=True)
+    writer = cp.cuda.Stream(non_blocking=True)
     flag = page.read_flag(0, 1)
-    page.flags.store(page.layout.read_offset(0, 1), 5)
+    page.write(writer.ptr, flag, 5)
+    writer.synchronize()
     assert page.order(stream.ptr, flag, 5) is False
     assert page.order(stream.ptr, flag, 4) is False
     assert page.order(stream.ptr, flag, 6) is True  # not there yet: the stream waits
-    page.flags.store(page.layout.read_offset(0, 1), 6)
+    page.write(writer.ptr, flag, 6)
     stream.synchronize()
 
 
-def test_a_wait_holds_the_stream_until_the_flag_arrives(cp, page):
+def test_a_wait_holds_the_stream_until_another_stream_writes_the_flag(cp, page):
+    """Flags are set by streams (the host only reads them: docs/performance.md, section 4)."""
     stream = cp.cuda.Stream(non_blocking=True)
+    writer = cp.cuda.Stream(non_blocking=True)
     flag = page.frame_flag(0)
     marker = cp.zeros(1, dtype=cp.int32)
     cp.cuda.Device().synchronize()
@@ -68,11 +72,12 @@ def test_a_wait_holds_the_stream_until_the_flag_arrives(cp, page):
     with stream:
         marker.fill(1)  # behind the wait
     time.sleep(0.05)
-    assert not stream.done and int(marker.get()) == 0
-    page.flags.store(page.layout.frame_offset(0), 1)  # not enough yet
+    assert not stream.done
+    page.write(writer.ptr, flag, 1)  # not enough yet
+    writer.synchronize()
     time.sleep(0.05)
     assert not stream.done
-    page.flags.store(page.layout.frame_offset(0), 2)
+    page.write(writer.ptr, flag, 2)
     stream.synchronize()
     assert int(marker.get()) == 1
 
