@@ -9,8 +9,6 @@ the flag gets there; the memory operations go through the compiled
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from cupy_ipcpool._errors import CudaError
@@ -56,30 +54,43 @@ def test_order_enqueues_nothing_when_the_flag_is_already_there(cp, page):
     writer.synchronize()
     assert page.order(stream.ptr, flag, 5) is False
     assert page.order(stream.ptr, flag, 4) is False
-    assert page.order(stream.ptr, flag, 6) is True  # not there yet: the stream waits
-    page.write(writer.ptr, flag, 6)
     stream.synchronize()
 
 
+_SPIN = r"""
+extern "C" __global__ void spin_ns(long long ns) {
+    long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < ns);
+}
+"""
+
+
 def test_a_wait_holds_the_stream_until_another_stream_writes_the_flag(cp, page):
-    """Flags are set by streams (the host only reads them: docs/performance.md, section 4)."""
+    """Flags are set by streams; the host only reads them.
+
+    The writer's work (a 200 ms spin, then the flag write) is enqueued before
+    the wait, so the two streams cannot deadlock even if they share one of
+    the device's hardware queues (in-process streams may; a publisher and a
+    subscriber are separate processes).
+    """
+    spin = cp.RawKernel(_SPIN, "spin_ns")
     stream = cp.cuda.Stream(non_blocking=True)
     writer = cp.cuda.Stream(non_blocking=True)
     flag = page.frame_flag(0)
     marker = cp.zeros(1, dtype=cp.int32)
     cp.cuda.Device().synchronize()
-    assert page.order(stream.ptr, flag, 2) is True
+    spin((1,), (1,), (cp.int64(200_000_000),), stream=writer)
+    page.write(writer.ptr, flag, 7)
+    assert page.order(stream.ptr, flag, 7) is True  # the host does not see 7 yet
     with stream:
         marker.fill(1)  # behind the wait
-    time.sleep(0.05)
     assert not stream.done
-    page.write(writer.ptr, flag, 1)  # not enough yet
-    writer.synchronize()
-    time.sleep(0.05)
-    assert not stream.done
-    page.write(writer.ptr, flag, 2)
     stream.synchronize()
     assert int(marker.get()) == 1
+    assert writer.done and page.reached(flag, 7)
 
 
 def test_a_wait_is_ordered_after_a_write_on_another_stream(cp, page):
