@@ -69,6 +69,7 @@ DEFAULT_BLOCK_CREDIT = 64
 _POLLIN = select.POLLIN
 _POLLOUT = select.POLLOUT
 _POLLRDHUP = select.POLLRDHUP
+_DONTWAIT = socket.MSG_DONTWAIT
 #: Longest busy-poll a ``spin_us`` argument may ask for (10 ms).
 MAX_SPIN_US = 10_000
 _HANGUP = select.POLLHUP | select.POLLRDHUP | select.POLLERR
@@ -1354,7 +1355,9 @@ class SubscriberCore:
                 os.close(fd)
             raise
         self._fds.extend(fds)
-        sock.setblocking(False)
+        # Blocking from now on: recv() without a timeout sleeps in recv itself; every
+        # call that must not wait passes MSG_DONTWAIT.
+        sock.setblocking(True)
         return msg
 
     def _recv_welcome(self, deadline: float) -> tuple[bytes, list[int], int]:
@@ -1474,46 +1477,54 @@ class SubscriberCore:
         sock = self._sock
         deadline = None
         spin_end = 0
-        # When the last call had to wait, this one most likely will too: poll first
-        # and spare the failing recv (not with a spin, nor without a timeout to wait).
-        skip_recv = self._waited and not self.spin_ns and timeout != 0
+        # When the last call had to wait, this one most likely will too: spare the
+        # failing recv and sleep at once (not with a spin).  Without a timeout the
+        # sleep is the recv itself (the socket is blocking; attempts that must not
+        # wait pass MSG_DONTWAIT), which saves the poll(2) before it.
+        likely_wait = self._waited and not self.spin_ns
+        wait_in_recv = likely_wait and timeout is None
+        skip_recv = likely_wait and timeout is not None and timeout != 0
         waited = False
         while True:
-            if skip_recv:
-                skip_recv = False
-            else:
-                try:
+            try:
+                if wait_in_recv:
+                    waited = True
                     n = sock.recv_into(self._buf)
                     break
-                except (BlockingIOError, InterruptedError):
-                    if self.spin_ns and timeout != 0:
-                        now = time.perf_counter_ns()
-                        if not spin_end:
-                            spin = self.spin_ns
-                            if timeout is not None:
-                                spin = min(spin, int(timeout * 1e9))
-                            spin_end = now + spin
-                        if now < spin_end:
-                            continue
-                except ConnectionResetError:
-                    # Reported once, before what is still queued (a dropped
-                    # subscriber's notice among it): look there first.
-                    self._scan_after_hangup()
-                    if self._backlog:
-                        return self._accept(self._backlog.popleft())
-                    self._end("the connection to the publisher was reset")
-                except OSError as exc:
-                    self._end(f"the connection to the publisher failed: {exc}")
+                if skip_recv:
+                    skip_recv = False
+                else:
+                    n = sock.recv_into(self._buf, 0, _DONTWAIT)
+                    break
+            except (BlockingIOError, InterruptedError):
+                if self.spin_ns and timeout != 0:
+                    now = time.perf_counter_ns()
+                    if not spin_end:
+                        spin = self.spin_ns
+                        if timeout is not None:
+                            spin = min(spin, int(timeout * 1e9))
+                        spin_end = now + spin
+                    if now < spin_end:
+                        continue
+            except ConnectionResetError:
+                # Reported once, before what is still queued (a dropped
+                # subscriber's notice among it): look there first.
+                self._scan_after_hangup()
+                if self._backlog:
+                    return self._accept(self._backlog.popleft())
+                self._end("the connection to the publisher was reset")
+            except OSError as exc:
+                self._end(f"the connection to the publisher failed: {exc}")
             waited = True
-            if timeout is not None:
-                if deadline is None:
-                    deadline = time.monotonic() + timeout
-                remaining = deadline - time.monotonic()
-                if remaining <= 0.0:
-                    raise ChannelTimeoutError(f"no frame within {timeout} s")
-                self._poller.poll(_ms(remaining))
-            else:
-                self._poller.poll(-1)
+            if timeout is None:
+                wait_in_recv = True
+                continue
+            if deadline is None:
+                deadline = time.monotonic() + timeout
+            remaining = deadline - time.monotonic()
+            if remaining <= 0.0:
+                raise ChannelTimeoutError(f"no frame within {timeout} s")
+            self._poller.poll(_ms(remaining))
         self._waited = waited
         if n == 0:
             self._end("the publisher closed the connection")
@@ -1644,7 +1655,7 @@ class SubscriberCore:
             return
         msg = proto.encode_release(seq, slot)
         try:
-            self._sock.send(msg)
+            self._sock.send(msg, _DONTWAIT)
         except BlockingIOError:
             self._send_stalled(msg)
         except OSError:
@@ -1665,7 +1676,7 @@ class SubscriberCore:
                 )
             poller.poll(_ms(remaining))
             try:
-                self._sock.send(msg)
+                self._sock.send(msg, _DONTWAIT)
                 return
             except BlockingIOError:
                 continue
