@@ -9,6 +9,8 @@ the flag gets there; the memory operations go through the compiled
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from cupy_ipcpool._errors import CudaError
@@ -58,12 +60,10 @@ def test_order_enqueues_nothing_when_the_flag_is_already_there(cp, page):
 
 
 _SPIN = r"""
-extern "C" __global__ void spin_ns(long long ns) {
-    long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < ns);
+extern "C" __global__ void spin_cycles(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) {
+    }
 }
 """
 
@@ -71,26 +71,32 @@ extern "C" __global__ void spin_ns(long long ns) {
 def test_a_wait_holds_the_stream_until_another_stream_writes_the_flag(cp, page):
     """Flags are set by streams; the host only reads them.
 
-    The writer's work (a 200 ms spin, then the flag write) is enqueued before
-    the wait, so the two streams cannot deadlock even if they share one of
-    the device's hardware queues (in-process streams may; a publisher and a
-    subscriber are separate processes).
+    The writer's work (a spin of 400 M cycles: 0.2 s at the H200's boost
+    clock, longer below it, then the flag write) is enqueued before the wait,
+    so the two streams cannot deadlock even if they share one of the device's
+    hardware queues (in-process streams may; a publisher and a subscriber are
+    separate processes).
     """
-    spin = cp.RawKernel(_SPIN, "spin_ns")
+    spin = cp.RawKernel(_SPIN, "spin_cycles")
     stream = cp.cuda.Stream(non_blocking=True)
     writer = cp.cuda.Stream(non_blocking=True)
     flag = page.frame_flag(0)
     marker = cp.zeros(1, dtype=cp.int32)
+    spin((1,), (1,), (cp.int64(1000),), stream=writer)  # compiled and loaded before timing
     cp.cuda.Device().synchronize()
-    spin((1,), (1,), (cp.int64(200_000_000),), stream=writer)
+    t0 = time.monotonic()
+    spin((1,), (1,), (cp.int64(400_000_000),), stream=writer)
     page.write(writer.ptr, flag, 7)
     assert page.order(stream.ptr, flag, 7) is True  # the host does not see 7 yet
     with stream:
         marker.fill(1)  # behind the wait
     assert not stream.done
     stream.synchronize()
-    assert int(marker.get()) == 1
-    assert writer.done and page.reached(flag, 7)
+    held = time.monotonic() - t0
+    writer.synchronize()
+    spun = time.monotonic() - t0
+    assert int(marker.get()[0]) == 1 and page.reached(flag, 7)
+    assert held >= 0.9 * spun, (held, spun)  # released by the write at the end of the spin
 
 
 def test_a_wait_is_ordered_after_a_write_on_another_stream(cp, page):

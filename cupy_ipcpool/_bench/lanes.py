@@ -276,10 +276,11 @@ class CupyIpcPoolLane(Lane):
     title = "cupy_ipcpool publish/subscribe"
     pipelined = True
     sync_note = (
-        "none per frame: the library's interprocess events order both directions "
-        "(the subscriber's stream waits on the frame event; the publisher's stream waits "
-        "on the read event recorded at release, after the check), so the consumer "
-        "enqueues its check and calls frame.release() without waiting."
+        "none per frame: the library's flags in its shared sync page order both directions "
+        "(the subscriber's stream waits on the slot's frame flag; the publisher's stream "
+        "waits on the read flag written at release, after the check; neither waits when "
+        "the host sees the flag set already), so the consumer enqueues its check and "
+        "calls frame.release() without waiting."
     )
 
     def available(self) -> str | None:
@@ -304,9 +305,9 @@ class CupyIpcPoolLane(Lane):
 
 
 class _CipProducer(ProducerSide):
-    # Per frame: acquire a slot (its stream waits on the subscribers' read events
-    # of the slot's previous frame), fill it, publish (records the frame event).
-    # No host synchronisation: the interprocess events order both directions.
+    # Per frame: acquire a slot (its stream waits on the subscribers' read flags
+    # of the slot's previous frame), fill it, publish (writes the frame flag).
+    # No host synchronisation: the sync page's flags order both directions.
     def __init__(self, links: Sequence[Connection], cfg: BenchConfig, nbytes: int) -> None:
         super().__init__()
         import cupy
