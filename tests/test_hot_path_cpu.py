@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import resource
+import threading
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
@@ -20,7 +21,7 @@ from multiprocessing.connection import Connection
 import pytest
 from _memfd_backend import MemfdConsumer, MemfdProducer
 
-from cupy_ipcpool._errors import ChannelTimeoutError, UsageError
+from cupy_ipcpool._errors import ChannelTimeoutError, EndOfStream, UsageError
 from cupy_ipcpool.channel._leases import LeaseBook
 from cupy_ipcpool.channel._session import MAX_SPIN_US, PublisherCore, SubscriberCore
 
@@ -123,6 +124,57 @@ def test_idle_subscriber_uses_no_cpu(address: str, spin_us: float) -> None:
     cpu, wall = _idle_recv(address, spin_us)
     assert wall >= 0.9
     assert cpu / wall < 0.05, f"idle recv used {cpu:.3f} s of CPU in {wall:.3f} s"
+
+
+# -- recv without a timeout: sleeps in recv(2) itself --------------------------------
+
+
+def _publish_then(conn: Connection, address: str, end: str) -> None:
+    """Publish one frame 0.3 s after the subscriber joined; then say BYE, or wait to be killed."""
+    try:
+        with MemfdProducer(address, 2) as producer:
+            conn.send("ready")
+            producer.wait_subscribers(1)
+            time.sleep(0.3)
+            producer.publish_next()
+            deadline = time.monotonic() + 10.0
+            while producer.core.lease_book.any_leased() and time.monotonic() < deadline:
+                producer.core.poll(0.1)
+            conn.send("released")
+            if end == "kill":
+                time.sleep(60)  # the test kills this process
+    except BaseException as exc:
+        conn.send(f"error: {type(exc).__name__}: {exc}")
+
+
+@pytest.mark.parametrize("end", ["bye", "kill"])
+def test_recv_without_timeout_sleeps_and_wakes_for_a_frame_and_for_the_end(
+    address: str, end: str
+) -> None:
+    """``recv()`` with no timeout sleeps in ``recv`` (the socket is blocking after the
+    handshake): no CPU while it waits, and it wakes for a frame, for a BYE and for a
+    publisher killed with SIGKILL (the kernel hangs the socket up)."""
+    parent, child = CTX.Pipe()
+    proc = CTX.Process(target=_publish_then, args=(child, address, end), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(60) and parent.recv() == "ready"
+        with SubscriberCore(address) as sub:
+            cpu0, wall0 = _cpu_seconds(), time.monotonic()
+            frame = sub.recv()  # published 0.3 s from now
+            cpu, wall = _cpu_seconds() - cpu0, time.monotonic() - wall0
+            assert wall >= 0.2 and cpu / wall < 0.2, (cpu, wall)
+            sub.release(frame.seq, frame.slot)
+            assert parent.poll(30) and parent.recv() == "released"
+            if end == "kill":
+                threading.Timer(0.3, proc.kill).start()
+            with pytest.raises(EndOfStream) as info:
+                sub.recv()  # the last call waited: this one sleeps in recv at once
+            assert info.value.clean is (end == "bye")
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
 
 
 # -- watch(): the hang-up check covers another fd ----------------------------------
