@@ -75,6 +75,18 @@ def remote_summary() -> str:
     return f"remote (UCXX): ucxx-cu13 {v}, libucx-cu13 {_version('libucx-cu13')}"
 
 
+def fastpath_summary() -> str:
+    """One line on the compiled part (``cupy_ipcpool._fastpath``): built or not."""
+    try:
+        from . import _fastpath
+    except ImportError:
+        return (
+            "compiled fast path (_fastpath): NOT BUILT; channels cannot run: reinstall with "
+            "pip, or 'python3 setup.py build_ext --inplace' in a source tree"
+        )
+    return f"compiled fast path (_fastpath): built ({os.path.basename(_fastpath.__file__ or '')})"
+
+
 def gpudirect_rdma(ordinal: int) -> str:
     """Whether VMM allocations on the device can be GPUDirect-RDMA capable (NIC registration)."""
     try:
@@ -93,6 +105,7 @@ def report() -> tuple[int, list[str]]:
         f"pidfd_getfd: {pidfd_summary()}",
         "socket transport (SCM_RIGHTS): available",
         remote_summary(),
+        fastpath_summary(),
     ]
     try:
         version = _driver.driver_version()

@@ -48,6 +48,8 @@ def test_info_cli_says_why_in_one_line_and_fails():
     assert len(no_gpu) == 1, out.stdout
     assert "driver" in no_gpu[0]
     assert "pidfd_getfd:" in out.stdout  # transport facts are reported without a GPU too
+    # the install built the compiled part, and info says so
+    assert "compiled fast path (_fastpath): built" in out.stdout, out.stdout
 
 
 @pytest.mark.parametrize(
