@@ -219,6 +219,11 @@ class ClientSession:
                 _io.send_all(self.sock, wire.encode_credit(slot), 5.0)
                 self.sock.setblocking(False)
             except OSError as exc:
+                # A server that said BYE and closed makes this send fail (EPIPE) before
+                # the BYE queued for us is read: read what is queued first, so that a
+                # clean close is not reported as a failure.
+                with contextlib.suppress(ProtocolError):
+                    self._read()
                 self._end(f"the connection to {self.address} failed: {exc}", False)
                 return
 
