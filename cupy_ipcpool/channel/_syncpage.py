@@ -303,7 +303,7 @@ class SyncPage:
         already sees the value: the write that set it came after a memory
         barrier, so the work it stands for is done and visible.
         """
-        if ((self.flags._words[(addr - self._base) >> 2] - value) & _MASK) < _HALF:
+        if self.flags.reached(addr - self._base, value):
             return False
         self.wait(stream, addr, value)
         return True
