@@ -82,7 +82,15 @@ def test_a_wait_holds_the_stream_until_another_stream_writes_the_flag(cp, page):
     writer = cp.cuda.Stream(non_blocking=True)
     flag = page.frame_flag(0)
     marker = cp.zeros(1, dtype=cp.int32)
-    spin((1,), (1,), (cp.int64(1000),), stream=writer)  # compiled and loaded before timing
+    # Both kernels are loaded before the wait: with CUDA's lazy module loading, a
+    # kernel's first launch loads its module and may synchronise the context,
+    # which would here wait for the writer's spin and flag write (and the fill
+    # would land after the wait had been released).
+    spin((1,), (1,), (cp.int64(1000),), stream=writer)
+    with stream:
+        marker.fill(1)
+    cp.cuda.Device().synchronize()
+    marker.fill(0)
     cp.cuda.Device().synchronize()
     t0 = time.monotonic()
     spin((1,), (1,), (cp.int64(400_000_000),), stream=writer)

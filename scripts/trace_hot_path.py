@@ -1,0 +1,236 @@
+"""Inclusive host time of every function on the per-frame path, on a GPU machine.
+
+Usage::
+
+    python3 scripts/trace_hot_path.py [--frames 2000] [--mib 1]
+
+Wraps each function named in :data:`PRODUCER` / :data:`CONSUMER` with a timer
+(``perf_counter_ns`` before and after; about 0.1-0.3 us added per wrapped
+call, which nested callers include) and runs the round-trip loop of
+``scripts/profile_hot_path.py`` (one frame in flight, 1 MiB, raw kernels).
+Prints, per function, the calls per frame and the median and p90 inclusive
+time per call, for both processes.  What it is for: finding which layer of
+the per-frame path the time goes to, before changing it
+(docs/performance.md, section 5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+MiB = 1 << 20
+SPAWN = mp.get_context("spawn")
+
+#: (module, qualified name) of what is timed in the producer.
+PRODUCER = [
+    ("cupy_ipcpool.channel._publisher", "Publisher.frame"),
+    ("cupy_ipcpool.channel._publisher", "Publisher._acquire"),
+    ("cupy_ipcpool._pool", "IpcPool.acquire"),
+    ("cupy_ipcpool._pool", "stream_ptr"),
+    ("cupy_ipcpool._slots", "SlotTable.take"),
+    ("cupy_ipcpool._slots", "SlotTable._pick"),
+    ("cupy_ipcpool._pool", "SlotToken.__init__"),
+    ("cupy_ipcpool.channel._publisher", "_PublisherLeases.order_write"),
+    ("cupy_ipcpool.channel._publisher", "_PublisherLeases.leases"),
+    ("cupy_ipcpool.channel._publisher", "Publisher._order_write"),
+    ("cupy_ipcpool.channel._leases", "LeaseBook.readers_to_wait"),
+    ("cupy_ipcpool.channel._syncpage", "SyncPage.order"),
+    ("cupy_ipcpool.channel._publisher", "PublishFrame.__init__"),
+    ("cupy_ipcpool.channel._publisher", "PublishFrame.array"),
+    ("cupy_ipcpool._pool", "SlotToken.array"),
+    ("cupy_ipcpool._pool", "IpcPool._arena_array"),
+    ("cupy_ipcpool._pool", "normalize_dtype"),
+    ("cupy_ipcpool._pool", "normalize_shape"),
+    ("cupy_ipcpool.channel._publisher", "PublishFrame.publish"),
+    ("cupy_ipcpool.channel._publisher", "Publisher.publish"),
+    ("cupy_ipcpool.channel._publisher", "stream_ptr"),
+    ("cupy_ipcpool.channel._syncpage", "SyncPage.write"),
+    ("cupy_ipcpool.channel._session", "PublisherCore.publish"),
+    ("cupy_ipcpool.channel._protocol", "encode_frame"),
+    ("cupy_ipcpool.channel._leases", "LeaseBook.publishing"),
+    ("cupy_ipcpool.channel._publisher", "Publisher._end_write"),
+    ("cupy_ipcpool._pool", "SlotToken.release"),
+    ("cupy_ipcpool.channel._publisher", "PublishFrame.__exit__"),
+    ("cupy_ipcpool.channel._publisher", "Publisher.poll"),
+    ("cupy_ipcpool.channel._publisher", "Publisher.leases"),
+    ("cupy_ipcpool.channel._session", "PublisherCore.poll"),
+    ("cupy_ipcpool.channel._session", "PublisherCore._wait"),
+    ("cupy_ipcpool.channel._session", "PublisherCore._drain"),
+    ("cupy_ipcpool.channel._protocol", "decode"),
+    ("cupy_ipcpool.channel._leases", "LeaseBook.release"),
+    ("cupy_ipcpool._pool", "IpcPool.notify_released"),
+]
+
+#: The same for the consumer.
+CONSUMER = [
+    ("cupy_ipcpool.channel._subscriber", "Subscriber.recv"),
+    ("cupy_ipcpool._peer", "PeerPool.drop_idle_owners"),
+    ("cupy_ipcpool.channel._session", "SubscriberCore.recv"),
+    ("cupy_ipcpool.channel._session", "SubscriberCore._accept"),
+    ("cupy_ipcpool.channel._protocol", "decode"),
+    ("cupy_ipcpool._peer", "PeerPool.pin"),
+    ("cupy_ipcpool._peer", "PeerPool.arrays_from_wire"),
+    ("cupy_ipcpool.channel._subscriber", "_Lease.__init__"),
+    ("cupy_ipcpool.channel._subscriber", "stream_ptr"),
+    ("cupy_ipcpool.channel._subscriber", "_StreamsInUse.note"),
+    ("cupy_ipcpool.channel._syncpage", "SyncPage.order"),
+    ("cupy_ipcpool.channel._subscriber", "Frame.__init__"),
+    ("cupy_ipcpool.channel._subscriber", "Frame.release"),
+    ("cupy_ipcpool.channel._subscriber", "_Lease.release"),
+    ("cupy_ipcpool.channel._subscriber", "Subscriber._release"),
+    ("cupy_ipcpool.channel._syncpage", "SyncPage.write"),
+    ("cupy_ipcpool.channel._session", "SubscriberCore.connected"),
+    ("cupy_ipcpool.channel._session", "SubscriberCore.release"),
+    ("cupy_ipcpool.channel._protocol", "encode_release"),
+]
+
+
+class Timings:
+    """Per wrapped function: every call's inclusive time, and a frame counter."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, list[int]] = {}
+        self.on = False
+        self.frames = 0
+
+    def wrap(self, module: str, qualname: str) -> None:
+        mod = importlib.import_module(module)
+        owner: Any = mod
+        parts = qualname.split(".")
+        for part in parts[:-1]:
+            owner = getattr(owner, part)
+        name = parts[-1]
+        fn = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        label = f"{qualname}" if "." in qualname else f"{module.rsplit('.', 1)[-1]}.{qualname}"
+        times = self.calls.setdefault(label, [])
+        clock = time.perf_counter_ns
+        state = self
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not state.on:
+                return fn(*args, **kwargs)
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                times.append(clock() - t0)
+
+        timed.__name__ = getattr(fn, "__name__", name)
+        setattr(owner, name, timed)
+
+    def table(self) -> str:
+        rows = [f"{'function':44s} {'calls/frame':>11s} {'p50 us':>8s} {'p90 us':>8s}"]
+        for label, xs in self.calls.items():
+            if not xs:
+                continue
+            s = sorted(xs)
+            rows.append(
+                f"{label:44s} {len(xs) / max(self.frames, 1):11.2f} "
+                f"{statistics.median(s) / 1e3:8.2f} {s[int(0.9 * (len(s) - 1))] / 1e3:8.2f}"
+            )
+        return "\n".join(rows)
+
+
+def _wrap_all(spec: list[tuple[str, str]]) -> Timings:
+    t = Timings()
+    for module, qualname in spec:
+        t.wrap(module, qualname)
+    return t
+
+
+def _consumer(address: str, q: Any) -> None:
+    import cupy as cp
+
+    timings = _wrap_all(CONSUMER)
+    import cupy_ipcpool as cip
+    from cupy_ipcpool._bench.lanes import GpuWork
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    work = GpuWork(cp, 0, stream)
+    n = 0
+    with cip.subscribe(address) as sub:
+        q.put("ready")
+        while True:
+            try:
+                f = sub.recv(timeout=60, stream=stream)
+            except cip.EndOfStream:
+                break
+            a = f.arrays[0]
+            work.enqueue_check(a, 7)
+            f.release(stream=stream)
+            del a, f
+            n += 1
+            if n == 200:
+                timings.on = True
+            if n > 200:
+                timings.frames += 1
+    stream.synchronize()
+    q.put((timings.table(), work.flush()))
+
+
+def _producer(frames: int, mib: int, timed: bool) -> tuple[str, str, float]:
+    import cupy as cp
+
+    timings = _wrap_all(PRODUCER) if timed else Timings()
+    import cupy_ipcpool as cip
+    from cupy_ipcpool._bench.lanes import GpuWork
+
+    q = SPAWN.Queue()
+    address = os.path.join(tempfile.mkdtemp(), "s")
+    stream = cp.cuda.Stream(non_blocking=True)
+    work = GpuWork(cp, 0, stream)
+    nelem = mib * MiB // 4
+    total: list[int] = []
+    with cip.IpcPool(4, mib * MiB) as pool, cip.Publisher(pool, address) as pub:
+        p = SPAWN.Process(target=_consumer, args=(address, q))
+        p.start()
+        assert q.get(timeout=120) == "ready"
+        while not pub.subscribers:
+            pub.poll(0.05)
+        for i in range(frames + 200):
+            if i == 200:
+                timings.on = timed
+            t0 = time.perf_counter_ns()
+            with pub.frame(timeout=10, stream=stream) as f:
+                a = f.array((nelem,), cp.int32)
+                work.fill(a, 7)
+                f.publish(a)
+                del a
+            while pub.leases(f.slot):
+                pub.poll(None)
+            if i >= 200:
+                total.append(time.perf_counter_ns() - t0)
+                timings.frames += 1
+        timings.on = False
+    cons_table, mismatches = q.get(timeout=120)
+    p.join(30)
+    stream.synchronize()
+    rt = statistics.median(total) / 1e3
+    head = f"round trip p50 {rt:.1f} us; mismatching samples {mismatches}"
+    return head, timings.table() + "\n--- consumer\n" + cons_table, rt
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--frames", type=int, default=2000)
+    ap.add_argument("--mib", type=int, default=1)
+    args = ap.parse_args()
+    head, _, _ = _producer(args.frames, args.mib, timed=False)
+    print(f"== untimed: {head}")
+    head, table, _ = _producer(args.frames, args.mib, timed=True)
+    print(f"== timed (each wrapper adds its own cost to its callers): {head}")
+    print("--- producer")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
