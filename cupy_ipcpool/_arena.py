@@ -270,7 +270,7 @@ class ReusableView(KeptArray):
         again only to a writer on the same stream.
     """
 
-    __slots__ = ("key", "offset", "owner", "stream")
+    __slots__ = ("end", "given", "key", "offset", "owner", "stream", "wire")
 
     def __init__(
         self,
@@ -287,8 +287,15 @@ class ReusableView(KeptArray):
         super().__init__(cp, ptr, nbytes, owner, device, 0, shape, dtype)
         self.key = (shape, dtype)
         self.offset = offset
+        self.end = offset + max(nbytes, 1)  # the arena's top while the view is its only block
         self.owner = owner
         self.stream = stream
+        #: ``(shape, dtype)`` exactly as the call that made the view passed them
+        #: (a tuple shape only), so that the same call finds it again without
+        #: normalising them; None when not comparable that way.
+        self.given: tuple[Any, Any] | None = None
+        #: What a channel publisher caches here: the view's handle in wire form.
+        self.wire: Any = None
 
 
 def block_pointer(

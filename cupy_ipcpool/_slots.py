@@ -176,7 +176,8 @@ class SlotTable(SlotRefs):
         SlotBusyError
             Nothing became free in time; the message says who holds what.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline: float | None = None
+        started = False
         collected = False
         while True:
             with self.lock:
@@ -187,6 +188,10 @@ class SlotTable(SlotRefs):
                     self.generation[found] = generation
                     self.current = found
                     return found, generation
+            if not started:  # the clock starts once a wait may be needed
+                started = True
+                if timeout is not None:
+                    deadline = time.monotonic() + timeout
             if not collected:
                 # Nothing known to be free: take in every lease that came back (all
                 # of them at once, so a producer running ahead collects in batches).

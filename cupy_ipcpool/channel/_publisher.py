@@ -101,7 +101,10 @@ class PublishFrame:
         """
         if self.seq is not None:
             raise UsageError(f"frame in slot {self.slot} was already published as {self.seq}")
-        self.seq = self._publisher.publish(*arrays, metadata=metadata, stream=self._stream)
+        # frame()'s stream is the token's: its pointer is known (default: the current
+        # stream at publish time)
+        raw = None if self._stream is None else self.token.stream_ptr
+        self.seq = self._publisher._publish(arrays, metadata, self._stream, raw)
         return self.seq
 
     def __enter__(self) -> PublishFrame:
@@ -220,6 +223,10 @@ class Publisher:
         self._device = pool.device
         self._lock = threading.Lock()
         self._indices: dict[int, int] = {}  # sub_id -> row of read flags in the sync page
+        # sub_id -> device addresses of that row's read flags, one per slot (written
+        # under self._lock on the accept thread; read without it per frame: a dict
+        # lookup is atomic)
+        self._row_flags: dict[int, list[int]] = {}
         self._next_index = 0
         self._max_subscribers = max_subscribers
         self._closed = False
@@ -274,6 +281,10 @@ class Publisher:
                 raise PeerRefusedError("no free subscriber row in the sync page")
             self._next_index = index + 1
             self._indices[info.sub_id] = index
+            sync = self._sync
+            self._row_flags[info.sub_id] = [
+                sync.read_flag(index, slot) for slot in range(self._pool.num_slots)
+            ]
         head = WELCOME_HEAD.pack(
             len(self._desc_bytes),
             self._pool.num_slots,
@@ -286,6 +297,7 @@ class Publisher:
     def _on_leave(self, info: SubscriberInfo) -> None:
         with self._lock:
             self._indices.pop(info.sub_id, None)
+            self._row_flags.pop(info.sub_id, None)
 
     # -- state --
 
@@ -316,14 +328,14 @@ class Publisher:
             return
         # every reader wrote the generation it was sent into its read flag on release
         last = self._published[slot]
-        sync = self._sync
-        with self._lock:
-            rows = [self._indices.get(sub_id) for sub_id in readers]
-        for index in rows:
-            if index is not None:
+        order = self._sync.order
+        row_flags = self._row_flags
+        for sub_id in readers:
+            flags = row_flags.get(sub_id)
+            if flags is not None:
                 # no GPU wait when the host sees the release has landed already (the
                 # usual case: the slot was read a whole ring ago)
-                sync.order(stream, sync.read_flag(index, slot), last)
+                order(stream, flags[slot], last)
 
     def _end_write(self, token: SlotToken) -> None:
         token.release()
@@ -394,6 +406,11 @@ class Publisher:
         UsageError
             No slot was acquired, too many arrays or too much metadata.
         """
+        return self._publish(arrays, metadata, stream, None)
+
+    def _publish(
+        self, arrays: tuple[Any, ...], metadata: bytes, stream: Any, stream_raw: int | None
+    ) -> int:
         if self._closed:
             raise PoolClosedError("the Publisher is closed")
         token = self._token
@@ -415,8 +432,15 @@ class Publisher:
         parts = [FRAME_HEAD.pack(slot, generation & 0xFFFFFFFF, len(arrays), len(metadata))]
         ndarray = self._cp.ndarray
         templates = self._templates
+        view = self._pool.kept_view(slot) if arrays else None
         for a in arrays:
-            if type(a) is ndarray:
+            if view is not None and a is view.array:
+                # the slot's reusable view (token.array's usual answer): its wire form
+                # is kept on it, for as long as the pool keeps the view
+                parts_of = view.wire
+                if parts_of is None:
+                    parts_of = view.wire = token.handle(a).pack_parts()
+            elif type(a) is ndarray:
                 # the common case: a CuPy array of a geometry published before
                 key = (slot, a.data.ptr - base, a.shape, a.strides, a.dtype)
                 parts_of = templates.get(key)
@@ -431,7 +455,7 @@ class Publisher:
             parts.append(gen)
             parts.append(parts_of[1])
         parts.append(metadata)
-        sptr = stream_ptr(stream)
+        sptr = stream_ptr(stream) if stream_raw is None else stream_raw
         self._sync.write(sptr, self._frame_flags[slot], generation)
         self._published[slot] = generation
         with self._leases.lock:
