@@ -201,7 +201,8 @@ class SlotToken:
         SlotFullError
             It does not fit in what is left of the slot.
         """
-        self._check()
+        if self._released:
+            self._check()
         return self._pool._arena_array(self.slot, shape, dtype, self._stream_ptr, self._stream)
 
     @contextmanager
@@ -493,7 +494,8 @@ class IpcPool:
         PoolClosedError, ForkedProcessError
             The pool is closed, or this is a forked child.
         """
-        self._check()
+        if self._closed or _driver._fork_epoch != self._epoch:
+            self._check()  # raises
         if slot is not None:
             slot = self._check_slot(slot)
         ptr = stream_ptr(stream)

@@ -90,7 +90,8 @@ class SlotTable(SlotRefs):
         #: Per slot: an object with ``in_use() -> bool`` that holds the slot while
         #: in use without being counted (the pool's reusable view), or None.
         self.views: list[Any] = [None] * num_slots
-        self._sources: tuple[LeaseSource, ...] = ()
+        #: The registered lease sources (a tuple, replaced whole under the lock).
+        self.sources: tuple[LeaseSource, ...] = ()
         self._collecting = False
 
     # -- lease sources -------------------------------------------------------
@@ -98,24 +99,19 @@ class SlotTable(SlotRefs):
     def add_source(self, source: LeaseSource) -> None:
         """Count ``source``'s leases from now on."""
         with self.lock:
-            if source not in self._sources:
-                self._sources = (*self._sources, source)
+            if source not in self.sources:
+                self.sources = (*self.sources, source)
 
     def remove_source(self, source: LeaseSource) -> None:
         """Stop counting ``source``'s leases (unknown sources are ignored)."""
         with self.lock:
-            self._sources = tuple(s for s in self._sources if s is not source)
+            self.sources = tuple(s for s in self.sources if s is not source)
             self.notify()
-
-    @property
-    def sources(self) -> tuple[LeaseSource, ...]:
-        """The registered lease sources."""
-        return self._sources
 
     def leases(self, slot: int) -> int:
         """Peer leases held on ``slot``, over every source."""
         n = 0
-        for source in self._sources:
+        for source in self.sources:
             n += source.leases(slot)
         return n
 
@@ -196,7 +192,7 @@ class SlotTable(SlotRefs):
                 # Nothing known to be free: take in every lease that came back (all
                 # of them at once, so a producer running ahead collects in batches).
                 collected = True
-                for known in self._sources:
+                for known in self.sources:
                     known.collect(0.0)
                 continue
             with self.lock:
@@ -230,7 +226,7 @@ class SlotTable(SlotRefs):
 
     def _pick(self, slot: int | None) -> int | None:
         counts, writing = self.counts, self.writing
-        sources = self._sources
+        sources = self.sources
         if slot is not None:
             candidates: range | tuple[int] = (slot,)
         else:
@@ -259,7 +255,7 @@ class SlotTable(SlotRefs):
         for s in range(n) if slot is None else (slot,):
             if self.counts[s] or self.writing[s] or self.view_in_use(s):
                 continue
-            for source in self._sources:
+            for source in self.sources:
                 if source.leases(s):
                     return source
         return None
@@ -277,7 +273,7 @@ class SlotTable(SlotRefs):
             if leases:
                 who = [
                     describe(s)
-                    for source in self._sources
+                    for source in self.sources
                     if (describe := getattr(source, "describe", None)) is not None
                 ]
                 held.append(f"{leases} peer lease(s)" + (f" ({', '.join(who)})" if who else ""))

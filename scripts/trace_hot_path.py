@@ -40,7 +40,6 @@ PRODUCER = [
     ("cupy_ipcpool._pool", "SlotToken.__init__"),
     ("cupy_ipcpool.channel._publisher", "_PublisherLeases.order_write"),
     ("cupy_ipcpool.channel._publisher", "_PublisherLeases.leases"),
-    ("cupy_ipcpool.channel._publisher", "Publisher._order_write"),
     ("cupy_ipcpool.channel._leases", "LeaseBook.readers_to_wait"),
     ("cupy_ipcpool.channel._syncpage", "SyncPage.order"),
     ("cupy_ipcpool.channel._publisher", "PublishFrame.__init__"),

@@ -63,6 +63,12 @@ _REFUSE = struct.Struct("<HBBI")
 _FRAME = struct.Struct("<HBBQII")
 _RELEASE = struct.Struct("<HBBQI")
 _BYE = _HEADER
+_FRAME_SIZE = _FRAME.size
+
+#: The first four bytes of every RELEASE, and what follows them: a receiver of
+#: many RELEASEs (the publisher) recognises one without :func:`decode`.
+RELEASE_PREFIX = _HEADER.pack(MAGIC, VERSION, RELEASE)
+RELEASE_FIELDS = struct.Struct("<QI")  # seq, slot at offset 4
 
 #: Largest datagram of each kind, for receive buffers.
 MAX_HELLO_SIZE = _HELLO.size + MAX_HELLO_PAYLOAD
@@ -296,8 +302,10 @@ def encode_frame(seq: int, slot: int, payload: bytes = b"") -> bytes:
     UsageError
         The payload is too large.
     """
-    _check_len("frame payload", len(payload), MAX_FRAME_PAYLOAD)
-    return _FRAME.pack(MAGIC, VERSION, FRAME, seq, slot, len(payload)) + bytes(payload)
+    n = len(payload)
+    if n > MAX_FRAME_PAYLOAD:
+        _check_len("frame payload", n, MAX_FRAME_PAYLOAD)
+    return _FRAME.pack(MAGIC, VERSION, FRAME, seq, slot, n) + bytes(payload)
 
 
 def encode_release(seq: int, slot: int) -> bytes:
@@ -374,6 +382,8 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
         if n < _FRAME.size:
             raise ProtocolError(f"truncated FRAME ({n} bytes)")
         _, _, _, seq, slot, length = _FRAME.unpack_from(data)
+        if length <= MAX_FRAME_PAYLOAD and n == _FRAME_SIZE + length:  # per frame: no call
+            return Frame(seq, slot, bytes(data[_FRAME_SIZE:]))
         return Frame(seq, slot, _payload(data, _FRAME.size, length, MAX_FRAME_PAYLOAD, "FRAME"))
     if kind == RELEASE:
         if n != _RELEASE.size:

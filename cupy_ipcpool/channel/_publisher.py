@@ -126,6 +126,10 @@ class _PublisherLeases:
         self._publisher = weakref.ref(publisher)
         self._book = publisher._book
         self._core = publisher._core
+        # the publisher's per-frame state, shared (not copied): what order_write needs
+        self._published = publisher._published
+        self._row_flags = publisher._row_flags
+        self._order = publisher._sync.order
         self.closed = False  # set by the publisher's close
         self.lock = threading.RLock()  # serialises the (single-threaded) session core
 
@@ -144,9 +148,23 @@ class _PublisherLeases:
             self.lock.release()
 
     def order_write(self, slot: int, stream: int) -> None:
-        pub = self._publisher()
-        if pub is not None and not pub._closed:
-            pub._order_write(slot, stream)
+        """Make ``stream`` wait for the read flags of every subscriber that read ``slot``."""
+        if self.closed:
+            return
+        with self.lock:
+            readers = self._book.readers_to_wait(slot)
+        if not readers:
+            return
+        # every reader wrote the generation it was sent into its read flag on release
+        last = self._published[slot]
+        order = self._order
+        row_flags = self._row_flags
+        for sub_id in readers:
+            flags = row_flags.get(sub_id)
+            if flags is not None:
+                # no GPU wait when the host sees the release has landed already (the
+                # usual case: the slot was read a whole ring ago)
+                order(stream, flags[slot], last)
 
     def describe(self, slot: int) -> str:
         pub = self._publisher()
@@ -256,6 +274,7 @@ class Publisher:
         # validated wire form of each array geometry published (see publish)
         self._ptrs = [pool.ptr(i) for i in range(n)]
         self._frame_flags = [sync.frame_flag(i) for i in range(n)]
+        self._memop, self._write_fn, self._plain = sync.write_call()
         self._templates: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
         self.address = self._core.address
         self._book = self._core.lease_book
@@ -320,23 +339,6 @@ class Publisher:
         if self._closed:
             raise PoolClosedError("the Publisher is closed")
 
-    def _order_write(self, slot: int, stream: int) -> None:
-        """Make ``stream`` wait for the read flags of every subscriber that read ``slot``."""
-        with self._leases.lock:
-            readers = self._book.readers_to_wait(slot)
-        if not readers:
-            return
-        # every reader wrote the generation it was sent into its read flag on release
-        last = self._published[slot]
-        order = self._sync.order
-        row_flags = self._row_flags
-        for sub_id in readers:
-            flags = row_flags.get(sub_id)
-            if flags is not None:
-                # no GPU wait when the host sees the release has landed already (the
-                # usual case: the slot was read a whole ring ago)
-                order(stream, flags[slot], last)
-
     def _end_write(self, token: SlotToken) -> None:
         token.release()
         if self._token is token:
@@ -385,7 +387,14 @@ class Publisher:
         ``f.allocating()`` (or ``pool.allocating()``) inside the block land in
         ``f.slot``.  Leaving the block without publishing gives the slot back.
         """
-        return PublishFrame(self, self._acquire(timeout, stream), stream)
+        # _acquire written out (per frame)
+        if self._closed:
+            raise PoolClosedError("the Publisher is closed")
+        previous = self._token
+        if previous is not None:
+            self._end_write(previous)
+        token = self._token = self._pool.acquire(timeout=timeout, stream=stream)
+        return PublishFrame(self, token, stream)
 
     def publish(self, *arrays: Any, metadata: bytes = b"", stream: Any = None) -> int:
         """Publish ``arrays`` (all in the slot taken by :meth:`acquire`) as one frame.
@@ -456,7 +465,9 @@ class Publisher:
             parts.append(parts_of[1])
         parts.append(metadata)
         sptr = stream_ptr(stream) if stream_raw is None else stream_raw
-        self._sync.write(sptr, self._frame_flags[slot], generation)
+        rc = self._memop(self._write_fn, sptr, self._frame_flags[slot], generation, self._plain)
+        if rc:
+            self._sync.raise_for("cuStreamWriteValue32", rc)
         self._published[slot] = generation
         with self._leases.lock:
             seq = self._core.publish(slot, b"".join(parts))
@@ -471,7 +482,8 @@ class Publisher:
         no limit; ``0``: do not wait).  Threads waiting in ``pool.acquire()``
         or ``pool.next()`` are woken when leases came back.
         """
-        self._check()
+        if self._closed:
+            self._check()  # raises
         returned = self._leases.collect(timeout)
         self._pool.notify_released()
         return returned

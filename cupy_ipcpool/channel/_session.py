@@ -75,6 +75,9 @@ MAX_SPIN_US = 10_000
 _HANGUP = select.POLLHUP | select.POLLRDHUP | select.POLLERR
 _INT_SIZE = struct.calcsize("i")
 _RELEASE_RECV = proto.MAX_RELEASE_SIZE + 1  # one more byte so oversize messages fail to decode
+_RELEASE_SIZE = proto.MAX_RELEASE_SIZE
+_RELEASE_PREFIX = proto.RELEASE_PREFIX
+_RELEASE_FIELDS = proto.RELEASE_FIELDS
 
 
 def _spin_ns(spin_us: float) -> int:
@@ -856,7 +859,8 @@ class PublisherCore:
         int
             Number of leases returned.
         """
-        self._check_open()
+        if self._closed:
+            self._check_open()  # raises
         if self._acc.pending:
             self._adopt()
         if self._spin_ns and timeout != 0.0 and self._by_fd:
@@ -1085,6 +1089,19 @@ class PublisherCore:
             if not data:
                 self._drop(conn, "disconnected")
                 return released
+            if len(data) == _RELEASE_SIZE and data.startswith(_RELEASE_PREFIX):
+                # a well-formed RELEASE (the per-frame message): no decode() objects
+                seq, slot = _RELEASE_FIELDS.unpack_from(data, 4)
+                try:
+                    book.release(sub_id, seq, slot)
+                except ProtocolError as exc:
+                    self._drop(conn, f"protocol error: {exc}")
+                    return released
+                released += 1
+                limit -= 1
+                if limit == 0:
+                    return released
+                continue
             try:
                 msg = proto.decode(data)
                 if type(msg) is proto.Release:

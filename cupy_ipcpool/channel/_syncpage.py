@@ -37,6 +37,7 @@ import fcntl
 import mmap
 import os
 import stat
+from typing import Any
 
 from .. import _driver
 from .._errors import ProtocolError, UsageError
@@ -99,6 +100,8 @@ class SharedFlags:
         self._fd = fd
         self.nbytes = nbytes
         self._words = memoryview(self._mm).cast("I")
+        #: The page as native 32-bit words (what :class:`SyncPage` reads per frame).
+        self.words = self._words
         anchor = ctypes.c_char.from_buffer(self._mm)
         self.address = ctypes.addressof(anchor)
         del anchor  # the address stays valid while the mapping lives
@@ -226,6 +229,7 @@ class SyncPage:
             _driver.call("cuMemHostUnregister", flags.address)
             raise
         self._registered = True
+        self._words = flags.words
 
     @classmethod
     def create(cls, num_slots: int, max_subscribers: int, device: int) -> SyncPage:
@@ -284,6 +288,19 @@ class SyncPage:
         """True when the flag at device address ``addr`` already holds ``value`` or later."""
         return self.flags.reached(addr - self._base, value)
 
+    def write_call(self) -> tuple[Any, int, int]:
+        """``(memop, fn, flags)``: ``memop(fn, stream, addr, value, flags)`` is :meth:`write`.
+
+        For a caller that writes a flag per frame and wants no call between it
+        and the compiled trampoline; a nonzero result goes to :meth:`raise_for`.
+        """
+        return self._memop, self._write_fn, self._plain
+
+    @staticmethod
+    def raise_for(call: str, rc: int) -> None:
+        """Raise the :class:`~cupy_ipcpool.CudaError` for a failed memory operation."""
+        _raise(call, rc)
+
     def write(self, stream: int, addr: int, value: int) -> None:
         """Enqueue on ``stream``: after prior work and a memory barrier, store ``value``."""
         rc = self._memop(self._write_fn, stream, addr, value, self._plain)  # type: ignore[operator]
@@ -303,9 +320,12 @@ class SyncPage:
         already sees the value: the write that set it came after a memory
         barrier, so the work it stands for is done and visible.
         """
-        if self.flags.reached(addr - self._base, value):
+        # per frame: SharedFlags.reached and wait() written out (two calls fewer)
+        if ((self._words[(addr - self._base) >> 2] - value) & _MASK) < _HALF:
             return False
-        self.wait(stream, addr, value)
+        rc = self._memop(self._wait_fn, stream, addr, value, self._geq)  # type: ignore[operator]
+        if rc:
+            _raise("cuStreamWaitValue32", rc)
         return True
 
     def close(self) -> None:

@@ -533,6 +533,8 @@ class RemoteServer:
         with self._lock:
             if self._remotes.pop(sub_id, None) is None:
                 return
+            # set with the removal: whoever sees the subscriber gone sees why
+            self.last_leave_reason = reason
         fd = remote.sock.fileno()
         self._by_fd.pop(fd, None)
         with contextlib.suppress(KeyError, ValueError, OSError):
@@ -548,7 +550,6 @@ class RemoteServer:
         req = ucx.close_endpoint(remote.endpoint)
         if req is not None:
             self._closing_eps.append((req, remote.endpoint))
-        self.last_leave_reason = reason
 
     def _shutdown(self) -> None:
         """End every session, wait (bounded) for sends to finish, release every frame."""
