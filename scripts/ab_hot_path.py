@@ -9,9 +9,11 @@ Each root is a source tree (``import cupy_ipcpool`` works with it first on
 ``scripts/trace_hot_path.py`` (one frame in flight, raw kernels, no timers
 inside the library) runs in a fresh producer/consumer pair per round, the two
 versions taking turns (A B A B ...), so that both see the same machine in the
-same minutes.  Prints each round's p50 and, last, the median over the rounds.
-This is how a change to the per-frame path is measured (docs/performance.md):
-two runs on two machines differ by more than most changes do.
+same minutes, each process pinned to one CPU (``--cpus``): unpinned, rounds of
+one version on the H200 machine fell into two groups ~25 us apart.  Prints
+each round's p50 and, last, the median over the rounds.  This is how a
+change to the per-frame path is measured (docs/performance.md): two runs on
+two machines differ by more than most changes do.
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def one_round(root: str, frames: int, mib: int) -> float:
+def one_round(root: str, frames: int, mib: int, cpus: tuple[int, int] | None) -> float:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(root))
     code = (
         f"import sys; sys.path.insert(0, {HERE!r}); import trace_hot_path as t; "
-        f"print(t._producer({frames}, {mib}, timed=False)[2])"
+        f"print(t._producer({frames}, {mib}, timed=False, cpus={cpus!r})[2])"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
@@ -46,11 +48,18 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--frames", type=int, default=2000)
     ap.add_argument("--mib", type=int, default=1)
+    ap.add_argument(
+        "--cpus",
+        default="2,4",
+        help="CPUs for the producer and the consumer, pinned ('none': unpinned; default 2,4)",
+    )
     args = ap.parse_args()
+    cpus = None if args.cpus == "none" else tuple(int(c) for c in args.cpus.split(","))
+    assert cpus is None or len(cpus) == 2, "--cpus takes two CPUs"
     results: dict[str, list[float]] = {"old": [], "new": []}
     for r in range(args.rounds):
         for label, root in (("old", args.old), ("new", args.new)):
-            p50 = one_round(root, args.frames, args.mib)
+            p50 = one_round(root, args.frames, args.mib, cpus)  # type: ignore[arg-type]
             results[label].append(p50)
             print(f"round {r + 1} {label}: round trip p50 {p50:.1f} us", flush=True)
     old, new = statistics.median(results["old"]), statistics.median(results["new"])

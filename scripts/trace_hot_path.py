@@ -145,7 +145,14 @@ def _wrap_all(spec: list[tuple[str, str]]) -> Timings:
     return t
 
 
-def _consumer(address: str, q: Any) -> None:
+def _pin(cpu: int | None) -> None:
+    """Run this process on one CPU (None: leave it to the scheduler)."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+
+
+def _consumer(address: str, q: Any, cpu: int | None = None) -> None:
+    _pin(cpu)
     import cupy as cp
 
     timings = _wrap_all(CONSUMER)
@@ -175,7 +182,11 @@ def _consumer(address: str, q: Any) -> None:
     q.put((timings.table(), work.flush()))
 
 
-def _producer(frames: int, mib: int, timed: bool) -> tuple[str, str, float]:
+def _producer(
+    frames: int, mib: int, timed: bool, cpus: tuple[int, int] | None = None
+) -> tuple[str, str, float]:
+    """The round-trip loop; ``cpus``: pin the producer and the consumer to these CPUs."""
+    _pin(cpus[0] if cpus else None)
     import cupy as cp
 
     timings = _wrap_all(PRODUCER) if timed else Timings()
@@ -189,7 +200,7 @@ def _producer(frames: int, mib: int, timed: bool) -> tuple[str, str, float]:
     nelem = mib * MiB // 4
     total: list[int] = []
     with cip.IpcPool(4, mib * MiB) as pool, cip.Publisher(pool, address) as pub:
-        p = SPAWN.Process(target=_consumer, args=(address, q))
+        p = SPAWN.Process(target=_consumer, args=(address, q, cpus[1] if cpus else None))
         p.start()
         assert q.get(timeout=120) == "ready"
         while not pub.subscribers:
