@@ -58,7 +58,7 @@ def _summary(steps: dict[str, list[int]]) -> dict[str, tuple[float, float]]:
 
 
 def _count_waits(obj: object, attr: str) -> list[int]:
-    """Wrap ``obj.attr`` (a sync page's ``order``): count the calls and the GPU waits enqueued."""
+    """Wrap ``obj.attr`` (a bound ``SyncPage.order``): count its calls and the GPU waits."""
     counts = [0, 0]
     order = getattr(obj, attr)
 
@@ -130,7 +130,7 @@ def _run(mode: str, frames: int, mib: int, profile: bool, spin: float = 0.0) -> 
     prof = cProfile.Profile() if profile else None
     slots = 4 if mode == "rt" else 8
     with cip.IpcPool(slots, mib * MiB) as pool, cip.Publisher(pool, address, spin_us=spin) as pub:
-        waits = _count_waits(pub._sync, "order")
+        waits = _count_waits(pub._leases, "_order")  # what order_write calls
         p = SPAWN.Process(target=_consumer, args=(address, frames, profile, q, spin))
         p.start()
         assert q.get(timeout=120) == "ready"
