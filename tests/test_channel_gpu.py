@@ -126,13 +126,15 @@ def test_consumer_sees_final_values_without_blocking_its_host(address):
 # ------------------------------------------------------------- content under load
 
 
-def _checking_consumer(address, mode, frames_wanted, slow, q):
+def _checking_consumer(address, mode, frames_wanted, slow, q, device=None):
     try:
         import cupy as cp
 
+        if device is not None:
+            cp.cuda.Device(device).use()  # the current stream (recv's default) is this device's
         rng = random.Random(os.getpid())
         got, bad, seqs = 0, [], []
-        with cip.subscribe(address, mode=mode) as sub:
+        with cip.subscribe(address, mode=mode, device=device) as sub:
             q.put(("ready",))
             for frame in sub:
                 (seq,) = SEQ.unpack(frame.metadata)
@@ -186,6 +188,32 @@ def test_held_slots_are_never_overwritten_under_load(address, mode):
     else:
         assert 0 < got < n  # a slow latest subscriber skips frames
         assert producer_s < 60
+
+
+@pytest.mark.multigpu
+def test_subscriber_on_a_second_gpu_reads_every_frame_intact(address):
+    """Publisher on GPU 0, subscriber on GPU 1: the slots mapped for GPU 1, the sync page
+    registered by each process for its own device (``PORTABLE``), both directions of
+    ordering across the two devices (held frames never overwritten, every frame complete)."""
+    from cupy_ipcpool import _driver
+
+    if _driver.device_count() < 2:
+        pytest.skip("needs two GPUs (run on the two-GPU machine)")
+    if not _driver.can_access_peer(1, 0):
+        pytest.skip("device 1 has no peer access to device 0")
+    n = 2_000
+    with cip.IpcPool(3, 1 << 20, device=0) as pool, cip.Publisher(pool, address) as pub:
+        q = SPAWN.Queue()
+        proc = SPAWN.Process(target=_checking_consumer, args=(address, "block", 0, True, q, 1))
+        proc.start()
+        assert _get(q)[0] == "ready"
+        _wait_subscribers(pub, 1)
+        _produce(pub, n, nbytes=1 << 20)
+        pub.close()
+        _, got, bad, seqs = _get(q)
+        proc.join(30)
+    assert bad == [], f"frames overwritten or incomplete on GPU 1: {bad}"
+    assert got == n and seqs == list(range(n))
 
 
 def _holding_consumer(address, hold, q):
