@@ -371,6 +371,18 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
         field out of range.  Nothing else is raised.
     """
     n = len(data)
+    if n >= _FRAME_SIZE:
+        # the per-frame message first, with one unpack; anything else (or a FRAME
+        # that does not add up) takes the checks below
+        magic, version, kind, seq, slot, length = _FRAME.unpack_from(data)
+        if (
+            kind == FRAME
+            and magic == MAGIC
+            and version == VERSION
+            and length <= MAX_FRAME_PAYLOAD
+            and n == _FRAME_SIZE + length
+        ):
+            return Frame(seq, slot, bytes(data[_FRAME_SIZE:]))
     if n < _HEADER.size:
         raise ProtocolError(f"message of {n} bytes is shorter than the {_HEADER.size}-byte header")
     magic, version, kind = _HEADER.unpack_from(data)
@@ -382,8 +394,6 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
         if n < _FRAME.size:
             raise ProtocolError(f"truncated FRAME ({n} bytes)")
         _, _, _, seq, slot, length = _FRAME.unpack_from(data)
-        if length <= MAX_FRAME_PAYLOAD and n == _FRAME_SIZE + length:  # per frame: no call
-            return Frame(seq, slot, bytes(data[_FRAME_SIZE:]))
         return Frame(seq, slot, _payload(data, _FRAME.size, length, MAX_FRAME_PAYLOAD, "FRAME"))
     if kind == RELEASE:
         if n != _RELEASE.size:

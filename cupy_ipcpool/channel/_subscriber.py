@@ -200,6 +200,8 @@ class Subscriber:
         self._sync: SyncPage | None = None
         self._index = 0
         self._streams = _StreamsInUse()  # streams this subscriber enqueued flag operations on
+        self._last_stream: Any = None  # the stream of the last recv/release, and its handle
+        self._last_ptr = 0
         self._core = SubscriberCore(
             address,
             mode=mode,
@@ -364,25 +366,37 @@ class Subscriber:
         except ProtocolError:
             self.close()
             raise
-        if stream is None:
-            stream = self._cp.cuda.get_current_stream()
-        sptr = stream_ptr(stream)
-        self._streams.note(sptr, stream)
+        sptr = self._stream_ptr(stream)
         self._order(sptr, self._frame_flags[slot], generation)
         return Frame(seq, slot, tuple(arrays), bytes(payload[pos:]), lease)
+
+    def _stream_ptr(self, stream: Any) -> int:
+        """``stream``'s raw handle (default: CuPy's current stream), noted as in use.
+
+        The last stream seen is remembered (and held, as :class:`_StreamsInUse`
+        holds it anyway): a loop that passes the same stream object each frame,
+        or uses CuPy's current stream, pays one identity check.
+        """
+        if stream is None:
+            stream = self._cp.cuda.get_current_stream()
+        if stream is self._last_stream:
+            return self._last_ptr
+        sptr = stream_ptr(stream)
+        self._streams.note(sptr, stream)
+        self._last_stream, self._last_ptr = stream, sptr
+        return sptr
 
     def _release(self, seq: int, slot: int, generation: int, stream: Any) -> None:
         if self._closed:
             return
-        if stream is None:
-            stream = self._cp.cuda.get_current_stream()
-        sptr = stream_ptr(stream)
-        self._streams.note(sptr, stream)
+        sptr = self._stream_ptr(stream)
         if self._core.connected():
             # never after an eviction: the row may have been given to another subscriber
             self._write(sptr, self._read_flags[slot], generation)
-        with contextlib.suppress(EndOfStream):  # the producer is gone: nobody to return it to
+        try:  # noqa: SIM105 - per frame: contextlib.suppress builds an object each call
             self._core.release(seq, slot)
+        except EndOfStream:  # the producer is gone: nobody to return it to
+            pass
 
     def __iter__(self) -> Iterator[Frame]:
         """Yield frames until the publisher closes.
