@@ -151,18 +151,43 @@ def _pin(cpu: int | None) -> None:
         os.sched_setaffinity(0, {cpu})
 
 
-def _consumer(address: str, q: Any, cpu: int | None = None) -> None:
+def _spinning_order(order: Any, flags: Any, base: int, spin_ns: int, counts: list[int]) -> Any:
+    """``order`` that first watches the flag on the host for up to ``spin_ns`` (an experiment).
+
+    ``counts``: [calls, GPU waits enqueued].
+    """
+    clock = time.perf_counter_ns
+
+    def spun(stream: int, addr: int, value: int) -> bool:
+        counts[0] += 1
+        end = clock() + spin_ns
+        while not flags.reached(addr - base, value) and clock() < end:
+            pass
+        waited = order(stream, addr, value)
+        counts[1] += waited
+        return waited
+
+    return spun
+
+
+def _consumer(address: str, q: Any, cpu: int | None = None, timed: bool = True) -> None:
     _pin(cpu)
     import cupy as cp
 
-    timings = _wrap_all(CONSUMER)
+    timings = _wrap_all(CONSUMER) if timed else Timings()
     import cupy_ipcpool as cip
     from cupy_ipcpool._bench.lanes import GpuWork
 
     stream = cp.cuda.Stream(non_blocking=True)
     work = GpuWork(cp, 0, stream)
     n = 0
+    # experiment: TRACE_ORDER_SPIN_US=N makes recv watch the frame flag on the host
+    # for up to N us before it asks the stream to wait (counts the waits either way)
+    spin_ns = int(float(os.environ.get("TRACE_ORDER_SPIN_US", "0")) * 1000)
+    counts = [0, 0]
     with cip.subscribe(address) as sub:
+        sync = sub._sync
+        sub._order = _spinning_order(sub._order, sync.flags, sync._base, spin_ns, counts)
         q.put("ready")
         while True:
             try:
@@ -175,11 +200,15 @@ def _consumer(address: str, q: Any, cpu: int | None = None) -> None:
             del a, f
             n += 1
             if n == 200:
-                timings.on = True
+                timings.on = timed
+                counts[:] = [0, 0]
             if n > 200:
                 timings.frames += 1
     stream.synchronize()
-    q.put((timings.table(), work.flush()))
+    waits = (
+        f"consumer GPU waits enqueued: {counts[1]} of {counts[0]} (host spin {spin_ns // 1000} us)"
+    )
+    q.put((timings.table() + "\n" + waits, work.flush()))
 
 
 def _producer(
@@ -200,7 +229,7 @@ def _producer(
     nelem = mib * MiB // 4
     total: list[int] = []
     with cip.IpcPool(4, mib * MiB) as pool, cip.Publisher(pool, address) as pub:
-        p = SPAWN.Process(target=_consumer, args=(address, q, cpus[1] if cpus else None))
+        p = SPAWN.Process(target=_consumer, args=(address, q, cpus[1] if cpus else None, timed))
         p.start()
         assert q.get(timeout=120) == "ready"
         while not pub.subscribers:
@@ -224,7 +253,10 @@ def _producer(
     p.join(30)
     stream.synchronize()
     rt = statistics.median(total) / 1e3
-    head = f"round trip p50 {rt:.1f} us; mismatching samples {mismatches}"
+    head = (
+        f"round trip p50 {rt:.1f} us; mismatching samples {mismatches}; "
+        + cons_table.rsplit("\n", 1)[-1]
+    )
     return head, timings.table() + "\n--- consumer\n" + cons_table, rt
 
 
