@@ -147,6 +147,17 @@ def test_timeout_zero_does_not_wait() -> None:
     assert time.monotonic() - start < 0.05
 
 
+def test_a_timed_take_waits_its_timeout_then_says_busy() -> None:
+    """The deadline starts when no slot is free (the clock is not read on the fast path)."""
+    table = SlotTable(1)
+    table.take(0)
+    start = time.monotonic()
+    with pytest.raises(SlotBusyError, match="slot 0"):
+        table.take(0.3)
+    waited = time.monotonic() - start
+    assert 0.25 <= waited < 5.0, waited
+
+
 # ------------------------------------------------------------- with real leases
 
 
