@@ -297,6 +297,12 @@ class ReusableView(KeptArray):
         #: What a channel publisher caches here: the view's handle in wire form.
         self.wire: Any = None
 
+    def free_for(self, stream: int, arena_top: int) -> bool:
+        """True when a writer on ``stream`` may have the array again (same shape and
+        dtype checked by the caller): same stream, still the arena's only block,
+        and nothing outside the pool refers to it."""
+        return self.stream == stream and arena_top == self.end and not self.in_use()
+
 
 def block_pointer(
     arena: SlotArena,

@@ -633,14 +633,13 @@ class IpcPool:
         if (
             view is not None
             and view.given is not None
-            and view.stream == stream
             and type(shape) is tuple
             and view.given[1] is dtype
             and view.given[0] == shape
-            and not view.in_use()
-            and self._mem.arenas[slot].top == view.end  # type: ignore[union-attr]
+            and view.free_for(stream, self._mem.arenas[slot].top)  # type: ignore[union-attr]
         ):
-            # the same call as the one that made the view, for the slot's next frame
+            # the same call as the one that made the view, for the slot's next frame:
+            # no need to normalise shape and dtype
             return view.array
         cp = cupy_module()
         dt = normalize_dtype(dtype)
@@ -651,15 +650,12 @@ class IpcPool:
         arena = self._arena(slot)
         views = self._table.views
         view = views[slot]
-        if view is not None and not view.in_use():
-            if (
-                view.key == (shape_t, dt)
-                and view.stream == stream
-                and arena.top == view.offset + max(nbytes, 1)
-            ):
+        if view is not None:
+            if view.key == (shape_t, dt) and view.free_for(stream, arena.top):
                 return view.array  # the slot's last frame had this shape: hand it out again
-            self._drop_view(slot)
-            view = views[slot]
+            if not view.in_use():
+                self._drop_view(slot)
+                view = views[slot]
         if view is None and arena.top == 0 and not self._mem.close_requested:
             # the first array of an empty slot: keep it for the slot's next frame
             # (not once the pool is closing: an uncounted view could outlive the mapping)

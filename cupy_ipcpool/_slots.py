@@ -173,7 +173,6 @@ class SlotTable(SlotRefs):
             Nothing became free in time; the message says who holds what.
         """
         deadline: float | None = None
-        started = False
         collected = False
         while True:
             with self.lock:
@@ -184,14 +183,13 @@ class SlotTable(SlotRefs):
                     self.generation[found] = generation
                     self.current = found
                     return found, generation
-            if not started:  # the clock starts once a wait may be needed
-                started = True
+            if not collected:
+                # Nothing known to be free: the clock starts, and every lease that came
+                # back is taken in (all at once, so a producer running ahead collects
+                # in batches).
+                collected = True
                 if timeout is not None:
                     deadline = time.monotonic() + timeout
-            if not collected:
-                # Nothing known to be free: take in every lease that came back (all
-                # of them at once, so a producer running ahead collects in batches).
-                collected = True
                 for known in self.sources:
                     known.collect(0.0)
                 continue

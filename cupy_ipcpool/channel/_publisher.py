@@ -128,7 +128,7 @@ class _PublisherLeases:
         self._core = publisher._core
         # the publisher's per-frame state, shared (not copied): what order_write needs
         self._published = publisher._published
-        self._row_flags = publisher._row_flags
+        self._rows = publisher._rows
         self._order = publisher._sync.order
         self.closed = False  # set by the publisher's close
         self.lock = threading.RLock()  # serialises the (single-threaded) session core
@@ -158,13 +158,13 @@ class _PublisherLeases:
         # every reader wrote the generation it was sent into its read flag on release
         last = self._published[slot]
         order = self._order
-        row_flags = self._row_flags
+        rows = self._rows
         for sub_id in readers:
-            flags = row_flags.get(sub_id)
-            if flags is not None:
+            row = rows.get(sub_id)
+            if row is not None:
                 # no GPU wait when the host sees the release has landed already (the
                 # usual case: the slot was read a whole ring ago)
-                order(stream, flags[slot], last)
+                order(stream, row[1][slot], last)
 
     def describe(self, slot: int) -> str:
         pub = self._publisher()
@@ -240,11 +240,10 @@ class Publisher:
         self._pool = pool
         self._device = pool.device
         self._lock = threading.Lock()
-        self._indices: dict[int, int] = {}  # sub_id -> row of read flags in the sync page
-        # sub_id -> device addresses of that row's read flags, one per slot (written
-        # under self._lock on the accept thread; read without it per frame: a dict
-        # lookup is atomic)
-        self._row_flags: dict[int, list[int]] = {}
+        # sub_id -> (its row of read flags in the sync page, the device addresses of
+        # that row's flags, one per slot); written under self._lock on the accept
+        # thread, read without it per frame (a dict lookup is atomic)
+        self._rows: dict[int, tuple[int, list[int]]] = {}
         self._next_index = 0
         self._max_subscribers = max_subscribers
         self._closed = False
@@ -274,7 +273,7 @@ class Publisher:
         # validated wire form of each array geometry published (see publish)
         self._ptrs = [pool.ptr(i) for i in range(n)]
         self._frame_flags = [sync.frame_flag(i) for i in range(n)]
-        self._memop, self._write_fn, self._plain = sync.write_call()
+        self._write_flag = sync.write
         self._templates: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
         self.address = self._core.address
         self._book = self._core.lease_book
@@ -291,7 +290,7 @@ class Publisher:
         # Rows are handed out round-robin, so a departed subscriber's row is reused
         # as late as possible (its last flag writes may still be in flight).
         with self._lock:
-            used = set(self._indices.values())
+            used = {row for row, _ in self._rows.values()}
             for step in range(self._max_subscribers):
                 index = (self._next_index + step) % self._max_subscribers
                 if index not in used:
@@ -299,11 +298,9 @@ class Publisher:
             else:
                 raise PeerRefusedError("no free subscriber row in the sync page")
             self._next_index = index + 1
-            self._indices[info.sub_id] = index
             sync = self._sync
-            self._row_flags[info.sub_id] = [
-                sync.read_flag(index, slot) for slot in range(self._pool.num_slots)
-            ]
+            flags = [sync.read_flag(index, slot) for slot in range(self._pool.num_slots)]
+            self._rows[info.sub_id] = (index, flags)
         head = WELCOME_HEAD.pack(
             len(self._desc_bytes),
             self._pool.num_slots,
@@ -315,8 +312,7 @@ class Publisher:
 
     def _on_leave(self, info: SubscriberInfo) -> None:
         with self._lock:
-            self._indices.pop(info.sub_id, None)
-            self._row_flags.pop(info.sub_id, None)
+            self._rows.pop(info.sub_id, None)
 
     # -- state --
 
@@ -465,9 +461,7 @@ class Publisher:
             parts.append(parts_of[1])
         parts.append(metadata)
         sptr = stream_ptr(stream) if stream_raw is None else stream_raw
-        rc = self._memop(self._write_fn, sptr, self._frame_flags[slot], generation, self._plain)
-        if rc:
-            self._sync.raise_for("cuStreamWriteValue32", rc)
+        self._write_flag(sptr, self._frame_flags[slot], generation)
         self._published[slot] = generation
         with self._leases.lock:
             seq = self._core.publish(slot, b"".join(parts))

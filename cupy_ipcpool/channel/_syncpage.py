@@ -37,7 +37,6 @@ import fcntl
 import mmap
 import os
 import stat
-from typing import Any
 
 from .. import _driver
 from .._errors import ProtocolError, UsageError
@@ -287,19 +286,6 @@ class SyncPage:
     def reached(self, addr: int, value: int) -> bool:
         """True when the flag at device address ``addr`` already holds ``value`` or later."""
         return self.flags.reached(addr - self._base, value)
-
-    def write_call(self) -> tuple[Any, int, int]:
-        """``(memop, fn, flags)``: ``memop(fn, stream, addr, value, flags)`` is :meth:`write`.
-
-        For a caller that writes a flag per frame and wants no call between it
-        and the compiled trampoline; a nonzero result goes to :meth:`raise_for`.
-        """
-        return self._memop, self._write_fn, self._plain
-
-    @staticmethod
-    def raise_for(call: str, rc: int) -> None:
-        """Raise the :class:`~cupy_ipcpool.CudaError` for a failed memory operation."""
-        _raise(call, rc)
 
     def write(self, stream: int, addr: int, value: int) -> None:
         """Enqueue on ``stream``: after prior work and a memory barrier, store ``value``."""
