@@ -264,7 +264,25 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--frames", type=int, default=2000)
     ap.add_argument("--mib", type=int, default=1)
+    ap.add_argument(
+        "--spin-rounds",
+        type=int,
+        default=0,
+        help="the host-watch experiment: this many rounds of TRACE_ORDER_SPIN_US 0 and "
+        "--spin-us alternating, untimed, at 1 MiB and --mib; the round trip and the "
+        "consumer's GPU waits of each",
+    )
+    ap.add_argument("--spin-us", type=float, default=20.0)
     args = ap.parse_args()
+    if args.spin_rounds:
+        sizes = sorted({1, args.mib})
+        for r in range(args.spin_rounds):
+            for mib in sizes:
+                for spin in (0.0, args.spin_us):
+                    os.environ["TRACE_ORDER_SPIN_US"] = str(spin)
+                    head, _, _ = _producer(args.frames, mib, timed=False)
+                    print(f"round {r} {mib:5d} MiB host watch {spin:5.1f} us: {head}", flush=True)
+        return 0
     head, _, _ = _producer(args.frames, args.mib, timed=False)
     print(f"== untimed: {head}")
     head, table, _ = _producer(args.frames, args.mib, timed=True)
