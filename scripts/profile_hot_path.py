@@ -113,7 +113,9 @@ def _consumer(address: str, frames: int, profile: bool, q, spin: float) -> None:
     q.put((_summary(steps), text, work.flush(), waits))
 
 
-def _run(mode: str, frames: int, mib: int, profile: bool, spin: float = 0.0) -> dict[str, object]:
+def _run(
+    mode: str, frames: int, mib: int, profile: bool, spin: float = 0.0, consumers: int = 1
+) -> dict[str, object]:
     import cupy as cp
 
     import cupy_ipcpool as cip
@@ -127,14 +129,20 @@ def _run(mode: str, frames: int, mib: int, profile: bool, spin: float = 0.0) -> 
     steps: dict[str, list[int]] = {
         k: [] for k in ("acquire", "array", "kernel", "publish", "exit", "wait", "total")
     }
+    polls: list[int] = []  # pub.poll calls (wake-ups) per round trip
     prof = cProfile.Profile() if profile else None
     slots = 4 if mode == "rt" else 8
     with cip.IpcPool(slots, mib * MiB) as pool, cip.Publisher(pool, address, spin_us=spin) as pub:
         waits = _count_waits(pub._leases, "_order")  # what order_write calls
-        p = SPAWN.Process(target=_consumer, args=(address, frames, profile, q, spin))
-        p.start()
-        assert q.get(timeout=120) == "ready"
-        while not pub.subscribers:
+        procs = [
+            SPAWN.Process(target=_consumer, args=(address, frames, profile, q, spin))
+            for _ in range(consumers)
+        ]
+        for p in procs:
+            p.start()
+        for _ in procs:
+            assert q.get(timeout=120) == "ready"
+        while len(pub.subscribers) < consumers:
             pub.poll(0.05)
         if prof is not None:
             prof.enable()
@@ -153,11 +161,14 @@ def _run(mode: str, frames: int, mib: int, profile: bool, spin: float = 0.0) -> 
                 t4 = time.perf_counter_ns()
                 del a
             t5 = time.perf_counter_ns()
+            n_polls = 0
             if mode == "rt":
                 while pub.leases(f.slot):
                     pub.poll(None)
+                    n_polls += 1
             t6 = time.perf_counter_ns()
             if i >= 200:
+                polls.append(n_polls)
                 for k, v in zip(
                     steps,
                     (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t6 - t0),
@@ -169,14 +180,20 @@ def _run(mode: str, frames: int, mib: int, profile: bool, spin: float = 0.0) -> 
         elapsed = time.perf_counter_ns() - t_start
         if prof is not None:
             prof.disable()
-    cons_steps, cons_prof, mismatches, cons_waits = q.get(timeout=120)
-    p.join(30)
+    # the first consumer's figures are reported; mismatches and waits are summed
+    replies = [q.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(30)
+    cons_steps, cons_prof, _m, _w = replies[0]
+    mismatches = sum(r[2] for r in replies)
+    cons_waits = [sum(r[3][0] for r in replies), sum(r[3][1] for r in replies)]
     stream.synchronize()
     text = _profile_text(prof)
     return {
         "producer": _summary(steps),
         "consumer": cons_steps,
         "fps": frames / (elapsed / 1e9),
+        "polls": statistics.mean(polls) if polls else 0.0,
         "mismatches": mismatches,
         "gpu_waits": (
             f"producer {waits[1]} of {waits[0]}, consumer {cons_waits[1]} of {cons_waits[0]}"
@@ -192,18 +209,29 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=1)
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--spin", type=float, action="append", default=[], help="extra rt runs")
+    ap.add_argument(
+        "--consumers",
+        type=int,
+        action="append",
+        default=[],
+        help="fan-out: rt runs with this many subscribers (repeatable; replaces the other runs)",
+    )
     args = ap.parse_args()
     out = os.environ.get("OUT")
-    runs = [("rt", False, spin) for spin in args.spin]
-    runs += [("rt", False, 0.0), ("stream", False, 0.0)]
+    runs = [("rt", False, spin, 1) for spin in args.spin]
+    runs += [("rt", False, 0.0, 1), ("stream", False, 0.0, 1)]
     if not args.no_profile:
-        runs.append(("rt", True, 0.0))
-    for mode, profile, spin in runs:
-        r = _run(mode, args.frames, args.mib, profile, spin)
+        runs.append(("rt", True, 0.0, 1))
+    if args.consumers:
+        runs = [("rt", False, 0.0, n) for n in args.consumers]
+    for mode, profile, spin, consumers in runs:
+        r = _run(mode, args.frames, args.mib, profile, spin, consumers)
         label = f"{mode}{' (cProfile)' if profile else ''}{f' spin_us={spin}' if spin else ''}"
+        label += f" {consumers} subscribers" if consumers > 1 else ""
         print(
             f"== {label} {args.mib} MiB: {r['fps']:.0f} frames/s, "
-            f"mismatching samples {r['mismatches']}; GPU waits enqueued: {r['gpu_waits']}"
+            f"mismatching samples {r['mismatches']}; GPU waits enqueued: {r['gpu_waits']}; "
+            f"producer polls per round trip {r['polls']:.2f}"
         )
         for side in ("producer", "consumer"):
             cells = ", ".join(
