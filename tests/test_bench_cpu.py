@@ -994,3 +994,116 @@ def test_producer_side_mismatch_fails_a_one_process_lane():
     (m,) = harness.run_lane(InProcessFakeLane(), cfg, timeout=120)
     assert m.status == FAILED
     assert "latency phase: the device-side check found 4 mismatching sample(s)" in m.reason
+
+
+# ------------------------------------------------- interleaved passes (the 1.3x target)
+def _pass(lane, mib, samples, status=OK, reason=""):
+    if status != OK:
+        return Measurement(lane, mib * MiB, status, reason)
+    ns = [int(v * 1e3) for v in samples]
+    return harness.summarize(lane, mib * MiB, ns, tput_frames=0, tput_ns=0, pipelined=False)
+
+
+def test_paired_passes_option():
+    assert bench.options_from_args(_parser().parse_args([])).passes() == 4
+    assert bench.options_from_args(_parser().parse_args(["--mode", "short"])).passes() == 0
+    args = _parser().parse_args(["--mode", "short", "--paired-passes", "3"])
+    assert bench.options_from_args(args).passes() == 3
+    assert bench.options_from_args(_parser().parse_args(["--paired-passes", "0"])).passes() == 0
+
+
+@pytest.mark.parametrize("bad", ["-1", "two"])
+def test_paired_passes_option_refuses_bad_values(bad, capsys):
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--paired-passes", bad])
+    assert "--paired-passes" in capsys.readouterr().err
+
+
+def test_run_paired_needs_a_pass():
+    with pytest.raises(ValueError, match="passes must be >= 1"):
+        bench.run_paired(passes=0)
+
+
+def test_paired_rows_ratio_per_pass_and_pooled_p50():
+    # pass 0: the machine is fast for both lanes, pass 1 slow for both, pass 2 in between;
+    # the per-pass ratios stay 1.2 while the lanes' own p50s move 2x
+    per_pass = {
+        "cupy_ipcpool": {
+            MiB: [_pass("cupy_ipcpool", 1, s) for s in ([60, 60, 60], [120, 120, 120], [90] * 3)]
+        },
+        "socket_gpu_floor": {
+            MiB: [_pass("socket_gpu_floor", 1, s) for s in ([50] * 3, [100] * 3, [75] * 3)]
+        },
+    }
+    (row,) = report.paired_rows(per_pass, "cupy_ipcpool", "socket_gpu_floor", [MiB])
+    assert row["status"] == OK and row["passes"] == 3
+    assert row["ratios"] == pytest.approx([1.2, 1.2, 1.2])
+    assert row["ratio_median"] == pytest.approx(1.2)
+    assert (row["ratio_min"], row["ratio_max"]) == pytest.approx((1.2, 1.2))
+    assert row["numerator_p50_us"] == pytest.approx(90.0)  # over all 9 samples
+    assert row["denominator_p50_us"] == pytest.approx(75.0)
+    assert row["pass_p50_us"][1] == pytest.approx([120.0, 100.0])
+
+
+def test_paired_rows_a_failed_pass_gives_no_ratio():
+    per_pass = {
+        "cupy_ipcpool": {
+            MiB: [_pass("cupy_ipcpool", 1, [60]), _pass("cupy_ipcpool", 1, [61])],
+            64 * MiB: [_pass("cupy_ipcpool", 64, [70])],
+        },
+        "socket_gpu_floor": {
+            MiB: [
+                _pass("socket_gpu_floor", 1, [50]),
+                _pass("socket_gpu_floor", 1, [], FAILED, "frame 4: expected value 9"),
+            ],
+            64 * MiB: [_pass("socket_gpu_floor", 64, [50]), _pass("socket_gpu_floor", 64, [51])],
+        },
+    }
+    rows = report.paired_rows(
+        per_pass, "cupy_ipcpool", "socket_gpu_floor", [MiB, 64 * MiB, 4 * MiB]
+    )
+    assert [r["status"] for r in rows] == [FAILED, FAILED, FAILED]
+    assert rows[0]["reason"] == "socket_gpu_floor: frame 4: expected value 9"
+    assert "ratio_median" not in rows[0]
+    assert rows[1]["reason"] == "1 passes of cupy_ipcpool against 2 of socket_gpu_floor"
+    assert rows[2]["passes"] == 0  # a size no pass measured
+    text = report.paired_markdown(rows)
+    assert "| 1 MiB | 2 | failed: socket_gpu_floor: frame 4: expected value 9 | | | |" in text
+
+
+def test_paired_target_report_and_json(tmp_path):
+    per_pass = {
+        "cupy_ipcpool": {64 * MiB: [_pass("cupy_ipcpool", 64, [s]) for s in (70, 90, 80)]},
+        "socket_gpu_floor": {64 * MiB: [_pass("socket_gpu_floor", 64, [s]) for s in (50, 75, 64)]},
+    }
+    paired = report.paired_rows(per_pass, "cupy_ipcpool", "socket_gpu_floor", [64 * MiB])
+    ms = [_m("cupy_ipcpool", 64, 90.0), _m("socket_gpu_floor", 64, 60.0)]
+    targets = report.evaluate_targets(ms, paired=paired)
+    single, interleaved = (t for t in targets if t.target.denominator == "socket_gpu_floor")
+    assert single.status == "MISSED" and single.ratio == pytest.approx(1.5)
+    assert interleaved.target is report.PAIRED_TARGET
+    assert interleaved.status == "MET"  # ratios 1.4, 1.2, 1.25: median 1.25
+    assert interleaved.ratio == pytest.approx(1.25)
+    assert interleaved.note == "3 passes, per-pass ratios 1.20-1.40x"
+    # a paired row at another size does not make a target
+    assert len(report.evaluate_targets(ms, paired=paired, nbytes=MiB)) == len(report.TARGETS)
+    md = report.render_markdown(ms, targets, paired=paired)
+    assert "## Interleaved passes: cupy_ipcpool against socket_gpu_floor" in md
+    assert "| 64 MiB | 3 | 80.0 | 64.0 | 1.25x | 1.40, 1.20, 1.25 |" in md
+    assert "MET: cupy_ipcpool within 1.3x of the socket + GPU floor, interleaved" in md
+    results = bench.BenchResults(ms, targets, {}, {"mode": "full"}, {}, paired=paired)
+    data = results.to_dict()
+    assert data["paired"][0]["ratio_median"] == pytest.approx(1.25)
+    assert data["targets"][-1]["note"] == "3 passes, per-pass ratios 1.20-1.40x"
+
+
+def test_paired_target_not_available_when_a_pass_failed():
+    per_pass = {
+        "cupy_ipcpool": {64 * MiB: [_pass("cupy_ipcpool", 64, [], SKIPPED, "no cupy")]},
+        "socket_gpu_floor": {64 * MiB: [_pass("socket_gpu_floor", 64, [50])]},
+    }
+    paired = report.paired_rows(per_pass, "cupy_ipcpool", "socket_gpu_floor", [64 * MiB])
+    (t,) = [
+        r for r in report.evaluate_targets([], paired=paired) if r.target is report.PAIRED_TARGET
+    ]
+    assert t.status == "n/a" and t.ratio is None and t.note == "skipped: cupy_ipcpool: no cupy"

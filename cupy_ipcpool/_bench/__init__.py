@@ -48,6 +48,7 @@ __all__ = [
     "run_attach_scan",
     "run_benchmark",
     "run_fanout",
+    "run_paired",
     "write_outputs",
 ]
 
@@ -63,6 +64,13 @@ ATTACH_SLOT_NBYTES = 2 * MiB
 ATTACH_ITERS = 20
 FANOUT = (1, 2, 4, 8)
 FANOUT_NBYTES = 64 * MiB
+#: The interleaved passes (:func:`run_paired`): the two lanes of the 1.3x target, at
+#: the sizes the target is stated for, a latency phase per pass.
+PAIRED_LANES = (report.BASELINE, "socket_gpu_floor")
+PAIRED_SIZES_MIB = (1, 64, 1024)
+PAIRED_SCHEDULE = Schedule(warmup=20, iters=150, tput=0, checks=2)
+#: Passes of each lane by mode (``--paired-passes`` overrides).
+PAIRED_PASSES = {"short": 0, "full": 4}
 
 NOTES = (
     "Every lane runs the same fill kernel in the producer and the same check in the "
@@ -156,6 +164,16 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the ``bench`` options on ``parser`` and set ``run=main``.
 
@@ -196,6 +214,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", type=int, default=0, help="CUDA device (default: 0)")
     parser.add_argument(
+        "--paired-passes",
+        type=_non_negative_int,
+        default=None,
+        help=f"alternating passes of {' and '.join(PAIRED_LANES)} at "
+        f"{', '.join(f'{m} MiB' for m in PAIRED_SIZES_MIB)}, for the 1.3x target "
+        "(default: 4 in full mode, 0 in short mode; 0: none)",
+    )
+    parser.add_argument(
         "--no-scale",
         action="store_true",
         help="skip the scale figures (attach cost, fan-out) in full mode",
@@ -214,6 +240,7 @@ class BenchOptions:
     iters: int | None = None
     device: int = 0
     scale: bool | None = None  # default: in full mode only
+    paired_passes: int | None = None  # default: by mode (PAIRED_PASSES)
 
     def schedule(self) -> Schedule:
         """Frames per phase for this mode, with ``iters`` applied."""
@@ -226,6 +253,10 @@ class BenchOptions:
         """Frame sizes in bytes."""
         mib = self.sizes_mib or MODES[self.mode]["sizes_mib"]
         return tuple(int(m) * MiB for m in mib)
+
+    def passes(self) -> int:
+        """Interleaved passes of each paired lane (0: none)."""
+        return PAIRED_PASSES[self.mode] if self.paired_passes is None else self.paired_passes
 
     def run_scale(self) -> bool:
         """Whether the scale figures run."""
@@ -242,6 +273,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         iters=args.iters,
         device=args.device,
         scale=False if getattr(args, "no_scale", False) else None,
+        paired_passes=getattr(args, "paired_passes", None),
     )
 
 
@@ -320,6 +352,7 @@ class BenchResults:
     config: dict[str, Any]
     scale: dict[str, Any]
     notes: list[str] = field(default_factory=default_notes)
+    paired: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def failed(self) -> list[Measurement]:
@@ -335,6 +368,7 @@ class BenchResults:
             config=self.config,
             scale=self.scale,
             notes=self.notes,
+            paired=self.paired,
         )
 
     def markdown(self) -> str:
@@ -346,6 +380,7 @@ class BenchResults:
             scale=self.scale,
             mode=str(self.config.get("mode", "")),
             notes=self.notes,
+            paired=self.paired,
         )
 
 
@@ -426,6 +461,36 @@ def run_fanout(
     return rows
 
 
+def run_paired(
+    device: int = 0,
+    sizes_mib: Sequence[int] = PAIRED_SIZES_MIB,
+    *,
+    passes: int = 4,
+    lanes: Sequence[str] = PAIRED_LANES,
+    schedule: Schedule = PAIRED_SCHEDULE,
+    progress: Callable[[str], None] = _stderr,
+) -> list[dict[str, Any]]:
+    """Two lanes in alternating passes; one row per size (:func:`report.paired_rows`).
+
+    Pass *i* runs both lanes one after the other, ``lanes[0]`` first when *i*
+    is even, so that a drift of the machine's speed during the run weighs on
+    both lanes alike; the ratio of each pass compares measurements taken next
+    to each other.
+    """
+    if passes < 1:
+        raise ValueError(f"passes must be >= 1, got {passes}")
+    first, second = (get_lanes([name])[0] for name in lanes)
+    sizes = tuple(int(m) * MiB for m in sizes_mib)
+    cfg = BenchConfig(sizes=sizes, schedule=schedule, device=device)
+    per_pass: dict[str, dict[int, list[Measurement]]] = {first.name: {}, second.name: {}}
+    for i in range(passes):
+        for lane in (first, second) if i % 2 == 0 else (second, first):
+            for m in run_lane(lane, cfg):
+                per_pass[lane.name].setdefault(m.nbytes, []).append(m)
+                progress(f"[bench] pass {i + 1}/{passes} " + report.progress_line(m)[8:])
+    return report.paired_rows(per_pass, first.name, second.name, sizes)
+
+
 def run_benchmark(opts: BenchOptions, *, progress: Callable[[str], None] = _stderr) -> BenchResults:
     """Run the lanes (and, in full mode, the scale figures) and evaluate the targets.
 
@@ -459,6 +524,11 @@ def run_benchmark(opts: BenchOptions, *, progress: Callable[[str], None] = _stde
         for m in run_lane(lane, cfg):
             measurements.append(m)
             progress(report.progress_line(m))
+    paired: list[dict[str, Any]] = []
+    names = {lane.name for lane in lanes}
+    if opts.passes() > 0 and all(name in names for name in PAIRED_LANES):
+        progress(f"[bench] interleaved passes: {' and '.join(PAIRED_LANES)} ...")
+        paired = run_paired(opts.device, passes=opts.passes(), progress=progress)
     scale: dict[str, Any] = {}
     if opts.run_scale():
         progress("[bench] scale: attach cost against slot count ...")
@@ -490,14 +560,23 @@ def run_benchmark(opts: BenchOptions, *, progress: Callable[[str], None] = _stde
         "schedule": asdict(sched),
         "num_slots": cfg.num_slots,
         "device": opts.device,
+        "paired": {
+            "passes": opts.passes(),
+            "lanes": list(PAIRED_LANES),
+            "sizes_mib": list(PAIRED_SIZES_MIB),
+            "schedule": asdict(PAIRED_SCHEDULE),
+        }
+        if paired
+        else None,
     }
     return BenchResults(
         measurements=measurements,
-        targets=report.evaluate_targets(measurements),
+        targets=report.evaluate_targets(measurements, paired=paired),
         environment=collect_environment(opts.device),
         config=config,
         scale=scale,
         notes=default_notes(get_lanes(opts.lanes)),
+        paired=paired,
     )
 
 
