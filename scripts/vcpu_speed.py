@@ -32,15 +32,19 @@ def workload() -> int:
     return total
 
 
-def time_on(cpu: int, reps: int) -> float:
-    """Best time of ``workload`` on ``cpu``, in microseconds."""
+def time_on(cpu: int, reps: int) -> tuple[float, float]:
+    """Best time of ``workload`` on ``cpu`` in microseconds, and the share of the
+    time that the hypervisor's steal counter says the CPU did not run us."""
     os.sched_setaffinity(0, {cpu})
     best = float("inf")
+    s0, w0 = steal_ticks().get(cpu, 0), time.perf_counter_ns()
     for _ in range(reps):
         t0 = time.perf_counter_ns()
         workload()
         best = min(best, (time.perf_counter_ns() - t0) / 1e3)
-    return best
+    wall = (time.perf_counter_ns() - w0) / 1e9
+    stolen = (steal_ticks().get(cpu, 0) - s0) / os.sysconf("SC_CLK_TCK")
+    return best, stolen / wall if wall > 0 else 0.0
 
 
 def siblings(cpu: int) -> str:
@@ -52,6 +56,17 @@ def siblings(cpu: int) -> str:
         return "?"
 
 
+def steal_ticks() -> dict[int, int]:
+    """Per-CPU steal time from ``/proc/stat`` (clock ticks the hypervisor ran something else)."""
+    out = {}
+    with open("/proc/stat") as fh:
+        for line in fh:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name != "cpu" and len(fields) >= 8:
+                out[int(name[3:])] = int(fields[7])
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -59,16 +74,21 @@ def main() -> int:
     args = ap.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
     results: dict[int, list[float]] = {c: [] for c in cpus}
+    steal: dict[int, list[float]] = {c: [] for c in cpus}
     for _ in range(args.rounds):
         for cpu in cpus:
-            results[cpu].append(time_on(cpu, args.reps))
+            best, stolen = time_on(cpu, args.reps)
+            results[cpu].append(best)
+            steal[cpu].append(stolen)
     os.sched_setaffinity(0, set(cpus))
     fastest = min(min(v) for v in results.values())
-    print("cpu  siblings  best-of-reps per round (us)            median/fastest")
+    print("cpu  siblings  best-of-reps per round (us)  median/fastest  steal % per round")
     for cpu in cpus:
         runs = results[cpu]
         cells = " ".join(f"{t:8.1f}" for t in runs)
-        print(f"{cpu:3d}  {siblings(cpu):8s}  {cells}   {statistics.median(runs) / fastest:5.2f}")
+        stolen_pct = " ".join(f"{100 * f:4.0f}" for f in steal[cpu])
+        ratio = statistics.median(runs) / fastest
+        print(f"{cpu:3d}  {siblings(cpu):8s}  {cells}   {ratio:5.2f}  {stolen_pct}")
     return 0
 
 
