@@ -137,20 +137,34 @@ def memop_pointers() -> tuple[int, int]:
     CudaError
         The driver does not know one of them.
     """
-    ptrs = _state.get("memops")
-    if ptrs is None:
+    return _proc_address("cuStreamWriteValue32"), _proc_address("cuStreamWaitValue32")
+
+
+def batch_memop_pointer() -> int:
+    """The driver's ``cuStreamBatchMemOp`` entry point (cached), as :func:`memop_pointers`.
+
+    Raises
+    ------
+    CudaError
+        The driver does not know it.
+    """
+    return _proc_address("cuStreamBatchMemOp")
+
+
+def _proc_address(symbol: str) -> int:
+    """``cuGetProcAddress(symbol)`` at the CUDA 12 API version (cached per symbol)."""
+    cache = _state.setdefault("proc_addresses", {})
+    pfn = cache.get(symbol)
+    if pfn is None:
         driver = _load()
         version = min(driver_version(), 12000)
-        found = []
-        for symbol in ("cuStreamWriteValue32", "cuStreamWaitValue32"):
-            res = driver.cuGetProcAddress(symbol.encode(), version, 0)
-            check(f"cuGetProcAddress({symbol})", (res[0],))
-            pfn = int(res[1])
-            if not pfn:
-                raise CudaError(f"cuGetProcAddress({symbol})", 500, "CUDA_ERROR_NOT_FOUND")
-            found.append(pfn)
-        ptrs = _state["memops"] = (found[0], found[1])
-    return ptrs
+        res = driver.cuGetProcAddress(symbol.encode(), version, 0)
+        check(f"cuGetProcAddress({symbol})", (res[0],))
+        pfn = int(res[1])
+        if not pfn:
+            raise CudaError(f"cuGetProcAddress({symbol})", 500, "CUDA_ERROR_NOT_FOUND")
+        cache[symbol] = pfn
+    return int(pfn)
 
 
 def driver_version() -> int:

@@ -17,6 +17,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <string.h>
 
 typedef int (*memop_fn)(void *stream, unsigned long long addr, unsigned int value,
                         unsigned int flags);
@@ -73,8 +74,119 @@ fastpath_memop(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t na
     return PyLong_FromLong(rc);
 }
 
+/*
+ * Several waits in one call: cuStreamBatchMemOp with CU_STREAM_MEM_OP_WAIT_VALUE_32
+ * operations.  The publisher's stream waits on one read flag per subscriber that
+ * read the slot; with fan-out that was one driver call per subscriber per frame.
+ *
+ * CUstreamBatchMemOpParams is a union of 48 bytes (its pad member is
+ * cuuint64_t[6]); for a 32-bit wait its members are, in this order:
+ *     CUstreamBatchMemOpType operation   (a 4-byte enum, then 4 bytes of padding)
+ *     CUdeviceptr address
+ *     union { cuuint32_t value; cuuint64_t value64; }
+ *     unsigned int flags                 (then 4 bytes of padding)
+ *     CUdeviceptr alias                  (driver internal; zero)
+ * The 32-bit value is the union's first bytes: stored as a 64-bit integer with the
+ * high half zero, it reads the same on a little-endian machine (every machine CUDA
+ * supports on Linux).
+ */
+#define CIP_WAIT_VALUE_32 1u  /* CU_STREAM_MEM_OP_WAIT_VALUE_32 */
+#define CIP_MAX_BATCH 255     /* "count must be less than 256" */
+
+typedef struct {
+    unsigned int operation;
+    unsigned int pad0;
+    unsigned long long address;
+    unsigned long long value;
+    unsigned int flags;
+    unsigned int pad1;
+    unsigned long long alias;
+    unsigned long long pad2;
+} cip_batch_op;
+
+_Static_assert(sizeof(cip_batch_op) == 48, "CUstreamBatchMemOpParams is 48 bytes");
+
+typedef int (*batch_fn)(void *stream, unsigned int count, cip_batch_op *ops, unsigned int flags);
+
+PyDoc_STRVAR(wait_all_doc,
+"wait_all(fn, stream, addrs, value, flags) -> int\n"
+"\n"
+"Enqueue on ``stream``, in one call of the driver's ``cuStreamBatchMemOp`` at\n"
+"address ``fn``, a 32-bit wait for ``value`` (modulo 2**32) with ``flags`` at each\n"
+"device address of the tuple or list ``addrs`` (1 to 255 of them), in order;\n"
+"return the driver's CUresult (0 on success).  The GIL is released during the\n"
+"call.  ``fn`` must be such a function pointer: it is called as given.");
+
+static PyObject *
+fastpath_wait_all(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError,
+                     "wait_all(fn, stream, addrs, value, flags) takes 5 arguments (%zd given)",
+                     nargs);
+        return NULL;
+    }
+    void *fn = PyLong_AsVoidPtr(args[0]);
+    if (fn == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "wait_all: the function pointer is NULL");
+        return NULL;
+    }
+    void *stream = PyLong_AsVoidPtr(args[1]);
+    if (stream == NULL && PyErr_Occurred())
+        return NULL;
+    PyObject *addrs = args[2];
+    if (!PyTuple_Check(addrs) && !PyList_Check(addrs)) {
+        PyErr_SetString(PyExc_TypeError, "wait_all: addrs must be a tuple or a list");
+        return NULL;
+    }
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(addrs);
+    if (count < 1 || count > CIP_MAX_BATCH) {
+        PyErr_Format(PyExc_ValueError, "wait_all: %zd addresses; 1 to %d may go in one call",
+                     count, CIP_MAX_BATCH);
+        return NULL;
+    }
+    if (!PyLong_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "wait_all: value must be an int");
+        return NULL;
+    }
+    unsigned long long value = PyLong_AsUnsignedLongLongMask(args[3]);
+    if (value == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    unsigned long flags = PyLong_AsUnsignedLong(args[4]);
+    if (flags == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    if (flags > 0xFFFFFFFFul) {
+        PyErr_SetString(PyExc_OverflowError, "wait_all: flags do not fit in 32 bits");
+        return NULL;
+    }
+    cip_batch_op ops[CIP_MAX_BATCH];
+    PyObject **items = PySequence_Fast_ITEMS(addrs);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (!PyLong_Check(items[i])) {
+            PyErr_Format(PyExc_TypeError, "wait_all: address %zd is not an int", i);
+            return NULL;
+        }
+        unsigned long long addr = PyLong_AsUnsignedLongLong(items[i]);
+        if (addr == (unsigned long long)-1 && PyErr_Occurred())
+            return NULL;
+        cip_batch_op *op = &ops[i];
+        memset(op, 0, sizeof *op);
+        op->operation = CIP_WAIT_VALUE_32;
+        op->address = addr;
+        op->value = value & 0xFFFFFFFFull;
+        op->flags = (unsigned int)flags;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ((batch_fn)fn)(stream, (unsigned int)count, ops, 0u);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(rc);
+}
+
 static PyMethodDef fastpath_methods[] = {
     {"memop", (PyCFunction)(void (*)(void))fastpath_memop, METH_FASTCALL, memop_doc},
+    {"wait_all", (PyCFunction)(void (*)(void))fastpath_wait_all, METH_FASTCALL, wait_all_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -69,6 +69,16 @@ def _count_waits(obj: object, attr: str) -> list[int]:
         return waited
 
     setattr(obj, attr, counted)
+    order_all = getattr(obj, attr + "_all", None)
+    if order_all is not None:  # the publisher's several readers: one batched call
+
+        def counted_all(stream: int, addrs: list[int], value: int) -> int:
+            waited = order_all(stream, addrs, value)
+            counts[0] += len(addrs)
+            counts[1] += waited
+            return waited
+
+        setattr(obj, attr + "_all", counted_all)
     return counts
 
 

@@ -279,6 +279,83 @@ def test_fan_out_to_four_and_late_subscriber(address):
         assert bad == [] and got == 10 and seqs == list(range(n, n + 10))
 
 
+# ------------------------------------------------- one slot, several slow readers
+
+CHECK_SRC = r"""
+extern "C" __global__ void spin_then_check(const unsigned int* a, unsigned long long n,
+                                           unsigned int value, long long cycles,
+                                           unsigned long long* bad) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    for (; i < n; i += (unsigned long long)gridDim.x * blockDim.x)
+        if (a[i] != value) atomicAdd(bad, 1ULL);
+}
+"""
+
+
+def _slow_gpu_reader(address, frames, q):
+    """Per frame: a kernel that spins ~2 ms, then compares the whole frame with its
+    sequence number; the frame is released at once, before that kernel has run."""
+    try:
+        import cupy as cp
+
+        check = cp.RawKernel(CHECK_SRC, "spin_then_check")
+        stream = cp.cuda.Stream(non_blocking=True)
+        bad = cp.zeros(1, dtype=cp.uint64)
+        cycles = cp.int64(int(0.002 * cp.cuda.Device(0).attributes["ClockRate"] * 1000))
+        dummy = cp.zeros(4, dtype=cp.uint32)
+        check((1,), (32,), (dummy, cp.uint64(4), cp.uint32(0), cp.int64(0), bad))  # load it now
+        cp.cuda.Device(0).synchronize()
+        bad.fill(0)
+        with cip.subscribe(address) as sub:
+            q.put(("ready",))
+            for _ in range(frames):
+                frame = sub.recv(timeout=60, stream=stream)
+                (seq,) = SEQ.unpack(frame.metadata)
+                a = frame.array
+                check(
+                    (8,), (256,), (a, cp.uint64(a.size), cp.uint32(seq), cycles, bad), stream=stream
+                )
+                frame.release(stream=stream)
+                del a, frame
+            stream.synchronize()
+        q.put(("done", int(bad.get()[0])))
+    except BaseException:
+        report_exception(q)
+
+
+def test_slot_reuse_waits_for_every_subscribers_gpu_reads(address):
+    """Three subscribers release each frame before their GPU reads of it have run; the
+    producer rewrites the slot a frame later. Its stream must wait on all three read
+    flags (one batched driver call when more than one is still unset), or a reader
+    sees the next frame's values."""
+    n = 40
+    with cip.IpcPool(1, 1 << 16) as pool, cip.Publisher(pool, address) as pub:
+        children = [_start(_slow_gpu_reader, address, n) for _ in range(3)]
+        for _, q in children:
+            assert _get(q)[0] == "ready"
+        _wait_subscribers(pub, 3)
+        batched = []
+        order_all = pub._leases._order_all
+
+        def counting(stream, addrs, value):
+            waited = order_all(stream, addrs, value)
+            batched.append(waited)
+            return waited
+
+        pub._leases._order_all = counting
+        _produce(pub, n)
+        results = [_get(q) for _, q in children]
+        for proc, _ in children:
+            proc.join(30)
+    assert [r[1] for r in results] == [0, 0, 0], "a reader saw a slot rewritten under it"
+    # the readers' kernels were still pending when the slot came round: the producer's
+    # stream waited on several flags in one call (not on host-visible ones only)
+    assert len(batched) == n - 1
+    assert sum(w >= 2 for w in batched) >= (n - 1) // 2, batched
+
+
 # --------------------------------------------------------------- producer death
 
 

@@ -130,6 +130,7 @@ class _PublisherLeases:
         self._published = publisher._published
         self._rows = publisher._rows
         self._order = publisher._sync.order
+        self._order_all = publisher._sync.order_all
         self.closed = False  # set by the publisher's close
         self.lock = threading.RLock()  # serialises the (single-threaded) session core
 
@@ -155,16 +156,20 @@ class _PublisherLeases:
             readers = self._book.readers_to_wait(slot)
         if not readers:
             return
-        # every reader wrote the generation it was sent into its read flag on release
+        # every reader wrote the generation it was sent into its read flag on release;
+        # no GPU wait for a flag the host sees set already (the usual case with one
+        # subscriber: the slot was read a whole ring ago)
         last = self._published[slot]
-        order = self._order
         rows = self._rows
-        for sub_id in readers:
-            row = rows.get(sub_id)
+        if len(readers) == 1:
+            row = rows.get(readers[0])
             if row is not None:
-                # no GPU wait when the host sees the release has landed already (the
-                # usual case: the slot was read a whole ring ago)
-                order(stream, row[1][slot], last)
+                self._order(stream, row[1][slot], last)
+            return
+        # several readers: the flags still unset are waited on in one driver call
+        addrs = [row[1][slot] for row in map(rows.get, readers) if row is not None]
+        if addrs:
+            self._order_all(stream, addrs, last)
 
     def describe(self, slot: int) -> str:
         pub = self._publisher()

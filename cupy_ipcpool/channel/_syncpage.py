@@ -37,6 +37,7 @@ import fcntl
 import mmap
 import os
 import stat
+from collections.abc import Sequence
 
 from .. import _driver
 from .._errors import ProtocolError, UsageError
@@ -47,6 +48,8 @@ _PAGE = mmap.PAGESIZE
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _HALF = 1 << 31
 _MASK = 0xFFFFFFFF
+#: Most operations one cuStreamBatchMemOp takes ("count must be less than 256").
+_MAX_BATCH = 255
 
 
 class FlagLayout:
@@ -174,10 +177,11 @@ class SharedFlags:
         self._fd = -1
 
 
-def _memops() -> tuple[object, int, int, int, int]:
-    """``(_fastpath.memop, write pointer, wait pointer, write flags, wait flags)``."""
+def _memops() -> tuple[object, int, int, int, int, object, int]:
+    """``(_fastpath.memop, write pointer, wait pointer, write flags, wait flags,
+    _fastpath.wait_all, cuStreamBatchMemOp pointer)``."""
     try:
-        from .._fastpath import memop
+        from .._fastpath import memop, wait_all
     except ImportError as exc:
         raise ImportError(
             "cupy_ipcpool._fastpath, the compiled part of cupy_ipcpool, is not built "
@@ -192,6 +196,8 @@ def _memops() -> tuple[object, int, int, int, int]:
         wait_fn,
         int(driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
         int(driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
+        wait_all,
+        _driver.batch_memop_pointer(),
     )
 
 
@@ -217,7 +223,15 @@ class SyncPage:
         self.layout = layout
         self.num_slots = layout.num_slots
         self.max_subscribers = layout.max_subscribers
-        self._memop, self._write_fn, self._wait_fn, self._plain, self._geq = _memops()
+        (
+            self._memop,
+            self._write_fn,
+            self._wait_fn,
+            self._plain,
+            self._geq,
+            self._wait_all,
+            self._batch_fn,
+        ) = _memops()
         driver = _driver.driver_module()
         _driver.use_device(device)
         reg = driver.CU_MEMHOSTREGISTER_PORTABLE | driver.CU_MEMHOSTREGISTER_DEVICEMAP
@@ -313,6 +327,29 @@ class SyncPage:
         if rc:
             _raise("cuStreamWaitValue32", rc)
         return True
+
+    def order_all(self, stream: int, addrs: Sequence[int], value: int) -> int:
+        """:meth:`order` for several flags and one value; return the GPU waits enqueued.
+
+        The flags the host does not see at ``value`` yet are waited on in one
+        ``cuStreamBatchMemOp`` (255 per call), not one driver call each: the
+        publisher's stream waits on the read flag of every subscriber that read
+        the slot it reuses.
+        """
+        words = self._words
+        base = self._base
+        pending = [a for a in addrs if ((words[(a - base) >> 2] - value) & _MASK) >= _HALF]
+        if len(pending) == 1:
+            rc = self._memop(self._wait_fn, stream, pending[0], value, self._geq)  # type: ignore[operator]
+            if rc:
+                _raise("cuStreamWaitValue32", rc)
+        elif pending:
+            for i in range(0, len(pending), _MAX_BATCH):
+                chunk = pending[i : i + _MAX_BATCH]
+                rc = self._wait_all(self._batch_fn, stream, chunk, value, self._geq)  # type: ignore[operator]
+                if rc:
+                    _raise("cuStreamBatchMemOp", rc)
+        return len(pending)
 
     def close(self) -> None:
         """Unregister and unmap (idempotent, never raises).
