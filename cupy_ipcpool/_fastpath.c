@@ -22,6 +22,46 @@
 typedef int (*memop_fn)(void *stream, unsigned long long addr, unsigned int value,
                         unsigned int flags);
 
+/* The arguments every trampoline shares: fn, stream, and (elsewhere in the list)
+ * value and flags.  Each returns 0, or -1 with a Python exception set. */
+static int
+fn_and_stream(PyObject *const *args, const char *name, void **fn, void **stream)
+{
+    *fn = PyLong_AsVoidPtr(args[0]);
+    if (*fn == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "%s: the function pointer is NULL", name);
+        return -1;
+    }
+    *stream = PyLong_AsVoidPtr(args[1]); /* 0 is the legacy default stream */
+    if (*stream == NULL && PyErr_Occurred())
+        return -1;
+    return 0;
+}
+
+static int
+value_and_flags(PyObject *value_obj, PyObject *flags_obj, const char *name,
+                unsigned int *value, unsigned int *flags)
+{
+    if (!PyLong_Check(value_obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: value must be an int", name);
+        return -1;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLongMask(value_obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    unsigned long f = PyLong_AsUnsignedLong(flags_obj);
+    if (f == (unsigned long)-1 && PyErr_Occurred())
+        return -1;
+    if (f > 0xFFFFFFFFul) {
+        PyErr_Format(PyExc_OverflowError, "%s: flags do not fit in 32 bits", name);
+        return -1;
+    }
+    *value = (unsigned int)(v & 0xFFFFFFFFull);
+    *flags = (unsigned int)f;
+    return 0;
+}
+
 PyDoc_STRVAR(memop_doc,
 "memop(fn, stream, addr, value, flags) -> int\n"
 "\n"
@@ -41,35 +81,18 @@ fastpath_memop(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t na
                      nargs);
         return NULL;
     }
-    void *fn = PyLong_AsVoidPtr(args[0]);
-    if (fn == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "memop: the function pointer is NULL");
-        return NULL;
-    }
-    void *stream = PyLong_AsVoidPtr(args[1]); /* 0 is the legacy default stream */
-    if (stream == NULL && PyErr_Occurred())
+    void *fn, *stream;
+    if (fn_and_stream(args, "memop", &fn, &stream) < 0)
         return NULL;
     unsigned long long addr = PyLong_AsUnsignedLongLong(args[2]);
     if (addr == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
-    if (!PyLong_Check(args[3])) {
-        PyErr_SetString(PyExc_TypeError, "memop: value must be an int");
+    unsigned int value, flags;
+    if (value_and_flags(args[3], args[4], "memop", &value, &flags) < 0)
         return NULL;
-    }
-    unsigned long long value = PyLong_AsUnsignedLongLongMask(args[3]);
-    if (value == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
-    unsigned long flags = PyLong_AsUnsignedLong(args[4]);
-    if (flags == (unsigned long)-1 && PyErr_Occurred())
-        return NULL;
-    if (flags > 0xFFFFFFFFul) {
-        PyErr_SetString(PyExc_OverflowError, "memop: flags do not fit in 32 bits");
-        return NULL;
-    }
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = ((memop_fn)fn)(stream, addr, (unsigned int)(value & 0xFFFFFFFFull), (unsigned int)flags);
+    rc = ((memop_fn)fn)(stream, addr, value, flags);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(rc);
 }
@@ -126,14 +149,8 @@ fastpath_wait_all(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t
                      nargs);
         return NULL;
     }
-    void *fn = PyLong_AsVoidPtr(args[0]);
-    if (fn == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "wait_all: the function pointer is NULL");
-        return NULL;
-    }
-    void *stream = PyLong_AsVoidPtr(args[1]);
-    if (stream == NULL && PyErr_Occurred())
+    void *fn, *stream;
+    if (fn_and_stream(args, "wait_all", &fn, &stream) < 0)
         return NULL;
     PyObject *addrs = args[2];
     if (!PyTuple_Check(addrs) && !PyList_Check(addrs)) {
@@ -146,20 +163,9 @@ fastpath_wait_all(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t
                      count, CIP_MAX_BATCH);
         return NULL;
     }
-    if (!PyLong_Check(args[3])) {
-        PyErr_SetString(PyExc_TypeError, "wait_all: value must be an int");
+    unsigned int value, flags;
+    if (value_and_flags(args[3], args[4], "wait_all", &value, &flags) < 0)
         return NULL;
-    }
-    unsigned long long value = PyLong_AsUnsignedLongLongMask(args[3]);
-    if (value == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
-    unsigned long flags = PyLong_AsUnsignedLong(args[4]);
-    if (flags == (unsigned long)-1 && PyErr_Occurred())
-        return NULL;
-    if (flags > 0xFFFFFFFFul) {
-        PyErr_SetString(PyExc_OverflowError, "wait_all: flags do not fit in 32 bits");
-        return NULL;
-    }
     cip_batch_op ops[CIP_MAX_BATCH];
     PyObject **items = PySequence_Fast_ITEMS(addrs);
     for (Py_ssize_t i = 0; i < count; i++) {
@@ -174,8 +180,8 @@ fastpath_wait_all(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t
         memset(op, 0, sizeof *op);
         op->operation = CIP_WAIT_VALUE_32;
         op->address = addr;
-        op->value = value & 0xFFFFFFFFull;
-        op->flags = (unsigned int)flags;
+        op->value = value;
+        op->flags = flags;
     }
     int rc;
     Py_BEGIN_ALLOW_THREADS
