@@ -161,3 +161,72 @@ def test_import_refuses_a_size_that_does_not_fit_the_layout_before_mapping() -> 
             SyncPage.import_fd(fd, layout.nbytes * 2, 4, 2, 0)
     finally:
         os.close(fd)
+
+
+# ------------------------------------------ order_all: which flags go to the GPU, and how
+def _page_calling_recorders(flags: SharedFlags, wait: object, batch: object) -> SyncPage:
+    """A SyncPage over ``flags`` whose driver entry points are the ctypes recorders.
+
+    The page is not registered with CUDA (there is no GPU here): what is tested
+    is the host's choice of the flags still to wait for and the calls made
+    through the real ``_fastpath`` trampolines, not the driver's waits (those
+    run in ``tests/test_channel_gpu.py``).
+    """
+    from cupy_ipcpool._fastpath import memop, wait_all
+
+    page = object.__new__(SyncPage)
+    page.flags = flags
+    page._words = flags.words
+    page._base = 0x7F00_0000_0000  # stands for the page's device address
+    page._memop, page._wait_fn, page._geq = memop, wait.address, 1  # type: ignore[attr-defined]
+    page._wait_all, page._batch_fn = wait_all, batch.address  # type: ignore[attr-defined]
+    return page
+
+
+def test_order_all_waits_only_for_unset_flags_in_one_batched_call() -> None:
+    from tests.test_fastpath_cpu import _BatchRecorder, _Recorder
+
+    flags = SharedFlags.create(4096)
+    try:
+        wait, batch = _Recorder(), _BatchRecorder()
+        page = _page_calling_recorders(flags, wait, batch)
+        base = page._base
+        for off in (0, 8, 16, 24):
+            flags.store(off, 5)
+        flags.store(8, 7)  # reached already: no wait
+        addrs = [base + off for off in (0, 8, 16, 24)]
+        assert page.order_all(0xABC, addrs, 7) == 3
+        assert wait.calls == []
+        ((stream, _, ops),) = batch.calls
+        assert stream == 0xABC
+        assert [(op[1], op[2], op[3]) for op in ops] == [
+            (base, 7, 1),
+            (base + 16, 7, 1),
+            (base + 24, 7, 1),
+        ]
+        # one flag left unset: the single wait, not a batch of one
+        flags.store(0, 7)
+        flags.store(16, 7)
+        assert page.order_all(0xABC, addrs, 7) == 1
+        assert wait.calls == [(0xABC, base + 24, 7, 1)] and len(batch.calls) == 1
+        # all set (the value is compared modulo 2**32): no driver call at all
+        flags.store(24, 7)
+        assert page.order_all(0xABC, addrs, (1 << 32) + 7) == 0
+        assert len(wait.calls) == 1 and len(batch.calls) == 1
+    finally:
+        flags.close()
+
+
+def test_order_all_splits_more_than_255_waits() -> None:
+    from tests.test_fastpath_cpu import _BatchRecorder, _Recorder
+
+    flags = SharedFlags.create(4096)
+    try:
+        wait, batch = _Recorder(), _BatchRecorder()
+        page = _page_calling_recorders(flags, wait, batch)
+        addrs = [page._base + 4 * i for i in range(600)]
+        assert page.order_all(1, addrs, 1) == 600
+        assert [len(ops) for _, _, ops in batch.calls] == [255, 255, 90]
+        assert [op[1] for _, _, ops in batch.calls for op in ops] == addrs  # in order
+    finally:
+        flags.close()
