@@ -1107,3 +1107,31 @@ def test_paired_target_not_available_when_a_pass_failed():
         r for r in report.evaluate_targets([], paired=paired) if r.target is report.PAIRED_TARGET
     ]
     assert t.status == "n/a" and t.ratio is None and t.note == "skipped: cupy_ipcpool: no cupy"
+
+
+def test_run_paired_alternates_the_lanes_and_pairs_each_pass(monkeypatch):
+    """The orchestration, with the lane runs replaced by a recorder (no processes, no GPU)."""
+    order = []
+
+    def fake_run_lane(lane, cfg):
+        order.append(lane.name)
+        assert cfg.schedule == bench.PAIRED_SCHEDULE and cfg.device == 3
+        pass_no = sum(name == lane.name for name in order) - 1
+        base = 100.0 if lane.name == "cupy_ipcpool" else 80.0
+        return [_pass(lane.name, nbytes // MiB, [base + 10 * pass_no]) for nbytes in cfg.sizes]
+
+    monkeypatch.setattr(bench, "run_lane", fake_run_lane)
+    lines = []
+    rows = bench.run_paired(3, (1, 64), passes=3, progress=lines.append)
+    assert order == [
+        "cupy_ipcpool",
+        "socket_gpu_floor",
+        "socket_gpu_floor",
+        "cupy_ipcpool",
+        "cupy_ipcpool",
+        "socket_gpu_floor",
+    ]
+    assert [r["nbytes"] for r in rows] == [MiB, 64 * MiB]
+    assert rows[0]["pass_p50_us"] == [[100.0, 80.0], [110.0, 90.0], [120.0, 100.0]]
+    assert rows[0]["ratio_median"] == pytest.approx(110 / 90)
+    assert len(lines) == 12 and lines[0].startswith("[bench] pass 1/3 cupy_ipcpool")
