@@ -58,7 +58,8 @@ def _summary(steps: dict[str, list[int]]) -> dict[str, tuple[float, float]]:
 
 
 def _count_waits(obj: object, attr: str) -> list[int]:
-    """Wrap ``obj.attr`` (a bound ``SyncPage.order``): count its calls and the GPU waits."""
+    """Wrap ``obj.attr`` (a bound ``SyncPage.order``, or ``order_all`` when ``attr``
+    ends so): count the flags it was given and the GPU waits it enqueued."""
     counts = [0, 0]
     order = getattr(obj, attr)
 
@@ -68,17 +69,13 @@ def _count_waits(obj: object, attr: str) -> list[int]:
         counts[1] += waited
         return waited
 
-    setattr(obj, attr, counted)
-    order_all = getattr(obj, attr + "_all", None)
-    if order_all is not None:  # the publisher's several readers: one batched call
+    def counted_all(stream: int, addrs: list[int], value: int) -> int:
+        waited = order(stream, addrs, value)
+        counts[0] += len(addrs)
+        counts[1] += waited
+        return waited
 
-        def counted_all(stream: int, addrs: list[int], value: int) -> int:
-            waited = order_all(stream, addrs, value)
-            counts[0] += len(addrs)
-            counts[1] += waited
-            return waited
-
-        setattr(obj, attr + "_all", counted_all)
+    setattr(obj, attr, counted_all if attr.endswith("_all") else counted)
     return counts
 
 
@@ -143,7 +140,7 @@ def _run(
     prof = cProfile.Profile() if profile else None
     slots = 4 if mode == "rt" else 8
     with cip.IpcPool(slots, mib * MiB) as pool, cip.Publisher(pool, address, spin_us=spin) as pub:
-        waits = _count_waits(pub._leases, "_order")  # what order_write calls
+        waits = _count_waits(pub._leases, "_order_all")  # what order_write calls
         procs = [
             SPAWN.Process(target=_consumer, args=(address, frames, profile, q, spin))
             for _ in range(consumers)

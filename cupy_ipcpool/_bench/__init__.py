@@ -487,7 +487,8 @@ def run_paired(
         for lane in (first, second) if i % 2 == 0 else (second, first):
             for m in run_lane(lane, cfg):
                 per_pass[lane.name].setdefault(m.nbytes, []).append(m)
-                progress(f"[bench] pass {i + 1}/{passes} " + report.progress_line(m)[8:])
+                line = report.progress_line(m).removeprefix("[bench] ")
+                progress(f"[bench] pass {i + 1}/{passes} {line}")
     return report.paired_rows(per_pass, first.name, second.name, sizes)
 
 

@@ -129,7 +129,6 @@ class _PublisherLeases:
         # the publisher's per-frame state, shared (not copied): what order_write needs
         self._published = publisher._published
         self._rows = publisher._rows
-        self._order = publisher._sync.order
         self._order_all = publisher._sync.order_all
         self.closed = False  # set by the publisher's close
         self.lock = threading.RLock()  # serialises the (single-threaded) session core
@@ -157,19 +156,11 @@ class _PublisherLeases:
         if not readers:
             return
         # every reader wrote the generation it was sent into its read flag on release;
-        # no GPU wait for a flag the host sees set already (the usual case with one
+        # order_all skips the flags the host sees set already (the usual case with one
         # subscriber: the slot was read a whole ring ago)
-        last = self._published[slot]
-        rows = self._rows
-        if len(readers) == 1:
-            row = rows.get(readers[0])
-            if row is not None:
-                self._order(stream, row[1][slot], last)
-            return
-        # several readers: the flags still unset are waited on in one driver call
-        addrs = [row[1][slot] for row in map(rows.get, readers) if row is not None]
+        addrs = [row[1][slot] for row in map(self._rows.get, readers) if row is not None]
         if addrs:
-            self._order_all(stream, addrs, last)
+            self._order_all(stream, addrs, self._published[slot])
 
     def describe(self, slot: int) -> str:
         pub = self._publisher()

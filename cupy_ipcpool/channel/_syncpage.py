@@ -331,18 +331,17 @@ class SyncPage:
     def order_all(self, stream: int, addrs: Sequence[int], value: int) -> int:
         """:meth:`order` for several flags and one value; return the GPU waits enqueued.
 
-        The flags the host does not see at ``value`` yet are waited on in one
-        ``cuStreamBatchMemOp`` (255 per call), not one driver call each: the
-        publisher's stream waits on the read flag of every subscriber that read
-        the slot it reuses.
+        The flags the host does not see at ``value`` yet are waited on with one
+        :meth:`wait` when there is one, else in one ``cuStreamBatchMemOp`` (255
+        per call), not one driver call each: the publisher's stream waits on the
+        read flag of every subscriber that read the slot it reuses.
         """
         words = self._words
         base = self._base
+        # the host's look of order(), per flag
         pending = [a for a in addrs if ((words[(a - base) >> 2] - value) & _MASK) >= _HALF]
         if len(pending) == 1:
-            rc = self._memop(self._wait_fn, stream, pending[0], value, self._geq)  # type: ignore[operator]
-            if rc:
-                _raise("cuStreamWaitValue32", rc)
+            self.wait(stream, pending[0], value)
         elif pending:
             for i in range(0, len(pending), _MAX_BATCH):
                 chunk = pending[i : i + _MAX_BATCH]
