@@ -14,10 +14,21 @@
  *     CUresult fn(CUstream, CUdeviceptr, cuuint32_t, unsigned int)
  * which on every platform CUDA supports is
  *     int fn(void *, unsigned long long, unsigned int, unsigned int).
+ *
+ * The second half (recv_frame, release_frame) is the channel subscriber's
+ * per-frame socket work: the wait and receive of a FRAME with its header
+ * checked, and the release (hang-up check, read-flag write, RELEASE datagram),
+ * each one call instead of several Python layers.  It knows the two fixed
+ * message layouts of cupy_ipcpool.channel._protocol (PROTOCOL below; the
+ * session layer refuses to import a build whose constants differ).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
+#include <poll.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <time.h>
 
 typedef int (*memop_fn)(void *stream, unsigned long long addr, unsigned int value,
                         unsigned int flags);
@@ -190,19 +201,438 @@ fastpath_wait_all(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t
     return PyLong_FromLong(rc);
 }
 
+/* ------------------------------------------------------------------------ */
+/* The subscriber's per-frame socket work                                    */
+/* ------------------------------------------------------------------------ */
+
+/* cupy_ipcpool.channel._protocol: header "<HBB" (magic, version, type), FRAME
+ * "<HBBQII" (+ seq, slot, payload length, then the payload), RELEASE "<HBBQI". */
+#define CIP_MAGIC 0x4950u
+#define CIP_VERSION 2u
+#define CIP_FRAME 4u
+#define CIP_RELEASE 5u
+#define CIP_FRAME_HEAD 20
+#define CIP_RELEASE_SIZE 16
+#define CIP_MAX_FRAME_PAYLOAD (64u * 1024u)
+#define CIP_MAX_POLLFDS 16
+
+static unsigned long long
+le64(const unsigned char *p)
+{
+    unsigned long long v = 0;
+    for (int i = 7; i >= 0; i--)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+static unsigned int
+le32(const unsigned char *p)
+{
+    return (unsigned int)p[0] | ((unsigned int)p[1] << 8) | ((unsigned int)p[2] << 16) |
+           ((unsigned int)p[3] << 24);
+}
+
+static int
+as_fd(PyObject *obj, const char *name)
+{
+    long fd = PyLong_AsLong(obj);
+    if (fd == -1 && PyErr_Occurred())
+        return -1;
+    if (fd < 0 || fd > 0x7FFFFFFFL) {
+        PyErr_Format(PyExc_ValueError, "%s: fd %ld out of range", name, fd);
+        return -1;
+    }
+    return (int)fd;
+}
+
+/* A pollfd set made by pollfds(): copied (poll writes revents), count returned. */
+static int
+load_pollfds(PyObject *obj, struct pollfd *out, nfds_t *count, const char *name)
+{
+    if (!PyBytes_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: the poll set must be bytes from pollfds()", name);
+        return -1;
+    }
+    Py_ssize_t len = PyBytes_GET_SIZE(obj);
+    if (len % (Py_ssize_t)sizeof(struct pollfd) != 0 ||
+        len > (Py_ssize_t)(CIP_MAX_POLLFDS * sizeof(struct pollfd))) {
+        PyErr_Format(PyExc_ValueError, "%s: the poll set is not from pollfds() (%zd bytes)", name,
+                     len);
+        return -1;
+    }
+    memcpy(out, PyBytes_AS_STRING(obj), (size_t)len);
+    *count = (nfds_t)(len / (Py_ssize_t)sizeof(struct pollfd));
+    for (nfds_t i = 0; i < *count; i++)
+        out[i].revents = 0;
+    return 0;
+}
+
+/* poll(0) of a set: 1 if any fd reported an event, 0 if none, -1 with an exception. */
+static int
+any_ready(struct pollfd *fds, nfds_t count)
+{
+    if (count == 0)
+        return 0;
+    for (;;) {
+        int r = poll(fds, count, 0);
+        if (r >= 0)
+            return r > 0;
+        if (errno != EINTR) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            return -1;
+        }
+        if (PyErr_CheckSignals() < 0)
+            return -1;
+    }
+}
+
+PyDoc_STRVAR(pollfds_doc,
+"pollfds(pairs) -> bytes\n"
+"\n"
+"Pack ``(fd, events)`` pairs (at most 16) as the ``struct pollfd`` array that\n"
+"``recv_frame`` and ``release_frame`` poll without waiting.");
+
+static PyObject *
+fastpath_pollfds(PyObject *Py_UNUSED(module), PyObject *pairs)
+{
+    PyObject *seq = PySequence_Fast(pairs, "pollfds: pairs must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > CIP_MAX_POLLFDS) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "pollfds: %zd fds; at most %d", n, CIP_MAX_POLLFDS);
+        return NULL;
+    }
+    struct pollfd fds[CIP_MAX_POLLFDS];
+    memset(fds, 0, sizeof fds);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int fd;
+        short events;
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyArg_ParseTuple(item, "ih;pollfds: each pair is (fd, events)", &fd, &events)) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        if (fd < 0) {
+            Py_DECREF(seq);
+            PyErr_Format(PyExc_ValueError, "pollfds: fd %d is negative", fd);
+            return NULL;
+        }
+        fds[i].fd = fd;
+        fds[i].events = events;
+    }
+    Py_DECREF(seq);
+    return PyBytes_FromStringAndSize((const char *)fds, (Py_ssize_t)(n * (Py_ssize_t)sizeof fds[0]));
+}
+
+static long long
+now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+PyDoc_STRVAR(recv_frame_doc,
+"recv_frame(fd, buf, timeout_ms, poll_first, hup) -> tuple | None\n"
+"\n"
+"Receive one datagram from the ``SOCK_SEQPACKET`` socket ``fd`` into the\n"
+"bytearray ``buf``, waiting up to ``timeout_ms`` milliseconds (-1: without\n"
+"limit, 0: not at all).  ``poll_first``: wait before the first attempt (the\n"
+"last call had to wait).  Returns None when nothing came in time, else\n"
+"``(n, seq, slot, waited)``: ``n`` bytes received (0: the peer closed);\n"
+"``seq`` and ``slot`` of a well-formed FRAME (magic, version, type, payload\n"
+"length that adds up, payload at ``buf[20:n]``) when no fd of the hang-up\n"
+"set ``hup`` (from ``pollfds``) is ready, else ``seq`` is -1 and the caller\n"
+"decodes ``buf[:n]`` itself; ``waited``: whether it had to wait.  The\n"
+"hang-up set is looked at by the wait that ends when the datagram is there\n"
+"(``poll`` of the socket and the set together), or by a ``poll(0)`` after a\n"
+"receive that did not wait.  A failed receive raises the ``OSError`` of its\n"
+"errno.  The GIL is released while it waits and receives.");
+
+static PyObject *
+fastpath_recv_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError,
+                     "recv_frame(fd, buf, timeout_ms, poll_first, hup) takes 5 arguments "
+                     "(%zd given)",
+                     nargs);
+        return NULL;
+    }
+    int fd = as_fd(args[0], "recv_frame");
+    if (fd < 0)
+        return NULL;
+    if (!PyByteArray_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "recv_frame: buf must be a bytearray");
+        return NULL;
+    }
+    long timeout_ms = PyLong_AsLong(args[2]);
+    if (timeout_ms == -1 && PyErr_Occurred())
+        return NULL;
+    if (timeout_ms < -1) {
+        PyErr_Format(PyExc_ValueError, "recv_frame: timeout_ms %ld (-1 waits without limit)",
+                     timeout_ms);
+        return NULL;
+    }
+    int poll_first = PyObject_IsTrue(args[3]);
+    if (poll_first < 0)
+        return NULL;
+    struct pollfd hup[CIP_MAX_POLLFDS];
+    nfds_t nhup;
+    if (load_pollfds(args[4], hup, &nhup, "recv_frame") < 0)
+        return NULL;
+    PyObject *bufobj = args[1];
+    Py_INCREF(bufobj); /* held while the GIL is released */
+    char *buf = PyByteArray_AS_STRING(bufobj);
+    size_t size = (size_t)PyByteArray_GET_SIZE(bufobj);
+    long long deadline = timeout_ms > 0 ? now_ns() + (long long)timeout_ms * 1000000LL : 0;
+    /* the hang-up set's events for the socket itself (POLLRDHUP), if it is in the set */
+    short hup_events = 0;
+    for (nfds_t i = 0; i < nhup; i++)
+        if (hup[i].fd == fd)
+            hup_events = hup[i].events;
+    struct pollfd wait[CIP_MAX_POLLFDS + 1];
+    enum { HUP_UNKNOWN, HUP_CLEAR, HUP_FIRED } hup_state = HUP_UNKNOWN;
+    int waited = 0;
+    ssize_t n = -1;
+    int err = 0;
+    for (;;) {
+        if (!poll_first) {
+            Py_BEGIN_ALLOW_THREADS
+            n = recv(fd, buf, size, MSG_DONTWAIT);
+            err = errno;
+            Py_END_ALLOW_THREADS
+            if (n >= 0)
+                break;
+            if (err == EINTR) {
+                if (PyErr_CheckSignals() < 0)
+                    goto fail;
+                continue;
+            }
+            if (err != EAGAIN && err != EWOULDBLOCK) {
+                errno = err;
+                PyErr_SetFromErrno(PyExc_OSError);
+                goto fail;
+            }
+        }
+        poll_first = 0;
+        if (timeout_ms == 0)
+            goto none;
+        int wait_ms = -1;
+        if (timeout_ms > 0) {
+            long long left = deadline - now_ns();
+            if (left <= 0)
+                goto none;
+            wait_ms = (int)((left + 999999LL) / 1000000LL);
+        }
+        /* The wait watches the hang-up set too: what it reports when it wakes up
+         * stands for the poll(0) after the receive.  Once something in the set has
+         * fired it is left out (it would stay ready), and the caller decodes. */
+        nfds_t nw = 0;
+        if (hup_state != HUP_FIRED) {
+            memcpy(wait, hup, nhup * sizeof wait[0]);
+            nw = nhup;
+        }
+        nfds_t self = nw;
+        for (nfds_t i = 0; i < nw; i++)
+            if (wait[i].fd == fd)
+                self = i;
+        if (self == nw) {
+            wait[nw].fd = fd;
+            wait[nw].events = 0;
+            nw++;
+        }
+        wait[self].events |= POLLIN;
+        for (nfds_t i = 0; i < nw; i++)
+            wait[i].revents = 0;
+        int r;
+        waited = 1;
+        Py_BEGIN_ALLOW_THREADS
+        r = poll(wait, nw, wait_ms);
+        err = errno;
+        Py_END_ALLOW_THREADS
+        if (r < 0) {
+            if (err != EINTR) {
+                errno = err;
+                PyErr_SetFromErrno(PyExc_OSError);
+                goto fail;
+            }
+            if (PyErr_CheckSignals() < 0)
+                goto fail;
+            continue;
+        }
+        if (r > 0 && hup_state != HUP_FIRED) {
+            hup_state = HUP_CLEAR;
+            for (nfds_t i = 0; i < nw; i++) {
+                short ev = wait[i].revents;
+                if (i == self)
+                    ev &= (short)~POLLIN;
+                if (i == self)
+                    ev &= (short)(hup_events | POLLHUP | POLLERR | POLLNVAL);
+                if (ev)
+                    hup_state = HUP_FIRED;
+            }
+        }
+    }
+    long long seq = -1;
+    unsigned int slot = 0;
+    const unsigned char *p = (const unsigned char *)buf;
+    if (n >= CIP_FRAME_HEAD && (size_t)n <= size && p[0] == (CIP_MAGIC & 0xFF) &&
+        p[1] == (CIP_MAGIC >> 8) && p[2] == CIP_VERSION && p[3] == CIP_FRAME) {
+        unsigned int length = le32(p + 16);
+        if (length <= CIP_MAX_FRAME_PAYLOAD && (size_t)n == CIP_FRAME_HEAD + (size_t)length) {
+            int ready = hup_state == HUP_FIRED;
+            if (hup_state == HUP_UNKNOWN) {
+                ready = any_ready(hup, nhup);
+                if (ready < 0)
+                    goto fail;
+            }
+            if (!ready) {
+                unsigned long long s = le64(p + 4);
+                slot = le32(p + 12);
+                Py_DECREF(bufobj);
+                return Py_BuildValue("(nKIO)", (Py_ssize_t)n, s, slot,
+                                     waited ? Py_True : Py_False);
+            }
+        }
+    }
+    Py_DECREF(bufobj);
+    return Py_BuildValue("(nLIO)", (Py_ssize_t)n, seq, slot, waited ? Py_True : Py_False);
+none:
+    Py_DECREF(bufobj);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(bufobj);
+    return NULL;
+}
+
+PyDoc_STRVAR(release_frame_doc,
+"release_frame(fd, hup, fn, stream, addr, value, flags, seq, slot) -> int\n"
+"\n"
+"A subscriber's release of frame ``(seq, slot)``: unless an fd of the poll\n"
+"set ``hup`` is ready (then -1 is returned and nothing done), enqueue the\n"
+"stream memory operation ``fn(stream, addr, value, flags)`` (the read-flag\n"
+"write, as ``memop``); if the driver fails, return its CUresult and send\n"
+"nothing; else send the RELEASE datagram on ``fd`` without waiting and\n"
+"return 0.  A failed send (the operation was enqueued) raises the\n"
+"``OSError`` of its errno (``BlockingIOError``: the socket is full).  The\n"
+"GIL is released during the driver call.");
+
+static PyObject *
+fastpath_release_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9) {
+        PyErr_Format(PyExc_TypeError,
+                     "release_frame(fd, hup, fn, stream, addr, value, flags, seq, slot) takes 9 "
+                     "arguments (%zd given)",
+                     nargs);
+        return NULL;
+    }
+    int fd = as_fd(args[0], "release_frame");
+    if (fd < 0)
+        return NULL;
+    struct pollfd hup[CIP_MAX_POLLFDS];
+    nfds_t nhup;
+    if (load_pollfds(args[1], hup, &nhup, "release_frame") < 0)
+        return NULL;
+    void *fn, *stream;
+    if (fn_and_stream(args + 2, "release_frame", &fn, &stream) < 0)
+        return NULL;
+    unsigned long long addr = PyLong_AsUnsignedLongLong(args[4]);
+    if (addr == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    unsigned int value, flags;
+    if (value_and_flags(args[5], args[6], "release_frame", &value, &flags) < 0)
+        return NULL;
+    unsigned long long seq = PyLong_AsUnsignedLongLong(args[7]);
+    if (seq == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    unsigned long slot = PyLong_AsUnsignedLong(args[8]);
+    if (slot == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    if (slot > 0xFFFFFFFFul) {
+        PyErr_SetString(PyExc_OverflowError, "release_frame: slot does not fit in 32 bits");
+        return NULL;
+    }
+    int ready = any_ready(hup, nhup);
+    if (ready < 0)
+        return NULL;
+    if (ready)
+        return PyLong_FromLong(-1);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ((memop_fn)fn)(stream, addr, value, flags);
+    Py_END_ALLOW_THREADS
+    if (rc != 0)
+        return PyLong_FromLong(rc);
+    unsigned char msg[CIP_RELEASE_SIZE];
+    msg[0] = CIP_MAGIC & 0xFF;
+    msg[1] = CIP_MAGIC >> 8;
+    msg[2] = CIP_VERSION;
+    msg[3] = CIP_RELEASE;
+    for (int i = 0; i < 8; i++)
+        msg[4 + i] = (unsigned char)(seq >> (8 * i));
+    for (int i = 0; i < 4; i++)
+        msg[12 + i] = (unsigned char)(slot >> (8 * i));
+    for (;;) {
+        ssize_t sent = send(fd, msg, sizeof msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (sent == (ssize_t)sizeof msg)
+            return PyLong_FromLong(0);
+        if (sent >= 0) { /* a datagram goes whole or not at all */
+            PyErr_SetString(PyExc_OSError, "release_frame: RELEASE sent in part");
+            return NULL;
+        }
+        if (errno == EINTR) {
+            if (PyErr_CheckSignals() < 0)
+                return NULL;
+            continue;
+        }
+        PyErr_SetFromErrno(PyExc_OSError);
+        return NULL;
+    }
+}
+
 static PyMethodDef fastpath_methods[] = {
     {"memop", (PyCFunction)(void (*)(void))fastpath_memop, METH_FASTCALL, memop_doc},
     {"wait_all", (PyCFunction)(void (*)(void))fastpath_wait_all, METH_FASTCALL, wait_all_doc},
+    {"pollfds", (PyCFunction)fastpath_pollfds, METH_O, pollfds_doc},
+    {"recv_frame", (PyCFunction)(void (*)(void))fastpath_recv_frame, METH_FASTCALL,
+     recv_frame_doc},
+    {"release_frame", (PyCFunction)(void (*)(void))fastpath_release_frame, METH_FASTCALL,
+     release_frame_doc},
     {NULL, NULL, 0, NULL},
+};
+
+static int
+fastpath_exec(PyObject *module)
+{
+    /* what recv_frame and release_frame take the protocol to be */
+    PyObject *protocol =
+        Py_BuildValue("(IIIIiiI)", CIP_MAGIC, CIP_VERSION, CIP_FRAME, CIP_RELEASE, CIP_FRAME_HEAD,
+                      CIP_RELEASE_SIZE, CIP_MAX_FRAME_PAYLOAD);
+    if (protocol == NULL)
+        return -1;
+    if (PyModule_AddObject(module, "PROTOCOL", protocol) < 0) {
+        Py_DECREF(protocol);
+        return -1;
+    }
+    return 0;
+}
+
+static PyModuleDef_Slot fastpath_slots[] = {
+    {Py_mod_exec, fastpath_exec},
+    {0, NULL},
 };
 
 static struct PyModuleDef fastpath_module = {
     PyModuleDef_HEAD_INIT,
     "cupy_ipcpool._fastpath",
-    "The per-frame driver calls of cupy_ipcpool, compiled (see docs/performance.md).",
+    "The per-frame driver and socket calls of cupy_ipcpool, compiled (see docs/performance.md).",
     0,
     fastpath_methods,
-    NULL,
+    fastpath_slots,
     NULL,
     NULL,
     NULL,

@@ -73,7 +73,8 @@ PRODUCER = [
 CONSUMER = [
     ("cupy_ipcpool.channel._subscriber", "Subscriber.recv"),
     ("cupy_ipcpool._peer", "PeerPool.drop_idle_owners"),
-    ("cupy_ipcpool.channel._session", "SubscriberCore.recv"),
+    ("cupy_ipcpool.channel._session", "SubscriberCore.recv_view"),
+    ("cupy_ipcpool.channel._session", "recv_frame"),
     ("cupy_ipcpool.channel._session", "SubscriberCore._accept"),
     ("cupy_ipcpool.channel._protocol", "decode"),
     ("cupy_ipcpool._peer", "PeerPool.pin"),
@@ -86,10 +87,8 @@ CONSUMER = [
     ("cupy_ipcpool.channel._subscriber", "Frame.release"),
     ("cupy_ipcpool.channel._subscriber", "_Lease.release"),
     ("cupy_ipcpool.channel._subscriber", "Subscriber._release"),
-    ("cupy_ipcpool.channel._syncpage", "SyncPage.write"),
-    ("cupy_ipcpool.channel._session", "SubscriberCore.connected"),
-    ("cupy_ipcpool.channel._session", "SubscriberCore.release"),
-    ("cupy_ipcpool.channel._protocol", "encode_release"),
+    ("cupy_ipcpool.channel._session", "SubscriberCore.release_with_write"),
+    ("cupy_ipcpool.channel._session", "release_frame"),
 ]
 
 

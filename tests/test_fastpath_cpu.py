@@ -14,24 +14,9 @@ import threading
 import time
 
 import pytest
+from _memop_recorder import MemopRecorder as _Recorder
 
 from cupy_ipcpool._fastpath import memop, wait_all
-
-_PROTO = ctypes.CFUNCTYPE(
-    ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint
-)
-
-
-class _Recorder:
-    def __init__(self, result: int = 0) -> None:
-        self.calls: list[tuple[int | None, int, int, int]] = []
-        self.result = result
-        self.fn = _PROTO(self._call)
-        self.address = ctypes.cast(self.fn, ctypes.c_void_p).value or 0
-
-    def _call(self, stream: int | None, addr: int, value: int, flags: int) -> int:
-        self.calls.append((stream, addr, value, flags))
-        return self.result
 
 
 def test_arguments_reach_the_function_and_its_result_comes_back() -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 from _memfd_backend import MemfdConsumer, MemfdSlots
+from _memop_recorder import MemopRecorder
 
 from cupy_ipcpool._errors import (
     ChannelTimeoutError,
@@ -32,6 +33,7 @@ from cupy_ipcpool._errors import (
     IpcPoolError,
     LeaseStateError,
     PeerRefusedError,
+    ProtocolError,
     TransportError,
 )
 from cupy_ipcpool._transport import FdServer, bind_unix, fetch_fds, fetch_fds_over_socket
@@ -704,6 +706,124 @@ def test_connected_turns_false_on_a_clean_close_and_keeps_queued_frames(tmp_path
         with pytest.raises(EndOfStream) as info:
             sub.recv(timeout=1)
         assert info.value.clean
+
+
+# -- 4b: the subscriber's compiled release (read-flag write + RELEASE in one call) ----------
+
+
+def _one_frame(core: PublisherCore, sub: SubscriberCore) -> tuple[int, int]:
+    slot, _ = core.acquire(1.0)
+    core.publish(slot, b"meta")
+    seq, got_slot, payload = sub.recv_view(timeout=5)
+    assert (got_slot, bytes(payload)) == (slot, b"meta")
+    return seq, slot
+
+
+def _write_args(rec: MemopRecorder) -> tuple[int, int, int, int, int]:
+    return rec.address, 0x5000, 0x7000_0040, 17, 0  # fn, stream, flag address, value, flags
+
+
+@pytest.mark.timeout(60)
+def test_release_with_write_writes_once_and_returns_the_lease(tmp_path: Any) -> None:
+    address = str(tmp_path / "chan.sock")
+    rec = MemopRecorder()
+    with _memfd_channel(address, 4) as (core, _slots), SubscriberCore(address, timeout=5) as sub:
+        _until_subscribed(core)
+        seq, slot = _one_frame(core, sub)
+        assert sub.held == {seq: slot} and core.lease_book.lease_count(slot) == 1
+        with pytest.raises(ProtocolError):  # not the frame held: nothing written or sent
+            sub.release_with_write(seq, slot + 1, *_write_args(rec))
+        assert rec.calls == []
+        assert sub.release_with_write(seq, slot, *_write_args(rec)) == 0
+        assert rec.calls == [(0x5000, 0x7000_0040, 17, 0)]
+        assert sub.held == {}
+        _wait_released(core, slot)
+        with pytest.raises(ProtocolError):  # released twice
+            sub.release_with_write(seq, slot, *_write_args(rec))
+        assert len(rec.calls) == 1
+
+
+@pytest.mark.timeout(60)
+def test_release_with_write_keeps_the_frame_when_the_driver_fails(tmp_path: Any) -> None:
+    address = str(tmp_path / "chan.sock")
+    failing = MemopRecorder(result=700)
+    with _memfd_channel(address, 4) as (core, _slots), SubscriberCore(address, timeout=5) as sub:
+        _until_subscribed(core)
+        seq, slot = _one_frame(core, sub)
+        assert sub.release_with_write(seq, slot, *_write_args(failing)) == 700
+        assert sub.held == {seq: slot}  # nothing was sent: still held, may be released again
+        core.poll(0.2)
+        assert core.lease_book.lease_count(slot) == 1
+        rec = MemopRecorder()
+        assert sub.release_with_write(seq, slot, *_write_args(rec)) == 0
+        _wait_released(core, slot)
+
+
+@pytest.mark.timeout(60)
+def test_release_with_write_never_writes_after_an_eviction(tmp_path: Any) -> None:
+    """An evicted subscriber's sync-page row may belong to a newer subscriber: no write."""
+    address = str(tmp_path / "chan.sock")
+    rec = MemopRecorder()
+    with (
+        _memfd_channel(address, 8, lease_timeout=0.2) as (core, _slots),
+        SubscriberCore(address, timeout=5) as sub,
+    ):
+        _until_subscribed(core)
+        seq, slot = _one_frame(core, sub)
+        time.sleep(0.3)
+        core.poll(0.0)
+        assert core.evictions == 1
+        with pytest.raises(EvictedError):
+            sub.release_with_write(seq, slot, *_write_args(rec))
+        assert rec.calls == []
+        assert sub.held == {}
+
+
+@pytest.mark.timeout(60)
+def test_release_with_write_after_the_publisher_left_forgets_the_frame(tmp_path: Any) -> None:
+    address = str(tmp_path / "chan.sock")
+    rec = MemopRecorder()
+    with _memfd_channel(address, 4) as (core, _slots), SubscriberCore(address, timeout=5) as sub:
+        _until_subscribed(core)
+        seq, slot = _one_frame(core, sub)
+        core.close()
+        deadline = time.monotonic() + 5
+        while sub.connected():
+            assert time.monotonic() < deadline, "the hang-up was never seen"
+            time.sleep(0.01)
+        assert sub.release_with_write(seq, slot, *_write_args(rec)) == 0
+        assert rec.calls == []
+        assert sub.held == {}
+
+
+@pytest.mark.timeout(60)
+def test_release_with_write_skips_the_write_when_a_watched_fd_fired(tmp_path: Any) -> None:
+    """The producer's pidfd readable (it exited): its sync page is not written any more."""
+    address = str(tmp_path / "chan.sock")
+    rec = MemopRecorder()
+    r, w = os.pipe()
+    try:
+        with (
+            _memfd_channel(address, 4) as (core, _slots),
+            SubscriberCore(address, timeout=5) as sub,
+        ):
+            _until_subscribed(core)
+            sub.watch(r)
+            seq, slot = _one_frame(core, sub)
+            os.write(w, b"!")
+            assert sub.release_with_write(seq, slot, *_write_args(rec)) == 0
+            assert rec.calls == [] and sub.alarm
+            _wait_released(core, slot)  # the RELEASE still went: the publisher is there
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def _wait_released(core: PublisherCore, slot: int) -> None:
+    deadline = time.monotonic() + 5
+    while core.lease_book.lease_count(slot):
+        assert time.monotonic() < deadline, "the RELEASE never arrived"
+        core.poll(0.05)
 
 
 # -- 5: the fd client checks who serves the socket ----------------------------------------

@@ -52,6 +52,8 @@ from .._errors import (
     TransportError,
     UsageError,
 )
+from .._fastpath import PROTOCOL as _COMPILED_PROTOCOL
+from .._fastpath import pollfds, recv_frame, release_frame
 from .._transport import Admission, bind_unix, connect_unix, peer_credentials
 from . import _protocol as proto
 from ._leases import LeaseBook
@@ -78,6 +80,26 @@ _RELEASE_RECV = proto.MAX_RELEASE_SIZE + 1  # one more byte so oversize messages
 _RELEASE_SIZE = proto.MAX_RELEASE_SIZE
 _RELEASE_PREFIX = proto.RELEASE_PREFIX
 _RELEASE_FIELDS = proto.RELEASE_FIELDS
+_FRAME_HEAD_SIZE = proto.MAX_FRAME_SIZE - proto.MAX_FRAME_PAYLOAD
+#: Most fds :meth:`SubscriberCore.watch` takes (the compiled poll set holds 16, the socket too).
+_MAX_WATCHED = 15
+
+# The subscriber's compiled per-frame calls (_fastpath.recv_frame / release_frame)
+# read FRAME and write RELEASE datagrams themselves: refuse a build that disagrees.
+_PROTOCOL = (
+    proto.MAGIC,
+    proto.VERSION,
+    proto.FRAME,
+    proto.RELEASE,
+    _FRAME_HEAD_SIZE,
+    proto.MAX_RELEASE_SIZE,
+    proto.MAX_FRAME_PAYLOAD,
+)
+if _COMPILED_PROTOCOL != _PROTOCOL:  # pragma: no cover - a stale build of _fastpath
+    raise ImportError(
+        f"cupy_ipcpool._fastpath was built for protocol {_COMPILED_PROTOCOL}, this code speaks "
+        f"{_PROTOCOL}: rebuild it (pip install -e .)"
+    )
 
 
 def _spin_ns(spin_us: float) -> int:
@@ -1285,6 +1307,9 @@ class SubscriberCore:
         self._hangup = select.poll()
         self._hangup.register(self._sock, _POLLRDHUP)
         self._sock_fd = self._sock.fileno()
+        # the same check for the compiled per-frame calls (recv_frame, release_frame)
+        self._hup_pairs: list[tuple[int, int]] = [(self._sock_fd, _POLLRDHUP)]
+        self._hup_set = pollfds(self._hup_pairs)
         self._waited = False  # the last recv had to wait for its frame
         #: True once a hang-up (or a watched fd, :meth:`watch`) was seen: from then on
         #: the caller should look at its own death signals for every frame.
@@ -1298,7 +1323,12 @@ class SubscriberCore:
         and :meth:`connected` answers False.  This saves the caller a system
         call per frame.
         """
+        pairs = [p for p in self._hup_pairs if p[0] != fd] + [(fd, select.POLLIN)]
+        if len(pairs) > _MAX_WATCHED + 1:
+            raise UsageError(f"at most {_MAX_WATCHED} fds can be watched")
         self._hangup.register(fd, select.POLLIN)
+        self._hup_pairs = pairs
+        self._hup_set = pollfds(pairs)
 
     def _hung_up(self) -> bool:
         """One ``poll(0)`` of the socket's hang-up and the watched fds; True if any fired.
@@ -1475,36 +1505,78 @@ class SubscriberCore:
         PoolClosedError
             This subscriber is closed.
         """
+        seq, slot, payload = self.recv_view(timeout)
+        return Frame(seq, slot, bytes(payload))
+
+    def recv_view(self, timeout: float | None = None) -> tuple[int, int, memoryview | bytes]:
+        """:meth:`recv`, answering ``(seq, slot, payload)`` without a :class:`Frame` object.
+
+        ``payload`` may be a view of this subscriber's receive buffer: it is
+        valid until the next ``recv``/``recv_view`` (copy what must last).
+        The per-frame path of the GPU subscriber.  Raises as :meth:`recv`.
+        """
         if self._closed:
             raise PoolClosedError("the subscriber is closed")
         if self._eos is not None:
             self._raise_end()
         if self._backlog:
-            return self._accept(self._backlog.popleft())
+            return self._from_backlog()
+        if self.spin_ns:
+            n = self._recv_spinning(timeout)
+            if n < 0:
+                return self._from_backlog()
+        else:
+            # One compiled call: the wait (poll(2), or the blocking receive itself when
+            # there is no timeout), the receive, the FRAME's header and the hang-up check.
+            try:
+                got = recv_frame(
+                    self._sock_fd,
+                    self._buf,
+                    -1 if timeout is None else _ms(timeout),
+                    self._waited,
+                    self._hup_set,
+                )
+            except OSError as exc:
+                self._failed_recv(exc)
+                return self._from_backlog()
+            if got is None:
+                self._waited = True
+                raise ChannelTimeoutError(f"no frame within {timeout} s")
+            n, seq, slot, self._waited = got
+            if seq >= 0:
+                # a well-formed FRAME and no hang-up: what _accept checks besides
+                if slot >= self.num_slots:
+                    self._protocol_error(f"frame {seq} names slot {slot} of {self.num_slots}")
+                held = self._held
+                if seq in held:
+                    self._protocol_error(f"frame {seq} received twice")
+                held[seq] = slot
+                return seq, slot, self._view[_FRAME_HEAD_SIZE:n]
+        if n == 0:
+            self._end("the publisher closed the connection")
+        msg = self._accept(self._view[:n])
+        return msg.seq, msg.slot, msg.payload
+
+    def _from_backlog(self) -> tuple[int, int, bytes]:
+        msg = self._accept(self._backlog.popleft())
+        return msg.seq, msg.slot, msg.payload
+
+    def _recv_spinning(self, timeout: float | None) -> int:
+        """Receive one datagram into the buffer, busy-polling up to ``spin_us`` first.
+
+        Returns its size, or -1 when the receive failed with frames queued in
+        the backlog (take those first).
+        """
         sock = self._sock
         deadline = None
         spin_end = 0
-        # When the last call had to wait, this one most likely will too: spare the
-        # failing recv and sleep at once (not with a spin).  Without a timeout the
-        # sleep is the recv itself (the socket is blocking; attempts that must not
-        # wait pass MSG_DONTWAIT), which saves the poll(2) before it.
-        likely_wait = self._waited and not self.spin_ns
-        wait_in_recv = likely_wait and timeout is None
-        skip_recv = likely_wait and timeout is not None and timeout != 0
         waited = False
         while True:
             try:
-                if wait_in_recv:
-                    waited = True
-                    n = sock.recv_into(self._buf)
-                    break
-                if skip_recv:
-                    skip_recv = False
-                else:
-                    n = sock.recv_into(self._buf, 0, _DONTWAIT)
-                    break
+                n = sock.recv_into(self._buf, 0, _DONTWAIT)
+                break
             except (BlockingIOError, InterruptedError):
-                if self.spin_ns and timeout != 0:
+                if timeout != 0:
                     now = time.perf_counter_ns()
                     if not spin_end:
                         spin = self.spin_ns
@@ -1513,29 +1585,42 @@ class SubscriberCore:
                         spin_end = now + spin
                     if now < spin_end:
                         continue
-            except ConnectionResetError:
-                # Reported once, before what is still queued (a dropped
-                # subscriber's notice among it): look there first.
-                self._scan_after_hangup()
-                if self._backlog:
-                    return self._accept(self._backlog.popleft())
-                self._end("the connection to the publisher was reset")
             except OSError as exc:
-                self._end(f"the connection to the publisher failed: {exc}")
+                self._waited = waited
+                self._failed_recv(exc)
+                return -1
             waited = True
             if timeout is None:
-                wait_in_recv = True
+                self._poller.poll(-1)
                 continue
             if deadline is None:
                 deadline = time.monotonic() + timeout
             remaining = deadline - time.monotonic()
             if remaining <= 0.0:
+                self._waited = True
                 raise ChannelTimeoutError(f"no frame within {timeout} s")
             self._poller.poll(_ms(remaining))
         self._waited = waited
-        if n == 0:
-            self._end("the publisher closed the connection")
-        return self._accept(self._view[:n])
+        return n
+
+    def _failed_recv(self, exc: OSError) -> None:
+        """A receive failed: return if frames are queued behind a reset (take those), else end."""
+        if isinstance(exc, ConnectionResetError):
+            # Reported once, before what is still queued (a dropped subscriber's
+            # notice among it): look there first.
+            self._scan_after_hangup()
+            if self._backlog:
+                return
+            self._end("the connection to the publisher was reset")
+        self._end(f"the connection to the publisher failed: {exc}")
+
+    def _protocol_error(self, exc: ProtocolError | str) -> NoReturn:
+        """Close the connection after a protocol error and raise it."""
+        if isinstance(exc, str):
+            exc = ProtocolError(exc)
+        self._eos = f"the connection was closed after a protocol error: {exc}"
+        _close_subscriber(self._sock, [])
+        raise exc
 
     def _accept(self, data: bytes | memoryview) -> Frame:
         """Decode one message from the publisher; return it if it is a frame we may use."""
@@ -1560,9 +1645,7 @@ class SubscriberCore:
                 self._evict(msg.reason)
             raise ProtocolError(f"unexpected {type(msg).__name__} from the publisher")
         except ProtocolError as exc:
-            self._eos = f"the connection was closed after a protocol error: {exc}"
-            _close_subscriber(self._sock, [])
-            raise
+            self._protocol_error(exc)
 
     def _scan_after_hangup(self) -> None:
         """Read everything still queued (the publisher has hung up); note an eviction notice."""
@@ -1670,6 +1753,60 @@ class SubscriberCore:
             self._scan_after_hangup()
             if self._evicted:
                 self._raise_end()
+
+    def release_with_write(
+        self, seq: int, slot: int, fn: int, stream: int, addr: int, value: int, flags: int
+    ) -> int:
+        """:meth:`release`, preceded by a stream memory operation unless the publisher hung up.
+
+        The GPU subscriber's release in one compiled call
+        (``_fastpath.release_frame``): the hang-up check of :meth:`connected`;
+        if the publisher is still there, ``fn(stream, addr, value, flags)``
+        (the driver's ``cuStreamWriteValue32`` of the read flag, as
+        ``_fastpath.memop`` calls it); then the RELEASE.  After a hang-up the
+        operation is skipped (an evicted subscriber's row may belong to
+        another subscriber by now) and the frame is released as by
+        :meth:`release`.
+
+        Returns
+        -------
+        int
+            0, or the driver's error code: then nothing was written or sent
+            and the frame is still held.
+
+        Raises
+        ------
+        As :meth:`release`.
+        """
+        if self._closed:
+            raise PoolClosedError("the subscriber is closed")
+        held = self._held.get(seq)
+        if held is None or held != slot:
+            raise ProtocolError(f"release of frame {seq} in slot {slot}, which is not held")
+        if self._eos is not None:
+            self.release(seq, slot)
+            return 0
+        try:
+            rc = release_frame(
+                self._sock_fd, self._hup_set, fn, stream, addr, value, flags, seq, slot
+            )
+        except BlockingIOError:  # written; the socket is full
+            del self._held[seq]
+            self._send_stalled(proto.encode_release(seq, slot))
+            return 0
+        except OSError:  # written; the publisher is gone: was this subscriber dropped?
+            del self._held[seq]
+            self._scan_after_hangup()
+            if self._evicted:
+                self._raise_end()
+            return 0
+        if rc < 0:  # hung up: no write (as connected() answers False)
+            self._hung_up()
+            self.release(seq, slot)
+            return 0
+        if rc == 0:
+            del self._held[seq]
+        return rc
 
     def _send_stalled(self, msg: bytes) -> None:
         poller = select.poll()

@@ -27,7 +27,7 @@ from .._handles import PoolDescriptor
 from .._peer import PeerPool, attach_fds
 from ._payload import FRAME_HEAD, MAX_ARRAYS, MAX_METADATA, WELCOME_HEAD
 from ._session import SubscriberCore
-from ._syncpage import SyncPage
+from ._syncpage import SyncPage, raise_driver_error
 
 #: Most streams a subscriber tracks before it forgets those with no work left.
 _STREAMS_KEPT = 8
@@ -279,7 +279,7 @@ class Subscriber:
         self._frame_flags = [sync.frame_flag(i) for i in range(n)]
         self._read_flags = [sync.read_flag(index, i) for i in range(n)]
         self._order = sync.order  # waits on the GPU only if the host does not see the flag set
-        self._write = sync.write
+        self._write_fn, self._wflags = sync.write_op
 
     # -- state --
 
@@ -333,7 +333,7 @@ class Subscriber:
         assert peer is not None
         peer.drop_idle_owners()  # frames dropped without release() go back now, as collected
         try:
-            msg = core.recv(timeout)
+            seq, slot, payload = core.recv_view(timeout)  # payload: valid until the next recv
         except ProtocolError:
             self.close()
             raise
@@ -344,7 +344,6 @@ class Subscriber:
                 "are dropped (their flags will never be set)",
                 False,
             )
-        seq, slot, payload = msg.seq, msg.slot, msg.payload
         try:
             if len(payload) < FRAME_HEAD.size:
                 raise ProtocolError(f"frame {seq}: payload too short")
@@ -390,13 +389,17 @@ class Subscriber:
         if self._closed:
             return
         sptr = self._stream_ptr(stream)
-        if self._core.connected():
-            # never after an eviction: the row may have been given to another subscriber
-            self._write(sptr, self._read_flags[slot], generation)
-        try:  # noqa: SIM105 - per frame: contextlib.suppress builds an object each call
-            self._core.release(seq, slot)
+        # The read-flag write and the RELEASE in one compiled call; the write is
+        # skipped once the publisher hung up (after an eviction the row may have
+        # been given to another subscriber).
+        try:
+            rc = self._core.release_with_write(
+                seq, slot, self._write_fn, sptr, self._read_flags[slot], generation, self._wflags
+            )
         except EndOfStream:  # the producer is gone: nobody to return it to
-            pass
+            return
+        if rc:
+            raise_driver_error("cuStreamWriteValue32", rc)
 
     def __iter__(self) -> Iterator[Frame]:
         """Yield frames until the publisher closes.

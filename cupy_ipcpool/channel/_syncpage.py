@@ -38,6 +38,7 @@ import mmap
 import os
 import stat
 from collections.abc import Sequence
+from typing import NoReturn
 
 from .. import _driver
 from .._errors import ProtocolError, UsageError
@@ -301,6 +302,16 @@ class SyncPage:
         """True when the flag at device address ``addr`` already holds ``value`` or later."""
         return self.flags.reached(addr - self._base, value)
 
+    @property
+    def write_op(self) -> tuple[int, int]:
+        """``(function pointer, flags)`` of :meth:`write`'s driver call, for a compiled caller.
+
+        ``_fastpath.release_frame`` makes the subscriber's read-flag write and
+        its RELEASE in one call; it takes the ``cuStreamWriteValue32``
+        pointer and flags from here.
+        """
+        return self._write_fn, self._plain
+
     def write(self, stream: int, addr: int, value: int) -> None:
         """Enqueue on ``stream``: after prior work and a memory barrier, store ``value``."""
         rc = self._memop(self._write_fn, stream, addr, value, self._plain)  # type: ignore[operator]
@@ -364,6 +375,12 @@ class SyncPage:
                 # memory the driver may touch
                 return
         self.flags.close()
+
+
+def raise_driver_error(call: str, rc: int) -> NoReturn:
+    """Raise the library's exception for the driver's CUresult ``rc`` from ``call``."""
+    _raise(call, rc)
+    raise AssertionError(f"{call} returned {rc}, which is not an error")  # pragma: no cover
 
 
 def _raise(call: str, rc: int) -> None:
