@@ -28,6 +28,7 @@
 #include <poll.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <time.h>
 
 typedef int (*memop_fn)(void *stream, unsigned long long addr, unsigned int value,
@@ -214,7 +215,8 @@ fastpath_wait_all(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t
 #define CIP_FRAME_HEAD 20
 #define CIP_RELEASE_SIZE 16
 #define CIP_MAX_FRAME_PAYLOAD (64u * 1024u)
-#define CIP_MAX_POLLFDS 16
+#define CIP_MAX_POLLFDS 16             /* a hang-up set: the socket and watched fds */
+#define CIP_MAX_SUBSCRIBER_FDS 65536  /* a publisher's set of subscriber sockets */
 
 static unsigned long long
 le64(const unsigned char *p)
@@ -289,8 +291,9 @@ any_ready(struct pollfd *fds, nfds_t count)
 PyDoc_STRVAR(pollfds_doc,
 "pollfds(pairs) -> bytes\n"
 "\n"
-"Pack ``(fd, events)`` pairs (at most 16) as the ``struct pollfd`` array that\n"
-"``recv_frame`` and ``release_frame`` poll without waiting.");
+"Pack ``(fd, events)`` pairs as the ``struct pollfd`` array that\n"
+"``recv_frame`` and ``release_frame`` (at most 16 pairs) and\n"
+"``wait_releases`` (as a bytearray) poll.");
 
 static PyObject *
 fastpath_pollfds(PyObject *Py_UNUSED(module), PyObject *pairs)
@@ -299,31 +302,35 @@ fastpath_pollfds(PyObject *Py_UNUSED(module), PyObject *pairs)
     if (seq == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if (n > CIP_MAX_POLLFDS) {
-        Py_DECREF(seq);
-        PyErr_Format(PyExc_ValueError, "pollfds: %zd fds; at most %d", n, CIP_MAX_POLLFDS);
-        return NULL;
+    PyObject *out = NULL;
+    if (n > CIP_MAX_SUBSCRIBER_FDS) {
+        PyErr_Format(PyExc_ValueError, "pollfds: %zd fds; at most %d", n, CIP_MAX_SUBSCRIBER_FDS);
+        goto done;
     }
-    struct pollfd fds[CIP_MAX_POLLFDS];
-    memset(fds, 0, sizeof fds);
+    out = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(struct pollfd));
+    if (out == NULL)
+        goto done;
+    struct pollfd *fds = (struct pollfd *)PyBytes_AS_STRING(out);
+    memset(fds, 0, (size_t)n * sizeof *fds);
     for (Py_ssize_t i = 0; i < n; i++) {
         int fd;
         short events;
         PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
-        if (!PyArg_ParseTuple(item, "ih;pollfds: each pair is (fd, events)", &fd, &events)) {
-            Py_DECREF(seq);
-            return NULL;
-        }
+        if (!PyArg_ParseTuple(item, "ih;pollfds: each pair is (fd, events)", &fd, &events))
+            goto fail;
         if (fd < 0) {
-            Py_DECREF(seq);
             PyErr_Format(PyExc_ValueError, "pollfds: fd %d is negative", fd);
-            return NULL;
+            goto fail;
         }
         fds[i].fd = fd;
         fds[i].events = events;
     }
+    goto done;
+fail:
+    Py_CLEAR(out);
+done:
     Py_DECREF(seq);
-    return PyBytes_FromStringAndSize((const char *)fds, (Py_ssize_t)(n * (Py_ssize_t)sizeof fds[0]));
+    return out;
 }
 
 static long long
@@ -594,6 +601,265 @@ fastpath_release_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ss
     }
 }
 
+/* ------------------------------------------------------------------------ */
+/* The publisher's per-frame socket work                                     */
+/* ------------------------------------------------------------------------ */
+
+PyDoc_STRVAR(send_frame_doc,
+"send_frame(fds, seq, slot, payload) -> list | None\n"
+"\n"
+"Send the FRAME ``(seq, slot, payload)`` (``payload``: bytes, at most 64 KiB) on\n"
+"each socket of the tuple ``fds``, in order, without waiting (header and\n"
+"payload gathered by ``sendmsg``, no copy).  Returns None when every send\n"
+"went, else a list of ``(index in fds, errno)`` for those that failed\n"
+"(``EAGAIN``: the socket is full).");
+
+static PyObject *
+fastpath_send_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError,
+                     "send_frame(fds, seq, slot, payload) takes 4 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    if (!PyTuple_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "send_frame: fds must be a tuple");
+        return NULL;
+    }
+    unsigned long long seq = PyLong_AsUnsignedLongLong(args[1]);
+    if (seq == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    unsigned long slot = PyLong_AsUnsignedLong(args[2]);
+    if (slot == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    if (slot > 0xFFFFFFFFul) {
+        PyErr_SetString(PyExc_OverflowError, "send_frame: slot does not fit in 32 bits");
+        return NULL;
+    }
+    if (!PyBytes_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "send_frame: payload must be bytes");
+        return NULL;
+    }
+    Py_ssize_t length = PyBytes_GET_SIZE(args[3]);
+    if (length > (Py_ssize_t)CIP_MAX_FRAME_PAYLOAD) {
+        PyErr_Format(PyExc_ValueError, "send_frame: payload of %zd bytes; at most %u", length,
+                     CIP_MAX_FRAME_PAYLOAD);
+        return NULL;
+    }
+    Py_ssize_t count = PyTuple_GET_SIZE(args[0]);
+    int fds_small[16];
+    int *fds = fds_small;
+    if (count > 16) {
+        fds = PyMem_New(int, (size_t)count);
+        if (fds == NULL)
+            return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        fds[i] = as_fd(PyTuple_GET_ITEM(args[0], i), "send_frame");
+        if (fds[i] < 0) {
+            if (fds != fds_small)
+                PyMem_Free(fds);
+            return NULL;
+        }
+    }
+    unsigned char head[CIP_FRAME_HEAD];
+    head[0] = CIP_MAGIC & 0xFF;
+    head[1] = CIP_MAGIC >> 8;
+    head[2] = CIP_VERSION;
+    head[3] = CIP_FRAME;
+    for (int i = 0; i < 8; i++)
+        head[4 + i] = (unsigned char)(seq >> (8 * i));
+    for (int i = 0; i < 4; i++) {
+        head[12 + i] = (unsigned char)(slot >> (8 * i));
+        head[16 + i] = (unsigned char)((unsigned long)length >> (8 * i));
+    }
+    struct iovec iov[2] = {{head, sizeof head}, {PyBytes_AS_STRING(args[3]), (size_t)length}};
+    struct msghdr mh;
+    memset(&mh, 0, sizeof mh);
+    mh.msg_iov = iov;
+    mh.msg_iovlen = length ? 2 : 1;
+    PyObject *failed = NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        ssize_t sent;
+        int err = 0;
+        do {
+            sent = sendmsg(fds[i], &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
+            err = errno;
+        } while (sent < 0 && err == EINTR);
+        if (sent == (ssize_t)(CIP_FRAME_HEAD + length))
+            continue;
+        if (sent >= 0)
+            err = EMSGSIZE; /* a datagram goes whole or not at all */
+        if (failed == NULL && (failed = PyList_New(0)) == NULL)
+            goto error;
+        PyObject *item = Py_BuildValue("(ni)", i, err);
+        if (item == NULL || PyList_Append(failed, item) < 0) {
+            Py_XDECREF(item);
+            goto error;
+        }
+        Py_DECREF(item);
+    }
+    if (fds != fds_small)
+        PyMem_Free(fds);
+    if (failed == NULL)
+        Py_RETURN_NONE;
+    return failed;
+error:
+    Py_XDECREF(failed);
+    if (fds != fds_small)
+        PyMem_Free(fds);
+    return NULL;
+}
+
+PyDoc_STRVAR(wait_releases_doc,
+"wait_releases(pollset, timeout_ms, limit) -> list | None\n"
+"\n"
+"Wait up to ``timeout_ms`` milliseconds (-1: without limit, 0: not at all)\n"
+"until a socket of ``pollset`` (a bytearray from ``pollfds``, used in\n"
+"place) is readable, then receive from each readable socket up to ``limit``\n"
+"datagrams without waiting.  Returns None when none was readable in time,\n"
+"else a list, in the order received, of ``(fd, seq, slot)`` for a RELEASE\n"
+"(exactly the 16-byte datagram), ``(fd, -1, data)`` for any other datagram\n"
+"(``data`` its bytes; b\"\": the peer closed), after which that socket is not\n"
+"read further, and ``(fd, -2, errno)`` for a failed receive.  The list may be\n"
+"empty (a socket was readable and then had nothing).  The GIL is released\n"
+"while it waits.");
+
+static int
+append_triple(PyObject *list, int fd, PyObject *a, PyObject *b)
+{
+    if (a == NULL || b == NULL) {
+        Py_XDECREF(a);
+        Py_XDECREF(b);
+        return -1;
+    }
+    PyObject *item = Py_BuildValue("(iNN)", fd, a, b);
+    if (item == NULL)
+        return -1;
+    int rc = PyList_Append(list, item);
+    Py_DECREF(item);
+    return rc;
+}
+
+static PyObject *
+fastpath_wait_releases(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError,
+                     "wait_releases(pollset, timeout_ms, limit) takes 3 arguments (%zd given)",
+                     nargs);
+        return NULL;
+    }
+    if (!PyByteArray_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "wait_releases: the poll set must be a bytearray of pollfds()");
+        return NULL;
+    }
+    Py_ssize_t len = PyByteArray_GET_SIZE(args[0]);
+    if (len % (Py_ssize_t)sizeof(struct pollfd) != 0) {
+        PyErr_Format(PyExc_ValueError, "wait_releases: the poll set is not from pollfds() (%zd bytes)",
+                     len);
+        return NULL;
+    }
+    long timeout_ms = PyLong_AsLong(args[1]);
+    if (timeout_ms == -1 && PyErr_Occurred())
+        return NULL;
+    if (timeout_ms < -1) {
+        PyErr_Format(PyExc_ValueError, "wait_releases: timeout_ms %ld (-1 waits without limit)",
+                     timeout_ms);
+        return NULL;
+    }
+    long limit = PyLong_AsLong(args[2]);
+    if (limit == -1 && PyErr_Occurred())
+        return NULL;
+    if (limit < 1) {
+        PyErr_SetString(PyExc_ValueError, "wait_releases: limit must be at least 1");
+        return NULL;
+    }
+    PyObject *setobj = args[0];
+    struct pollfd *set = (struct pollfd *)PyByteArray_AS_STRING(setobj);
+    nfds_t count = (nfds_t)(len / (Py_ssize_t)sizeof(struct pollfd));
+    long long deadline = timeout_ms > 0 ? now_ns() + (long long)timeout_ms * 1000000LL : 0;
+    Py_INCREF(setobj); /* held while the GIL is released */
+    int r;
+    for (;;) {
+        int wait_ms = (int)timeout_ms;
+        if (timeout_ms > 0) {
+            long long left = deadline - now_ns();
+            wait_ms = left <= 0 ? 0 : (int)((left + 999999LL) / 1000000LL);
+        }
+        int err;
+        for (nfds_t i = 0; i < count; i++)
+            set[i].revents = 0;
+        Py_BEGIN_ALLOW_THREADS
+        r = poll(set, count, wait_ms);
+        err = errno;
+        Py_END_ALLOW_THREADS
+        if (r >= 0)
+            break;
+        if (err != EINTR) {
+            errno = err;
+            PyErr_SetFromErrno(PyExc_OSError);
+            Py_DECREF(setobj);
+            return NULL;
+        }
+        if (PyErr_CheckSignals() < 0) {
+            Py_DECREF(setobj);
+            return NULL;
+        }
+    }
+    if (r == 0) {
+        Py_DECREF(setobj);
+        Py_RETURN_NONE;
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL) {
+        Py_DECREF(setobj);
+        return NULL;
+    }
+    unsigned char buf[CIP_RELEASE_SIZE + 1];
+    for (nfds_t i = 0; i < count; i++) {
+        if (!set[i].revents)
+            continue;
+        int fd = set[i].fd;
+        for (long got = 0; got < limit; got++) {
+            ssize_t n;
+            int err;
+            do {
+                n = recv(fd, buf, sizeof buf, MSG_DONTWAIT | MSG_TRUNC);
+                err = errno;
+            } while (n < 0 && err == EINTR);
+            if (n < 0) {
+                if (err == EAGAIN || err == EWOULDBLOCK)
+                    break;
+                if (append_triple(out, fd, PyLong_FromLong(-2), PyLong_FromLong(err)) < 0)
+                    goto error;
+                break;
+            }
+            if (n == CIP_RELEASE_SIZE && buf[0] == (CIP_MAGIC & 0xFF) &&
+                buf[1] == (CIP_MAGIC >> 8) && buf[2] == CIP_VERSION && buf[3] == CIP_RELEASE) {
+                if (append_triple(out, fd, PyLong_FromUnsignedLongLong(le64(buf + 4)),
+                                  PyLong_FromUnsignedLong(le32(buf + 12))) < 0)
+                    goto error;
+                continue;
+            }
+            /* anything else: its bytes (as many as were kept; MSG_TRUNC gives the
+             * real size, so an oversize datagram cannot pass for a short one) */
+            Py_ssize_t kept = n < (ssize_t)sizeof buf ? (Py_ssize_t)n : (Py_ssize_t)sizeof buf;
+            if (append_triple(out, fd, PyLong_FromLong(-1),
+                              PyBytes_FromStringAndSize((const char *)buf, kept)) < 0)
+                goto error;
+            break;
+        }
+    }
+    Py_DECREF(setobj);
+    return out;
+error:
+    Py_DECREF(out);
+    Py_DECREF(setobj);
+    return NULL;
+}
+
 static PyMethodDef fastpath_methods[] = {
     {"memop", (PyCFunction)(void (*)(void))fastpath_memop, METH_FASTCALL, memop_doc},
     {"wait_all", (PyCFunction)(void (*)(void))fastpath_wait_all, METH_FASTCALL, wait_all_doc},
@@ -602,6 +868,10 @@ static PyMethodDef fastpath_methods[] = {
      recv_frame_doc},
     {"release_frame", (PyCFunction)(void (*)(void))fastpath_release_frame, METH_FASTCALL,
      release_frame_doc},
+    {"send_frame", (PyCFunction)(void (*)(void))fastpath_send_frame, METH_FASTCALL,
+     send_frame_doc},
+    {"wait_releases", (PyCFunction)(void (*)(void))fastpath_wait_releases, METH_FASTCALL,
+     wait_releases_doc},
     {NULL, NULL, 0, NULL},
 };
 

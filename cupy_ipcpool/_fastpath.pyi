@@ -1,5 +1,7 @@
 """Type stub of the compiled module ``cupy_ipcpool._fastpath`` (source: ``_fastpath.c``)."""
 
+from typing import Any
+
 def memop(fn: int, stream: int, addr: int, value: int, flags: int, /) -> int:
     """Call a driver stream memory operation at ``fn``; return its CUresult (0 on success)."""
 
@@ -32,3 +34,17 @@ def release_frame(
     /,
 ) -> int:
     """Hang-up check, read-flag write, RELEASE; -1 after a hang-up, else the CUresult."""
+
+def send_frame(
+    fds: tuple[int, ...], seq: int, slot: int, payload: bytes, /
+) -> list[tuple[int, int]] | None:
+    """Send one FRAME on every socket; None, or ``(index, errno)`` of the sends that failed."""
+
+def wait_releases(
+    pollset: bytearray, timeout_ms: int, limit: int, /
+) -> list[tuple[int, int, Any]] | None:
+    """Wait, then receive up to ``limit`` datagrams per readable socket.
+
+    Per datagram ``(fd, seq, slot)`` for a RELEASE, ``(fd, -1, data: bytes)`` for
+    anything else, ``(fd, -2, errno)`` for a failed receive.
+    """

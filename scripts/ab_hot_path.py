@@ -8,7 +8,7 @@ Each root is a source tree (``import cupy_ipcpool`` works with it first on
 ``sys.path``, its ``_fastpath`` extension built).  The round-trip loop of
 ``scripts/trace_hot_path.py`` (one frame in flight, raw kernels, no timers
 inside the library) runs in a fresh producer/consumer pair per round, the two
-versions taking turns (A B A B ...), so that both see the same machine in the
+versions taking turns (A B B A A B ...), so that both see the same machine in the
 same minutes, each process pinned to one CPU (``--cpus``): unpinned, rounds of
 one version on the H200 machine fell into two groups ~25 us apart.  Prints
 each round's p50 and, last, the median over the rounds.  This is how a
@@ -57,8 +57,10 @@ def main() -> int:
     cpus = None if args.cpus == "none" else tuple(int(c) for c in args.cpus.split(","))
     assert cpus is None or len(cpus) == 2, "--cpus takes two CPUs"
     results: dict[str, list[float]] = {"old": [], "new": []}
+    pairs = (("old", args.old), ("new", args.new))
     for r in range(args.rounds):
-        for label, root in (("old", args.old), ("new", args.new)):
+        # A B, then B A: neither version always runs first (ABBA)
+        for label, root in pairs if r % 2 == 0 else pairs[::-1]:
             p50 = one_round(root, args.frames, args.mib, cpus)  # type: ignore[arg-type]
             results[label].append(p50)
             print(f"round {r + 1} {label}: round trip p50 {p50:.1f} us", flush=True)

@@ -9,6 +9,7 @@ ctypes C-callable that records its arguments (as in
 
 from __future__ import annotations
 
+import errno
 import os
 import resource
 import select
@@ -22,7 +23,14 @@ from _memop_recorder import MemopRecorder as _Recorder
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cupy_ipcpool._fastpath import PROTOCOL, pollfds, recv_frame, release_frame
+from cupy_ipcpool._fastpath import (
+    PROTOCOL,
+    pollfds,
+    recv_frame,
+    release_frame,
+    send_frame,
+    wait_releases,
+)
 from cupy_ipcpool.channel import _protocol as proto
 
 _HEAD = 20  # the FRAME header: "<HBBQII"
@@ -272,8 +280,9 @@ def test_recv_frame_refuses_bad_arguments(pair: tuple) -> None:
 def test_pollfds_packs_pairs_and_refuses_bad_ones() -> None:
     assert len(pollfds([(0, select.POLLIN), (5, select.POLLRDHUP)])) == 2 * len(pollfds([(0, 1)]))
     assert pollfds([]) == b""
-    with pytest.raises(ValueError):
-        pollfds([(i, 1) for i in range(17)])
+    seventeen = pollfds([(i, 1) for i in range(17)])  # a publisher's set may be large
+    with pytest.raises(ValueError):  # a hang-up set holds at most 16
+        recv_frame(0, bytearray(64), 0, False, seventeen)
     with pytest.raises(ValueError):
         pollfds([(-1, 1)])
     with pytest.raises(TypeError):
@@ -353,3 +362,173 @@ def test_release_refuses_bad_arguments(pair: tuple) -> None:
     with pytest.raises(TypeError):
         release_frame(fd, hup, rec.address, 1, 16, 3, 0, 5)  # type: ignore[call-arg]
     assert rec.calls == []
+
+
+# -- the publisher's side: send_frame, wait_releases -------------------------------------
+
+
+@pytest.fixture
+def pairs() -> Iterator[list[tuple[socket.socket, socket.socket]]]:
+    made = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(3)]
+    yield made
+    for a, b in made:
+        a.close()
+        b.close()
+
+
+def _set(*socks: socket.socket) -> bytearray:
+    return bytearray(pollfds([(s.fileno(), select.POLLIN) for s in socks]))
+
+
+@pytest.mark.parametrize("payload", [b"", b"handles and metadata", bytes(proto.MAX_FRAME_PAYLOAD)])
+def test_send_frame_sends_the_encoded_frame_to_every_socket(pairs: list, payload: bytes) -> None:
+    assert send_frame(tuple(a.fileno() for a, _ in pairs), 2**64 - 2, 2**32 - 1, payload) is None
+    for _a, b in pairs:
+        got = b.recv(proto.MAX_FRAME_SIZE + 1, socket.MSG_DONTWAIT)
+        assert got == proto.encode_frame(2**64 - 2, 2**32 - 1, payload)
+
+
+def test_send_frame_reports_each_failed_send_and_sends_the_rest(pairs: list) -> None:
+    (a0, b0), (a1, _b1), (a2, b2) = pairs
+    a1.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        while True:
+            a1.send(b"x" * 4096)
+    b2.close()
+    failed = send_frame((a0.fileno(), a1.fileno(), a2.fileno()), 1, 0, b"p")
+    assert failed is not None
+    assert [i for i, _ in failed] == [1, 2]
+    assert failed[0][1] == errno.EAGAIN and failed[1][1] in (errno.EPIPE, errno.ECONNRESET)
+    assert b0.recv(64, socket.MSG_DONTWAIT) == proto.encode_frame(1, 0, b"p")
+
+
+def test_send_frame_refuses_bad_arguments(pairs: list) -> None:
+    fd = pairs[0][0].fileno()
+    with pytest.raises(ValueError):
+        send_frame((fd,), 1, 0, bytes(proto.MAX_FRAME_PAYLOAD + 1))
+    with pytest.raises(TypeError):
+        send_frame((fd,), 1, 0, bytearray(3))
+    with pytest.raises(TypeError):
+        send_frame([fd], 1, 0, b"")
+    with pytest.raises(OverflowError):
+        send_frame((fd,), 1, 2**32, b"")
+    with pytest.raises(ValueError):
+        send_frame((-1,), 1, 0, b"")
+    with pytest.raises(BlockingIOError):
+        pairs[0][1].recv(64, socket.MSG_DONTWAIT)  # nothing was sent
+
+
+def test_wait_releases_times_out_with_none(pairs: list) -> None:
+    start = time.monotonic()
+    assert wait_releases(_set(*(b for _a, b in pairs)), 50, 1) is None
+    assert time.monotonic() - start >= 0.045
+    assert wait_releases(_set(*(b for _a, b in pairs)), 0, 1) is None
+    assert wait_releases(bytearray(), 0, 1) is None
+
+
+def test_wait_releases_takes_limit_releases_per_ready_socket(pairs: list) -> None:
+    (a0, b0), (a1, b1), (_a2, b2) = pairs
+    for seq in range(3):
+        a0.send(proto.encode_release(seq, 1))
+    a1.send(proto.encode_release(70, 2))
+    pollset = _set(b0, b1, b2)
+    got = wait_releases(pollset, 1000, 1)
+    assert got == [(b0.fileno(), 0, 1), (b1.fileno(), 70, 2)]
+    got = wait_releases(pollset, 0, 1 << 30)
+    assert got == [(b0.fileno(), 1, 1), (b0.fileno(), 2, 1)]
+
+
+def test_wait_releases_wakes_on_a_release_sent_during_the_wait(pairs: list) -> None:
+    (a0, b0), (_a1, b1), _ = pairs
+    t = _later(0.05, lambda: a0.send(proto.encode_release(9, 3)))
+    try:
+        got = wait_releases(_set(b1, b0), 5000, 1)
+    finally:
+        t.join()
+    assert got == [(b0.fileno(), 9, 3)]
+
+
+def test_wait_releases_stops_reading_a_socket_after_anything_else(pairs: list) -> None:
+    (a0, b0), (a1, b1), (a2, b2) = pairs
+    a0.send(proto.encode_release(1, 0))
+    a0.send(proto.encode_bye())
+    a0.send(proto.encode_release(2, 0))  # after the BYE: left queued
+    a1.send(proto.encode_release(3, 0) + b"x")  # oversize: not a RELEASE
+    a2.close()
+    got = wait_releases(_set(b0, b1, b2), 1000, 1 << 30)
+    assert got == [
+        (b0.fileno(), 1, 0),
+        (b0.fileno(), -1, proto.encode_bye()),
+        (b1.fileno(), -1, proto.encode_release(3, 0) + b"x"),
+        (b2.fileno(), -1, b""),
+    ]
+    assert b0.recv(64, socket.MSG_DONTWAIT) == proto.encode_release(2, 0)
+
+
+def test_wait_releases_reports_a_failed_receive() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        a.send(b"x")
+        b.close()
+        assert wait_releases(_set(a), 1000, 1) == [(a.fileno(), -2, errno.ECONNRESET)]
+    finally:
+        a.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.one_of(
+        st.binary(min_size=1, max_size=40),
+        st.builds(proto.encode_release, st.integers(0, 2**64 - 1), st.integers(0, 2**32 - 1)),
+        st.builds(proto.encode_frame, st.integers(0, 9), st.integers(0, 9), st.binary(max_size=9)),
+    )
+)
+def test_wait_releases_takes_exactly_what_decode_reads_as_a_release(data: bytes) -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        a.send(data)
+        got = wait_releases(_set(b), 1000, 1)
+        assert got is not None and len(got) == 1
+        _fd, seq, what = got[0]
+        try:
+            msg = proto.decode(data[: proto.MAX_RELEASE_SIZE + 1])
+        except proto.ProtocolError:
+            msg = None
+        if type(msg) is proto.Release and len(data) == proto.MAX_RELEASE_SIZE:
+            assert (seq, what) == (msg.seq, msg.slot)
+        else:
+            assert seq == -1 and what == data[: proto.MAX_RELEASE_SIZE + 1]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_wait_releases_lets_other_threads_run_and_refuses_bad_arguments(pairs: list) -> None:
+    b = pairs[0][1]
+    counted = [0]
+    stop = threading.Event()
+
+    def count() -> None:
+        while not stop.is_set():
+            counted[0] += 1
+
+    t = threading.Thread(target=count)
+    t.start()
+    try:
+        while counted[0] == 0:
+            pass
+        before = counted[0]
+        assert wait_releases(_set(b), 200, 1) is None
+        during = counted[0] - before
+    finally:
+        stop.set()
+        t.join()
+    assert during > 1000
+    with pytest.raises(TypeError):
+        wait_releases(bytes(_set(b)), 0, 1)
+    with pytest.raises(ValueError):
+        wait_releases(bytearray(5), 0, 1)
+    with pytest.raises(ValueError):
+        wait_releases(_set(b), -2, 1)
+    with pytest.raises(ValueError):
+        wait_releases(_set(b), 0, 0)

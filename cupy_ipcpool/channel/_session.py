@@ -53,7 +53,7 @@ from .._errors import (
     UsageError,
 )
 from .._fastpath import PROTOCOL as _COMPILED_PROTOCOL
-from .._fastpath import pollfds, recv_frame, release_frame
+from .._fastpath import pollfds, recv_frame, release_frame, send_frame, wait_releases
 from .._transport import Admission, bind_unix, connect_unix, peer_credentials
 from . import _protocol as proto
 from ._leases import LeaseBook
@@ -747,7 +747,8 @@ class PublisherCore:
         self._send_timeout = send_timeout
         self._conns: dict[int, _Conn] = {}
         self._by_fd: dict[int, _Conn] = {}
-        self._poller = select.poll()
+        #: the subscribers' sockets as the compiled wait_releases polls them
+        self._poll_set = bytearray()
         self._last_slot = self.num_slots - 1
         self._closed = False
         self.last_leave_reason = ""
@@ -989,7 +990,10 @@ class PublisherCore:
         if acc.pending:
             self._adopt()
         seq = acc.next_seq
-        msg = proto.encode_frame(seq, slot, payload)
+        if type(payload) is not bytes:
+            payload = bytes(payload)
+        if len(payload) > proto.MAX_FRAME_PAYLOAD:
+            proto.encode_frame(seq, slot, payload)  # raises UsageError
         if self.lease_timeout is None:
             receivers = self._book.publishing(slot, seq)
         else:
@@ -1000,19 +1004,23 @@ class PublisherCore:
         acc.next_seq = seq + 1
         self._last_slot = slot
         conns = self._conns
-        for sub_id in receivers:
-            conn = conns.get(sub_id)
-            if conn is None:
-                continue  # dropped while sending to an earlier receiver
-            try:
-                conn.sock.send(msg)
-            except BlockingIOError:
-                if conn.info.mode == "latest":
-                    self._book.cancel(sub_id, seq, slot)
+        targets = [conn for sub_id in receivers if (conn := conns.get(sub_id)) is not None]
+        if not targets:
+            return seq
+        failed = send_frame(tuple(c.fd for c in targets), seq, slot, payload)
+        if failed:
+            msg = proto.encode_frame(seq, slot, payload)
+            for index, err in failed:
+                conn = targets[index]
+                if conn.info.sub_id not in conns:
+                    continue  # dropped while sending to an earlier receiver
+                if err == errno.EAGAIN:
+                    if conn.info.mode == "latest":
+                        self._book.cancel(conn.info.sub_id, seq, slot)
+                    else:
+                        self._send_stalled(conn, msg)
                 else:
-                    self._send_stalled(conn, msg)
-            except OSError as exc:
-                self._drop(conn, f"send failed: {exc}")
+                    self._drop(conn, f"send failed: {os.strerror(err)}")
         return seq
 
     # -- internals --
@@ -1077,59 +1085,60 @@ class PublisherCore:
             info = conn.info
             self._conns[info.sub_id] = conn
             self._by_fd[conn.fd] = conn
-            self._poller.register(conn.fd, _POLLIN)
+            self._set_poll_set()
             self._book.add_subscriber(info.sub_id, info.mode, info.credit)
             self._callback(self._on_join, info, "on_join")
 
+    def _set_poll_set(self) -> None:
+        self._poll_set = bytearray(pollfds([(fd, _POLLIN) for fd in self._by_fd]))
+
     def _wait(self, timeout: float | None) -> int:
+        """Wait up to ``timeout`` for the subscribers' messages and handle them; leases returned.
+
+        One compiled call (``_fastpath.wait_releases``) polls the sockets and
+        receives; a RELEASE comes back decoded, anything else as its bytes.
+        """
         if not self._by_fd and timeout == 0.0:
             return 0
-        released = 0
         # A blocking wait takes one message per ready socket (a caller that waits
         # wants the first one; more are found by the next poll at once), which
         # spares the failing recv that would end a drain; poll(0) drains all.
-        limit = 1 << 30 if timeout == 0.0 else 1
-        for fd, _events in self._poller.poll(_ms(timeout)):
-            conn = self._by_fd.get(fd)
-            if conn is not None:
-                released += self._drain(conn, limit)
+        got = wait_releases(self._poll_set, _ms(timeout), 1 << 30 if timeout == 0.0 else 1)
+        if not got:
+            return 0
+        book = self._book
+        by_fd = self._by_fd
+        released = 0
+        for fd, seq, what in got:
+            conn = by_fd.get(fd)
+            if conn is None:
+                continue  # dropped by an earlier message of this batch
+            if seq >= 0:
+                try:
+                    book.release(conn.info.sub_id, seq, what)
+                except ProtocolError as exc:
+                    self._drop(conn, f"protocol error: {exc}")
+                    continue
+                released += 1
+            elif seq == -1:
+                self._other_message(conn, what)
+            else:
+                self._drop(conn, f"receive failed: {os.strerror(what)}")
         return released
 
-    def _drain(self, conn: _Conn, limit: int) -> int:
-        sock = conn.sock
-        book = self._book
-        sub_id = conn.info.sub_id
-        released = 0
-        while True:
-            try:
-                data = sock.recv(_RELEASE_RECV)
-            except (BlockingIOError, InterruptedError):
-                return released
-            except OSError as exc:
-                self._drop(conn, f"receive failed: {exc}")
-                return released
-            if not data:
-                self._drop(conn, "disconnected")
-                return released
-            try:
-                if len(data) == _RELEASE_SIZE and data.startswith(_RELEASE_PREFIX):
-                    # a RELEASE, taken without decode() (exactly the datagrams decode()
-                    # reads as a Release: tests/test_protocol.py checks they agree)
-                    seq, slot = _RELEASE_FIELDS.unpack_from(data, 4)
-                    book.release(sub_id, seq, slot)
-                    released += 1
-                    limit -= 1
-                    if limit == 0:
-                        return released
-                    continue
-                msg = proto.decode(data)
-                if type(msg) is proto.Bye:
-                    self._drop(conn, "said BYE")
-                    return released
-                raise ProtocolError(f"unexpected {type(msg).__name__} from a subscriber")
-            except ProtocolError as exc:
-                self._drop(conn, f"protocol error: {exc}")
-                return released
+    def _other_message(self, conn: _Conn, data: bytes) -> None:
+        """A subscriber sent something other than a RELEASE (``data``; b"": it hung up)."""
+        if not data:
+            self._drop(conn, "disconnected")
+            return
+        try:
+            msg = proto.decode(data)
+            if type(msg) is proto.Bye:
+                self._drop(conn, "said BYE")
+                return
+            raise ProtocolError(f"unexpected {type(msg).__name__} from a subscriber")
+        except ProtocolError as exc:
+            self._drop(conn, f"protocol error: {exc}")
 
     def _drop(self, conn: _Conn, reason: str, notify: bool = False) -> None:
         """Forget a subscriber, take its leases back, close its socket.
@@ -1142,9 +1151,8 @@ class PublisherCore:
         info = conn.info
         if self._conns.pop(info.sub_id, None) is None:
             return
-        self._by_fd.pop(conn.fd, None)
-        with contextlib.suppress(KeyError, ValueError):
-            self._poller.unregister(conn.fd)
+        if self._by_fd.pop(conn.fd, None) is not None:
+            self._set_poll_set()
         self._book.remove_subscriber(info.sub_id)
         if notify:
             _notify_and_close(conn.sock, reason)
