@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 
 import pytest
+from skips import needs_ucx
 
 import cupy_ipcpool as cip
 
@@ -36,6 +37,7 @@ def test_remote_address_needs_a_secret(monkeypatch) -> None:
         cip.subscribe("ucx://127.0.0.1:9")
 
 
+@needs_ucx
 def test_remote_address_reaches_the_remote_client() -> None:
     port = _closed_port()
     with pytest.raises(cip.TransportError, match=f"ucx://127.0.0.1:{port}") as info:

@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from skips import needs_ucx
 
 from cupy_ipcpool import EndOfStream, IpcPoolError, PeerRefusedError, ProtocolError, SlotBusyError
 from cupy_ipcpool.remote import _auth as auth
-from cupy_ipcpool.remote import _ucx as ucx
 from cupy_ipcpool.remote import _wire as wire
 from cupy_ipcpool.remote._credit import ClientBook, ServerBook
 
@@ -32,10 +32,6 @@ CTX = mp.get_context("spawn")
 TOKEN = "correct horse battery staple 42"
 N_BYTES = 40_000  # above UCX's rendezvous threshold: zero-copy into the receive slot
 N_FLOATS = 300
-
-needs_ucx = pytest.mark.skipif(
-    ucx.available() is not None, reason=f"the remote extra is not installed: {ucx.available()}"
-)
 
 
 # -- pure: wire format -------------------------------------------------------------------

@@ -111,13 +111,13 @@ class ClientSession:
         if mode not in wire.MODE_CODES:
             raise UsageError(f"mode must be 'block' or 'latest', not {mode!r}")
         host, port = wire.parse_address(address)
-        ucx.load()  # say so now if UCXX is missing
         secret = auth.secret_from(token)
         if secret is None and not insecure:
             raise UsageError(
                 "a remote subscription needs the server's shared secret: pass token=... "
                 f"(or set ${auth.TOKEN_ENV}); insecure=True connects without one"
             )
+        ucx.load()  # say so now if UCXX is missing (after the caller's own mistakes)
         self.address = address
         self.mode = mode
         self.sink = sink
