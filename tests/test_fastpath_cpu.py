@@ -10,10 +10,9 @@ calling convention, not the driver.
 from __future__ import annotations
 
 import ctypes
-import threading
-import time
 
 import pytest
+from _gil import assert_gil_released
 from _memop_recorder import MemopRecorder as _Recorder
 
 from cupy_ipcpool._fastpath import memop, wait_all
@@ -41,30 +40,7 @@ def test_other_threads_run_during_the_call() -> None:
     """
     usleep = ctypes.CDLL(None).usleep
     address = ctypes.cast(usleep, ctypes.c_void_p).value
-    counted = [0]
-    stop = threading.Event()
-
-    def count() -> None:
-        while not stop.is_set():
-            counted[0] += 1
-
-    thread = threading.Thread(target=count)
-    thread.start()
-    try:
-        while counted[0] == 0:
-            pass
-        before = counted[0]
-        time.sleep(0.03)  # releases the GIL for 30 ms: what the thread counts then
-        reference = counted[0] - before
-        before = counted[0]
-        assert memop(address, 300_000, 0, 0, 0) == 0  # usleep(300 ms)
-        during = counted[0] - before
-    finally:
-        stop.set()
-        thread.join()
-    # ten times as long as the reference; held, the GIL would let the thread run for
-    # at most a switch interval or two (5 ms each)
-    assert during > 3 * reference, (during, reference)
+    assert_gil_released(lambda: memop(address, 300_000, 0, 0, 0))  # usleep(300 ms)
 
 
 FN = "the recorder's address"

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from _gil import assert_gil_released
 from _memop_recorder import MemopRecorder as _Recorder
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -189,25 +190,7 @@ def test_a_fired_watched_fd_does_not_turn_the_wait_into_a_spin(
 
 def test_other_threads_run_while_it_waits(pair: tuple) -> None:
     a, _b = pair
-    counted = [0]
-    stop = threading.Event()
-
-    def count() -> None:
-        while not stop.is_set():
-            counted[0] += 1
-
-    t = threading.Thread(target=count)
-    t.start()
-    try:
-        while counted[0] == 0:
-            pass
-        before = counted[0]
-        assert recv_frame(a.fileno(), bytearray(_BUF), 200, True, _hup(a)) is None
-        during = counted[0] - before
-    finally:
-        stop.set()
-        t.join()
-    assert during > 1000
+    assert_gil_released(lambda: recv_frame(a.fileno(), bytearray(_BUF), 200, True, _hup(a)) is None)
 
 
 @settings(max_examples=300, deadline=None)
@@ -505,25 +488,7 @@ def test_wait_releases_takes_exactly_what_decode_reads_as_a_release(data: bytes)
 
 def test_wait_releases_lets_other_threads_run_and_refuses_bad_arguments(pairs: list) -> None:
     b = pairs[0][1]
-    counted = [0]
-    stop = threading.Event()
-
-    def count() -> None:
-        while not stop.is_set():
-            counted[0] += 1
-
-    t = threading.Thread(target=count)
-    t.start()
-    try:
-        while counted[0] == 0:
-            pass
-        before = counted[0]
-        assert wait_releases(_set(b), 200, 1) is None
-        during = counted[0] - before
-    finally:
-        stop.set()
-        t.join()
-    assert during > 1000
+    assert_gil_released(lambda: wait_releases(_set(b), 200, 1))
     with pytest.raises(TypeError):
         wait_releases(bytes(_set(b)), 0, 1)
     with pytest.raises(ValueError):
