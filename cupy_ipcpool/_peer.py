@@ -78,6 +78,10 @@ class _ImportedSlots:
         self.released = False
 
     def _maybe_release(self, _slot: int = -1) -> None:
+        # Per received frame (a slot's count drops to zero): while a peer pool is
+        # attached there is nothing to release, and detach() looks again itself.
+        if self.attached:
+            return
         with _cache_lock:
             if self.attached == 0 and not any(self.refs.counts) and not self.released:
                 self.released = True
