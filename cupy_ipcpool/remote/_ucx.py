@@ -19,6 +19,29 @@ _api: Any = None
 _Array: Any = None
 
 INSTALL_HINT = "install the remote extra: python3 -m pip install 'cupy_ipcpool[remote]'"
+#: What to do when a UCX older than UCXX needs was loaded (a system installation).
+OLD_UCX_HINT = (
+    "an older UCX of the system was loaded instead of the libucx-cu13 wheel's: put the "
+    "wheel's libraries first (LD_LIBRARY_PATH=<site-packages>/libucx/lib), or remove the "
+    "system UCX, or upgrade it"
+)
+
+
+def _preload_wheel_ucx() -> None:
+    """Load the libucx-cu13 wheel's UCX libraries, if that wheel is installed.
+
+    UCXX's own loader may leave the choice to the dynamic linker, which
+    prefers a system UCX in the default library path (seen on the H200
+    image: UCX 1.16 in /lib/x86_64-linux-gnu, too old for UCXX).  Loaded
+    first, the wheel's libraries are the ones UCXX binds to.  The wheel's
+    ``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY`` setting still applies.
+    """
+    try:
+        import libucx
+    except ImportError:
+        return
+    with contextlib.suppress(OSError):  # not loadable: UCXX's import says why
+        libucx.load_library()
 
 
 def load() -> Any:
@@ -33,13 +56,13 @@ def load() -> Any:
     if _api is None:
         # UCXX sets UCX_MEMTYPE_CACHE, which UCX >= 1.19 no longer knows: do not warn about it.
         os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        _preload_wheel_ucx()
         try:
             import ucxx._lib.libucxx as api
             from ucxx._lib.arr import Array
         except Exception as exc:  # ImportError, or a library that fails to load
-            raise RemoteUnavailableError(
-                f"UCXX is not usable here ({exc}); {INSTALL_HINT}"
-            ) from exc
+            hint = OLD_UCX_HINT if "has ended" in str(exc) else INSTALL_HINT
+            raise RemoteUnavailableError(f"UCXX is not usable here ({exc}); {hint}") from exc
         _api, _Array = api, Array
     return _api
 
