@@ -1,18 +1,30 @@
-"""The compiled part of cupy_ipcpool (everything else is in pyproject.toml).
+"""The compiled parts of cupy_ipcpool (everything else is in pyproject.toml).
 
-``cupy_ipcpool._fastpath`` is a small C extension with no dependency beyond
-Python's headers: ``pip install .`` (or ``-e .``) builds it with the system's
-C compiler.  See docs/performance.md for what it does and why.
+Two small C extensions with no dependency beyond Python's headers, built by
+``pip install .`` (or ``-e .``) with the system's C compiler:
+``cupy_ipcpool._fastpath`` (the per-frame stream memory operations, driver
+layer) and ``cupy_ipcpool.channel._frameio`` (the channel's per-frame socket
+calls).  See docs/performance.md for what they do and why.
 """
 
 from setuptools import Extension, setup
+
+_FLAGS = ["-O2", "-Wall", "-Wextra", "-Werror=implicit-function-declaration"]
+_SHARED = ["cupy_ipcpool/_memop_args.h"]
 
 setup(
     ext_modules=[
         Extension(
             "cupy_ipcpool._fastpath",
             sources=["cupy_ipcpool/_fastpath.c"],
-            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror=implicit-function-declaration"],
-        )
+            depends=_SHARED,
+            extra_compile_args=_FLAGS,
+        ),
+        Extension(
+            "cupy_ipcpool.channel._frameio",
+            sources=["cupy_ipcpool/channel/_frameio.c"],
+            depends=_SHARED,
+            extra_compile_args=_FLAGS,
+        ),
     ]
 )

@@ -76,15 +76,23 @@ def remote_summary() -> str:
 
 
 def fastpath_summary() -> str:
-    """One line on the compiled part (``cupy_ipcpool._fastpath``): built or not."""
-    try:
-        from . import _fastpath
-    except ImportError:
+    """One line on the compiled parts (``_fastpath``, ``channel._frameio``): built or not."""
+    import importlib
+
+    built, missing = [], []
+    for name in ("cupy_ipcpool._fastpath", "cupy_ipcpool.channel._frameio"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            missing.append(name.rsplit(".", 1)[1])
+        else:
+            built.append(os.path.basename(module.__file__ or name))
+    if missing:
         return (
-            "compiled fast path (_fastpath): NOT BUILT; channels cannot run: reinstall with "
-            "pip, or 'python3 setup.py build_ext --inplace' in a source tree"
+            f"compiled parts: NOT BUILT ({', '.join(missing)}); channels cannot run: reinstall "
+            "with pip, or 'python3 setup.py build_ext --inplace' in a source tree"
         )
-    return f"compiled fast path (_fastpath): built ({os.path.basename(_fastpath.__file__ or '')})"
+    return f"compiled parts: built ({', '.join(built)})"
 
 
 def gpudirect_rdma(ordinal: int) -> str:

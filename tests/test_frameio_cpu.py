@@ -1,4 +1,4 @@
-"""The subscriber's compiled per-frame calls: ``_fastpath.recv_frame`` / ``release_frame``.
+"""The channel's compiled per-frame socket calls (``cupy_ipcpool.channel._frameio``).
 
 Real ``SOCK_SEQPACKET`` socket pairs, pipes as watched fds, threads as the
 other end.  The stream memory operation that ``release_frame`` makes is a
@@ -24,7 +24,8 @@ from _memop_recorder import MemopRecorder as _Recorder
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cupy_ipcpool._fastpath import (
+from cupy_ipcpool.channel import _protocol as proto
+from cupy_ipcpool.channel._frameio import (
     PROTOCOL,
     pollfds,
     recv_frame,
@@ -32,7 +33,6 @@ from cupy_ipcpool._fastpath import (
     send_frame,
     wait_releases,
 )
-from cupy_ipcpool.channel import _protocol as proto
 
 _HEAD = 20  # the FRAME header: "<HBBQII"
 _BUF = proto.MAX_FRAME_SIZE + 1

@@ -38,7 +38,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from .._errors import (
     ChannelTimeoutError,
@@ -52,10 +52,11 @@ from .._errors import (
     TransportError,
     UsageError,
 )
-from .._fastpath import PROTOCOL as _COMPILED_PROTOCOL
-from .._fastpath import pollfds, recv_frame, release_frame, send_frame, wait_releases
 from .._transport import Admission, bind_unix, connect_unix, peer_credentials
 from . import _protocol as proto
+
+if TYPE_CHECKING:
+    from ._frameio import pollfds, recv_frame, release_frame, send_frame, wait_releases
 from ._leases import LeaseBook
 from ._protocol import Frame
 
@@ -84,8 +85,8 @@ _FRAME_HEAD_SIZE = proto.MAX_FRAME_SIZE - proto.MAX_FRAME_PAYLOAD
 #: Most fds :meth:`SubscriberCore.watch` takes (the compiled poll set holds 16, the socket too).
 _MAX_WATCHED = 15
 
-# The subscriber's compiled per-frame calls (_fastpath.recv_frame / release_frame)
-# read FRAME and write RELEASE datagrams themselves: refuse a build that disagrees.
+# The compiled per-frame calls (channel/_frameio.c) read and write FRAME and RELEASE
+# datagrams themselves: a build that disagrees is refused.
 _PROTOCOL = (
     proto.MAGIC,
     proto.VERSION,
@@ -95,11 +96,41 @@ _PROTOCOL = (
     proto.MAX_RELEASE_SIZE,
     proto.MAX_FRAME_PAYLOAD,
 )
-if _COMPILED_PROTOCOL != _PROTOCOL:  # pragma: no cover - a stale build of _fastpath
-    raise ImportError(
-        f"cupy_ipcpool._fastpath was built for protocol {_COMPILED_PROTOCOL}, this code speaks "
-        f"{_PROTOCOL}: rebuild it (pip install -e .)"
+
+
+def _load_frameio() -> None:
+    """Import the compiled calls into this module's namespace (at the first session).
+
+    Not at import time: ``import cupy_ipcpool`` (and ``python -m cupy_ipcpool
+    info``, which reports a missing build) works without them.
+
+    Raises
+    ------
+    ImportError
+        The extension is not built, or was built for another protocol.
+    """
+    global pollfds, recv_frame, release_frame, send_frame, wait_releases
+    if "recv_frame" in globals():
+        return
+    try:
+        from . import _frameio
+    except ImportError as exc:
+        raise ImportError(
+            f"cupy_ipcpool.channel._frameio, a compiled part of cupy_ipcpool, is not built "
+            f"({exc}): install the package with pip (pip install .), or build it in place "
+            "with 'python3 setup.py build_ext --inplace'"
+        ) from None
+    if _frameio.PROTOCOL != _PROTOCOL:
+        raise ImportError(
+            f"cupy_ipcpool.channel._frameio was built for protocol {_frameio.PROTOCOL}, this "
+            f"code speaks {_PROTOCOL}: rebuild it (pip install -e .)"
+        )
+    pollfds, recv_frame, release_frame = (
+        _frameio.pollfds,
+        _frameio.recv_frame,
+        _frameio.release_frame,
     )
+    send_frame, wait_releases = _frameio.send_frame, _frameio.wait_releases
 
 
 def _spin_ns(spin_us: float) -> int:
@@ -721,6 +752,7 @@ class PublisherCore:
         max_pending_per_uid: int = MAX_PENDING_PER_UID,
         spin_us: float = 0.0,
     ) -> None:
+        _load_frameio()
         self._spin_ns = _spin_ns(spin_us)
         self.address = os.fspath(address)
         self.num_slots = int(num_slots)
@@ -1095,7 +1127,7 @@ class PublisherCore:
     def _wait(self, timeout: float | None) -> int:
         """Wait up to ``timeout`` for the subscribers' messages and handle them; leases returned.
 
-        One compiled call (``_fastpath.wait_releases``) polls the sockets and
+        One compiled call (``_frameio.wait_releases``) polls the sockets and
         receives; a RELEASE comes back decoded, anything else as its bytes.
         """
         if not self._by_fd and timeout == 0.0:
@@ -1275,6 +1307,7 @@ class SubscriberCore:
         allowed_uids: Iterable[int] | None = None,
         spin_us: float = 0.0,
     ) -> None:
+        _load_frameio()
         if mode not in proto.MODE_CODES:
             raise UsageError(f"mode must be 'block' or 'latest', not {mode!r}")
         self.spin_ns = _spin_ns(spin_us)
@@ -1768,7 +1801,7 @@ class SubscriberCore:
         """:meth:`release`, preceded by a stream memory operation unless the publisher hung up.
 
         The GPU subscriber's release in one compiled call
-        (``_fastpath.release_frame``): the hang-up check of :meth:`connected`;
+        (``_frameio.release_frame``): the hang-up check of :meth:`connected`;
         if the publisher is still there, ``fn(stream, addr, value, flags)``
         (the driver's ``cuStreamWriteValue32`` of the read flag, as
         ``_fastpath.memop`` calls it); then the RELEASE.  After a hang-up the

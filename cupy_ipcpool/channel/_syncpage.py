@@ -185,7 +185,7 @@ def _memops() -> tuple[object, int, int, int, int, object, int]:
         from .._fastpath import memop, wait_all
     except ImportError as exc:
         raise ImportError(
-            "cupy_ipcpool._fastpath, the compiled part of cupy_ipcpool, is not built "
+            "cupy_ipcpool._fastpath, a compiled part of cupy_ipcpool, is not built "
             f"({exc}): install the package with pip (pip install .), or build it in place "
             "with 'python3 setup.py build_ext --inplace'"
         ) from None
@@ -306,7 +306,7 @@ class SyncPage:
     def write_op(self) -> tuple[int, int]:
         """``(function pointer, flags)`` of :meth:`write`'s driver call, for a compiled caller.
 
-        ``_fastpath.release_frame`` makes the subscriber's read-flag write and
+        ``channel._frameio.release_frame`` makes the subscriber's read-flag write and
         its RELEASE in one call; it takes the ``cuStreamWriteValue32``
         pointer and flags from here.
         """

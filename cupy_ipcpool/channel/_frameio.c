@@ -1,0 +1,733 @@
+/*
+ * cupy_ipcpool.channel._frameio: the channel's per-frame socket work, compiled.
+ *
+ * The subscriber's wait and receive of a FRAME with its header checked
+ * (recv_frame), its release: hang-up check, read-flag write, RELEASE
+ * (release_frame); the publisher's FRAME to every receiver (send_frame) and
+ * its wait for RELEASEs (wait_releases).  Each is one call instead of several
+ * Python layers; docs/performance.md, section 7, says what it bought.  It
+ * knows the two fixed message layouts of cupy_ipcpool.channel._protocol
+ * (PROTOCOL below; the session layer refuses to import a build whose
+ * constants differ) and nothing of CUDA: the read-flag write is a function
+ * pointer (see ../_memop_args.h).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <poll.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+
+#include "../_memop_args.h"
+
+/* ------------------------------------------------------------------------ */
+/* The subscriber's per-frame socket work                                    */
+/* ------------------------------------------------------------------------ */
+
+/* cupy_ipcpool.channel._protocol: header "<HBB" (magic, version, type), FRAME
+ * "<HBBQII" (+ seq, slot, payload length, then the payload), RELEASE "<HBBQI". */
+#define CIP_MAGIC 0x4950u
+#define CIP_VERSION 2u
+#define CIP_FRAME 4u
+#define CIP_RELEASE 5u
+#define CIP_FRAME_HEAD 20
+#define CIP_RELEASE_SIZE 16
+#define CIP_MAX_FRAME_PAYLOAD (64u * 1024u)
+#define CIP_MAX_POLLFDS 16             /* a hang-up set: the socket and watched fds */
+#define CIP_MAX_SUBSCRIBER_FDS 65536  /* a publisher's set of subscriber sockets */
+
+static unsigned long long
+le64(const unsigned char *p)
+{
+    unsigned long long v = 0;
+    for (int i = 7; i >= 0; i--)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+static unsigned int
+le32(const unsigned char *p)
+{
+    return (unsigned int)p[0] | ((unsigned int)p[1] << 8) | ((unsigned int)p[2] << 16) |
+           ((unsigned int)p[3] << 24);
+}
+
+static int
+as_fd(PyObject *obj, const char *name)
+{
+    long fd = PyLong_AsLong(obj);
+    if (fd == -1 && PyErr_Occurred())
+        return -1;
+    if (fd < 0 || fd > 0x7FFFFFFFL) {
+        PyErr_Format(PyExc_ValueError, "%s: fd %ld out of range", name, fd);
+        return -1;
+    }
+    return (int)fd;
+}
+
+/* A pollfd set made by pollfds(): copied (poll writes revents), count returned. */
+static int
+load_pollfds(PyObject *obj, struct pollfd *out, nfds_t *count, const char *name)
+{
+    if (!PyBytes_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: the poll set must be bytes from pollfds()", name);
+        return -1;
+    }
+    Py_ssize_t len = PyBytes_GET_SIZE(obj);
+    if (len % (Py_ssize_t)sizeof(struct pollfd) != 0 ||
+        len > (Py_ssize_t)(CIP_MAX_POLLFDS * sizeof(struct pollfd))) {
+        PyErr_Format(PyExc_ValueError, "%s: the poll set is not from pollfds() (%zd bytes)", name,
+                     len);
+        return -1;
+    }
+    memcpy(out, PyBytes_AS_STRING(obj), (size_t)len);
+    *count = (nfds_t)(len / (Py_ssize_t)sizeof(struct pollfd));
+    for (nfds_t i = 0; i < *count; i++)
+        out[i].revents = 0;
+    return 0;
+}
+
+/* poll(0) of a set: 1 if any fd reported an event, 0 if none, -1 with an exception. */
+static int
+any_ready(struct pollfd *fds, nfds_t count)
+{
+    if (count == 0)
+        return 0;
+    for (;;) {
+        int r = poll(fds, count, 0);
+        if (r >= 0)
+            return r > 0;
+        if (errno != EINTR) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            return -1;
+        }
+        if (PyErr_CheckSignals() < 0)
+            return -1;
+    }
+}
+
+PyDoc_STRVAR(pollfds_doc,
+"pollfds(pairs) -> bytes\n"
+"\n"
+"Pack ``(fd, events)`` pairs as the ``struct pollfd`` array that\n"
+"``recv_frame`` and ``release_frame`` (at most 16 pairs) and\n"
+"``wait_releases`` (as a bytearray) poll.");
+
+static PyObject *
+frameio_pollfds(PyObject *Py_UNUSED(module), PyObject *pairs)
+{
+    PyObject *seq = PySequence_Fast(pairs, "pollfds: pairs must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = NULL;
+    if (n > CIP_MAX_SUBSCRIBER_FDS) {
+        PyErr_Format(PyExc_ValueError, "pollfds: %zd fds; at most %d", n, CIP_MAX_SUBSCRIBER_FDS);
+        goto done;
+    }
+    out = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(struct pollfd));
+    if (out == NULL)
+        goto done;
+    struct pollfd *fds = (struct pollfd *)PyBytes_AS_STRING(out);
+    memset(fds, 0, (size_t)n * sizeof *fds);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int fd;
+        short events;
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyArg_ParseTuple(item, "ih;pollfds: each pair is (fd, events)", &fd, &events))
+            goto fail;
+        if (fd < 0) {
+            PyErr_Format(PyExc_ValueError, "pollfds: fd %d is negative", fd);
+            goto fail;
+        }
+        fds[i].fd = fd;
+        fds[i].events = events;
+    }
+    goto done;
+fail:
+    Py_CLEAR(out);
+done:
+    Py_DECREF(seq);
+    return out;
+}
+
+static long long
+now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+PyDoc_STRVAR(recv_frame_doc,
+"recv_frame(fd, buf, timeout_ms, poll_first, hup) -> tuple | None\n"
+"\n"
+"Receive one datagram from the ``SOCK_SEQPACKET`` socket ``fd`` into the\n"
+"bytearray ``buf``, waiting up to ``timeout_ms`` milliseconds (-1: without\n"
+"limit, 0: not at all).  ``poll_first``: wait before the first attempt (the\n"
+"last call had to wait).  Returns None when nothing came in time, else\n"
+"``(n, seq, slot, waited)``: ``n`` bytes received (0: the peer closed);\n"
+"``seq`` and ``slot`` of a well-formed FRAME (magic, version, type, payload\n"
+"length that adds up, payload at ``buf[20:n]``) when no fd of the hang-up\n"
+"set ``hup`` (from ``pollfds``) is ready, else ``seq`` is -1 and the caller\n"
+"decodes ``buf[:n]`` itself; ``waited``: whether it had to wait.  The\n"
+"hang-up set is looked at by the wait that ends when the datagram is there\n"
+"(``poll`` of the socket and the set together), or by a ``poll(0)`` after a\n"
+"receive that did not wait.  A failed receive raises the ``OSError`` of its\n"
+"errno.  The GIL is released while it waits and receives.");
+
+static PyObject *
+frameio_recv_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError,
+                     "recv_frame(fd, buf, timeout_ms, poll_first, hup) takes 5 arguments "
+                     "(%zd given)",
+                     nargs);
+        return NULL;
+    }
+    int fd = as_fd(args[0], "recv_frame");
+    if (fd < 0)
+        return NULL;
+    if (!PyByteArray_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "recv_frame: buf must be a bytearray");
+        return NULL;
+    }
+    long timeout_ms = PyLong_AsLong(args[2]);
+    if (timeout_ms == -1 && PyErr_Occurred())
+        return NULL;
+    if (timeout_ms < -1) {
+        PyErr_Format(PyExc_ValueError, "recv_frame: timeout_ms %ld (-1 waits without limit)",
+                     timeout_ms);
+        return NULL;
+    }
+    int poll_first = PyObject_IsTrue(args[3]);
+    if (poll_first < 0)
+        return NULL;
+    struct pollfd hup[CIP_MAX_POLLFDS];
+    nfds_t nhup;
+    if (load_pollfds(args[4], hup, &nhup, "recv_frame") < 0)
+        return NULL;
+    PyObject *bufobj = args[1];
+    Py_INCREF(bufobj); /* held while the GIL is released */
+    char *buf = PyByteArray_AS_STRING(bufobj);
+    size_t size = (size_t)PyByteArray_GET_SIZE(bufobj);
+    long long deadline = timeout_ms > 0 ? now_ns() + (long long)timeout_ms * 1000000LL : 0;
+    /* the hang-up set's events for the socket itself (POLLRDHUP), if it is in the set */
+    short hup_events = 0;
+    for (nfds_t i = 0; i < nhup; i++)
+        if (hup[i].fd == fd)
+            hup_events = hup[i].events;
+    struct pollfd wait[CIP_MAX_POLLFDS + 1];
+    enum { HUP_UNKNOWN, HUP_CLEAR, HUP_FIRED } hup_state = HUP_UNKNOWN;
+    int waited = 0;
+    ssize_t n = -1;
+    int err = 0;
+    for (;;) {
+        if (!poll_first) {
+            Py_BEGIN_ALLOW_THREADS
+            n = recv(fd, buf, size, MSG_DONTWAIT);
+            err = errno;
+            Py_END_ALLOW_THREADS
+            if (n >= 0)
+                break;
+            if (err == EINTR) {
+                if (PyErr_CheckSignals() < 0)
+                    goto fail;
+                continue;
+            }
+            if (err != EAGAIN && err != EWOULDBLOCK) {
+                errno = err;
+                PyErr_SetFromErrno(PyExc_OSError);
+                goto fail;
+            }
+        }
+        poll_first = 0;
+        if (timeout_ms == 0)
+            goto none;
+        int wait_ms = -1;
+        if (timeout_ms > 0) {
+            long long left = deadline - now_ns();
+            if (left <= 0)
+                goto none;
+            wait_ms = (int)((left + 999999LL) / 1000000LL);
+        }
+        /* The wait watches the hang-up set too: what it reports when it wakes up
+         * stands for the poll(0) after the receive.  Once something in the set has
+         * fired it is left out (it would stay ready), and the caller decodes. */
+        nfds_t nw = 0;
+        if (hup_state != HUP_FIRED) {
+            memcpy(wait, hup, nhup * sizeof wait[0]);
+            nw = nhup;
+        }
+        nfds_t self = nw;
+        for (nfds_t i = 0; i < nw; i++)
+            if (wait[i].fd == fd)
+                self = i;
+        if (self == nw) {
+            wait[nw].fd = fd;
+            wait[nw].events = 0;
+            nw++;
+        }
+        wait[self].events |= POLLIN;
+        for (nfds_t i = 0; i < nw; i++)
+            wait[i].revents = 0;
+        int r;
+        waited = 1;
+        Py_BEGIN_ALLOW_THREADS
+        r = poll(wait, nw, wait_ms);
+        err = errno;
+        Py_END_ALLOW_THREADS
+        if (r < 0) {
+            if (err != EINTR) {
+                errno = err;
+                PyErr_SetFromErrno(PyExc_OSError);
+                goto fail;
+            }
+            if (PyErr_CheckSignals() < 0)
+                goto fail;
+            continue;
+        }
+        if (r > 0 && hup_state != HUP_FIRED) {
+            hup_state = HUP_CLEAR;
+            for (nfds_t i = 0; i < nw; i++) {
+                short ev = wait[i].revents;
+                if (i == self)
+                    ev &= (short)~POLLIN;
+                if (i == self)
+                    ev &= (short)(hup_events | POLLHUP | POLLERR | POLLNVAL);
+                if (ev)
+                    hup_state = HUP_FIRED;
+            }
+        }
+    }
+    long long seq = -1;
+    unsigned int slot = 0;
+    const unsigned char *p = (const unsigned char *)buf;
+    if (n >= CIP_FRAME_HEAD && (size_t)n <= size && p[0] == (CIP_MAGIC & 0xFF) &&
+        p[1] == (CIP_MAGIC >> 8) && p[2] == CIP_VERSION && p[3] == CIP_FRAME) {
+        unsigned int length = le32(p + 16);
+        if (length <= CIP_MAX_FRAME_PAYLOAD && (size_t)n == CIP_FRAME_HEAD + (size_t)length) {
+            int ready = hup_state == HUP_FIRED;
+            if (hup_state == HUP_UNKNOWN) {
+                ready = any_ready(hup, nhup);
+                if (ready < 0)
+                    goto fail;
+            }
+            if (!ready) {
+                unsigned long long s = le64(p + 4);
+                slot = le32(p + 12);
+                Py_DECREF(bufobj);
+                return Py_BuildValue("(nKIO)", (Py_ssize_t)n, s, slot,
+                                     waited ? Py_True : Py_False);
+            }
+        }
+    }
+    Py_DECREF(bufobj);
+    return Py_BuildValue("(nLIO)", (Py_ssize_t)n, seq, slot, waited ? Py_True : Py_False);
+none:
+    Py_DECREF(bufobj);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(bufobj);
+    return NULL;
+}
+
+PyDoc_STRVAR(release_frame_doc,
+"release_frame(fd, hup, fn, stream, addr, value, flags, seq, slot) -> int\n"
+"\n"
+"A subscriber's release of frame ``(seq, slot)``: unless an fd of the poll\n"
+"set ``hup`` is ready (then -1 is returned and nothing done), enqueue the\n"
+"stream memory operation ``fn(stream, addr, value, flags)`` (the read-flag\n"
+"write, as ``memop``); if the driver fails, return its CUresult and send\n"
+"nothing; else send the RELEASE datagram on ``fd`` without waiting and\n"
+"return 0.  A failed send (the operation was enqueued) raises the\n"
+"``OSError`` of its errno (``BlockingIOError``: the socket is full).  The\n"
+"GIL is released during the driver call.");
+
+static PyObject *
+frameio_release_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9) {
+        PyErr_Format(PyExc_TypeError,
+                     "release_frame(fd, hup, fn, stream, addr, value, flags, seq, slot) takes 9 "
+                     "arguments (%zd given)",
+                     nargs);
+        return NULL;
+    }
+    int fd = as_fd(args[0], "release_frame");
+    if (fd < 0)
+        return NULL;
+    struct pollfd hup[CIP_MAX_POLLFDS];
+    nfds_t nhup;
+    if (load_pollfds(args[1], hup, &nhup, "release_frame") < 0)
+        return NULL;
+    void *fn, *stream;
+    if (fn_and_stream(args + 2, "release_frame", &fn, &stream) < 0)
+        return NULL;
+    unsigned long long addr = PyLong_AsUnsignedLongLong(args[4]);
+    if (addr == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    unsigned int value, flags;
+    if (value_and_flags(args[5], args[6], "release_frame", &value, &flags) < 0)
+        return NULL;
+    unsigned long long seq = PyLong_AsUnsignedLongLong(args[7]);
+    if (seq == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    unsigned long slot = PyLong_AsUnsignedLong(args[8]);
+    if (slot == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    if (slot > 0xFFFFFFFFul) {
+        PyErr_SetString(PyExc_OverflowError, "release_frame: slot does not fit in 32 bits");
+        return NULL;
+    }
+    int ready = any_ready(hup, nhup);
+    if (ready < 0)
+        return NULL;
+    if (ready)
+        return PyLong_FromLong(-1);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ((memop_fn)fn)(stream, addr, value, flags);
+    Py_END_ALLOW_THREADS
+    if (rc != 0)
+        return PyLong_FromLong(rc);
+    unsigned char msg[CIP_RELEASE_SIZE];
+    msg[0] = CIP_MAGIC & 0xFF;
+    msg[1] = CIP_MAGIC >> 8;
+    msg[2] = CIP_VERSION;
+    msg[3] = CIP_RELEASE;
+    for (int i = 0; i < 8; i++)
+        msg[4 + i] = (unsigned char)(seq >> (8 * i));
+    for (int i = 0; i < 4; i++)
+        msg[12 + i] = (unsigned char)(slot >> (8 * i));
+    for (;;) {
+        ssize_t sent = send(fd, msg, sizeof msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (sent == (ssize_t)sizeof msg)
+            return PyLong_FromLong(0);
+        if (sent >= 0) { /* a datagram goes whole or not at all */
+            PyErr_SetString(PyExc_OSError, "release_frame: RELEASE sent in part");
+            return NULL;
+        }
+        if (errno == EINTR) {
+            if (PyErr_CheckSignals() < 0)
+                return NULL;
+            continue;
+        }
+        PyErr_SetFromErrno(PyExc_OSError);
+        return NULL;
+    }
+}
+
+/* ------------------------------------------------------------------------ */
+/* The publisher's per-frame socket work                                     */
+/* ------------------------------------------------------------------------ */
+
+PyDoc_STRVAR(send_frame_doc,
+"send_frame(fds, seq, slot, payload) -> list | None\n"
+"\n"
+"Send the FRAME ``(seq, slot, payload)`` (``payload``: bytes, at most 64 KiB) on\n"
+"each socket of the tuple ``fds``, in order, without waiting (header and\n"
+"payload gathered by ``sendmsg``, no copy).  Returns None when every send\n"
+"went, else a list of ``(index in fds, errno)`` for those that failed\n"
+"(``EAGAIN``: the socket is full).");
+
+static PyObject *
+frameio_send_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError,
+                     "send_frame(fds, seq, slot, payload) takes 4 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    if (!PyTuple_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "send_frame: fds must be a tuple");
+        return NULL;
+    }
+    unsigned long long seq = PyLong_AsUnsignedLongLong(args[1]);
+    if (seq == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    unsigned long slot = PyLong_AsUnsignedLong(args[2]);
+    if (slot == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    if (slot > 0xFFFFFFFFul) {
+        PyErr_SetString(PyExc_OverflowError, "send_frame: slot does not fit in 32 bits");
+        return NULL;
+    }
+    if (!PyBytes_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "send_frame: payload must be bytes");
+        return NULL;
+    }
+    Py_ssize_t length = PyBytes_GET_SIZE(args[3]);
+    if (length > (Py_ssize_t)CIP_MAX_FRAME_PAYLOAD) {
+        PyErr_Format(PyExc_ValueError, "send_frame: payload of %zd bytes; at most %u", length,
+                     CIP_MAX_FRAME_PAYLOAD);
+        return NULL;
+    }
+    Py_ssize_t count = PyTuple_GET_SIZE(args[0]);
+    int fds_small[16];
+    int *fds = fds_small;
+    if (count > 16) {
+        fds = PyMem_New(int, (size_t)count);
+        if (fds == NULL)
+            return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        fds[i] = as_fd(PyTuple_GET_ITEM(args[0], i), "send_frame");
+        if (fds[i] < 0) {
+            if (fds != fds_small)
+                PyMem_Free(fds);
+            return NULL;
+        }
+    }
+    unsigned char head[CIP_FRAME_HEAD];
+    head[0] = CIP_MAGIC & 0xFF;
+    head[1] = CIP_MAGIC >> 8;
+    head[2] = CIP_VERSION;
+    head[3] = CIP_FRAME;
+    for (int i = 0; i < 8; i++)
+        head[4 + i] = (unsigned char)(seq >> (8 * i));
+    for (int i = 0; i < 4; i++) {
+        head[12 + i] = (unsigned char)(slot >> (8 * i));
+        head[16 + i] = (unsigned char)((unsigned long)length >> (8 * i));
+    }
+    struct iovec iov[2] = {{head, sizeof head}, {PyBytes_AS_STRING(args[3]), (size_t)length}};
+    struct msghdr mh;
+    memset(&mh, 0, sizeof mh);
+    mh.msg_iov = iov;
+    mh.msg_iovlen = length ? 2 : 1;
+    PyObject *failed = NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        ssize_t sent;
+        int err = 0;
+        do {
+            sent = sendmsg(fds[i], &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
+            err = errno;
+        } while (sent < 0 && err == EINTR);
+        if (sent == (ssize_t)(CIP_FRAME_HEAD + length))
+            continue;
+        if (sent >= 0)
+            err = EMSGSIZE; /* a datagram goes whole or not at all */
+        if (failed == NULL && (failed = PyList_New(0)) == NULL)
+            goto error;
+        PyObject *item = Py_BuildValue("(ni)", i, err);
+        if (item == NULL || PyList_Append(failed, item) < 0) {
+            Py_XDECREF(item);
+            goto error;
+        }
+        Py_DECREF(item);
+    }
+    if (fds != fds_small)
+        PyMem_Free(fds);
+    if (failed == NULL)
+        Py_RETURN_NONE;
+    return failed;
+error:
+    Py_XDECREF(failed);
+    if (fds != fds_small)
+        PyMem_Free(fds);
+    return NULL;
+}
+
+PyDoc_STRVAR(wait_releases_doc,
+"wait_releases(pollset, timeout_ms, limit) -> list | None\n"
+"\n"
+"Wait up to ``timeout_ms`` milliseconds (-1: without limit, 0: not at all)\n"
+"until a socket of ``pollset`` (a bytearray from ``pollfds``, used in\n"
+"place) is readable, then receive from each readable socket up to ``limit``\n"
+"datagrams without waiting.  Returns None when none was readable in time,\n"
+"else a list, in the order received, of ``(fd, seq, slot)`` for a RELEASE\n"
+"(exactly the 16-byte datagram), ``(fd, -1, data)`` for any other datagram\n"
+"(``data`` its bytes; b\"\": the peer closed), after which that socket is not\n"
+"read further, and ``(fd, -2, errno)`` for a failed receive.  The list may be\n"
+"empty (a socket was readable and then had nothing).  The GIL is released\n"
+"while it waits.");
+
+static int
+append_triple(PyObject *list, int fd, PyObject *a, PyObject *b)
+{
+    if (a == NULL || b == NULL) {
+        Py_XDECREF(a);
+        Py_XDECREF(b);
+        return -1;
+    }
+    PyObject *item = Py_BuildValue("(iNN)", fd, a, b);
+    if (item == NULL)
+        return -1;
+    int rc = PyList_Append(list, item);
+    Py_DECREF(item);
+    return rc;
+}
+
+static PyObject *
+frameio_wait_releases(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError,
+                     "wait_releases(pollset, timeout_ms, limit) takes 3 arguments (%zd given)",
+                     nargs);
+        return NULL;
+    }
+    if (!PyByteArray_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "wait_releases: the poll set must be a bytearray of pollfds()");
+        return NULL;
+    }
+    Py_ssize_t len = PyByteArray_GET_SIZE(args[0]);
+    if (len % (Py_ssize_t)sizeof(struct pollfd) != 0) {
+        PyErr_Format(PyExc_ValueError, "wait_releases: the poll set is not from pollfds() (%zd bytes)",
+                     len);
+        return NULL;
+    }
+    long timeout_ms = PyLong_AsLong(args[1]);
+    if (timeout_ms == -1 && PyErr_Occurred())
+        return NULL;
+    if (timeout_ms < -1) {
+        PyErr_Format(PyExc_ValueError, "wait_releases: timeout_ms %ld (-1 waits without limit)",
+                     timeout_ms);
+        return NULL;
+    }
+    long limit = PyLong_AsLong(args[2]);
+    if (limit == -1 && PyErr_Occurred())
+        return NULL;
+    if (limit < 1) {
+        PyErr_SetString(PyExc_ValueError, "wait_releases: limit must be at least 1");
+        return NULL;
+    }
+    PyObject *setobj = args[0];
+    struct pollfd *set = (struct pollfd *)PyByteArray_AS_STRING(setobj);
+    nfds_t count = (nfds_t)(len / (Py_ssize_t)sizeof(struct pollfd));
+    long long deadline = timeout_ms > 0 ? now_ns() + (long long)timeout_ms * 1000000LL : 0;
+    Py_INCREF(setobj); /* held while the GIL is released */
+    int r;
+    for (;;) {
+        int wait_ms = (int)timeout_ms;
+        if (timeout_ms > 0) {
+            long long left = deadline - now_ns();
+            wait_ms = left <= 0 ? 0 : (int)((left + 999999LL) / 1000000LL);
+        }
+        int err;
+        for (nfds_t i = 0; i < count; i++)
+            set[i].revents = 0;
+        Py_BEGIN_ALLOW_THREADS
+        r = poll(set, count, wait_ms);
+        err = errno;
+        Py_END_ALLOW_THREADS
+        if (r >= 0)
+            break;
+        if (err != EINTR) {
+            errno = err;
+            PyErr_SetFromErrno(PyExc_OSError);
+            Py_DECREF(setobj);
+            return NULL;
+        }
+        if (PyErr_CheckSignals() < 0) {
+            Py_DECREF(setobj);
+            return NULL;
+        }
+    }
+    if (r == 0) {
+        Py_DECREF(setobj);
+        Py_RETURN_NONE;
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL) {
+        Py_DECREF(setobj);
+        return NULL;
+    }
+    unsigned char buf[CIP_RELEASE_SIZE + 1];
+    for (nfds_t i = 0; i < count; i++) {
+        if (!set[i].revents)
+            continue;
+        int fd = set[i].fd;
+        for (long got = 0; got < limit; got++) {
+            ssize_t n;
+            int err;
+            do {
+                n = recv(fd, buf, sizeof buf, MSG_DONTWAIT | MSG_TRUNC);
+                err = errno;
+            } while (n < 0 && err == EINTR);
+            if (n < 0) {
+                if (err == EAGAIN || err == EWOULDBLOCK)
+                    break;
+                if (append_triple(out, fd, PyLong_FromLong(-2), PyLong_FromLong(err)) < 0)
+                    goto error;
+                break;
+            }
+            if (n == CIP_RELEASE_SIZE && buf[0] == (CIP_MAGIC & 0xFF) &&
+                buf[1] == (CIP_MAGIC >> 8) && buf[2] == CIP_VERSION && buf[3] == CIP_RELEASE) {
+                if (append_triple(out, fd, PyLong_FromUnsignedLongLong(le64(buf + 4)),
+                                  PyLong_FromUnsignedLong(le32(buf + 12))) < 0)
+                    goto error;
+                continue;
+            }
+            /* anything else: its bytes (as many as were kept; MSG_TRUNC gives the
+             * real size, so an oversize datagram cannot pass for a short one) */
+            Py_ssize_t kept = n < (ssize_t)sizeof buf ? (Py_ssize_t)n : (Py_ssize_t)sizeof buf;
+            if (append_triple(out, fd, PyLong_FromLong(-1),
+                              PyBytes_FromStringAndSize((const char *)buf, kept)) < 0)
+                goto error;
+            break;
+        }
+    }
+    Py_DECREF(setobj);
+    return out;
+error:
+    Py_DECREF(out);
+    Py_DECREF(setobj);
+    return NULL;
+}
+
+static PyMethodDef frameio_methods[] = {
+    {"pollfds", (PyCFunction)frameio_pollfds, METH_O, pollfds_doc},
+    {"recv_frame", (PyCFunction)(void (*)(void))frameio_recv_frame, METH_FASTCALL,
+     recv_frame_doc},
+    {"release_frame", (PyCFunction)(void (*)(void))frameio_release_frame, METH_FASTCALL,
+     release_frame_doc},
+    {"send_frame", (PyCFunction)(void (*)(void))frameio_send_frame, METH_FASTCALL,
+     send_frame_doc},
+    {"wait_releases", (PyCFunction)(void (*)(void))frameio_wait_releases, METH_FASTCALL,
+     wait_releases_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static int
+frameio_exec(PyObject *module)
+{
+    /* what the calls take the protocol to be */
+    PyObject *protocol =
+        Py_BuildValue("(IIIIiiI)", CIP_MAGIC, CIP_VERSION, CIP_FRAME, CIP_RELEASE, CIP_FRAME_HEAD,
+                      CIP_RELEASE_SIZE, CIP_MAX_FRAME_PAYLOAD);
+    if (protocol == NULL)
+        return -1;
+    if (PyModule_AddObject(module, "PROTOCOL", protocol) < 0) {
+        Py_DECREF(protocol);
+        return -1;
+    }
+    return 0;
+}
+
+static PyModuleDef_Slot frameio_slots[] = {
+    {Py_mod_exec, frameio_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef frameio_module = {
+    PyModuleDef_HEAD_INIT,
+    "cupy_ipcpool.channel._frameio",
+    "The channel's per-frame socket calls, compiled (see docs/performance.md).",
+    0,
+    frameio_methods,
+    frameio_slots,
+    NULL,
+    NULL,
+    NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__frameio(void)
+{
+    return PyModuleDef_Init(&frameio_module);
+}

@@ -1,0 +1,42 @@
+"""Type stub of the compiled module ``cupy_ipcpool.channel._frameio`` (source: ``_frameio.c``)."""
+
+from typing import Any
+
+#: (magic, version, FRAME, RELEASE, FRAME header size, RELEASE size, most FRAME payload bytes)
+PROTOCOL: tuple[int, int, int, int, int, int, int]
+
+def pollfds(pairs: object, /) -> bytes:
+    """Pack ``(fd, events)`` pairs (at most 16) as a ``struct pollfd`` array."""
+
+def recv_frame(
+    fd: int, buf: bytearray, timeout_ms: int, poll_first: bool, hup: bytes, /
+) -> tuple[int, int, int, bool] | None:
+    """Wait for one datagram; ``(n, seq, slot, waited)``, seq -1 when not a FRAME to take."""
+
+def release_frame(
+    fd: int,
+    hup: bytes,
+    fn: int,
+    stream: int,
+    addr: int,
+    value: int,
+    flags: int,
+    seq: int,
+    slot: int,
+    /,
+) -> int:
+    """Hang-up check, read-flag write, RELEASE; -1 after a hang-up, else the CUresult."""
+
+def send_frame(
+    fds: tuple[int, ...], seq: int, slot: int, payload: bytes, /
+) -> list[tuple[int, int]] | None:
+    """Send one FRAME on every socket; None, or ``(index, errno)`` of the sends that failed."""
+
+def wait_releases(
+    pollset: bytearray, timeout_ms: int, limit: int, /
+) -> list[tuple[int, int, Any]] | None:
+    """Wait, then receive up to ``limit`` datagrams per readable socket.
+
+    Per datagram ``(fd, seq, slot)`` for a RELEASE, ``(fd, -1, data: bytes)`` for
+    anything else, ``(fd, -2, errno)`` for a failed receive.
+    """
