@@ -65,9 +65,12 @@ def main() -> int:
             results[label].append(p50)
             print(f"round {r + 1} {label}: round trip p50 {p50:.1f} us", flush=True)
     old, new = statistics.median(results["old"]), statistics.median(results["new"])
+    ratios = [n / o for o, n in zip(results["old"], results["new"], strict=True)]
     print(
         f"== {args.mib} MiB, {args.rounds} rounds of {args.frames} frames: round trip p50 "
-        f"old {old:.1f} us, new {new:.1f} us, new/old {new / old:.3f}"
+        f"old {old:.1f} us, new {new:.1f} us, new/old {new / old:.3f}; per-round new/old "
+        f"median {statistics.median(ratios):.3f}, new faster in "
+        f"{sum(r < 1 for r in ratios)} of {len(ratios)}"
     )
     return 0
 
