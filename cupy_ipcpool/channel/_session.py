@@ -16,8 +16,11 @@ evicts a subscriber that holds a frame too long.
 
 Hot path (``acquire``/``publish``/``poll`` on the producer, ``recv``/``release``
 on the consumer): the caller's thread, one ``send``/``recv`` per message,
-fixed ``struct`` layouts, ``poll(2)`` for waiting; no pickle, no sleeps, no
-thread hand-off.
+fixed layouts, ``poll(2)`` for waiting; no pickle, no sleeps, no thread
+hand-off.  The socket work of each step is one call into the compiled
+:mod:`._frameio` (``recv_frame``, ``release_frame``, ``send_frame``,
+``wait_releases``); everything it hands back that is not a well-formed FRAME
+or RELEASE is decoded and judged here.
 """
 
 from __future__ import annotations
