@@ -100,6 +100,24 @@ def test_a_frame_sent_during_the_wait_wakes_it(pair: tuple) -> None:
     assert (n, seq, slot, waited) == (_HEAD, 3, 1, True)
 
 
+@pytest.mark.parametrize("timeout_ms", [-1, 2**31, 2**62])
+def test_a_timeout_too_long_for_one_poll_still_waits(pair: tuple, timeout_ms: int) -> None:
+    """Without limit, or longer than poll(2) takes (or than the clock can add): a real wait."""
+    a, b = pair
+    t = _later(0.05, lambda: b.send(proto.encode_frame(8, 0)))
+    try:
+        got = recv_frame(a.fileno(), bytearray(_BUF), timeout_ms, True, _hup(a))
+    finally:
+        t.join()
+    assert got is not None and got[1:3] == (8, 0)
+    t = _later(0.05, lambda: b.send(proto.encode_release(8, 0)))
+    try:
+        released = wait_releases(_set(a), timeout_ms, 1)
+    finally:
+        t.join()
+    assert released == [(a.fileno(), 8, 0)]
+
+
 @pytest.mark.parametrize("timeout_ms", [0, 30])
 def test_nothing_within_the_timeout_answers_none(pair: tuple, timeout_ms: int) -> None:
     a, _b = pair

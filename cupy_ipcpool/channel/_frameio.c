@@ -14,6 +14,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <limits.h>
 #include <poll.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -161,6 +162,30 @@ now_ns(void)
     return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
+/* The deadline (CLOCK_MONOTONIC ns) of a timeout in ms; 0 without one.  A timeout
+ * too long to add to the clock (centuries) becomes "without limit" (-1). */
+static long long
+deadline_after(long timeout_ms, long *effective_ms)
+{
+    if (timeout_ms <= 0)
+        return 0;
+    long long now = now_ns();
+    if ((long long)timeout_ms > (LLONG_MAX - now) / 1000000LL) {
+        *effective_ms = -1;
+        return 0;
+    }
+    return now + (long long)timeout_ms * 1000000LL;
+}
+
+/* poll(2)'s timeout for ``left_ns`` nanoseconds: rounded up, at most INT_MAX ms (the
+ * caller loops until its deadline). */
+static int
+poll_ms(long long left_ns)
+{
+    long long ms = (left_ns + 999999LL) / 1000000LL;
+    return ms > INT_MAX ? INT_MAX : (int)ms;
+}
+
 PyDoc_STRVAR(recv_frame_doc,
 "recv_frame(fd, buf, timeout_ms, poll_first, hup) -> tuple | None\n"
 "\n"
@@ -210,11 +235,14 @@ frameio_recv_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
     nfds_t nhup;
     if (load_pollfds(args[4], hup, &nhup, "recv_frame") < 0)
         return NULL;
-    PyObject *bufobj = args[1];
-    Py_INCREF(bufobj); /* held while the GIL is released */
-    char *buf = PyByteArray_AS_STRING(bufobj);
-    size_t size = (size_t)PyByteArray_GET_SIZE(bufobj);
-    long long deadline = timeout_ms > 0 ? now_ns() + (long long)timeout_ms * 1000000LL : 0;
+    /* an exported buffer: the bytearray can be neither freed nor resized by another
+     * thread while the GIL is released */
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_WRITABLE) < 0)
+        return NULL;
+    char *buf = (char *)view.buf;
+    size_t size = (size_t)view.len;
+    long long deadline = deadline_after(timeout_ms, &timeout_ms);
     /* the hang-up set's events for the socket itself (POLLRDHUP), if it is in the set */
     short hup_events = 0;
     for (nfds_t i = 0; i < nhup; i++)
@@ -252,7 +280,7 @@ frameio_recv_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
             long long left = deadline - now_ns();
             if (left <= 0)
                 goto none;
-            wait_ms = (int)((left + 999999LL) / 1000000LL);
+            wait_ms = poll_ms(left);
         }
         /* The wait watches the hang-up set too: what it reports when it wakes up
          * stands for the poll(0) after the receive.  Once something in the set has
@@ -319,19 +347,19 @@ frameio_recv_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
             if (!ready) {
                 unsigned long long s = le64(p + 4);
                 slot = le32(p + 12);
-                Py_DECREF(bufobj);
+                PyBuffer_Release(&view);
                 return Py_BuildValue("(nKIO)", (Py_ssize_t)n, s, slot,
                                      waited ? Py_True : Py_False);
             }
         }
     }
-    Py_DECREF(bufobj);
+    PyBuffer_Release(&view);
     return Py_BuildValue("(nLIO)", (Py_ssize_t)n, seq, slot, waited ? Py_True : Py_False);
 none:
-    Py_DECREF(bufobj);
+    PyBuffer_Release(&view);
     Py_RETURN_NONE;
 fail:
-    Py_DECREF(bufobj);
+    PyBuffer_Release(&view);
     return NULL;
 }
 
@@ -596,17 +624,18 @@ frameio_wait_releases(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssi
         PyErr_SetString(PyExc_ValueError, "wait_releases: limit must be at least 1");
         return NULL;
     }
-    PyObject *setobj = args[0];
-    struct pollfd *set = (struct pollfd *)PyByteArray_AS_STRING(setobj);
+    Py_buffer view; /* exported: not freed nor resized while the GIL is released */
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0)
+        return NULL;
+    struct pollfd *set = (struct pollfd *)view.buf;
     nfds_t count = (nfds_t)(len / (Py_ssize_t)sizeof(struct pollfd));
-    long long deadline = timeout_ms > 0 ? now_ns() + (long long)timeout_ms * 1000000LL : 0;
-    Py_INCREF(setobj); /* held while the GIL is released */
+    long long deadline = deadline_after(timeout_ms, &timeout_ms);
     int r;
     for (;;) {
-        int wait_ms = (int)timeout_ms;
+        int wait_ms = timeout_ms < 0 ? -1 : 0;
         if (timeout_ms > 0) {
             long long left = deadline - now_ns();
-            wait_ms = left <= 0 ? 0 : (int)((left + 999999LL) / 1000000LL);
+            wait_ms = left <= 0 ? 0 : poll_ms(left);
         }
         int err;
         for (nfds_t i = 0; i < count; i++)
@@ -620,21 +649,21 @@ frameio_wait_releases(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssi
         if (err != EINTR) {
             errno = err;
             PyErr_SetFromErrno(PyExc_OSError);
-            Py_DECREF(setobj);
+            PyBuffer_Release(&view);
             return NULL;
         }
         if (PyErr_CheckSignals() < 0) {
-            Py_DECREF(setobj);
+            PyBuffer_Release(&view);
             return NULL;
         }
     }
     if (r == 0) {
-        Py_DECREF(setobj);
+        PyBuffer_Release(&view);
         Py_RETURN_NONE;
     }
     PyObject *out = PyList_New(0);
     if (out == NULL) {
-        Py_DECREF(setobj);
+        PyBuffer_Release(&view);
         return NULL;
     }
     unsigned char buf[CIP_RELEASE_SIZE + 1];
@@ -672,11 +701,11 @@ frameio_wait_releases(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssi
             break;
         }
     }
-    Py_DECREF(setobj);
+    PyBuffer_Release(&view);
     return out;
 error:
     Py_DECREF(out);
-    Py_DECREF(setobj);
+    PyBuffer_Release(&view);
     return NULL;
 }
 
