@@ -138,25 +138,6 @@ def test_mutated_headers_raise_only_protocol_error(valid: bytes, junk: bytes, at
     _decode_only_protocol_error(valid[:4] + junk)
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.binary(min_size=0, max_size=24))
-def test_release_shortcut_agrees_with_decode(data: bytes) -> None:
-    """The publisher takes a RELEASE by its prefix and size, without decode(): same answer."""
-    blob = proto.encode_release(2**64 - 1, 7)
-    for candidate in (data, blob, blob[:4] + data[:12].ljust(12, b"\0"), blob + data[:1]):
-        shortcut = len(candidate) == proto.MAX_RELEASE_SIZE and candidate.startswith(
-            proto.RELEASE_PREFIX
-        )
-        try:
-            msg = proto.decode(candidate)
-        except ProtocolError:
-            assert not shortcut
-            continue
-        assert shortcut == (type(msg) is proto.Release)
-        if shortcut:
-            assert proto.RELEASE_FIELDS.unpack_from(candidate, 4) == (msg.seq, msg.slot)
-
-
 # -- LeaseBook --------------------------------------------------------------------
 
 

@@ -65,11 +65,6 @@ _RELEASE = struct.Struct("<HBBQI")
 _BYE = _HEADER
 _FRAME_SIZE = _FRAME.size
 
-#: The first four bytes of every RELEASE, and what follows them: a receiver of
-#: many RELEASEs (the publisher) recognises one without :func:`decode`.
-RELEASE_PREFIX = _HEADER.pack(MAGIC, VERSION, RELEASE)
-RELEASE_FIELDS = struct.Struct("<QI")  # seq, slot at offset 4
-
 #: Largest datagram of each kind, for receive buffers.
 MAX_HELLO_SIZE = _HELLO.size + MAX_HELLO_PAYLOAD
 MAX_WELCOME_SIZE = _WELCOME.size + MAX_WELCOME_PAYLOAD

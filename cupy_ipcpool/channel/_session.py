@@ -78,12 +78,7 @@ _POLLRDHUP = select.POLLRDHUP
 _DONTWAIT = socket.MSG_DONTWAIT
 #: Longest busy-poll a ``spin_us`` argument may ask for (10 ms).
 MAX_SPIN_US = 10_000
-_HANGUP = select.POLLHUP | select.POLLRDHUP | select.POLLERR
 _INT_SIZE = struct.calcsize("i")
-_RELEASE_RECV = proto.MAX_RELEASE_SIZE + 1  # one more byte so oversize messages fail to decode
-_RELEASE_SIZE = proto.MAX_RELEASE_SIZE
-_RELEASE_PREFIX = proto.RELEASE_PREFIX
-_RELEASE_FIELDS = proto.RELEASE_FIELDS
 _FRAME_HEAD_SIZE = proto.MAX_FRAME_SIZE - proto.MAX_FRAME_PAYLOAD
 #: Most fds :meth:`SubscriberCore.watch` takes (the compiled poll set holds 16, the socket too).
 _MAX_WATCHED = 15
@@ -1570,8 +1565,8 @@ class SubscriberCore:
             if n < 0:
                 return self._from_backlog()
         else:
-            # One compiled call: the wait (poll(2), or the blocking receive itself when
-            # there is no timeout), the receive, the FRAME's header and the hang-up check.
+            # One compiled call: the wait (poll(2) of the socket and the hang-up set),
+            # the receive, the FRAME's header, and the hang-up check if it did not wait.
             try:
                 got = recv_frame(
                     self._sock_fd,
