@@ -204,6 +204,28 @@ def test_watched_fd_sets_the_alarm(address: str, eventfd: int) -> None:
         sub.release(frame.seq, frame.slot)
 
 
+def test_watch_takes_each_fd_once_and_at_most_15(address: str) -> None:
+    """The compiled calls poll the socket and the watched fds as one set of at most 16."""
+    fds = [os.eventfd(0, os.EFD_CLOEXEC) for _ in range(16)]
+    try:
+        with MemfdProducer(address, 4) as producer, SubscriberCore(address) as sub:
+            for fd in fds[:15]:
+                sub.watch(fd)
+                sub.watch(fd)  # again: still one entry
+            with pytest.raises(UsageError, match="at most 15"):
+                sub.watch(fds[15])
+            producer.wait_subscribers(1)
+            producer.publish_next()
+            frame = sub.recv(timeout=5)  # the set still works
+            assert not sub.alarm
+            os.eventfd_write(fds[14], 1)
+            assert not sub.connected() and sub.alarm
+            sub.release(frame.seq, frame.slot)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def test_hangup_sets_the_alarm(address: str) -> None:
     with MemfdProducer(address, 4) as producer, SubscriberCore(address) as sub:
         producer.wait_subscribers(1)
