@@ -23,6 +23,7 @@ import os
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -41,6 +42,33 @@ def one_round(root: str, frames: int, mib: int, cpus: tuple[int, int] | None) ->
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def alternate(
+    old: str, new: str, rounds: int, measure: Callable[[str], float], shown: str
+) -> tuple[list[float], list[float]]:
+    """``measure(root)`` of the two trees, round by round in ABBA order; each printed.
+
+    Returns the old and the new tree's figures, round by round.
+    """
+    results: dict[str, list[float]] = {"old": [], "new": []}
+    pairs = (("old", old), ("new", new))
+    for r in range(rounds):
+        # A B, then B A: neither version always runs first
+        for label, root in pairs if r % 2 == 0 else pairs[::-1]:
+            value = measure(root)
+            results[label].append(value)
+            print(f"round {r + 1} {label}: {shown.format(value)}", flush=True)
+    return results["old"], results["new"]
+
+
+def compare(old: list[float], new: list[float]) -> str:
+    """The per-round new/old ratio's median and how often the new tree was faster."""
+    ratios = [n / o for o, n in zip(old, new, strict=True)]
+    return (
+        f"per-round new/old median {statistics.median(ratios):.3f}, new faster in "
+        f"{sum(r < 1 for r in ratios)} of {len(ratios)}"
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("old")
@@ -56,21 +84,17 @@ def main() -> int:
     args = ap.parse_args()
     cpus = None if args.cpus == "none" else tuple(int(c) for c in args.cpus.split(","))
     assert cpus is None or len(cpus) == 2, "--cpus takes two CPUs"
-    results: dict[str, list[float]] = {"old": [], "new": []}
-    pairs = (("old", args.old), ("new", args.new))
-    for r in range(args.rounds):
-        # A B, then B A: neither version always runs first (ABBA)
-        for label, root in pairs if r % 2 == 0 else pairs[::-1]:
-            p50 = one_round(root, args.frames, args.mib, cpus)  # type: ignore[arg-type]
-            results[label].append(p50)
-            print(f"round {r + 1} {label}: round trip p50 {p50:.1f} us", flush=True)
-    old, new = statistics.median(results["old"]), statistics.median(results["new"])
-    ratios = [n / o for o, n in zip(results["old"], results["new"], strict=True)]
+    old, new = alternate(
+        args.old,
+        args.new,
+        args.rounds,
+        lambda root: one_round(root, args.frames, args.mib, cpus),  # type: ignore[arg-type]
+        "round trip p50 {:.1f} us",
+    )
     print(
         f"== {args.mib} MiB, {args.rounds} rounds of {args.frames} frames: round trip p50 "
-        f"old {old:.1f} us, new {new:.1f} us, new/old {new / old:.3f}; per-round new/old "
-        f"median {statistics.median(ratios):.3f}, new faster in "
-        f"{sum(r < 1 for r in ratios)} of {len(ratios)}"
+        f"old {statistics.median(old):.1f} us, new {statistics.median(new):.1f} us, "
+        f"new/old {statistics.median(new) / statistics.median(old):.3f}; {compare(old, new)}"
     )
     return 0
 

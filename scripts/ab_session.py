@@ -28,6 +28,9 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ab_hot_path import alternate, compare
+
 _ROUND = r"""
 import ctypes, multiprocessing as mp, os, statistics, sys, tempfile, time
 
@@ -102,19 +105,17 @@ def main() -> int:
     args = ap.parse_args()
     cpus = tuple(int(c) for c in args.cpus.split(","))
     assert len(cpus) == 2, "--cpus takes two CPUs"
-    results: dict[str, list[float]] = {"old": [], "new": []}
-    pairs = (("old", args.old), ("new", args.new))
-    for r in range(args.rounds):
-        for label, root in pairs if r % 2 == 0 else pairs[::-1]:
-            p50 = one_round(root, args.frames, cpus)  # type: ignore[arg-type]
-            results[label].append(p50)
-            print(f"round {r + 1} {label}: session round trip p50 {p50:.2f} us", flush=True)
-    ratios = [n / o for o, n in zip(results["old"], results["new"], strict=True)]
-    old, new = statistics.median(results["old"]), statistics.median(results["new"])
+    old, new = alternate(
+        args.old,
+        args.new,
+        args.rounds,
+        lambda root: one_round(root, args.frames, cpus),  # type: ignore[arg-type]
+        "session round trip p50 {:.2f} us",
+    )
     print(
-        f"== {args.rounds} rounds of {args.frames} frames: session round trip p50 old {old:.2f} "
-        f"us, new {new:.2f} us; per-round new/old median {statistics.median(ratios):.3f}, "
-        f"new faster in {sum(r < 1 for r in ratios)} of {len(ratios)}"
+        f"== {args.rounds} rounds of {args.frames} frames: session round trip p50 old "
+        f"{statistics.median(old):.2f} us, new {statistics.median(new):.2f} us; "
+        f"{compare(old, new)}"
     )
     return 0
 
