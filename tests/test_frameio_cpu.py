@@ -515,3 +515,38 @@ def test_wait_releases_lets_other_threads_run_and_refuses_bad_arguments(pairs: l
         wait_releases(_set(b), -2, 1)
     with pytest.raises(ValueError):
         wait_releases(_set(b), 0, 0)
+
+
+# -- loading: the session layer takes the extension only as built for its protocol -------
+
+
+def _unloaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cupy_ipcpool.channel import _session
+
+    for name in ("pollfds", "recv_frame", "release_frame", "send_frame", "wait_releases"):
+        monkeypatch.delattr(_session, name, raising=False)
+
+
+def test_a_build_for_another_protocol_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cupy_ipcpool.channel import _frameio, _session
+
+    _unloaded(monkeypatch)
+    monkeypatch.setattr(_frameio, "PROTOCOL", (*PROTOCOL[:1], PROTOCOL[1] + 1, *PROTOCOL[2:]))
+    with pytest.raises(ImportError, match="rebuild it"):
+        _session._load_frameio()
+    assert not hasattr(_session, "recv_frame")
+
+
+def test_a_missing_build_is_reported_not_hidden(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    import cupy_ipcpool.channel
+    from cupy_ipcpool import _info
+    from cupy_ipcpool.channel import _session
+
+    _unloaded(monkeypatch)
+    monkeypatch.delattr(cupy_ipcpool.channel, "_frameio")
+    monkeypatch.setitem(sys.modules, "cupy_ipcpool.channel._frameio", None)
+    with pytest.raises(ImportError, match="is not built"):
+        _session._load_frameio()
+    assert "NOT BUILT (_frameio)" in _info.fastpath_summary()
