@@ -89,6 +89,14 @@ def test_a_queued_frame_comes_back_decoded_without_waiting(pair: tuple) -> None:
     assert bytes(buf[_HEAD:n]) == b"payload"
 
 
+def test_no_wait_allowed_still_takes_a_queued_frame(pair: tuple) -> None:
+    """``poll_first`` (the last call waited) must not skip the only look a timeout of 0 has."""
+    a, b = pair
+    b.send(proto.encode_frame(6, 2))
+    got = recv_frame(a.fileno(), bytearray(_BUF), 0, True, _hup(a))
+    assert got is not None and got[1:] == (6, 2, False)
+
+
 def test_a_frame_sent_during_the_wait_wakes_it(pair: tuple) -> None:
     a, b = pair
     buf = bytearray(_BUF)

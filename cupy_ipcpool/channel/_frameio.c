@@ -231,6 +231,8 @@ frameio_recv_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
     int poll_first = PyObject_IsTrue(args[3]);
     if (poll_first < 0)
         return NULL;
+    if (timeout_ms == 0)
+        poll_first = 0; /* no wait allowed: the receive is the only look */
     struct pollfd hup[CIP_MAX_POLLFDS];
     nfds_t nhup;
     if (load_pollfds(args[4], hup, &nhup, "recv_frame") < 0)
