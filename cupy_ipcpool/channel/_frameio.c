@@ -324,10 +324,8 @@ frameio_recv_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
             hup_state = HUP_CLEAR;
             for (nfds_t i = 0; i < nw; i++) {
                 short ev = wait[i].revents;
-                if (i == self)
-                    ev &= (short)~POLLIN;
-                if (i == self)
-                    ev &= (short)(hup_events | POLLHUP | POLLERR | POLLNVAL);
+                if (i == self) /* the socket: its hang-up events, not its data */
+                    ev &= (short)((hup_events & ~POLLIN) | POLLHUP | POLLERR | POLLNVAL);
                 if (ev)
                     hup_state = HUP_FIRED;
             }

@@ -57,11 +57,11 @@ from .._errors import (
 )
 from .._transport import Admission, bind_unix, connect_unix, peer_credentials
 from . import _protocol as proto
-
-if TYPE_CHECKING:
-    from ._frameio import pollfds, recv_frame, release_frame, send_frame, wait_releases
 from ._leases import LeaseBook
 from ._protocol import Frame
+
+if TYPE_CHECKING:  # imported at the first session (_load_frameio)
+    from ._frameio import pollfds, recv_frame, release_frame, send_frame, wait_releases
 
 #: Seconds a connecting peer has, from accept, to send its HELLO.
 HANDSHAKE_TIMEOUT = 5.0
@@ -1115,9 +1115,9 @@ class PublisherCore:
             info = conn.info
             self._conns[info.sub_id] = conn
             self._by_fd[conn.fd] = conn
-            self._set_poll_set()
             self._book.add_subscriber(info.sub_id, info.mode, info.credit)
             self._callback(self._on_join, info, "on_join")
+        self._set_poll_set()
 
     def _set_poll_set(self) -> None:
         self._poll_set = bytearray(pollfds([(fd, _POLLIN) for fd in self._by_fd]))
@@ -1772,26 +1772,16 @@ class SubscriberCore:
         PoolClosedError
             This subscriber is closed.
         """
-        if self._closed:
-            raise PoolClosedError("the subscriber is closed")
-        held = self._held.get(seq)
-        if held is None or held != slot:
-            raise ProtocolError(f"release of frame {seq} in slot {slot}, which is not held")
+        self._check_held(seq, slot)
         del self._held[seq]
         if self._eos is not None:
             if self._evicted:
                 self._raise_end()
             return
-        msg = proto.encode_release(seq, slot)
         try:
-            self._sock.send(msg, _DONTWAIT)
-        except BlockingIOError:
-            self._send_stalled(msg)
-        except OSError:
-            # The publisher is gone; was this subscriber dropped?
-            self._scan_after_hangup()
-            if self._evicted:
-                self._raise_end()
+            self._sock.send(proto.encode_release(seq, slot), _DONTWAIT)
+        except OSError as exc:
+            self._release_not_sent(exc, seq, slot)
 
     def release_with_write(
         self, seq: int, slot: int, fn: int, stream: int, addr: int, value: int, flags: int
@@ -1817,11 +1807,7 @@ class SubscriberCore:
         ------
         As :meth:`release`.
         """
-        if self._closed:
-            raise PoolClosedError("the subscriber is closed")
-        held = self._held.get(seq)
-        if held is None or held != slot:
-            raise ProtocolError(f"release of frame {seq} in slot {slot}, which is not held")
+        self._check_held(seq, slot)
         if self._eos is not None:
             self.release(seq, slot)
             return 0
@@ -1829,15 +1815,9 @@ class SubscriberCore:
             rc = release_frame(
                 self._sock_fd, self._hup_set, fn, stream, addr, value, flags, seq, slot
             )
-        except BlockingIOError:  # written; the socket is full
+        except OSError as exc:  # the flag was written; the RELEASE did not go
             del self._held[seq]
-            self._send_stalled(proto.encode_release(seq, slot))
-            return 0
-        except OSError:  # written; the publisher is gone: was this subscriber dropped?
-            del self._held[seq]
-            self._scan_after_hangup()
-            if self._evicted:
-                self._raise_end()
+            self._release_not_sent(exc, seq, slot)
             return 0
         if rc < 0:  # hung up: no write (as connected() answers False)
             self._hung_up()
@@ -1846,6 +1826,24 @@ class SubscriberCore:
         if rc == 0:
             del self._held[seq]
         return rc
+
+    def _check_held(self, seq: int, slot: int) -> None:
+        """Raise unless this open subscriber holds frame ``seq`` in ``slot``."""
+        if self._closed:
+            raise PoolClosedError("the subscriber is closed")
+        held = self._held.get(seq)
+        if held is None or held != slot:
+            raise ProtocolError(f"release of frame {seq} in slot {slot}, which is not held")
+
+    def _release_not_sent(self, exc: OSError, seq: int, slot: int) -> None:
+        """A RELEASE's send failed: wait for room, or find out whether we were dropped."""
+        if isinstance(exc, BlockingIOError):
+            self._send_stalled(proto.encode_release(seq, slot))
+            return
+        # The publisher is gone; was this subscriber dropped?
+        self._scan_after_hangup()
+        if self._evicted:
+            self._raise_end()
 
     def _send_stalled(self, msg: bytes) -> None:
         poller = select.poll()

@@ -316,13 +316,13 @@ class SyncPage:
         """Enqueue on ``stream``: after prior work and a memory barrier, store ``value``."""
         rc = self._memop(self._write_fn, stream, addr, value, self._plain)  # type: ignore[operator]
         if rc:
-            _raise("cuStreamWriteValue32", rc)
+            raise_driver_error("cuStreamWriteValue32", rc)
 
     def wait(self, stream: int, addr: int, value: int) -> None:
         """Enqueue on ``stream``: wait until the flag at ``addr`` reaches ``value`` (cyclic)."""
         rc = self._memop(self._wait_fn, stream, addr, value, self._geq)  # type: ignore[operator]
         if rc:
-            _raise("cuStreamWaitValue32", rc)
+            raise_driver_error("cuStreamWaitValue32", rc)
 
     def order(self, stream: int, addr: int, value: int) -> bool:
         """Order ``stream`` after the flag at ``addr`` reaching ``value``; True if it must wait.
@@ -336,7 +336,7 @@ class SyncPage:
             return False
         rc = self._memop(self._wait_fn, stream, addr, value, self._geq)  # type: ignore[operator]
         if rc:
-            _raise("cuStreamWaitValue32", rc)
+            raise_driver_error("cuStreamWaitValue32", rc)
         return True
 
     def order_all(self, stream: int, addrs: Sequence[int], value: int) -> int:
@@ -358,7 +358,7 @@ class SyncPage:
                 chunk = pending[i : i + _MAX_BATCH]
                 rc = self._wait_all(self._batch_fn, stream, chunk, value, self._geq)  # type: ignore[operator]
                 if rc:
-                    _raise("cuStreamBatchMemOp", rc)
+                    raise_driver_error("cuStreamBatchMemOp", rc)
         return len(pending)
 
     def close(self) -> None:
@@ -378,11 +378,7 @@ class SyncPage:
 
 
 def raise_driver_error(call: str, rc: int) -> NoReturn:
-    """Raise the library's exception for the driver's CUresult ``rc`` from ``call``."""
-    _raise(call, rc)
-    raise AssertionError(f"{call} returned {rc}, which is not an error")  # pragma: no cover
-
-
-def _raise(call: str, rc: int) -> None:
+    """Raise the library's exception for the driver's nonzero CUresult ``rc`` from ``call``."""
     driver = _driver.driver_module()
     _driver.check(call, (driver.CUresult(rc),))
+    raise AssertionError(f"{call} returned {rc}, which is not an error")  # pragma: no cover
