@@ -20,6 +20,7 @@ from ._errors import DescriptorError, NotShareableError, UsageTypeError
 from ._handles import ArrayHandle, validate_dtype
 
 _cupy: Any = None
+_refcount = sys.getrefcount
 
 
 def cupy_module() -> Any:
@@ -114,7 +115,7 @@ class KeptArray:
         The array inside the memory (``strides`` None: C-contiguous).
     """
 
-    __slots__ = ("_base", "array")
+    __slots__ = ("_mem", "_memptr", "_n_array", "_n_mem", "_n_memptr", "array")
 
     def __init__(
         self,
@@ -129,18 +130,27 @@ class KeptArray:
         strides: tuple[int, ...] | None = None,
     ) -> None:
         mem = cp.cuda.UnownedMemory(ptr, size, owner, device)
-        self.array = cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides=strides)
+        self.array = a = cp.ndarray(
+            shape, dtype, cp.cuda.MemoryPointer(mem, offset), strides=strides
+        )
         del mem
-        self._base = self._refcounts()  # only this object holds the array now
-
-    def _refcounts(self) -> tuple[int, int, int]:
-        a = self.array
-        memptr = a.data
-        return sys.getrefcount(a), sys.getrefcount(memptr), sys.getrefcount(memptr.mem)
+        # The array's MemoryPointer and memory, held here too so that in_use() reads
+        # three reference counts with no attribute lookups through CuPy (per frame);
+        # the counts taken now, with only this object holding the three, are the base.
+        self._memptr = a.data
+        self._mem = self._memptr.mem
+        del a
+        self._n_array = _refcount(self.array)
+        self._n_memptr = _refcount(self._memptr)
+        self._n_mem = _refcount(self._mem)
 
     def in_use(self) -> bool:
         """True while anything besides this object refers to the array or its memory."""
-        return self._refcounts() != self._base
+        return (
+            _refcount(self.array) != self._n_array
+            or _refcount(self._memptr) != self._n_memptr
+            or _refcount(self._mem) != self._n_mem
+        )
 
 
 def make_array(

@@ -9,8 +9,10 @@ Wraps each function named in :data:`PRODUCER` / :data:`CONSUMER` with a timer
 call, which nested callers include) and runs the round-trip loop of
 ``scripts/profile_hot_path.py`` (one frame in flight, 1 MiB, raw kernels).
 Prints, per function, the calls per frame and the median and p90 inclusive
-time per call, for both processes.  What it is for: finding which layer of
-the per-frame path the time goes to, before changing it
+time per call, for both processes.  ``TRACE_SPIN_US=N`` gives both ends
+``spin_us=N`` (also in ``scripts/ab_hot_path.py``, which runs this loop).
+What it is for: finding which layer of the per-frame path the time goes to,
+before changing it
 (docs/performance.md, section 5).
 """
 
@@ -145,6 +147,11 @@ def _wrap_all(spec: list[tuple[str, str]]) -> Timings:
     return t
 
 
+def _spin_us() -> float:
+    """Both ends' ``spin_us`` (``TRACE_SPIN_US``; default 0: they sleep at once)."""
+    return float(os.environ.get("TRACE_SPIN_US", "0"))
+
+
 def _pin(cpu: int | None) -> None:
     """Run this process on one CPU (None: leave it to the scheduler)."""
     if cpu is not None:
@@ -185,7 +192,7 @@ def _consumer(address: str, q: Any, cpu: int | None = None, timed: bool = True) 
     # for up to N us before it asks the stream to wait (counts the waits either way)
     spin_ns = int(float(os.environ.get("TRACE_ORDER_SPIN_US", "0")) * 1000)
     counts = [0, 0]
-    with cip.subscribe(address) as sub:
+    with cip.subscribe(address, spin_us=_spin_us()) as sub:
         sync = sub._sync
         sub._order = _spinning_order(sub._order, sync.flags, sync._base, spin_ns, counts)
         q.put("ready")
@@ -228,7 +235,10 @@ def _producer(
     work = GpuWork(cp, 0, stream)
     nelem = mib * MiB // 4
     total: list[int] = []
-    with cip.IpcPool(4, mib * MiB) as pool, cip.Publisher(pool, address) as pub:
+    with (
+        cip.IpcPool(4, mib * MiB) as pool,
+        cip.Publisher(pool, address, spin_us=_spin_us()) as pub,
+    ):
         p = SPAWN.Process(target=_consumer, args=(address, q, cpus[1] if cpus else None, timed))
         p.start()
         assert q.get(timeout=120) == "ready"

@@ -658,12 +658,17 @@ def test_lease_timeout_evicts_a_stopped_subscriber(
 
 
 @pytest.mark.timeout(60)
-def test_evicted_subscriber_never_gets_a_revoked_frame(tmp_path: Any) -> None:
-    """Frames queued before the eviction are not handed out; EvictedError instead."""
+@pytest.mark.parametrize("spin_us", [0, 200], ids=["sleeping", "spinning"])
+def test_evicted_subscriber_never_gets_a_revoked_frame(tmp_path: Any, spin_us: float) -> None:
+    """Frames queued before the eviction are not handed out; EvictedError instead.
+
+    Also while spinning: a frame taken by a non-blocking receive gets the same
+    hang-up check as one that was waited for.
+    """
     address = str(tmp_path / "chan.sock")
     with (
         _memfd_channel(address, 8, lease_timeout=0.2) as (core, _slots),
-        SubscriberCore(address, timeout=5) as sub,
+        SubscriberCore(address, timeout=5, spin_us=spin_us) as sub,
     ):
         assert sub.lease_timeout == 0.2
         _until_subscribed(core)
@@ -687,10 +692,44 @@ def test_evicted_subscriber_never_gets_a_revoked_frame(tmp_path: Any) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_connected_turns_false_on_a_clean_close_and_keeps_queued_frames(tmp_path: Any) -> None:
+@pytest.mark.parametrize("spin_us", [0, 200], ids=["sleeping", "spinning"])
+def test_recv_alone_never_hands_out_a_frame_queued_before_an_eviction(
+    tmp_path: Any, spin_us: float
+) -> None:
+    """The same without asking ``connected()`` first: recv's own check must see the eviction.
+
+    The frames are already queued when recv runs, so it takes them without
+    waiting (while spinning: by a non-blocking receive); the hang-up check
+    that follows such a receive is what turns them into EvictedError.
+    """
+    address = str(tmp_path / "chan.sock")
+    with (
+        _memfd_channel(address, 8, lease_timeout=0.2) as (core, _slots),
+        SubscriberCore(address, timeout=5, spin_us=spin_us) as sub,
+    ):
+        _until_subscribed(core)
+        for _ in range(3):
+            slot, _ = core.acquire(1.0)
+            core.publish(slot)
+        time.sleep(0.3)
+        core.poll(0.0)
+        assert core.evictions == 1
+        with pytest.raises(EvictedError):
+            sub.recv(timeout=1)
+        assert sub.held == {}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("spin_us", [0, 200], ids=["sleeping", "spinning"])
+def test_connected_turns_false_on_a_clean_close_and_keeps_queued_frames(
+    tmp_path: Any, spin_us: float
+) -> None:
     """After the publisher hangs up, ``connected()`` is False; frames sent before still arrive."""
     address = str(tmp_path / "chan.sock")
-    with _memfd_channel(address, 4) as (core, _slots), SubscriberCore(address, timeout=5) as sub:
+    with (
+        _memfd_channel(address, 4) as (core, _slots),
+        SubscriberCore(address, timeout=5, spin_us=spin_us) as sub,
+    ):
         _until_subscribed(core)
         assert sub.connected()
         slot, _ = core.acquire(1.0)

@@ -480,7 +480,7 @@ class Publisher:
 
     def leases(self, slot: int) -> int:
         """Number of subscriber leases on ``slot``."""
-        return len(self._book.leases(slot))
+        return self._book.lease_count(slot)
 
     # -- teardown --
 

@@ -1341,8 +1341,6 @@ class SubscriberCore:
         self.welcome_payload = welcome.payload
         self._buf = bytearray(proto.MAX_FRAME_SIZE + 1)
         self._view = memoryview(self._buf)
-        self._poller = select.poll()
-        self._poller.register(self._sock, _POLLIN)
         self._hangup = select.poll()
         self._hangup.register(self._sock, _POLLRDHUP)
         self._sock_fd = self._sock.fileno()
@@ -1560,14 +1558,13 @@ class SubscriberCore:
             self._raise_end()
         if self._backlog:
             return self._from_backlog()
-        if self.spin_ns:
-            n = self._recv_spinning(timeout)
-            if n < 0:
-                return self._from_backlog()
-        else:
-            # One compiled call: the wait (poll(2) of the socket and the hang-up set),
-            # the receive, the FRAME's header, and the hang-up check if it did not wait.
-            try:
+        # One compiled call: the wait (poll(2) of the socket and the hang-up set),
+        # the receive, the FRAME's header, and the hang-up check if it did not wait;
+        # with spin_us, non-blocking receives of the same call first.
+        try:
+            if self.spin_ns and timeout != 0:
+                got = self._recv_frame_spinning(timeout)
+            else:
                 got = recv_frame(
                     self._sock_fd,
                     self._buf,
@@ -1575,22 +1572,22 @@ class SubscriberCore:
                     self._waited,
                     self._hup_set,
                 )
-            except OSError as exc:
-                self._failed_recv(exc)
-                return self._from_backlog()
-            if got is None:
-                self._waited = True
-                raise ChannelTimeoutError(f"no frame within {timeout} s")
-            n, seq, slot, self._waited = got
-            if seq >= 0:
-                # a well-formed FRAME and no hang-up: what _accept checks besides
-                if slot >= self.num_slots:
-                    self._protocol_error(f"frame {seq} names slot {slot} of {self.num_slots}")
-                held = self._held
-                if seq in held:
-                    self._protocol_error(f"frame {seq} received twice")
-                held[seq] = slot
-                return seq, slot, self._view[_FRAME_HEAD_SIZE:n]
+        except OSError as exc:
+            self._failed_recv(exc)
+            return self._from_backlog()
+        if got is None:
+            self._waited = True
+            raise ChannelTimeoutError(f"no frame within {timeout} s")
+        n, seq, slot, self._waited = got
+        if seq >= 0:
+            # a well-formed FRAME and no hang-up: what _accept checks besides
+            if slot >= self.num_slots:
+                self._protocol_error(f"frame {seq} names slot {slot} of {self.num_slots}")
+            held = self._held
+            if seq in held:
+                self._protocol_error(f"frame {seq} received twice")
+            held[seq] = slot
+            return seq, slot, self._view[_FRAME_HEAD_SIZE:n]
         if n == 0:
             self._end("the publisher closed the connection")
         msg = self._accept(self._view[:n])
@@ -1600,47 +1597,31 @@ class SubscriberCore:
         msg = self._accept(self._backlog.popleft())
         return msg.seq, msg.slot, msg.payload
 
-    def _recv_spinning(self, timeout: float | None) -> int:
-        """Receive one datagram into the buffer, busy-polling up to ``spin_us`` first.
+    def _recv_frame_spinning(self, timeout: float | None) -> tuple[int, int, int, bool] | None:
+        """``recv_frame``, busy-polling (non-blocking receives) up to ``spin_us`` first.
 
-        Returns its size, or -1 when the receive failed with frames queued in
-        the backlog (take those first).
+        Returns what ``recv_frame`` returns; None when nothing came within
+        ``timeout``.  A frame taken while spinning gets the same compiled header
+        and hang-up checks as one that was waited for.
         """
-        sock = self._sock
-        deadline = None
-        spin_end = 0
-        waited = False
+        fd, buf, hup = self._sock_fd, self._buf, self._hup_set
+        clock = time.perf_counter_ns
+        start = clock()
+        spin = self.spin_ns if timeout is None else min(self.spin_ns, int(timeout * 1e9))
+        end = start + spin
         while True:
-            try:
-                n = sock.recv_into(self._buf, 0, _DONTWAIT)
+            got = recv_frame(fd, buf, 0, False, hup)
+            if got is not None:
+                return got
+            now = clock()
+            if now >= end:
                 break
-            except (BlockingIOError, InterruptedError):
-                if timeout != 0:
-                    now = time.perf_counter_ns()
-                    if not spin_end:
-                        spin = self.spin_ns
-                        if timeout is not None:
-                            spin = min(spin, int(timeout * 1e9))
-                        spin_end = now + spin
-                    if now < spin_end:
-                        continue
-            except OSError as exc:
-                self._waited = waited
-                self._failed_recv(exc)
-                return -1
-            waited = True
-            if timeout is None:
-                self._poller.poll(-1)
-                continue
-            if deadline is None:
-                deadline = time.monotonic() + timeout
-            remaining = deadline - time.monotonic()
-            if remaining <= 0.0:
-                self._waited = True
-                raise ChannelTimeoutError(f"no frame within {timeout} s")
-            self._poller.poll(_ms(remaining))
-        self._waited = waited
-        return n
+        if timeout is None:
+            return recv_frame(fd, buf, -1, True, hup)
+        left = timeout - (now - start) / 1e9
+        if left <= 0.0:
+            return None
+        return recv_frame(fd, buf, _ms(left), True, hup)
 
     def _failed_recv(self, exc: OSError) -> None:
         """A receive failed: return if frames are queued behind a reset (take those), else end."""

@@ -154,7 +154,7 @@ class HostChannelPublisher:
 
     def leases(self, slot: int) -> int:
         """Subscriber leases on ``slot``."""
-        return len(self.core.lease_book.leases(slot))
+        return self.core.lease_book.lease_count(slot)
 
     def close(self, linger: float = 0.0) -> None:
         """Say BYE to every subscriber and free the slots (they stay mapped where used)."""
