@@ -220,8 +220,8 @@ def _channel_round(
 
 
 # ------------------------------------------------------------------ the floor
-def _floor_consumer(path: str, mib: int, q: Any, cpu: int | None, spin_us: float) -> None:
-    _pin(cpu)
+def _own_gpu(mib: int, *, zeroed: bool) -> tuple[Any, Any]:
+    """The floor's GPU work on device 0, and its own int32 array of ``mib`` MiB."""
     import cupy as cp
 
     from cupy_ipcpool._bench.lanes import GpuWork
@@ -229,8 +229,15 @@ def _floor_consumer(path: str, mib: int, q: Any, cpu: int | None, spin_us: float
     stream = cp.cuda.Stream(non_blocking=True)
     work = GpuWork(cp, 0, stream)
     with stream:
-        local = cp.zeros(mib * MiB // 4, dtype=cp.int32)
-    stream.synchronize()
+        make = cp.zeros if zeroed else cp.empty
+        arr = make(mib * MiB // 4, dtype=cp.int32)
+    work.stream.synchronize()
+    return work, arr
+
+
+def _floor_consumer(path: str, mib: int, q: Any, cpu: int | None, spin_us: float) -> None:
+    _pin(cpu)
+    work, local = _own_gpu(mib, zeroed=True)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.connect(path)
     reply = bytes(16)
@@ -247,7 +254,7 @@ def _floor_consumer(path: str, mib: int, q: Any, cpu: int | None, spin_us: float
         t_sent = CLOCK()
         rows.append((t_recv, t_recv, t_check, t_check, t_sent, t_sent))
     s.close()
-    stream.synchronize()
+    work.stream.synchronize()
     q.put((rows, work.flush()))
 
 
@@ -255,17 +262,9 @@ def _floor_round(
     frames: int, mib: int, cpus: tuple[int, int] | None, spin_us: float
 ) -> list[dict[str, int]]:
     _pin(cpus[0] if cpus else None)
-    import cupy as cp
-
-    from cupy_ipcpool._bench.lanes import GpuWork
-
     q = SPAWN.Queue()
     path = os.path.join(tempfile.mkdtemp(), "f")
-    stream = cp.cuda.Stream(non_blocking=True)
-    work = GpuWork(cp, 0, stream)
-    with stream:
-        arr = cp.empty(mib * MiB // 4, dtype=cp.int32)
-    stream.synchronize()
+    work, arr = _own_gpu(mib, zeroed=False)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(1)

@@ -657,6 +657,17 @@ def test_lease_timeout_evicts_a_stopped_subscriber(
         assert child.expect("errors") == ["EvictedError", "EvictedError"]
 
 
+def _publish_three_then_evict(core: PublisherCore) -> None:
+    """Publish three frames to the one subscriber, then evict it (``lease_timeout=0.2``)."""
+    _until_subscribed(core)
+    for _ in range(3):
+        slot, _ = core.acquire(1.0)
+        core.publish(slot)
+    time.sleep(0.3)
+    core.poll(0.0)
+    assert core.evictions == 1
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("spin_us", [0, 200], ids=["sleeping", "spinning"])
 def test_evicted_subscriber_never_gets_a_revoked_frame(tmp_path: Any, spin_us: float) -> None:
@@ -670,15 +681,8 @@ def test_evicted_subscriber_never_gets_a_revoked_frame(tmp_path: Any, spin_us: f
         _memfd_channel(address, 8, lease_timeout=0.2) as (core, _slots),
         SubscriberCore(address, timeout=5, spin_us=spin_us) as sub,
     ):
-        assert sub.lease_timeout == 0.2
-        _until_subscribed(core)
-        assert sub.connected()
-        for _ in range(3):
-            slot, _ = core.acquire(1.0)
-            core.publish(slot)
-        time.sleep(0.3)
-        core.poll(0.0)
-        assert core.evictions == 1
+        assert sub.lease_timeout == 0.2 and sub.connected()
+        _publish_three_then_evict(core)
         # the GPU subscriber asks this before writing its sync-page row
         assert not sub.connected()
         with pytest.raises(EvictedError) as info:
@@ -707,13 +711,7 @@ def test_recv_alone_never_hands_out_a_frame_queued_before_an_eviction(
         _memfd_channel(address, 8, lease_timeout=0.2) as (core, _slots),
         SubscriberCore(address, timeout=5, spin_us=spin_us) as sub,
     ):
-        _until_subscribed(core)
-        for _ in range(3):
-            slot, _ = core.acquire(1.0)
-            core.publish(slot)
-        time.sleep(0.3)
-        core.poll(0.0)
-        assert core.evictions == 1
+        _publish_three_then_evict(core)
         with pytest.raises(EvictedError):
             sub.recv(timeout=1)
         assert sub.held == {}
