@@ -657,15 +657,28 @@ def test_lease_timeout_evicts_a_stopped_subscriber(
         assert child.expect("errors") == ["EvictedError", "EvictedError"]
 
 
+def _evict_overdue(core: PublisherCore) -> None:
+    """Let ``lease_timeout=0.2`` pass; the publisher's next poll evicts the one subscriber."""
+    time.sleep(0.3)
+    core.poll(0.0)
+    assert core.evictions == 1
+
+
 def _publish_three_then_evict(core: PublisherCore) -> None:
     """Publish three frames to the one subscriber, then evict it (``lease_timeout=0.2``)."""
     _until_subscribed(core)
     for _ in range(3):
         slot, _ = core.acquire(1.0)
         core.publish(slot)
-    time.sleep(0.3)
-    core.poll(0.0)
-    assert core.evictions == 1
+    _evict_overdue(core)
+
+
+def _until_hung_up(sub: SubscriberCore) -> None:
+    """Wait (at most 5 s) until ``sub`` sees that the publisher hung up."""
+    deadline = time.monotonic() + 5
+    while sub.connected():
+        assert time.monotonic() < deadline, "the hang-up was never seen"
+        time.sleep(0.01)
 
 
 @pytest.mark.timeout(60)
@@ -733,10 +746,7 @@ def test_connected_turns_false_on_a_clean_close_and_keeps_queued_frames(
         slot, _ = core.acquire(1.0)
         seq = core.publish(slot)
         core.close()
-        deadline = time.monotonic() + 5
-        while sub.connected():
-            assert time.monotonic() < deadline, "the hang-up was never seen"
-            time.sleep(0.01)
+        _until_hung_up(sub)
         frame = sub.recv(timeout=1)
         assert (frame.seq, frame.slot) == (seq, slot)
         assert not sub.evicted
@@ -807,9 +817,7 @@ def test_release_with_write_never_writes_after_an_eviction(tmp_path: Any) -> Non
     ):
         _until_subscribed(core)
         seq, slot = _one_frame(core, sub)
-        time.sleep(0.3)
-        core.poll(0.0)
-        assert core.evictions == 1
+        _evict_overdue(core)
         with pytest.raises(EvictedError):
             sub.release_with_write(seq, slot, *_write_args(rec))
         assert rec.calls == []
@@ -824,10 +832,7 @@ def test_release_with_write_after_the_publisher_left_forgets_the_frame(tmp_path:
         _until_subscribed(core)
         seq, slot = _one_frame(core, sub)
         core.close()
-        deadline = time.monotonic() + 5
-        while sub.connected():
-            assert time.monotonic() < deadline, "the hang-up was never seen"
-            time.sleep(0.01)
+        _until_hung_up(sub)
         assert sub.release_with_write(seq, slot, *_write_args(rec)) == 0
         assert rec.calls == []
         assert sub.held == {}
