@@ -1,10 +1,11 @@
 """The compiled parts of cupy_ipcpool (everything else is in pyproject.toml).
 
-Two small C extensions with no dependency beyond Python's headers, built by
+Three small C extensions with no dependency beyond Python's headers, built by
 ``pip install .`` (or ``-e .``) with the system's C compiler:
 ``cupy_ipcpool._fastpath`` (the per-frame stream memory operations, driver
-layer) and ``cupy_ipcpool.channel._frameio`` (the channel's per-frame socket
-calls).  See docs/performance.md for what they do and why.
+layer), ``cupy_ipcpool._hotpath`` (the per-frame bookkeeping of the pool, peer
+and channel layers: slot pick, frame assembly, write ordering) and
+``cupy_ipcpool.channel._frameio`` (the channel's per-frame socket calls).  See docs/performance.md for what they do and why.
 """
 
 from setuptools import Extension, setup
@@ -17,6 +18,12 @@ setup(
         Extension(
             "cupy_ipcpool._fastpath",
             sources=["cupy_ipcpool/_fastpath.c"],
+            depends=_SHARED,
+            extra_compile_args=_FLAGS,
+        ),
+        Extension(
+            "cupy_ipcpool._hotpath",
+            sources=["cupy_ipcpool/_hotpath.c"],
             depends=_SHARED,
             extra_compile_args=_FLAGS,
         ),

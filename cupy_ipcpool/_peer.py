@@ -327,6 +327,16 @@ class PeerPool:
             pos = end
         return out, pos
 
+    def wire_state(self) -> tuple[dict[bytes, Any], dict[bytes, Any], list[int], list[Any]]:
+        """``(geometry cache, kept arrays, seen generations, lent list)``: the state
+        :meth:`arrays_from_wire` works on, for the compiled frame assembly
+        (``_hotpath.take_frame``), which hands kept arrays out again exactly as
+        :meth:`arrays_from_wire` does and leaves every other case to it.
+
+        The containers are this pool's own, only ever changed in place.
+        """
+        return self._geometry, self._views, self._seen_generation, self._lent
+
     def drop_idle_owners(self) -> None:
         """Let go of the owners of handed-out arrays that nothing uses any more.
 
@@ -346,7 +356,7 @@ class PeerPool:
                     view.holder.owner = None
                 else:
                     keep.append(view)
-            self._lent = keep
+            lent[:] = keep  # in place: wire_state() hands this very list out
 
     def local_refs(self, slot: int) -> int:
         """Number of live arrays over ``slot`` in this process."""

@@ -109,14 +109,20 @@ def _recv_spin(s: socket.socket, n: int, spin_ns: int) -> bytes:
     return s.recv(n)
 
 
-def _counting(order: Any, counts: list[int]) -> Any:
-    """``order``/``order_all`` that counts its calls and the GPU waits it enqueued."""
+def _counting(order: Any, counts: list[int], waits_at: int | None = None) -> Any:
+    """``order``/``order_all`` that counts its calls and the GPU waits it enqueued.
+
+    ``waits_at``: the compiled calls (``order_slot``, ``take_frame``) answer a
+    tuple holding the waits at that index, or None (then the Python path runs,
+    which is counted through its own wrapper).
+    """
 
     def counted(*args: Any) -> Any:
-        waits = order(*args)
-        counts[0] += 1
-        counts[1] += int(waits)
-        return waits
+        got = order(*args)
+        if waits_at is None or got is not None:
+            counts[0] += 1
+            counts[1] += int(got if waits_at is None else got[waits_at])
+        return got
 
     return counted
 
@@ -139,6 +145,7 @@ def _channel_consumer(address: str, q: Any, cpu: int | None, spin_us: float) -> 
     waits = [0, 0]
     with cip.subscribe(address, spin_us=spin_us) as sub:
         sub._order = _counting(sub._order, waits)  # type: ignore[union-attr]
+        sub._take_frame = _counting(sub._take_frame, waits, 3)  # type: ignore[union-attr]
         q.put("ready")
         while True:
             try:
@@ -183,6 +190,7 @@ def _channel_round(
         cip.Publisher(pool, address, spin_us=spin_us) as pub,
     ):
         pub._leases._order_all = _counting(pub._leases._order_all, waits)
+        pub._leases._order_slot = _counting(pub._leases._order_slot, waits, 0)
         p = SPAWN.Process(
             target=_channel_consumer, args=(address, q, cpus[1] if cpus else None, spin_us)
         )

@@ -160,7 +160,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("driver", ("_driver", "_fastpath")),
     ("vmm", ("_vmm",)),
     ("transport", ("_transport",)),
-    ("pool", ("_arrays", "_slots", "_arena", "_pool")),
+    ("pool", ("_arrays", "_compiled", "_hotpath", "_slots", "_arena", "_pool")),
     ("peer", ("_peer",)),
     ("allocator", ("_allocator", "_compat")),
     (

@@ -7,7 +7,9 @@ Shared by :mod:`._publisher` and :mod:`._subscriber`; the framing around them
 from __future__ import annotations
 
 import struct
+from types import ModuleType
 
+from .._compiled import hotpath as _load_hotpath
 from .._transport import SCM_MAX_FD
 
 #: Most bytes of user metadata per frame.
@@ -25,3 +27,23 @@ WELCOME_HEAD = struct.Struct("<IIIIQ")
 # FRAME payload: flag index u32 (the slot), generation u32 (low bits), number of
 # arrays u16, metadata length u16, then the packed array handles, then the metadata.
 FRAME_HEAD = struct.Struct("<IIHH")
+
+
+def hotpath() -> ModuleType:
+    """:func:`cupy_ipcpool._compiled.hotpath`, also checked against this module's FRAME layout.
+
+    Raises
+    ------
+    ImportError
+        As :func:`~cupy_ipcpool._compiled.hotpath`, or the module was built for
+        another FRAME head or other limits.
+    """
+    module = _load_hotpath()
+    layout = (FRAME_HEAD.size, MAX_ARRAYS, MAX_METADATA)
+    built = (module.LAYOUT[0], *module.LAYOUT[5:])
+    if built != layout:
+        raise ImportError(
+            f"cupy_ipcpool._hotpath was built for the FRAME layout {built}, this code uses "
+            f"{layout}: rebuild it (pip install -e .)"
+        )
+    return module

@@ -41,9 +41,16 @@ from .._errors import (
 )
 from .._handles import ArrayHandle
 from .._pool import DEFAULT_TIMEOUT, IpcPool, SlotToken
-from ._payload import FRAME_HEAD, MAX_ARRAYS, MAX_CHANNEL_SLOTS, MAX_METADATA, WELCOME_HEAD
+from ._payload import (
+    FRAME_HEAD,
+    MAX_ARRAYS,
+    MAX_CHANNEL_SLOTS,
+    MAX_METADATA,
+    WELCOME_HEAD,
+    hotpath,
+)
 from ._session import PublisherCore, SubscriberInfo
-from ._syncpage import SyncPage
+from ._syncpage import SyncPage, raise_driver_error
 
 _TEMPLATES = 1024  # most array geometries whose wire form a publisher keeps
 
@@ -132,6 +139,18 @@ class _PublisherLeases:
         self._order_all = publisher._sync.order_all
         self.closed = False  # set by the publisher's close
         self.lock = threading.RLock()  # serialises the (single-threaded) session core
+        #: The lease book's per-slot holder sets: the compiled slot pick counts
+        #: leases from them (see LeaseSource).
+        self.holder_sets = self._book.holder_sets
+        # order_write's usual case in one compiled call (_hotpath.order_slot)
+        self._order_slot = hotpath().order_slot
+        self._order_ctx = (
+            self.lock,
+            self._book.reader_lists,
+            self._rows,
+            self._published,
+            *publisher._sync.wait_op,
+        )
 
     def leases(self, slot: int) -> int:
         return 0 if self.closed else self._book.lease_count(slot)
@@ -151,6 +170,12 @@ class _PublisherLeases:
         """Make ``stream`` wait for the read flags of every subscriber that read ``slot``."""
         if self.closed:
             return
+        got = self._order_slot(self._order_ctx, slot, stream)
+        if got is not None:
+            if got[1]:
+                raise_driver_error("cuStreamWaitValue32", got[1])
+            return
+        # the lock was held elsewhere, or several flags need a wait: one batch
         with self.lock:
             readers = self._book.readers_to_wait(slot)
         if not readers:
