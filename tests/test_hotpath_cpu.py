@@ -346,3 +346,36 @@ def test_take_frame_leaves_a_kept_array_in_use_to_python() -> None:
     assert r.state() == before
     del in_hand
     assert hp.take_frame(r.ctx, _payload(1, 5, [_handle(1, 5)]), 1, object(), STREAM) is not None
+
+
+# ------------------------------------------------------------------ loading
+def test_a_missing_build_is_reported_not_hidden(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    import cupy_ipcpool
+    from cupy_ipcpool import _compiled, _info
+
+    monkeypatch.setattr(_compiled, "_loaded", None)
+    monkeypatch.delattr(cupy_ipcpool, "_hotpath")
+    monkeypatch.setitem(sys.modules, "cupy_ipcpool._hotpath", None)
+    with pytest.raises(ImportError, match="is not built"):
+        _compiled.hotpath()
+    with pytest.raises(ImportError, match="is not built"):
+        SlotTable(2)  # a pool cannot be made without it
+    assert "NOT BUILT (_hotpath)" in _info.fastpath_summary()
+
+
+def test_a_build_of_other_layouts_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cupy_ipcpool import _compiled
+    from cupy_ipcpool.channel import _payload
+
+    built = hp.LAYOUT
+    monkeypatch.setattr(_compiled, "_loaded", None)
+    monkeypatch.setattr(hp, "LAYOUT", (built[0], 99, *built[2:]))
+    with pytest.raises(ImportError, match="handle layout"):
+        _compiled.hotpath()
+    monkeypatch.setattr(_compiled, "_loaded", None)
+    monkeypatch.setattr(hp, "LAYOUT", (16, *built[1:]))
+    _compiled.hotpath()  # the handle layout is this code's
+    with pytest.raises(ImportError, match="FRAME layout"):
+        _payload.hotpath()
