@@ -29,7 +29,7 @@ any frame out of order or of the wrong shape; the tests assert all of that
 
 Keys recorded (``record_value``): ``roundtrip_p50_{1,64,1024}MiB`` and
 ``roundtrip_p99_*``, ``roundtrip_spin_p50_1MiB`` / ``roundtrip_spin_p99_1MiB``,
-``throughput_fps_{1,64}MiB``, ``pipelined_fps_{1,64}MiB``,
+``throughput_fps_{1,64}MiB``, ``pipelined_fps_{1,64}MiB``, ``pipelined_fps_{1,64}MiB_32slots``,
 ``fanout_p50_{1,2,4,8}`` / ``fanout_p99_*``, ``idle_subscriber_cpu_fraction``,
 ``idle_subscriber_cpu_fraction_spin``, ``socket_floor_p50`` / ``socket_floor_p99``.
 """
@@ -301,6 +301,22 @@ def test_pipelined_throughput(tmp_path, mib):
         _stream(prod, 1000)
         elapsed = _stream(prod, n)
     record_value(f"pipelined_fps_{mib}MiB", n / elapsed)  # frames per second
+
+
+@pytest.mark.parametrize("mib", [1, 64])
+def test_pipelined_throughput_deep_ring(tmp_path, mib):
+    """The pipelined benchmark with 32 slots instead of 8 (the target stays on 8 slots).
+
+    The GPU runs the two processes' work in turns, and a turn lasts until a
+    cross-process flag dependency forces the switch; the slots the producer
+    may run ahead by bound how many frames a turn carries (docs/performance.md,
+    section 9).  With 8 slots and 4 held, that is 4 frames per turn.
+    """
+    n = 10_000
+    with _channel(tmp_path, mib, slots=32, hold=PIPELINE_HOLD) as prod:
+        _stream(prod, 1000)
+        elapsed = _stream(prod, n)
+    record_value(f"pipelined_fps_{mib}MiB_32slots", n / elapsed)  # frames per second
 
 
 @pytest.mark.parametrize("fan", [1, 2, 4, 8])

@@ -96,6 +96,66 @@ def _wrap(module: Any, name: str, before: list[int] | None, after: list[int] | N
     setattr(module, name, stamped)
 
 
+class _Inner:
+    """Durations of calls inside the library's per-frame path (``--inner``).
+
+    ``wrap(obj, name, label)`` replaces ``obj.name`` (an instance attribute, a
+    bound method or a module function) by a wrapper that records each call's
+    duration under ``label``; each wrapper adds ~0.1-0.2 us to its caller.
+    """
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[int]] = {}
+
+    def wrap(self, obj: Any, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+        out = self.times.setdefault(label, [])
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = CLOCK()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                out.append(CLOCK() - t0)
+
+        setattr(obj, name, timed)
+
+    def medians(self) -> dict[str, float]:
+        """p50 us per label over the calls after the warm-up (one call per frame assumed)."""
+        return {k: statistics.median(v[WARMUP:]) / 1e3 for k, v in self.times.items() if v[WARMUP:]}
+
+
+def _inner_consumer(inner: _Inner, sub: Any) -> None:
+    from cupy_ipcpool.channel import _subscriber
+
+    inner.wrap(sub._core, "recv_view", "C recv_view (incl. the receive)")
+    inner.wrap(sub._peer, "pin", "C peer.pin")
+    inner.wrap(sub, "_stream_ptr", "C _stream_ptr")
+    inner.wrap(sub, "_take_frame", "C take_frame (compiled, incl. flag wait)")
+    inner.wrap(_subscriber, "_Lease", "C _Lease()")
+    inner.wrap(_subscriber, "Frame", "C Frame()")
+    inner.wrap(sub._core, "release_with_write", "C core.release_with_write")
+
+
+def _inner_producer(inner: _Inner, pub: Any) -> None:
+    from cupy_ipcpool import _pool
+    from cupy_ipcpool.channel import _publisher
+
+    pool = pub._pool
+    inner.wrap(pool, "acquire", "P pool.acquire")
+    inner.wrap(_pool, "stream_ptr", "P stream_ptr")
+    inner.wrap(pool._table, "_take_slot", "P take_slot (compiled)")
+    inner.wrap(_pool, "SlotToken", "P SlotToken()")
+    inner.wrap(pub._leases, "order_write", "P order_write")
+    inner.wrap(pub._leases, "_order_slot", "P order_slot (compiled, incl. flag wait)")
+    inner.wrap(_publisher, "PublishFrame", "P PublishFrame()")
+    inner.wrap(pub, "_write_flag", "P frame-flag write")
+    inner.wrap(pub._core, "publish", "P core.publish (incl. send)")
+    inner.wrap(pub._book, "publishing", "P book.publishing")
+    inner.wrap(pub._leases, "collect", "P leases.collect (incl. the wait)")
+    inner.wrap(pub._book, "release", "P book.release")
+
+
 # ------------------------------------------------------------------ the channel
 def _recv_spin(s: socket.socket, n: int, spin_ns: int) -> bytes:
     """``s.recv(n)``, busy-polling up to ``spin_ns`` first (the floor's ``spin_us``)."""
@@ -127,7 +187,7 @@ def _counting(order: Any, counts: list[int], waits_at: int | None = None) -> Any
     return counted
 
 
-def _channel_consumer(address: str, q: Any, cpu: int | None, spin_us: float) -> None:
+def _channel_consumer(address: str, q: Any, cpu: int | None, spin_us: float, inner: bool) -> None:
     _pin(cpu)
     import cupy as cp
 
@@ -146,6 +206,9 @@ def _channel_consumer(address: str, q: Any, cpu: int | None, spin_us: float) -> 
     with cip.subscribe(address, spin_us=spin_us) as sub:
         sub._order = _counting(sub._order, waits)  # type: ignore[union-attr]
         sub._take_frame = _counting(sub._take_frame, waits, 3)  # type: ignore[union-attr]
+        timers = _Inner()
+        if inner:
+            _inner_consumer(timers, sub)
         q.put("ready")
         while True:
             try:
@@ -161,11 +224,11 @@ def _channel_consumer(address: str, q: Any, cpu: int | None, spin_us: float) -> 
             del a, f
             rows.append((recv1[0], t_recv, t_check, rel0[0], rel1[0], t_done))
     stream.synchronize()
-    q.put((rows, work.flush(), waits))
+    q.put((rows, work.flush(), waits, timers.medians()))
 
 
 def _channel_round(
-    frames: int, mib: int, cpus: tuple[int, int] | None, spin_us: float
+    frames: int, mib: int, cpus: tuple[int, int] | None, spin_us: float, inner: bool = False
 ) -> tuple[list[dict[str, int]], str]:
     _pin(cpus[0] if cpus else None)
     import cupy as cp
@@ -191,8 +254,12 @@ def _channel_round(
     ):
         pub._leases._order_all = _counting(pub._leases._order_all, waits)
         pub._leases._order_slot = _counting(pub._leases._order_slot, waits, 0)
+        timers = _Inner()
+        if inner:
+            _inner_producer(timers, pub)
         p = SPAWN.Process(
-            target=_channel_consumer, args=(address, q, cpus[1] if cpus else None, spin_us)
+            target=_channel_consumer,
+            args=(address, q, cpus[1] if cpus else None, spin_us, inner),
         )
         p.start()
         assert q.get(timeout=120) == "ready"
@@ -216,7 +283,7 @@ def _channel_round(
             rows.append(
                 (t0, t_frame, t_array, t_fill, send0[0], send1[0], t_pub, t_exit, back[0], t_end)
             )
-    cons, mismatches, c_waits = q.get(timeout=120)
+    cons, mismatches, c_waits, c_inner = q.get(timeout=120)
     p.join(30)
     if mismatches:
         raise SystemExit(f"channel: {mismatches} mismatching samples")
@@ -224,6 +291,8 @@ def _channel_round(
         f"GPU waits enqueued: producer {waits[1]} in {waits[0]} acquires, "
         f"consumer {c_waits[1]} in {c_waits[0]} frames"
     )
+    for label, us in {**timers.medians(), **c_inner}.items():
+        note += f"\n    {label:44s} {us:6.2f}"
     return _merge(rows, cons), note
 
 
@@ -334,6 +403,12 @@ def main() -> int:
         help="both ends busy-poll this long before they sleep (channel: spin_us; floor: "
         "MSG_DONTWAIT receives); 0: they sleep at once, as by default",
     )
+    ap.add_argument(
+        "--inner",
+        action="store_true",
+        help="also time calls inside the library's per-frame path (p50 per round; adds "
+        "~0.1-0.2 us per wrapped call to the segments)",
+    )
     args = ap.parse_args()
     cpus: tuple[int, int] | None = None
     if args.cpus:
@@ -342,7 +417,7 @@ def main() -> int:
     chan: list[list[float]] = []
     floor: list[list[float]] = []
     for r in range(args.rounds):
-        frames, note = _channel_round(args.frames, args.mib, cpus, args.spin_us)
+        frames, note = _channel_round(args.frames, args.mib, cpus, args.spin_us, args.inner)
         chan.append(_medians(frames, SEGMENTS))
         floor_frames = _floor_round(args.frames, args.mib, cpus, args.spin_us)
         floor.append(_medians(floor_frames, FLOOR_SEGMENTS))
