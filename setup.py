@@ -11,7 +11,7 @@ and channel layers: slot pick, frame assembly, write ordering) and
 from setuptools import Extension, setup
 
 _FLAGS = ["-O2", "-Wall", "-Wextra", "-Werror=implicit-function-declaration"]
-_SHARED = ["cupy_ipcpool/_memop_args.h"]
+_SHARED = ["cupy_ipcpool/_memop_args.h", "cupy_ipcpool/_le.h"]
 
 setup(
     ext_modules=[

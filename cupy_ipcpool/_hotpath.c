@@ -36,6 +36,7 @@
 #include <Python.h>
 #include <string.h>
 
+#include "_le.h"
 #include "_memop_args.h"
 
 #define CIP_FRAME_HEAD 12       /* FRAME_HEAD = "<IIHH" */
@@ -45,34 +46,11 @@
 #define CIP_NDIM_AT 20
 #define CIP_MAX_ARRAYS 64
 #define CIP_MAX_METADATA 16384
-#define CIP_MAX_WAITS 64        /* readers ordered in C; more go to the Python path */
 
 static PyObject *S_array, *S_memptr, *S_mem, *S_n_array, *S_n_memptr, *S_n_mem;
 static PyObject *ONE;
 static PyObject *S_holder, *S_owner, *S_acquire, *S_release, *S_current, *S_holder_sets;
 static PyObject *S_in_use;
-
-static unsigned long long
-le64(const unsigned char *p)
-{
-    unsigned long long v = 0;
-    for (int i = 7; i >= 0; i--)
-        v = (v << 8) | p[i];
-    return v;
-}
-
-static unsigned int
-le32(const unsigned char *p)
-{
-    return (unsigned int)p[0] | ((unsigned int)p[1] << 8) | ((unsigned int)p[2] << 16) |
-           ((unsigned int)p[3] << 24);
-}
-
-static unsigned int
-le16(const unsigned char *p)
-{
-    return (unsigned int)p[0] | ((unsigned int)p[1] << 8);
-}
 
 /* ------------------------------------------------------------------------ */
 /* Kept arrays (cupy_ipcpool._arrays.KeptArray)                              */

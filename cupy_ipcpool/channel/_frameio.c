@@ -21,6 +21,7 @@
 #include <sys/uio.h>
 #include <time.h>
 
+#include "../_le.h"
 #include "../_memop_args.h"
 
 /* ------------------------------------------------------------------------ */
@@ -38,22 +39,6 @@
 #define CIP_MAX_FRAME_PAYLOAD (64u * 1024u)
 #define CIP_MAX_POLLFDS 16             /* a hang-up set: the socket and watched fds */
 #define CIP_MAX_SUBSCRIBER_FDS 65536  /* a publisher's set of subscriber sockets */
-
-static unsigned long long
-le64(const unsigned char *p)
-{
-    unsigned long long v = 0;
-    for (int i = 7; i >= 0; i--)
-        v = (v << 8) | p[i];
-    return v;
-}
-
-static unsigned int
-le32(const unsigned char *p)
-{
-    return (unsigned int)p[0] | ((unsigned int)p[1] << 8) | ((unsigned int)p[2] << 16) |
-           ((unsigned int)p[3] << 24);
-}
 
 static int
 as_fd(PyObject *obj, const char *name)
