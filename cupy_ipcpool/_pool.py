@@ -262,7 +262,11 @@ class IpcPool:
     Parameters
     ----------
     num_slots:
-        Number of slots in the ring (1 .. 65536).
+        Number of slots in the ring (1 .. 65536).  For a stream of frames to
+        another process, the slots the producer can run ahead by (the ring
+        less what consumers hold) bound how many frames the GPU carries per
+        switch between the two processes' contexts: give it at least 8 (see
+        the README, "Sizing the ring").
     slot_nbytes:
         Usable bytes per slot; each slot's allocation is rounded up to the
         device's allocation granularity (an aligned size is kept as is).
