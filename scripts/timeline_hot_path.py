@@ -228,7 +228,12 @@ def _channel_consumer(address: str, q: Any, cpu: int | None, spin_us: float, inn
 
 
 def _channel_round(
-    frames: int, mib: int, cpus: tuple[int, int] | None, spin_us: float, inner: bool = False
+    frames: int,
+    mib: int,
+    cpus: tuple[int, int] | None,
+    spin_us: float,
+    inner: bool = False,
+    slots: int = 4,
 ) -> tuple[list[dict[str, int]], str]:
     _pin(cpus[0] if cpus else None)
     import cupy as cp
@@ -249,7 +254,7 @@ def _channel_round(
     rows: list[tuple[int, ...]] = []
     waits = [0, 0]
     with (
-        cip.IpcPool(4, mib * MiB) as pool,
+        cip.IpcPool(slots, mib * MiB) as pool,
         cip.Publisher(pool, address, spin_us=spin_us) as pub,
     ):
         pub._leases._order_all = _counting(pub._leases._order_all, waits)
@@ -312,32 +317,65 @@ def _own_gpu(mib: int, *, zeroed: bool) -> tuple[Any, Any]:
     return work, arr
 
 
-def _floor_consumer(path: str, mib: int, q: Any, cpu: int | None, spin_us: float) -> None:
+def _floor_consumer(
+    path: str, mib: int, q: Any, cpu: int | None, spin_us: float, ordered: int = 0
+) -> None:
+    """The floor's consumer; ``ordered``: the ring's slots of the ordered floor (0: none)."""
     _pin(cpu)
     work, local = _own_gpu(mib, zeroed=True)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.connect(path)
+    sync = None
+    if ordered:
+        from cupy_ipcpool.channel._syncpage import SyncPage
+
+        head, fds, _flags, _addr = socket.recv_fds(s, 16, 1)
+        sync = SyncPage.import_fd(fds[0], int.from_bytes(head, "little"), ordered, 1, 0)
+        os.close(fds[0])
+        frame_flags = [sync.frame_flag(i) for i in range(ordered)]
+        read_flags = [sync.read_flag(0, i) for i in range(ordered)]
+        sptr = work.stream.ptr
     reply = bytes(16)
     rows: list[tuple[int, ...]] = []
     spin_ns = int(spin_us * 1000)
+    k = 0
     while True:
         msg = _recv_spin(s, 256, spin_ns)
         t_recv = CLOCK()
         if not msg:
             break
-        work.enqueue_check(local, 0)
+        if sync is not None:  # the channel's ordering: wait for the frame, then say "read"
+            slot, gen = k % ordered, k // ordered + 1
+            sync.order(sptr, frame_flags[slot], gen)
+            work.enqueue_check(local, 0)
+            sync.write(sptr, read_flags[slot], gen)
+        else:
+            work.enqueue_check(local, 0)
         t_check = CLOCK()
         s.send(reply)
         t_sent = CLOCK()
         rows.append((t_recv, t_recv, t_check, t_check, t_sent, t_sent))
+        k += 1
     s.close()
     work.stream.synchronize()
+    if sync is not None:
+        sync.close()
     q.put((rows, work.flush()))
 
 
 def _floor_round(
-    frames: int, mib: int, cpus: tuple[int, int] | None, spin_us: float
+    frames: int, mib: int, cpus: tuple[int, int] | None, spin_us: float, ordered: int = 0
 ) -> list[dict[str, int]]:
+    """The floor's round trips; ``ordered`` (a ring size): with the channel's four flag operations.
+
+    The ordered floor is the floor plus the channel's GPU ordering and
+    nothing else: a sync page shared as the channel shares it, the producer's
+    stream ordered after the read flag of the slot's previous use before its
+    fill and writing the frame flag after it, the consumer's stream ordered
+    after the frame flag before its check and writing the read flag after it
+    (each through ``SyncPage.order`` / ``write``, host look included).  It is
+    what a channel with no bookkeeping at all would measure.
+    """
     _pin(cpus[0] if cpus else None)
     q = SPAWN.Queue()
     path = os.path.join(tempfile.mkdtemp(), "f")
@@ -346,16 +384,33 @@ def _floor_round(
     listener.bind(path)
     listener.listen(1)
     p = SPAWN.Process(
-        target=_floor_consumer, args=(path, mib, q, cpus[1] if cpus else None, spin_us)
+        target=_floor_consumer,
+        args=(path, mib, q, cpus[1] if cpus else None, spin_us, ordered),
     )
     spin_ns = int(spin_us * 1000)
     p.start()
     conn, _ = listener.accept()
+    sync = None
+    if ordered:
+        from cupy_ipcpool.channel._syncpage import SyncPage
+
+        sync = SyncPage.create(ordered, 1, 0)
+        socket.send_fds(conn, [sync.nbytes.to_bytes(8, "little")], [sync.fd])
+        frame_flags = [sync.frame_flag(i) for i in range(ordered)]
+        read_flags = [sync.read_flag(0, i) for i in range(ordered)]
+        sptr = work.stream.ptr
     msg = bytes(96)
     rows: list[tuple[int, ...]] = []
-    for _ in range(frames + WARMUP):
+    for k in range(frames + WARMUP):
         t0 = CLOCK()
-        work.fill(arr, 7)
+        if sync is not None:  # the channel's ordering: the slot read, then "written"
+            slot, gen = k % ordered, k // ordered + 1
+            if gen > 1:
+                sync.order(sptr, read_flags[slot], gen - 1)
+            work.fill(arr, 7)
+            sync.write(sptr, frame_flags[slot], gen)
+        else:
+            work.fill(arr, 7)
         t_fill = CLOCK()
         conn.send(msg)
         t_sent = CLOCK()
@@ -366,6 +421,9 @@ def _floor_round(
     listener.close()
     cons, mismatches = q.get(timeout=120)
     p.join(30)
+    if sync is not None:
+        work.stream.synchronize()
+        sync.close()
     if mismatches:
         raise SystemExit(f"floor: {mismatches} mismatching samples")
     return _merge(rows, cons)
@@ -394,7 +452,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--frames", type=int, default=3000)
     ap.add_argument("--mib", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=3, help="channel and floor alternating")
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="channel and floor (and ordered floor) alternating"
+    )
     ap.add_argument("--cpus", default="2,4", help="producer,consumer CPUs ('' = no pinning)")
     ap.add_argument(
         "--spin-us",
@@ -402,6 +462,13 @@ def main() -> int:
         default=0.0,
         help="both ends busy-poll this long before they sleep (channel: spin_us; floor: "
         "MSG_DONTWAIT receives); 0: they sleep at once, as by default",
+    )
+    ap.add_argument("--slots", type=int, default=4, help="the ring (channel, ordered floor)")
+    ap.add_argument(
+        "--ordered",
+        action="store_true",
+        help="also run the ordered floor: the floor plus the channel's four flag operations "
+        "(what a channel without bookkeeping would measure)",
     )
     ap.add_argument(
         "--inner",
@@ -416,15 +483,24 @@ def main() -> int:
         cpus = (first, second)
     chan: list[list[float]] = []
     floor: list[list[float]] = []
+    ordered: list[list[float]] = []
     for r in range(args.rounds):
-        frames, note = _channel_round(args.frames, args.mib, cpus, args.spin_us, args.inner)
+        frames, note = _channel_round(
+            args.frames, args.mib, cpus, args.spin_us, args.inner, args.slots
+        )
         chan.append(_medians(frames, SEGMENTS))
         floor_frames = _floor_round(args.frames, args.mib, cpus, args.spin_us)
         floor.append(_medians(floor_frames, FLOOR_SEGMENTS))
         rt_chan, rt_floor = chan[-1][12], floor[-1][-1]
-        print(f"round {r}: channel {rt_chan:.1f} us, floor {rt_floor:.1f} us; {note}", flush=True)
+        line = f"round {r}: channel {rt_chan:.1f} us, floor {rt_floor:.1f} us"
+        if args.ordered:
+            ordered_frames = _floor_round(args.frames, args.mib, cpus, args.spin_us, args.slots)
+            ordered.append(_medians(ordered_frames, FLOOR_SEGMENTS))
+            line += f", ordered floor {ordered[-1][-1]:.1f} us"
+        print(f"{line}; {note}", flush=True)
     head = "  ".join(f"r{r:<5d}" for r in range(args.rounds))
     spin = f", both ends spin {args.spin_us:g} us" if args.spin_us else ""
+    spin += f", {args.slots} slots"
     print(f"\n== channel, {args.mib} MiB{spin}, p50 us per segment (rounds)")
     print(f"{'segment':44s} {head}  median")
     for i, (label, _, _) in enumerate(SEGMENTS):
@@ -432,6 +508,10 @@ def main() -> int:
     print(f"\n== socket + GPU floor, {args.mib} MiB{spin}")
     for i, (label, _, _) in enumerate(FLOOR_SEGMENTS):
         print(_row(label, [c[i] for c in floor]))
+    if ordered:
+        print(f"\n== ordered floor (the floor + the four flag operations), {args.mib} MiB{spin}")
+        for i, (label, _, _) in enumerate(FLOOR_SEGMENTS):
+            print(_row(label, [c[i] for c in ordered]))
     return 0
 
 
