@@ -350,48 +350,56 @@ hotpath_take_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
     if (n - pos != meta_len)
         goto done;
 
-    /* Second pass: hand the arrays out. */
-    PyObject *arrays = PyTuple_New(count);
-    if (arrays == NULL)
+    /* The host's look at the frame flag, before anything changes: a ctx that does
+     * not describe the page raises with nothing handed out.  (Looking before the
+     * hand-out can only see an older value: at worst a wait more.) */
+    page_t page;
+    if (load_page(PyTuple_GET_ITEM(ctx, 4), PyTuple_GET_ITEM(ctx, 5), PyTuple_GET_ITEM(ctx, 7),
+                  PyTuple_GET_ITEM(ctx, 8), &page) < 0)
         goto fail;
-    for (Py_ssize_t i = 0; i < count; i++) {
+    unsigned long long addr = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(flags, slot));
+    int reached = PyErr_Occurred() ? -1 : flag_reached(&page.words, page.base, addr, generation);
+    if (reached < 0) {
+        PyBuffer_Release(&page.words);
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "take_frame: the frame flag is not in the page");
+        goto fail;
+    }
+    PyObject *arrays = PyTuple_New(count);
+    PyObject *metadata = PyBytes_FromStringAndSize((const char *)data + pos, n - pos);
+    if (arrays == NULL || metadata == NULL) {
+        PyBuffer_Release(&page.words);
+        Py_XDECREF(arrays);
+        Py_XDECREF(metadata);
+        goto fail;
+    }
+
+    /* Second pass: hand the arrays out. */
+    int bad = 0;
+    for (Py_ssize_t i = 0; i < count && !bad; i++) {
         handle_t *h = &handles[i];
         PyObject *array = PyObject_GetAttr(h->view, S_array);
-        if (array == NULL) {
-            Py_DECREF(arrays);
-            goto fail;
-        }
-        PyTuple_SET_ITEM(arrays, i, array);
+        bad = array == NULL;
+        if (!bad)
+            PyTuple_SET_ITEM(arrays, i, array);
     }
-    for (Py_ssize_t i = 0; i < count; i++) {
+    for (Py_ssize_t i = 0; i < count && !bad; i++) {
         handle_t *h = &handles[i];
         PyObject *gen = PyLong_FromUnsignedLongLong(h->generation);
-        int bad = gen == NULL || PyList_SetItem(seen, h->slot, gen) < 0; /* steals gen */
+        bad = gen == NULL || PyList_SetItem(seen, h->slot, gen) < 0; /* steals gen */
         PyObject *holder = bad ? NULL : PyObject_GetAttr(h->view, S_holder);
         bad = bad || holder == NULL || PyObject_SetAttr(holder, S_owner, owner) < 0 ||
               PyList_Append(lent, h->view) < 0;
         Py_XDECREF(holder);
-        if (bad) {
-            Py_DECREF(arrays);
-            goto fail;
-        }
     }
-    PyObject *metadata = PyBytes_FromStringAndSize((const char *)data + pos, n - pos);
-    if (metadata == NULL) {
-        Py_DECREF(arrays);
-        goto fail;
-    }
-
-    /* The stream waits on the frame flag unless the host sees it set already. */
-    page_t page;
-    if (load_page(PyTuple_GET_ITEM(ctx, 4), PyTuple_GET_ITEM(ctx, 5), PyTuple_GET_ITEM(ctx, 7),
-                  PyTuple_GET_ITEM(ctx, 8), &page) < 0) {
+    if (bad) {
+        PyBuffer_Release(&page.words);
         Py_DECREF(arrays);
         Py_DECREF(metadata);
         goto fail;
     }
-    unsigned long long addr = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(flags, slot));
-    int reached = PyErr_Occurred() ? -1 : flag_reached(&page.words, page.base, addr, generation);
+
+    /* The stream waits on the frame flag unless the host saw it set. */
     int rc = 0;
     if (reached == 0) {
         memop_fn wait = page.wait;
@@ -401,13 +409,6 @@ hotpath_take_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&page.words);
-    if (reached < 0) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "take_frame: the frame flag is not in the page");
-        Py_DECREF(arrays);
-        Py_DECREF(metadata);
-        goto fail;
-    }
     Py_DECREF(result);
     result = Py_BuildValue("(INNOi)", generation, arrays, metadata,
                            reached == 0 ? Py_True : Py_False, rc);
@@ -652,7 +653,9 @@ hotpath_order_slot(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
     PyObject *who = PyList_GET_ITEM(readers, slot);
     unsigned long long pending = 0;
     int npending = 0;
-    if (PyErr_Occurred() || !PyList_Check(who))
+    if (!PyErr_Occurred() && !PyList_Check(who))
+        PyErr_SetString(PyExc_TypeError, "order_slot: the readers of a slot must be a list");
+    if (PyErr_Occurred())
         goto unlock;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(who); i++) {
         PyObject *row = PyDict_GetItemWithError(rows, PyList_GET_ITEM(who, i)); /* borrowed */

@@ -379,3 +379,12 @@ def test_a_build_of_other_layouts_is_refused(monkeypatch: pytest.MonkeyPatch) ->
     _compiled.hotpath()  # the handle layout is this code's
     with pytest.raises(ImportError, match="FRAME layout"):
         _payload.hotpath()
+
+
+def test_take_frame_refuses_a_flag_outside_the_page_before_handing_anything_out() -> None:
+    r = _Receiver([_handle(1, 0)])
+    r.flags[1] = BASE + 4 * 4096  # past the page
+    before = r.state()
+    with pytest.raises(ValueError, match="not in the page"):
+        hp.take_frame(r.ctx, _payload(1, 5, [_handle(1, 5)]), 1, object(), STREAM)
+    assert r.state() == before
