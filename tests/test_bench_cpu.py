@@ -197,6 +197,7 @@ def test_lane_registry():
         "cuda_core",
         "socket_floor",
         "socket_gpu_floor",
+        "ordered_floor",
         "inprocess_floor",
     )
     assert [ln.name for ln in lanes.get_lanes(["socket_floor", "cupy_ipcpool"])] == [
@@ -365,7 +366,7 @@ def test_cupy_import_failure_is_a_skip(monkeypatch):
 def test_notes_describe_every_floor():
     floors = [n for n in bench.NOTES if "socket_floor" in n]
     assert len(floors) == 1
-    for name in ("socket_floor", "socket_gpu_floor", "inprocess_floor"):
+    for name in ("socket_floor", "socket_gpu_floor", "ordered_floor", "inprocess_floor"):
         assert name in floors[0]
     assert "no data shared" in floors[0]
 
@@ -548,6 +549,133 @@ def test_socket_gpu_floor_sides_run_in_two_processes():
     for key in ("4096", str(MiB)):
         c = res.consumers[0][key]
         assert c["device_checked"] == SMALL.iters + SMALL.tput and c["device_mismatches"] == 0
+
+
+class _HostFlags:
+    """The ordered floor's sync page on CPU: 32-bit words in a memfd, written at once.
+
+    ``write`` stores the value now (a stream would store it after its prior
+    work); ``order``/``order_all`` find the flag at the value or raise — the
+    sides' own message exchange puts every write before the order that needs
+    it, so a raise means the lane named the wrong flag or generation.
+    """
+
+    BASE = 0x7000_0000
+
+    def __init__(self, fd: int, nbytes: int, slots: int, owner: bool) -> None:
+        import mmap
+
+        self.fd, self.nbytes, self.slots, self._owner = fd, nbytes, slots, owner
+        self._mm = mmap.mmap(fd, nbytes)
+        self._words = memoryview(self._mm).cast("I")
+        self.ordered = 0
+
+    @classmethod
+    def create(cls, slots: int, rows: int) -> _HostFlags:
+        nbytes = 4 * slots * (1 + rows)
+        fd = os.memfd_create("ordered-floor")
+        os.ftruncate(fd, nbytes)
+        return cls(fd, nbytes, slots, owner=True)
+
+    def frame_flag(self, slot: int) -> int:
+        return self.BASE + 4 * slot
+
+    def read_flag(self, index: int, slot: int) -> int:
+        return self.BASE + 4 * (self.slots * (1 + index) + slot)
+
+    def order(self, stream: int, addr: int, value: int) -> bool:
+        have = self._words[(addr - self.BASE) // 4]
+        if have < value:
+            raise RuntimeError(f"flag {addr:#x} holds {have}, not {value}: ordering broken")
+        self.ordered += 1
+        return False
+
+    def order_all(self, stream: int, addrs: list[int], value: int) -> int:
+        for addr in addrs:
+            self.order(stream, addr, value)
+        return 0
+
+    def write(self, stream: int, addr: int, value: int) -> None:
+        self._words[(addr - self.BASE) // 4] = value
+
+    def close(self) -> None:
+        self._words.release()
+        self._mm.close()
+        if self._owner:
+            os.close(self.fd)
+
+
+class NumpyOrderedFloorLane(lanes.OrderedFloorLane):
+    """ordered_floor with numpy work and :class:`_HostFlags` instead of CuPy and a SyncPage."""
+
+    name = "numpy_ordered_floor"
+    read_flag_lag = 0  # a consumer that writes an older generation than it read (a bug)
+
+    def available(self):
+        return None
+
+    def open_producer(self, links, cfg, nbytes):
+        return _NumpyOrderedProducer(links, cfg, nbytes)
+
+    def open_consumer(self, link, cfg, nbytes):
+        side = _NumpyOrderedConsumer(link, cfg, nbytes)
+        side.lag = self.read_flag_lag
+        return side
+
+
+class _NumpyOrderedProducer(lanes._OrderedFloorProducer):
+    def open_gpu(self, cfg, nelem):
+        return _NumpyWork(), np.empty(nelem, dtype=np.int32)
+
+    def create_flags(self, cfg, consumers):
+        return _HostFlags.create(cfg.num_slots, consumers)
+
+    def stream_handle(self):
+        return 0
+
+
+class _NumpyOrderedConsumer(lanes._OrderedFloorConsumer):
+    lag = 0
+
+    def open_gpu(self, cfg, nelem):
+        return _NumpyWork(), np.zeros(nelem, dtype=np.int32)
+
+    def import_flags(self, fd, nbytes, slots, consumers, cfg):
+        return _HostFlags(os.dup(fd), nbytes, slots, owner=True)
+
+    def stream_handle(self):
+        return 0
+
+    def step(self, *, full):
+        if self.lag:  # from now on, write each read flag `lag` generations short
+            write, lag = self.flags.write, self.lag
+            self.flags.write = lambda s, a, v: write(s, a, v - lag)
+            self.lag = 0
+        return super().step(full=full)
+
+
+def test_ordered_floor_sides_order_every_frame_in_two_processes():
+    cfg = BenchConfig(sizes=(4096, MiB), schedule=SMALL, n_consumers=2, frame_timeout=10.0)
+    res = harness.run_pair(NumpyOrderedFloorLane(), cfg, timeout=120)
+    assert res.status == OK, res.reason
+    ms = harness.measurements_from(NumpyOrderedFloorLane(), cfg, res)
+    assert [m.status for m in ms] == [OK, OK], [m.reason for m in ms]
+    assert all(m.frames_verified == 2 * SMALL.total for m in ms)  # both consumers, every frame
+
+
+class ShortReadFlagLane(NumpyOrderedFloorLane):
+    """A consumer that releases one generation short (a bug the lane must catch)."""
+
+    name = "short_read_flag"
+    read_flag_lag = 1
+
+
+def test_ordered_floor_fails_when_a_read_flag_is_short():
+    # negative control: the producer's next use of the slot is then not ordered
+    # after the consumer's read, which the lane must report rather than time
+    cfg = BenchConfig(sizes=(MiB,), schedule=SMALL, frame_timeout=10.0)
+    (m,) = harness.run_lane(ShortReadFlagLane(), cfg, timeout=120)
+    assert m.status == FAILED and "ordering broken" in (m.reason or ""), m.reason
 
 
 class NonzeroGpuFloorLane(NumpyGpuFloorLane):

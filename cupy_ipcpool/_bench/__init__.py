@@ -91,7 +91,10 @@ NOTES = (
     "(SOCK_SEQPACKET) and one the size of a RELEASE back; socket_gpu_floor does that round "
     "trip with the same kernels, the producer filling its own array and the consumer "
     "checking its own zero-filled one (no data shared: the IPC-free floor of two processes "
-    "each launching one kernel per frame plus one socket round trip); inprocess_floor "
+    "each launching one kernel per frame plus one socket round trip); ordered_floor adds "
+    "to it the channel's GPU ordering and nothing else (the four flag operations on a "
+    "shared sync page: what a channel without per-frame bookkeeping would measure, so "
+    "cupy_ipcpool's distance to it is the library's own cost); inprocess_floor "
     "enqueues the same fill and check in one process (its round trip is the host cost of "
     "that GPU work).",
 )

@@ -34,7 +34,7 @@ import warnings
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
-from typing import Any
+from typing import Any, Protocol
 
 from .harness import (
     BenchConfig,
@@ -51,6 +51,9 @@ from .harness import (
 MiB = 1 << 20
 _VALUE = struct.Struct("<q")
 _DONE = b"d"
+#: What the ordered floor's producer sends with the page's fd: its size, the
+#: consumer's row of read flags, how many rows there are, and the ring's slots.
+_ORDERED_HEAD = struct.Struct("<QIII")
 _H2D, _D2H = 1, 2  # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
 
 
@@ -1185,6 +1188,168 @@ class _SocketGpuFloorConsumer(_SocketFloorConsumer):
             self.local = None
 
 
+class OrderedFloorLane(SocketGpuFloorLane):
+    """socket_gpu_floor plus the channel's GPU ordering between the processes, nothing else.
+
+    The channel must order the consumer's work after the producer's (the
+    consumer must not read a frame before it is written) and the producer's
+    next write of a slot after the consumer's work on it.  This lane adds
+    exactly that to :class:`SocketGpuFloorLane`, through the channel's own
+    :class:`~cupy_ipcpool.channel._syncpage.SyncPage` shared as the channel
+    shares it, over a ring of ``cfg.num_slots`` slots (cupy_ipcpool's): the producer's
+    stream waits on the read flags of the slot's previous use (unless the
+    host sees them set) before its fill and writes the frame flag after it;
+    the consumer's stream waits on the frame flag before its check and writes
+    its read flag after it.  No slot table, lease book, tokens or payload: it
+    measures what a channel with no per-frame bookkeeping at all would, so
+    cupy_ipcpool's distance to it is the library's own per-frame cost
+    (docs/performance.md, section 9).  Each process still uses its own memory.
+    """
+
+    name = "ordered_floor"
+    title = "floor + the channel's GPU ordering (four flag operations)"
+    sync_note = (
+        "the channel's ordering, on the GPU only: a sync page of flags in shared host memory; "
+        "the producer's stream waits on the consumers' read flags of the slot's previous use "
+        "(the ring of cupy_ipcpool's lane; skipped when the host sees them set) before its "
+        "fill and writes the frame flag after it; the consumer's stream waits on the frame "
+        "flag before its check and writes its read flag after it. No host wait per frame."
+    )
+
+    def available(self) -> str | None:
+        return None if _has_module("cupy") else "cupy is not installed"
+
+    def open_producer(
+        self, links: Sequence[Connection], cfg: BenchConfig, nbytes: int
+    ) -> ProducerSide:
+        return _OrderedFloorProducer(links, cfg, nbytes)
+
+    def open_consumer(self, link: Connection, cfg: BenchConfig, nbytes: int) -> ConsumerSide:
+        return _OrderedFloorConsumer(link, cfg, nbytes)
+
+
+class _Flags(Protocol):
+    """What the ordered floor uses of a sync page (a :class:`SyncPage`, or a CPU stand-in)."""
+
+    @property
+    def fd(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+
+    def frame_flag(self, slot: int) -> int: ...
+    def read_flag(self, index: int, slot: int) -> int: ...
+    def order(self, stream: int, addr: int, value: int) -> bool: ...
+    def order_all(self, stream: int, addrs: Sequence[int], value: int) -> int: ...
+    def write(self, stream: int, addr: int, value: int) -> None: ...
+    def close(self) -> None: ...
+
+
+def _ring_position(frame: int, slots: int) -> tuple[int, int]:
+    """The slot and generation of the ``frame``-th frame (from 0) on a ring of ``slots``."""
+    return frame % slots, frame // slots + 1
+
+
+class _OrderedFloorProducer(_SocketGpuFloorProducer):
+    # Per frame: order after the slot's last readers, fill, write the frame flag, send.
+    def __init__(self, links: Sequence[Connection], cfg: BenchConfig, nbytes: int) -> None:
+        super().__init__(links, cfg, nbytes)
+        self.frames = 0
+        self.slots = cfg.num_slots
+        try:
+            self.flags = self.create_flags(cfg, len(self.socks))
+            for row, s in enumerate(self.socks):
+                head = _ORDERED_HEAD.pack(self.flags.nbytes, row, len(self.socks), self.slots)
+                socket.send_fds(s, [head], [self.flags.fd])
+        except BaseException:
+            super().close()
+            raise
+        self.stream_ptr = self.stream_handle()
+
+    def create_flags(self, cfg: BenchConfig, consumers: int) -> _Flags:
+        """The sync page, one read-flag row per consumer (overridden by the CPU tests)."""
+        from ..channel._syncpage import SyncPage
+
+        return SyncPage.create(cfg.num_slots, consumers, cfg.device)
+
+    def stream_handle(self) -> int:
+        """The raw handle of the work's stream (overridden by the CPU tests)."""
+        return int(self.work.stream.ptr)
+
+    def send(self, value: int) -> None:
+        slot, gen = _ring_position(self.frames, self.slots)
+        self.frames += 1
+        flags = self.flags
+        if gen > 1:  # the slot's previous frame was read by every consumer
+            rows = range(len(self.socks))
+            flags.order_all(self.stream_ptr, [flags.read_flag(r, slot) for r in rows], gen - 1)
+        self.work.fill(self.arr, value)
+        flags.write(self.stream_ptr, flags.frame_flag(slot), gen)
+        _SocketFloorProducer.send(self, value)
+
+    def close(self) -> None:
+        try:
+            super().close()  # synchronises the stream first: no wait left on the page
+        finally:
+            flags = getattr(self, "flags", None)
+            if flags is not None:
+                flags.close()
+                self.flags = None  # type: ignore[assignment]
+
+
+class _OrderedFloorConsumer(_SocketGpuFloorConsumer):
+    # Per frame: receive, order after the frame flag, check, write the read flag, reply.
+    def __init__(self, link: Connection, cfg: BenchConfig, nbytes: int) -> None:
+        super().__init__(link, cfg, nbytes)
+        self.frames = 0
+        try:
+            head, fds, _flags, _addr = socket.recv_fds(self.sock, _ORDERED_HEAD.size, 1)
+            if len(head) != _ORDERED_HEAD.size or len(fds) != 1:
+                for fd in fds:
+                    os.close(fd)
+                raise RuntimeError("the ordered floor's producer sent no sync page")
+            nbytes_page, self.row, consumers, self.slots = _ORDERED_HEAD.unpack(head)
+            try:
+                self.flags = self.import_flags(fds[0], nbytes_page, self.slots, consumers, cfg)
+            finally:
+                os.close(fds[0])
+        except BaseException:
+            super().close()
+            raise
+        self.stream_ptr = self.stream_handle()
+
+    def import_flags(
+        self, fd: int, nbytes: int, slots: int, consumers: int, cfg: BenchConfig
+    ) -> _Flags:
+        """Map the producer's sync page (overridden by the CPU tests)."""
+        from ..channel._syncpage import SyncPage
+
+        return SyncPage.import_fd(fd, nbytes, slots, consumers, cfg.device)
+
+    def stream_handle(self) -> int:
+        """The raw handle of the work's stream (overridden by the CPU tests)."""
+        return int(self.work.stream.ptr)
+
+    def step(self, *, full: bool) -> tuple[int, bool]:
+        value, ok = self.receive()
+        slot, gen = _ring_position(self.frames, self.slots)
+        self.frames += 1
+        flags = self.flags
+        flags.order(self.stream_ptr, flags.frame_flag(slot), gen)
+        checked = check_frame(self.work, self.local, 0, self.nelem, full=full)
+        flags.write(self.stream_ptr, flags.read_flag(self.row, slot), gen)
+        self.reply()
+        return value, ok and checked
+
+    def close(self) -> None:
+        try:
+            super().close()  # synchronises the stream first
+        finally:
+            flags = getattr(self, "flags", None)
+            if flags is not None:
+                flags.close()
+                self.flags = None  # type: ignore[assignment]
+
+
 class InProcessFloorLane(Lane):
     """The same fill kernel and the same check in one process: no IPC at all.
 
@@ -1293,6 +1458,7 @@ ALL_LANES: tuple[Lane, ...] = (
     CudaCoreLane(),
     SocketFloorLane(),
     SocketGpuFloorLane(),
+    OrderedFloorLane(),
     InProcessFloorLane(),
 )
 
