@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 
+from timeline_hot_path import _counting  # the wait counter of the compiled calls too
+
 MiB = 1 << 20
 SPAWN = mp.get_context("spawn")
 
@@ -79,25 +81,6 @@ def _count_waits(obj: object, attr: str) -> list[int]:
     return counts
 
 
-def _count_compiled(obj: object, attr: str, waits_at: int, counts: list[int]) -> None:
-    """Add the compiled call ``obj.attr`` (``take_frame``, ``order_slot``) to ``counts``.
-
-    It answers a tuple with the waits it enqueued at ``waits_at``, or None when
-    it left the frame to the Python path (counted by :func:`_count_waits`).  A
-    call counts as one flag (``order_slot``: one slot's readers, usually one).
-    """
-    call = getattr(obj, attr)
-
-    def counted(*args: object) -> object:
-        got = call(*args)
-        if got is not None:
-            counts[0] += 1
-            counts[1] += int(got[waits_at])
-        return got
-
-    setattr(obj, attr, counted)
-
-
 def _consumer(address: str, frames: int, profile: bool, q, spin: float) -> None:  # type: ignore[no-untyped-def]
     import cupy as cp
 
@@ -110,7 +93,7 @@ def _consumer(address: str, frames: int, profile: bool, q, spin: float) -> None:
     steps: dict[str, list[int]] = {"recv": [], "kernel": [], "release": []}
     with cip.subscribe(address, spin_us=spin) as sub:
         waits = _count_waits(sub, "_order")
-        _count_compiled(sub, "_take_frame", 3, waits)
+        sub._take_frame = _counting(sub._take_frame, waits, 3)
         q.put("ready")
         if prof is not None:
             prof.enable()
@@ -161,7 +144,7 @@ def _run(
     slots = 4 if mode == "rt" else 8
     with cip.IpcPool(slots, mib * MiB) as pool, cip.Publisher(pool, address, spin_us=spin) as pub:
         waits = _count_waits(pub._leases, "_order_all")  # what order_write calls
-        _count_compiled(pub._leases, "_order_slot", 0, waits)
+        pub._leases._order_slot = _counting(pub._leases._order_slot, waits, 0)
         procs = [
             SPAWN.Process(target=_consumer, args=(address, frames, profile, q, spin))
             for _ in range(consumers)

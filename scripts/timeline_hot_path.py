@@ -327,6 +327,7 @@ def _floor_consumer(
     s.connect(path)
     sync = None
     if ordered:
+        from cupy_ipcpool._bench.lanes import ring_position
         from cupy_ipcpool.channel._syncpage import SyncPage
 
         head, fds, _flags, _addr = socket.recv_fds(s, 16, 1)
@@ -345,7 +346,7 @@ def _floor_consumer(
         if not msg:
             break
         if sync is not None:  # the channel's ordering: wait for the frame, then say "read"
-            slot, gen = k % ordered, k // ordered + 1
+            slot, gen = ring_position(k, ordered)
             sync.order(sptr, frame_flags[slot], gen)
             work.enqueue_check(local, 0)
             sync.write(sptr, read_flags[slot], gen)
@@ -392,6 +393,7 @@ def _floor_round(
     conn, _ = listener.accept()
     sync = None
     if ordered:
+        from cupy_ipcpool._bench.lanes import ring_position
         from cupy_ipcpool.channel._syncpage import SyncPage
 
         sync = SyncPage.create(ordered, 1, 0)
@@ -404,7 +406,7 @@ def _floor_round(
     for k in range(frames + WARMUP):
         t0 = CLOCK()
         if sync is not None:  # the channel's ordering: the slot read, then "written"
-            slot, gen = k % ordered, k // ordered + 1
+            slot, gen = ring_position(k, ordered)
             if gen > 1:
                 sync.order(sptr, read_flags[slot], gen - 1)
             work.fill(arr, 7)

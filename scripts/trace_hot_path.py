@@ -28,6 +28,8 @@ import tempfile
 import time
 from typing import Any
 
+from timeline_hot_path import _counting  # the wait counter of the compiled calls too
+
 MiB = 1 << 20
 SPAWN = mp.get_context("spawn")
 
@@ -198,16 +200,7 @@ def _consumer(address: str, q: Any, cpu: int | None = None, timed: bool = True) 
         if spin_ns:  # the experiment needs recv's Python path, which orders through _order
             sub._take_frame = lambda *args: None
         else:  # count the compiled assembly's waits too
-            take_frame = sub._take_frame
-
-            def counted(*args: Any) -> Any:
-                got = take_frame(*args)
-                if got is not None:
-                    counts[0] += 1
-                    counts[1] += int(got[3])
-                return got
-
-            sub._take_frame = counted
+            sub._take_frame = _counting(sub._take_frame, counts, 3)
         q.put("ready")
         while True:
             try:

@@ -1244,8 +1244,12 @@ class _Flags(Protocol):
     def close(self) -> None: ...
 
 
-def _ring_position(frame: int, slots: int) -> tuple[int, int]:
-    """The slot and generation of the ``frame``-th frame (from 0) on a ring of ``slots``."""
+def ring_position(frame: int, slots: int) -> tuple[int, int]:
+    """The slot and generation of the ``frame``-th frame (from 0) on a ring of ``slots``.
+
+    The channel's round-robin with one frame per slot in turn: what the ordered
+    floor's sides (here and in ``scripts/timeline_hot_path.py``) write and wait for.
+    """
     return frame % slots, frame // slots + 1
 
 
@@ -1276,7 +1280,7 @@ class _OrderedFloorProducer(_SocketGpuFloorProducer):
         return int(self.work.stream.ptr)
 
     def send(self, value: int) -> None:
-        slot, gen = _ring_position(self.frames, self.slots)
+        slot, gen = ring_position(self.frames, self.slots)
         self.frames += 1
         flags = self.flags
         if gen > 1:  # the slot's previous frame was read by every consumer
@@ -1331,7 +1335,7 @@ class _OrderedFloorConsumer(_SocketGpuFloorConsumer):
 
     def step(self, *, full: bool) -> tuple[int, bool]:
         value, ok = self.receive()
-        slot, gen = _ring_position(self.frames, self.slots)
+        slot, gen = ring_position(self.frames, self.slots)
         self.frames += 1
         flags = self.flags
         flags.order(self.stream_ptr, flags.frame_flag(slot), gen)
