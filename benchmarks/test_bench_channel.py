@@ -29,7 +29,11 @@ any frame out of order or of the wrong shape; the tests assert all of that
 
 Keys recorded (``record_value``): ``roundtrip_p50_{1,64,1024}MiB`` and
 ``roundtrip_p99_*``, ``roundtrip_spin_p50_1MiB`` / ``roundtrip_spin_p99_1MiB``,
-``throughput_fps_{1,64}MiB``, ``pipelined_fps_{1,64}MiB``, ``pipelined_fps_{1,64}MiB_32slots``,
+the round trip's tail taken apart (``roundtrip_p99_{1,64,1024}MiB_settled``,
+``roundtrip_slow_after_drain_{1,64,1024}MiB``, ``roundtrip_drain_{1,64,1024}MiB``:
+see :func:`_tail_by_drain`), ``throughput_fps_{1,64}MiB``,
+``throughput_fps_{1,64}MiB_32slots``, ``pipelined_fps_{1,64}MiB``,
+``pipelined_fps_{1,64}MiB_32slots``,
 ``fanout_p50_{1,2,4,8}`` / ``fanout_p99_*``, ``idle_subscriber_cpu_fraction``,
 ``idle_subscriber_cpu_fraction_spin``, ``socket_floor_p50`` / ``socket_floor_p99``.
 """
@@ -60,6 +64,8 @@ ROUNDS = 2000
 WARMUP = 200
 #: Round-trip frames between two untimed synchronisations of the producer's stream.
 DRAIN_EVERY = 100
+#: Frames after each drain that :func:`_tail_by_drain` counts as "just after a drain".
+DRAIN_SETTLE = 3
 #: Frames the pipelined subscriber keeps in flight.
 PIPELINE_HOLD = 4
 FRAME_TIMEOUT = 10.0
@@ -236,17 +242,46 @@ def _channel(
         assert r["mismatches"] == 0, f"consumer {i}: {r['mismatches']} mismatching sample(s)"
 
 
-def _round_trips(prod: _Producer, rounds: int) -> list[int]:
+def _round_trips(prod: _Producer, rounds: int, drains: list[int] | None = None) -> list[int]:
+    """Round-trip times (ns) of ``rounds`` frames after :data:`WARMUP` untimed ones.
+
+    ``drains``: when given, gets the nanoseconds of each untimed drain of the
+    producer's stream that precedes a timed frame (one per :data:`DRAIN_EVERY`
+    frames; timed frame *k* is the ``(WARMUP + k) % DRAIN_EVERY``-th after one).
+    """
     times = []
     for i in range(rounds + WARMUP):
         if i % DRAIN_EVERY == 0:
+            d0 = time.perf_counter_ns()
             prod.work.stream.synchronize()  # untimed: bound the GPU backlog
+            if drains is not None and i >= WARMUP:
+                drains.append(time.perf_counter_ns() - d0)
         t0 = time.perf_counter_ns()
         slot = prod.publish()
         prod.wait_slot(slot)
         if i >= WARMUP:
             times.append(time.perf_counter_ns() - t0)
     return times
+
+
+def _tail_by_drain(times: list[int]) -> tuple[float, float]:
+    """Where the round trip's tail sits against the untimed drains of :func:`_round_trips`.
+
+    Returns ``(p99_settled, slow_after_drain)``: the p99 (seconds) of the
+    frames that are at least :data:`DRAIN_SETTLE` frames past a drain, and the
+    fraction of the frames slower than twice the p50 that are fewer than
+    :data:`DRAIN_SETTLE` frames past one (0 when no frame is that slow).  A
+    drain waits for the GPU backlog, during which both processes sleep; if the
+    tail is made of the frames right after it, the p99 measures waking from
+    that sleep, not the handoff.  Recorded beside the p99 (which stays the
+    target's figure), not instead of it.
+    """
+    p50 = statistics.median(times)
+    after = [(WARMUP + k) % DRAIN_EVERY < DRAIN_SETTLE for k in range(len(times))]
+    settled = sorted(t for t, a in zip(times, after, strict=True) if not a)
+    slow = [a for t, a in zip(times, after, strict=True) if t > 2 * p50]
+    p99_settled = settled[int(0.99 * (len(settled) - 1))] / 1e9
+    return p99_settled, (sum(slow) / len(slow) if slow else 0.0)
 
 
 def _stream(prod: _Producer, count: int) -> float:
@@ -267,11 +302,16 @@ def _summary(times: list[int]) -> tuple[float, float]:
 # ---------------------------------------------------------------- benchmarks
 @pytest.mark.parametrize("mib", [1, 64, 1024])
 def test_round_trip(tmp_path, mib):
+    drains: list[int] = []
     with _channel(tmp_path, mib, slots=4) as prod:
-        times = _round_trips(prod, ROUNDS)
+        times = _round_trips(prod, ROUNDS, drains)
     p50, p99 = _summary(times)
     record_value(f"roundtrip_p50_{mib}MiB", p50)
     record_value(f"roundtrip_p99_{mib}MiB", p99)
+    p99_settled, slow_after_drain = _tail_by_drain(times)
+    record_value(f"roundtrip_p99_{mib}MiB_settled", p99_settled)
+    record_value(f"roundtrip_slow_after_drain_{mib}MiB", slow_after_drain)
+    record_value(f"roundtrip_drain_{mib}MiB", statistics.median(drains) / 1e9)
 
 
 def test_round_trip_spin(tmp_path):
@@ -291,6 +331,20 @@ def test_throughput(tmp_path, mib):
         _stream(prod, 1000)
         elapsed = _stream(prod, n)
     record_value(f"throughput_fps_{mib}MiB", n / elapsed)  # frames per second (not seconds)
+
+
+@pytest.mark.parametrize("mib", [1, 64])
+def test_throughput_deep_ring(tmp_path, mib):
+    """Block mode on 32 slots instead of 8 (the target stays on 8 slots).
+
+    Section 10 of docs/performance.md: with 8 slots the GPU's turns between
+    the two processes' contexts, not the host, bound block mode at 64 MiB.
+    """
+    n = 10_000
+    with _channel(tmp_path, mib, slots=32, hold=0) as prod:
+        _stream(prod, 1000)
+        elapsed = _stream(prod, n)
+    record_value(f"throughput_fps_{mib}MiB_32slots", n / elapsed)  # frames per second
 
 
 @pytest.mark.parametrize("mib", [1, 64])

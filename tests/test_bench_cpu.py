@@ -1216,7 +1216,8 @@ def test_paired_target_report_and_json(tmp_path):
     # a paired row at another size does not make a target
     assert len(report.evaluate_targets(ms, paired=paired, nbytes=MiB)) == len(report.TARGETS)
     md = report.render_markdown(ms, targets, paired=paired)
-    assert "## Interleaved passes: cupy_ipcpool against socket_gpu_floor" in md
+    assert "## Interleaved passes: cupy_ipcpool, socket_gpu_floor" in md
+    assert "### cupy_ipcpool against socket_gpu_floor" in md
     assert "| 64 MiB | 3 | 80.0 | 64.0 | 1.25x | 1.40, 1.20, 1.25 |" in md
     assert "MET: cupy_ipcpool within 1.3x of the socket + GPU floor, interleaved" in md
     results = bench.BenchResults(ms, targets, {}, {"mode": "full"}, {}, paired=paired)
@@ -1237,6 +1238,62 @@ def test_paired_target_not_available_when_a_pass_failed():
     assert t.status == "n/a" and t.ratio is None and t.note == "skipped: cupy_ipcpool: no cupy"
 
 
+def test_ordered_floor_pair_makes_the_proposed_target_and_its_own_table():
+    # pass ratios cupy/ordered 1.1, 1.2, 1.4 (median 1.2); ordered/floor makes no target
+    per_pass = {
+        "cupy_ipcpool": {64 * MiB: [_pass("cupy_ipcpool", 64, [s]) for s in (66, 84, 84)]},
+        "ordered_floor": {64 * MiB: [_pass("ordered_floor", 64, [s]) for s in (60, 70, 60)]},
+        "socket_gpu_floor": {64 * MiB: [_pass("socket_gpu_floor", 64, [s]) for s in (40, 50, 40)]},
+    }
+    paired = [
+        *report.paired_rows(per_pass, "cupy_ipcpool", "socket_gpu_floor", [64 * MiB]),
+        *report.paired_rows(per_pass, "cupy_ipcpool", "ordered_floor", [64 * MiB]),
+        *report.paired_rows(per_pass, "ordered_floor", "socket_gpu_floor", [64 * MiB]),
+    ]
+    targets = report.evaluate_targets([], paired=paired)
+    by_target = {t.target: t for t in targets if t.target in report.PAIRED_TARGETS}
+    assert set(by_target) == {report.PAIRED_TARGET, report.ORDERED_PAIRED_TARGET}
+    bare, ordered = by_target[report.PAIRED_TARGET], by_target[report.ORDERED_PAIRED_TARGET]
+    assert bare.status == "MISSED" and bare.ratio == pytest.approx(1.68)  # 1.65, 1.68, 2.1
+    assert ordered.status == "MET" and ordered.ratio == pytest.approx(1.2)
+    assert len(targets) == len(report.TARGETS) + 2  # the third pair is information only
+    md = report.render_markdown([], targets, paired=paired)
+    assert "## Interleaved passes: cupy_ipcpool, socket_gpu_floor, ordered_floor" in md
+    for heading in (
+        "### cupy_ipcpool against socket_gpu_floor",
+        "### cupy_ipcpool against ordered_floor",
+        "### ordered_floor against socket_gpu_floor",
+    ):
+        assert md.count(heading) == 1
+    assert "| 64 MiB | 3 | 60.0 | 40.0 | 1.50x | 1.50, 1.40, 1.50 |" in md  # pooled p50s
+    assert "proposed restatement, not the issue's target" in md
+
+
+def test_run_paired_rotates_three_lanes_and_pairs_each_pass(monkeypatch):
+    order = []
+
+    def fake_run_lane(lane, cfg):
+        order.append(lane.name)
+        pass_no = sum(name == lane.name for name in order) - 1
+        base = {"cupy_ipcpool": 90.0, "ordered_floor": 75.0, "socket_gpu_floor": 50.0}
+        return [
+            _pass(lane.name, nbytes // MiB, [base[lane.name] + pass_no]) for nbytes in cfg.sizes
+        ]
+
+    monkeypatch.setattr(bench, "run_lane", fake_run_lane)
+    rows = bench.run_paired(0, (1,), passes=3, progress=lambda line: None)
+    a, f, o = "cupy_ipcpool", "socket_gpu_floor", "ordered_floor"
+    assert order == [a, f, o, f, o, a, o, a, f]  # each lane first once in three passes
+    assert [(r["numerator"], r["denominator"]) for r in rows] == [(a, f), (a, o), (o, f)]
+    assert rows[1]["pass_p50_us"] == [[90.0, 75.0], [91.0, 76.0], [92.0, 77.0]]
+    # a pair whose lane did not run makes no row
+    order.clear()
+    rows = bench.run_paired(0, (1,), passes=2, lanes=(a, f), progress=lambda line: None)
+    assert [(r["numerator"], r["denominator"]) for r in rows] == [(a, f)]
+    with pytest.raises(ValueError, match="two lanes or more"):
+        bench.run_paired(0, (1,), passes=2, lanes=(a, a))
+
+
 def test_run_paired_alternates_the_lanes_and_pairs_each_pass(monkeypatch):
     """The orchestration, with the lane runs replaced by a recorder (no processes, no GPU)."""
     order = []
@@ -1250,7 +1307,9 @@ def test_run_paired_alternates_the_lanes_and_pairs_each_pass(monkeypatch):
 
     monkeypatch.setattr(bench, "run_lane", fake_run_lane)
     lines = []
-    rows = bench.run_paired(3, (1, 64), passes=3, progress=lines.append)
+    rows = bench.run_paired(
+        3, (1, 64), passes=3, lanes=("cupy_ipcpool", "socket_gpu_floor"), progress=lines.append
+    )
     assert order == [
         "cupy_ipcpool",
         "socket_gpu_floor",

@@ -64,9 +64,16 @@ ATTACH_SLOT_NBYTES = 2 * MiB
 ATTACH_ITERS = 20
 FANOUT = (1, 2, 4, 8)
 FANOUT_NBYTES = 64 * MiB
-#: The interleaved passes (:func:`run_paired`): the two lanes of the 1.3x target, at
-#: the sizes the target is stated for, a latency phase per pass.
-PAIRED_LANES = (report.BASELINE, "socket_gpu_floor")
+#: The interleaved passes (:func:`run_paired`): the lanes of the 1.3x target and of its
+#: proposed restatement (the ordered floor), at the sizes the target is stated for, a
+#: latency phase per pass.  The first two are needed; the others join when selected.
+PAIRED_LANES = (report.BASELINE, "socket_gpu_floor", "ordered_floor")
+#: The pairs the interleaved passes compare (numerator, denominator).
+PAIRED_PAIRS = (
+    (report.BASELINE, "socket_gpu_floor"),
+    (report.BASELINE, "ordered_floor"),
+    ("ordered_floor", "socket_gpu_floor"),
+)
 PAIRED_SIZES_MIB = (1, 64, 1024)
 PAIRED_SCHEDULE = Schedule(warmup=20, iters=150, tput=0, checks=2)
 #: Passes of each lane by mode (``--paired-passes`` overrides).
@@ -220,7 +227,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--paired-passes",
         type=_non_negative_int,
         default=None,
-        help=f"alternating passes of {' and '.join(PAIRED_LANES)} at "
+        help=f"interleaved passes of {', '.join(PAIRED_LANES)} (those selected) at "
         f"{', '.join(f'{m} MiB' for m in PAIRED_SIZES_MIB)}, for the 1.3x target "
         "(default: 4 in full mode, 0 in short mode; 0: none)",
     )
@@ -470,29 +477,38 @@ def run_paired(
     *,
     passes: int = 4,
     lanes: Sequence[str] = PAIRED_LANES,
+    pairs: Sequence[tuple[str, str]] = PAIRED_PAIRS,
     schedule: Schedule = PAIRED_SCHEDULE,
     progress: Callable[[str], None] = _stderr,
 ) -> list[dict[str, Any]]:
-    """Two lanes in alternating passes; one row per size (:func:`report.paired_rows`).
+    """Lanes in interleaved passes; one row per pair and size (:func:`report.paired_rows`).
 
-    Pass *i* runs both lanes one after the other, ``lanes[0]`` first when *i*
-    is even, so that a drift of the machine's speed during the run weighs on
-    both lanes alike; the ratio of each pass compares measurements taken next
-    to each other.
+    Pass *i* runs every lane one after the other, the order rotated by *i*
+    (two lanes: ``lanes[0]`` first when *i* is even), so that a drift of the
+    machine's speed during the run weighs on every lane alike; the ratio of
+    each pass compares measurements taken next to each other.  Rows are made
+    for the ``pairs`` whose two lanes are both in ``lanes``, in that order.
     """
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")
-    first, second = (get_lanes([name])[0] for name in lanes)
+    if len(set(lanes)) < 2:
+        raise ValueError(f"interleaved passes need two lanes or more, got {list(lanes)}")
+    chosen = [get_lanes([name])[0] for name in lanes]
     sizes = tuple(int(m) * MiB for m in sizes_mib)
     cfg = BenchConfig(sizes=sizes, schedule=schedule, device=device)
-    per_pass: dict[str, dict[int, list[Measurement]]] = {first.name: {}, second.name: {}}
+    per_pass: dict[str, dict[int, list[Measurement]]] = {lane.name: {} for lane in chosen}
     for i in range(passes):
-        for lane in (first, second) if i % 2 == 0 else (second, first):
+        k = i % len(chosen)
+        for lane in chosen[k:] + chosen[:k]:
             for m in run_lane(lane, cfg):
                 per_pass[lane.name].setdefault(m.nbytes, []).append(m)
                 line = report.progress_line(m).removeprefix("[bench] ")
                 progress(f"[bench] pass {i + 1}/{passes} {line}")
-    return report.paired_rows(per_pass, first.name, second.name, sizes)
+    rows = []
+    for num, den in pairs:
+        if num in per_pass and den in per_pass:
+            rows += report.paired_rows(per_pass, num, den, sizes)
+    return rows
 
 
 def run_benchmark(opts: BenchOptions, *, progress: Callable[[str], None] = _stderr) -> BenchResults:
@@ -530,9 +546,12 @@ def run_benchmark(opts: BenchOptions, *, progress: Callable[[str], None] = _stde
             progress(report.progress_line(m))
     paired: list[dict[str, Any]] = []
     names = {lane.name for lane in lanes}
-    if opts.passes() > 0 and all(name in names for name in PAIRED_LANES):
-        progress(f"[bench] interleaved passes: {' and '.join(PAIRED_LANES)} ...")
-        paired = run_paired(opts.device, passes=opts.passes(), progress=progress)
+    paired_lanes = [name for name in PAIRED_LANES if name in names]
+    if opts.passes() > 0 and all(name in names for name in PAIRED_LANES[:2]):
+        progress(f"[bench] interleaved passes: {', '.join(paired_lanes)} ...")
+        paired = run_paired(
+            opts.device, passes=opts.passes(), lanes=paired_lanes, progress=progress
+        )
     scale: dict[str, Any] = {}
     if opts.run_scale():
         progress("[bench] scale: attach cost against slot count ...")
@@ -566,7 +585,7 @@ def run_benchmark(opts: BenchOptions, *, progress: Callable[[str], None] = _stde
         "device": opts.device,
         "paired": {
             "passes": opts.passes(),
-            "lanes": list(PAIRED_LANES),
+            "lanes": paired_lanes,
             "sizes_mib": list(PAIRED_SIZES_MIB),
             "schedule": asdict(PAIRED_SCHEDULE),
         }

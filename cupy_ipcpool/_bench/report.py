@@ -63,6 +63,21 @@ PAIRED_TARGET = Target(
     "<=",
     1.3,
 )
+#: The same bound against the ordered floor (the socket + GPU floor plus the
+#: channel's four flag operations, nothing else): what is above it is the
+#: library's own per-frame cost.  Proposed in docs/performance.md (sections 9
+#: and 10) as the restatement of the 1.3x target, whose bound against the bare
+#: floor is below what the GPU ordering alone costs; reported beside it, not
+#: instead of it.
+ORDERED_PAIRED_TARGET = Target(
+    "cupy_ipcpool within 1.3x of the ordered floor, interleaved passes "
+    "(median of the per-pass ratios; proposed restatement, not the issue's target)",
+    BASELINE,
+    "ordered_floor",
+    "<=",
+    1.3,
+)
+PAIRED_TARGETS: tuple[Target, ...] = (PAIRED_TARGET, ORDERED_PAIRED_TARGET)
 
 
 @dataclass(frozen=True)
@@ -182,8 +197,9 @@ def evaluate_targets(
 ) -> list[TargetResult]:
     """Check every :data:`TARGETS` entry at ``nbytes`` (``n/a`` with the reason when unmeasured).
 
-    ``paired``: rows of :func:`paired_rows`; when one is at ``nbytes``,
-    :data:`PAIRED_TARGET` is checked on its median per-pass ratio too.
+    ``paired``: rows of :func:`paired_rows`; a row at ``nbytes`` whose two
+    lanes are those of a :data:`PAIRED_TARGETS` entry is checked against it on
+    its median per-pass ratio (rows of other pairs make no target).
     """
     out = []
     for t in TARGETS:
@@ -204,7 +220,11 @@ def evaluate_targets(
     for row in paired:
         if row["nbytes"] != nbytes:
             continue
-        t = PAIRED_TARGET
+        pair = (row["numerator"], row["denominator"])
+        found = [p for p in PAIRED_TARGETS if (p.numerator, p.denominator) == pair]
+        if not found:
+            continue
+        t = found[0]
         if row["status"] != OK:
             out.append(TargetResult(t, "n/a", None, f"{row['status']}: {row['reason']}"))
             continue
@@ -271,10 +291,21 @@ def paired_rows(
 
 
 def paired_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """The interleaved passes as a table (empty when none ran)."""
-    if not rows:
-        return ""
-    num, den = rows[0]["numerator"], rows[0]["denominator"]
+    """The interleaved passes as one table per pair of lanes (empty when none ran).
+
+    Each table has a ``### numerator against denominator`` heading; pairs come
+    in the order of their first row.
+    """
+    pairs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        pairs.setdefault((row["numerator"], row["denominator"]), []).append(row)
+    return "\n\n".join(
+        f"### {num} against {den}\n\n" + _pair_table(num, den, pair_rows)
+        for (num, den), pair_rows in pairs.items()
+    )
+
+
+def _pair_table(num: str, den: str, rows: Sequence[dict[str, Any]]) -> str:
     parts = [
         f"| frame | passes | {num} p50 µs | {den} p50 µs | ratio, median of passes | "
         "per-pass ratios |",
@@ -386,15 +417,17 @@ def render_markdown(
     parts += [markdown_table(measurements), "", targets_text(targets), ""]
     table = paired_markdown(paired)
     if table:
-        num, den = paired[0]["numerator"], paired[0]["denominator"]
+        lanes = list(dict.fromkeys(n for r in paired for n in (r["numerator"], r["denominator"])))
         parts += [
-            f"## Interleaved passes: {num} against {den}",
+            f"## Interleaved passes: {', '.join(lanes)}",
             "",
-            f"The two lanes again, in alternating passes ({num} first in even passes, "
-            f"{den} first in odd ones), each pass a latency phase of every size. The "
-            "machine's speed drifts over seconds (docs/performance.md, section 6), so "
-            "one pass of each lane, measured apart, compares two machine states as much "
-            "as two lanes; the median of the per-pass ratios does not.",
+            "These lanes again, in passes that run each of them one after the other, "
+            "the order rotating from pass to pass so that each lane runs first as often "
+            "as the others; each pass is a latency phase of every size. The machine's "
+            "speed drifts over seconds (docs/performance.md, section 6), so one pass of "
+            "each lane, measured apart, compares two machine states as much as two "
+            "lanes; the median of the per-pass ratios (pass *i* of one lane against "
+            "pass *i* of the other) does not.",
             "",
             table,
             "",
