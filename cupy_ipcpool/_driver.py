@@ -287,6 +287,10 @@ class DeviceInfo:
     fabric: bool
     granularity: int | None
     gpudirect_rdma: bool = False
+    #: Whether this process's contexts on the device are shared through the MPS
+    #: daemon (``CU_DEVICE_ATTRIBUTE_MPS_ENABLED``); None where the driver does
+    #: not say.
+    mps: bool | None = None
 
     @property
     def usable(self) -> bool:
@@ -325,13 +329,18 @@ def _query_device_info(ordinal: int) -> DeviceInfo:
         rdma = bool(_attr(dev, "CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED"))
     except (CudaError, AttributeError):
         rdma = False
+    mps: bool | None
+    try:
+        mps = bool(_attr(dev, "CU_DEVICE_ATTRIBUTE_MPS_ENABLED"))
+    except (CudaError, AttributeError):
+        mps = None
     gran: int | None = None
     if vmm and posix:
         try:
             gran = granularity(ordinal)
         except (CudaError, UnsupportedDeviceError):
             gran = None
-    return DeviceInfo(ordinal, name, uuid, cc, total, vmm, posix, fabric, gran, rdma)
+    return DeviceInfo(ordinal, name, uuid, cc, total, vmm, posix, fabric, gran, rdma, mps)
 
 
 def require_vmm_device(ordinal: int) -> DeviceInfo:

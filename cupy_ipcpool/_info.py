@@ -109,6 +109,26 @@ def gpudirect_rdma(ordinal: int) -> str:
     return "yes (slots are allocated GPUDirect-RDMA capable)" if supported else "no"
 
 
+def mps_text(mps: bool | None) -> str:
+    """The ``MPS=`` field of a device line."""
+    return "unknown" if mps is None else ("yes" if mps else "no")
+
+
+def mps_summary(flags: list[bool | None]) -> str | None:
+    """A note on GPU sharing between processes when a device is not shared through MPS.
+
+    ``flags``: each listed device's :attr:`DeviceInfo.mps`.  None when every
+    device is shared through the MPS daemon (nothing to say).
+    """
+    if flags and all(flags):
+        return None
+    return (
+        "GPU sharing between processes: without the MPS daemon, each process has its own "
+        "context and the GPU runs them in turns (~150 us per switch on an H200), which bounds "
+        "a channel's frames/s with few slots; see 'Sizing the ring' and 'MPS' in the README"
+    )
+
+
 def report() -> tuple[int, list[str]]:
     """Return ``(exit code, lines)`` describing drivers, devices and transports."""
     lines = [
@@ -131,6 +151,7 @@ def report() -> tuple[int, list[str]]:
         lines.append("no GPU: the driver sees no device")
         return 1, lines
     usable = 0
+    mps_flags: list[bool | None] = []
     for i in range(count):
         try:
             d = _driver.device_info(i)
@@ -143,8 +164,12 @@ def report() -> tuple[int, list[str]]:
             f"  [{i}] {d.name} sm_{d.compute_capability[0]}{d.compute_capability[1]} "
             f"{d.total_memory / 2**30:.1f} GiB uuid={d.uuid.hex()} VMM={'yes' if d.vmm else 'no'} "
             f"POSIX-fd={'yes' if d.posix_fd else 'no'} fabric={'yes' if d.fabric else 'no'} "
-            f"granularity={gran} GPUDirect-RDMA={gpudirect_rdma(i)}"
+            f"granularity={gran} GPUDirect-RDMA={gpudirect_rdma(i)} MPS={mps_text(d.mps)}"
         )
+        mps_flags.append(d.mps)
+    note = mps_summary(mps_flags)
+    if note is not None and usable:
+        lines.append(note)
     if not usable:
         lines.append("no device supports VMM with POSIX-fd handles")
         return 1, lines

@@ -32,3 +32,15 @@ def test_help_lists_the_commands():
     assert out.returncode == 0
     for command in ("info", "demo", "bench"):
         assert command in out.stdout
+
+
+def test_info_mps_field_and_note():
+    from cupy_ipcpool import _info
+
+    assert [_info.mps_text(v) for v in (True, False, None)] == ["yes", "no", "unknown"]
+    # every device shared through MPS: nothing to say
+    assert _info.mps_summary([True, True]) is None
+    # one device time-sliced, or the driver did not say: the note, naming where to read on
+    for flags in ([False], [True, False], [None], []):
+        note = _info.mps_summary(flags)
+        assert note is not None and "Sizing the ring" in note and "MPS" in note

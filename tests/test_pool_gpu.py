@@ -242,3 +242,9 @@ def test_info_cli_lists_the_device():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "VMM=yes" in out.stdout and "POSIX-fd=yes" in out.stdout
     assert "granularity=" in out.stdout and "pidfd_getfd:" in out.stdout
+    # the MPS field says what the driver says of this process's contexts, and the note on
+    # time-sliced contexts comes with a device that is not shared through MPS
+    mps = _driver.device_info(0).mps
+    assert mps is not None, "the driver should answer CU_DEVICE_ATTRIBUTE_MPS_ENABLED"
+    assert f"MPS={'yes' if mps else 'no'}" in out.stdout
+    assert ("GPU sharing between processes" in out.stdout) is (not mps)
