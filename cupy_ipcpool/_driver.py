@@ -16,11 +16,11 @@ from typing import Any
 
 from ._errors import (
     CudaError,
-    CudaOutOfMemoryError,
     CudaUnavailableError,
     UnsupportedDeviceError,
     UsageError,
     UsageTypeError,
+    cuda_error,
 )
 
 _lock = threading.Lock()
@@ -109,9 +109,7 @@ def check(call: str, result: tuple[Any, ...]) -> Any:
     err = result[0]
     if err:  # CUDA_SUCCESS == 0
         driver = _load()
-        name = _error_name(driver, err)
-        cls = CudaOutOfMemoryError if name == "CUDA_ERROR_OUT_OF_MEMORY" else CudaError
-        raise cls(call, int(err), name)
+        raise cuda_error(call, int(err), _error_name(driver, err))
     if len(result) == 1:
         return None
     if len(result) == 2:

@@ -56,6 +56,54 @@ class CudaOutOfMemoryError(CudaError, MemoryError):
     """The device could not provide the requested physical memory."""
 
 
+_MPS_FAULT = (
+    "under the MPS daemon, a fatal fault in any client of the GPU is reported to every "
+    "client of that GPU, and the server takes no new client until all of them have exited"
+)
+_STICKY = (
+    "a kernel on this process's context faulted; the context cannot be used again: "
+    "restart the process (" + _MPS_FAULT + ")"
+)
+#: What to do about a driver error, by its enum name (see :func:`cuda_error_hint`).
+CUDA_ERROR_HINTS: dict[str, str] = {
+    "CUDA_ERROR_ILLEGAL_ADDRESS": _STICKY,
+    "CUDA_ERROR_LAUNCH_FAILED": _STICKY,
+    "CUDA_ERROR_ILLEGAL_INSTRUCTION": _STICKY,
+    "CUDA_ERROR_MISALIGNED_ADDRESS": _STICKY,
+    "CUDA_ERROR_HARDWARE_STACK_ERROR": _STICKY,
+    "CUDA_ERROR_MPS_CONNECTION_FAILED": (
+        "the MPS control daemon or its server could not be reached: start it "
+        "('nvidia-cuda-mps-control -d', with the same CUDA_MPS_PIPE_DIRECTORY as this "
+        "process), or run without MPS"
+    ),
+    "CUDA_ERROR_MPS_RPC_FAILURE": "the MPS server stopped answering; restart the process",
+    "CUDA_ERROR_MPS_SERVER_NOT_READY": (
+        "the MPS server is recovering from a client's fatal GPU fault; " + _MPS_FAULT
+    ),
+    "CUDA_ERROR_MPS_MAX_CLIENTS_REACHED": "the MPS server takes no more clients on this GPU",
+    "CUDA_ERROR_MPS_MAX_CONNECTIONS_REACHED": "the MPS server takes no more connections",
+    "CUDA_ERROR_MPS_CLIENT_TERMINATED": (
+        "the MPS server ended this process's GPU work, most likely because another client "
+        "of the GPU faulted; restart the process (" + _MPS_FAULT + ")"
+    ),
+}
+
+
+def cuda_error_hint(name: str) -> str:
+    """What to do about the driver error ``name`` (``""`` when there is nothing to add)."""
+    return CUDA_ERROR_HINTS.get(name, "")
+
+
+def cuda_error(call: str, code: int, name: str) -> CudaError:
+    """The library's exception for driver error ``name`` (``code``) from ``call``, with its hint.
+
+    :class:`CudaOutOfMemoryError` for ``CUDA_ERROR_OUT_OF_MEMORY``, else
+    :class:`CudaError`; the message carries :func:`cuda_error_hint`.
+    """
+    cls = CudaOutOfMemoryError if name == "CUDA_ERROR_OUT_OF_MEMORY" else CudaError
+    return cls(call, code, name, cuda_error_hint(name))
+
+
 class UnsupportedDeviceError(IpcPoolError):
     """The device lacks a capability the library needs (VMM, POSIX-fd handles...)."""
 

@@ -66,6 +66,31 @@ def test_every_error_class_derives_from_the_base_and_pickles() -> None:
         assert type(back) is cls and str(back) == str(exc)
 
 
+def test_driver_errors_say_what_to_do_under_mps() -> None:
+    # an MPS client ended by the server: the message says why and what to do, and pickles
+    exc = _errors.cuda_error("cuStreamSynchronize", 810, "CUDA_ERROR_MPS_CLIENT_TERMINATED")
+    assert type(exc) is cip.CudaError and exc.code == 810
+    text = str(exc)
+    assert text.startswith("cuStreamSynchronize: CUDA_ERROR_MPS_CLIENT_TERMINATED (810): ")
+    assert "another client" in text and "restart the process" in text
+    assert str(pickle.loads(pickle.dumps(exc))) == text
+    # a faulting kernel's sticky error names the MPS consequence too
+    sticky = _errors.cuda_error("cuStreamSynchronize", 700, "CUDA_ERROR_ILLEGAL_ADDRESS")
+    assert "cannot be used again" in str(sticky) and "every client" in str(sticky)
+    assert "nvidia-cuda-mps-control -d" in _errors.cuda_error_hint(
+        "CUDA_ERROR_MPS_CONNECTION_FAILED"
+    )
+    # out of memory keeps its class; an error with nothing to add keeps the bare message
+    oom = _errors.cuda_error("cuMemCreate", 2, "CUDA_ERROR_OUT_OF_MEMORY")
+    assert type(oom) is cip.CudaOutOfMemoryError
+    plain = _errors.cuda_error("cuMemMap", 1, "CUDA_ERROR_INVALID_VALUE")
+    assert str(plain) == "cuMemMap: CUDA_ERROR_INVALID_VALUE (1)"
+    # every hint names a real driver error
+    driver = pytest.importorskip("cuda.bindings.driver")
+    for name in _errors.CUDA_ERROR_HINTS:
+        assert hasattr(driver.CUresult, name), name
+
+
 def test_usage_errors_are_also_the_builtin_kinds() -> None:
     assert issubclass(cip.UsageError, ValueError)
     assert issubclass(cip.UsageTypeError, TypeError)
