@@ -78,6 +78,7 @@ ORDERED_PAIRED_TARGET = Target(
     1.3,
 )
 PAIRED_TARGETS: tuple[Target, ...] = (PAIRED_TARGET, ORDERED_PAIRED_TARGET)
+_PAIRED_TARGET_OF = {(t.numerator, t.denominator): t for t in PAIRED_TARGETS}
 
 
 @dataclass(frozen=True)
@@ -220,21 +221,19 @@ def evaluate_targets(
     for row in paired:
         if row["nbytes"] != nbytes:
             continue
-        pair = (row["numerator"], row["denominator"])
-        found = [p for p in PAIRED_TARGETS if (p.numerator, p.denominator) == pair]
-        if not found:
+        pt = _PAIRED_TARGET_OF.get((row["numerator"], row["denominator"]))
+        if pt is None:
             continue
-        t = found[0]
         if row["status"] != OK:
-            out.append(TargetResult(t, "n/a", None, f"{row['status']}: {row['reason']}"))
+            out.append(TargetResult(pt, "n/a", None, f"{row['status']}: {row['reason']}"))
             continue
         r = row["ratio_median"]
-        ok = r <= t.bound
+        ok = r <= pt.bound
         note = (
             f"{row['passes']} passes, per-pass ratios {row['ratio_min']:.2f}-"
             f"{row['ratio_max']:.2f}x"
         )
-        out.append(TargetResult(t, "MET" if ok else "MISSED", r, note))
+        out.append(TargetResult(pt, "MET" if ok else "MISSED", r, note))
     return out
 
 
