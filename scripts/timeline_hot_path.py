@@ -8,15 +8,19 @@ Both processes stamp ``time.perf_counter_ns()`` (``CLOCK_MONOTONIC``: one
 clock for every process of the host) at a few points of each frame, and
 the compiled socket calls are wrapped once each (about 0.1 us added per
 call), so the segments add up to the untimed round trip within a few
-microseconds, unlike ``trace_hot_path.py``'s per-function timers.  The same
+microseconds (per-function timers would add ~1 us to each caller).  The same
 is done for the socket + GPU floor (the comparison's ``socket_gpu_floor``
 lane: the same fill and check kernels, a bare socket).  Prints, per segment,
 the median over frames of each round, for the channel and the floor, and
 which segments lie on the critical path (producer before its send, wake-up,
 consumer between its receive and its send, wake-up, producer after).
 
-What it is for: docs/performance.md, section 8 — which side and which step
-of the channel the distance to the floor is made of.
+What it is for (docs/performance.md): which side and which step of the
+channel the distance to the floor is made of.  ``--ordered`` adds the ordered
+floor (the floor plus the channel's four flag operations: what a channel with
+no bookkeeping would measure), ``--slots`` sets the ring, ``--inner`` times the
+calls inside the library's per-frame path.  Runs on a GPU machine; ``--help``
+works anywhere.
 """
 
 from __future__ import annotations
