@@ -30,6 +30,7 @@ from cupy_ipcpool._errors import (
 )
 from cupy_ipcpool.channel import _protocol as proto
 from cupy_ipcpool.channel._session import PublisherCore, SubscriberCore, SubscriberInfo
+from tests.skips import drops_to_uid
 
 CTX = mp.get_context("spawn")
 
@@ -387,7 +388,7 @@ def public_dir() -> Iterator[str]:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another uid needs root")
+@drops_to_uid(65534)
 def test_other_uid_is_refused(public_dir: str, spawn: Callable[..., Child]) -> None:
     address = os.path.join(public_dir, "chan.sock")
     with MemfdProducer(address, 2):
