@@ -38,6 +38,7 @@ from ._errors import (
 from ._handles import ArrayHandle, PoolDescriptor
 from ._peer import PeerPool, attach
 from ._pool import IpcPool, SlotToken
+from ._seedpeer import SeedBuffers, import_seed_buffers
 from ._slots import LeaseSource
 from ._version import __version__
 from .channel import Frame, Publisher, PublishFrame, Subscriber
@@ -66,6 +67,7 @@ __all__ = [
     "ProtocolError",
     "PublishFrame",
     "Publisher",
+    "SeedBuffers",
     "SlotBusyError",
     "SlotFullError",
     "SlotIndexError",
@@ -81,5 +83,6 @@ __all__ = [
     "allocating",
     "attach",
     "dlpack_safe",
+    "import_seed_buffers",
     "subscribe",
 ]
