@@ -7,6 +7,13 @@ receives the frames as ``cupy.ndarray`` views of the same memory, recomputes
 the expected content on its GPU and counts mismatching bytes without blocking
 its host thread, then releases the frame.  The producer prints live progress
 and a summary that says whether every received frame was verified.
+
+Each frame's time from publish to the consumer's ``recv`` returning is split
+in two (:func:`split_latency`): the *handoff*, what the channel costs, and the
+time the frame was *queued* in the ring because the consumer was still busy
+with earlier frames (block mode lets the producer run ahead by up to
+``--slots`` frames).  The report prints both and says what each is
+(:data:`FIGURES`).
 """
 
 from __future__ import annotations
@@ -26,15 +33,47 @@ _META = struct.Struct("<QQ")  # seq, producer timestamp (CLOCK_MONOTONIC ns)
 _CAMERA_SRC = "out = (unsigned char)(((unsigned int)i * 2654435761u + seq * 40503u) >> 24)"
 _POST_SRC = "out = in ^ (unsigned char)0x5A"
 
+DESCRIPTION = (
+    "A producer process (a synthetic camera: two kernels write each frame into a ring "
+    "slot) publishes frames to consumer processes; each consumer receives them as "
+    "cupy.ndarray views of the same memory, checks every byte on its GPU and releases "
+    "them. Prints frames/s, the handoff latency (what the channel costs) and the time "
+    "frames were queued in the ring (the consumers' backlog) every second, and exits 0 "
+    "when every consumer verified every frame it received. Needs a GPU."
+)
+
+#: Printed before the first progress line.
+LEGEND = (
+    "latency: 'handoff' is what the channel costs per frame; 'queued' is how long frames "
+    "waited in the ring for a busy consumer (explained under the summary)"
+)
+
+#: What each latency figure of the report is (printed under the summary).
+FIGURES = (
+    "handoff: from publish (or from the consumer's call, if the frame was already "
+    "waiting) to the consumer's recv returning: what the channel costs per frame",
+    "queued: how long a published frame waited in the ring for its consumer to ask for "
+    "it (the consumer still busy with earlier frames; block mode lets the producer run "
+    "ahead by up to --slots frames): the consumer's backlog, not the channel",
+)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the demo's options on ``parser``."""
-    parser.add_argument("--frame-mib", type=float, default=8.0, help="frame size in MiB")
-    parser.add_argument("--slots", type=int, default=8, help="ring slots")
+    parser.add_argument(
+        "--frame-mib", type=float, default=8.0, help="size of each of a frame's two arrays, MiB"
+    )
+    parser.add_argument("--slots", type=int, default=8, help="ring slots (>= 2)")
     parser.add_argument("--consumers", type=int, default=2, help="consumer processes")
-    parser.add_argument("--mode", choices=("block", "latest"), default="block")
+    parser.add_argument(
+        "--mode",
+        choices=("block", "latest"),
+        default="block",
+        help="block: every consumer gets every frame, the producer waits for the slowest; "
+        "latest: a busy consumer skips to the newest frame",
+    )
     parser.add_argument("--duration", type=float, default=10.0, help="seconds to publish")
-    parser.add_argument("--device", type=int, default=0)
+    parser.add_argument("--device", type=int, default=0, help="CUDA device")
     parser.set_defaults(run=run)
 
 
@@ -55,15 +94,20 @@ def _consumer(address: str, mode: str, index: int, shape: tuple[int, ...], repor
         received = 0
         errors = cp.zeros((), dtype=cp.int64)
         _warm_up(cp, camera, post, errors, shape)
-        latencies: list[int] = []
+        latencies: list[tuple[int, int]] = []  # (handoff, queued) ns per frame
         last_report = time.monotonic()
         with cip.subscribe(address, mode=mode) as sub:
             reports.put(("ready", index, os.getpid()))
             scratch = None
-            for frame in sub:
+            frames = iter(sub)
+            while True:
+                asked = time.monotonic_ns()
+                frame = next(frames, None)  # None: the publisher closed the stream
                 now = time.monotonic_ns()
+                if frame is None:
+                    break
                 seq, t_pub = _META.unpack(frame.metadata)
-                latencies.append(now - t_pub)
+                latencies.append(split_latency(t_pub, asked, now))
                 raw, processed = frame.arrays
                 if scratch is None or scratch.shape != raw.shape:
                     scratch = cp.empty_like(raw)
@@ -98,11 +142,124 @@ def _warm_up(cp: Any, camera: Any, post: Any, errors: Any, shape: tuple[int, ...
     errors.fill(0)
 
 
-def _percentile(values: list[int], q: float) -> float:
+def split_latency(published_ns: int, asked_ns: int, returned_ns: int) -> tuple[int, int]:
+    """Split one frame's publish -> ``recv`` time into ``(handoff, queued)``, in ns.
+
+    Parameters
+    ----------
+    published_ns
+        ``CLOCK_MONOTONIC`` when the producer published the frame (system-wide,
+        so comparable across processes).
+    asked_ns
+        When the consumer asked for its next frame (called ``recv``).
+    returned_ns
+        When that call returned the frame.
+
+    Returns
+    -------
+    tuple of int
+        ``handoff``: from the later of the publish and the consumer's call to
+        the return, what the channel costs; ``queued``: how long the frame
+        waited for the consumer to ask for it (0 when the consumer was already
+        waiting).  Their sum is ``returned_ns - published_ns``.
+    """
+    start = max(published_ns, asked_ns)
+    return max(0, returned_ns - start), max(0, start - published_ns)
+
+
+def percentile(values: list[int], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values`` (nearest rank; NaN when empty)."""
     if not values:
         return float("nan")
     ordered = sorted(values)
     return float(ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))])
+
+
+def latency_text(samples: list[tuple[int, int]]) -> str:
+    """``handoff p50 .. p99 .. | queued p50 .. p99 ..`` for ``(handoff, queued)`` ns samples."""
+    handoff = [h for h, _ in samples]
+    queued = [q for _, q in samples]
+
+    def us(values: list[int], q: float) -> str:
+        return f"{percentile(values, q) / 1e3:7.1f}"
+
+    return (
+        f"handoff p50 {us(handoff, 0.5)} us  p99 {us(handoff, 0.99)} us  |  "
+        f"queued p50 {us(queued, 0.5)} us  p99 {us(queued, 0.99)} us"
+    )
+
+
+def progress_line(
+    elapsed_s: float,
+    published: int,
+    rate: float,
+    received: list[int],
+    samples: list[tuple[int, int]],
+) -> str:
+    """One line of live progress: frames published, their rate, received, both latencies."""
+    return (
+        f"t={elapsed_s:5.1f}s  published {published:8d}  {rate:9.0f} frames/s  "
+        f"received {'/'.join(str(r) for r in received)}  {latency_text(samples)}"
+    )
+
+
+def summary_lines(
+    *,
+    published: int,
+    elapsed_s: float,
+    frame_bytes: int,
+    mode: str,
+    done: dict[int, tuple[int, int]],
+    received: list[int],
+    failures: list[str],
+    samples: list[tuple[int, int]],
+) -> tuple[bool, list[str]]:
+    """The closing report and whether the demo passed.
+
+    Parameters
+    ----------
+    published, elapsed_s, frame_bytes, mode
+        What the producer did: frames, seconds, bytes per array (two per frame),
+        ``"block"`` or ``"latest"``.
+    done
+        Per consumer that finished: ``(frames received, mismatching bytes)``,
+        ``-1`` bytes for a consumer that failed.
+    received
+        Frames each consumer had reported (for consumers that did not finish).
+    failures
+        One text per consumer error.
+    samples
+        Every ``(handoff, queued)`` ns sample of the run (:func:`split_latency`).
+    """
+    ok = not failures and len(done) == len(received)
+    rate = published / max(elapsed_s, 1e-9)
+    lines = [
+        f"summary: published {published} frames in {elapsed_s:.1f} s "
+        f"({rate:.0f} frames/s, {rate * frame_bytes * 2 / 1e9:.1f} GB/s handed over "
+        "without copies)",
+        f"  latency over the run: {latency_text(samples)}",
+    ]
+    for i, count in enumerate(received):
+        got, errs = done.get(i, (count, -1))
+        verified = errs == 0
+        ok = ok and verified and (got == published or mode == "latest") and got > 0
+        state = (
+            "all verified"
+            if verified
+            else f"{errs} mismatching bytes"
+            if errs > 0
+            else "did not finish"
+        )
+        lines.append(f"  consumer {i}: received {got} frames, {state}")
+    lines += [f"  {f}" for f in failures]
+    lines += [f"  {figure}" for figure in FIGURES]
+    block_note = f" (block mode: all {published} frames delivered to every consumer)"
+    lines.append(
+        "every received frame verified: "
+        + ("YES" if ok else "NO")
+        + (block_note if ok and mode == "block" else "")
+    )
+    return ok, lines
 
 
 def run(args: argparse.Namespace) -> int:
@@ -136,12 +293,14 @@ def run(args: argparse.Namespace) -> int:
     _warm_up(cp, camera, post, cp.zeros((), dtype=cp.int64), shape)
     print(
         f"demo: {args.consumers} consumer(s), mode={args.mode}, frames {shape} uint8 "
-        f"({frame_bytes / 2**20:.1f} MiB, x2 arrays), {args.slots} slots, {args.duration:g} s",
+        f"({frame_bytes / 2**20:.1f} MiB, x2 arrays), {args.slots} slots, {args.duration:g} s\n"
+        f"{LEGEND}",
         flush=True,
     )
     published = 0
     elapsed = 0.0
-    lat: list[int] = []
+    lat: list[tuple[int, int]] = []  # since the last progress line
+    every: list[tuple[int, int]] = []  # the whole run
     received = [0] * args.consumers
     done: dict[int, tuple[int, int]] = {}
     failures: list[str] = []
@@ -161,9 +320,11 @@ def run(args: argparse.Namespace) -> int:
             if kind == "progress":
                 received[index] = msg[2]
                 lat.extend(msg[3])
+                every.extend(msg[3])
             elif kind == "done":
                 received[index] = msg[2]
                 lat.extend(msg[3])
+                every.extend(msg[3])
                 done[index] = (msg[2], msg[4])
             elif kind == "error":
                 failures.append(f"consumer {index}: {msg[2]}")
@@ -199,14 +360,8 @@ def run(args: argparse.Namespace) -> int:
                 now = time.monotonic()
                 if now - last >= 1.0:
                     drain()
-                    p50, p99 = _percentile(lat, 0.5), _percentile(lat, 0.99)
-                    print(
-                        f"t={now - start:5.1f}s  published {published:8d}  "
-                        f"{(published - last_pub) / (now - last):9.0f} frames/s  "
-                        f"received {'/'.join(str(r) for r in received)}  "
-                        f"latency p50 {p50 / 1e3:7.1f} us  p99 {p99 / 1e3:7.1f} us",
-                        flush=True,
-                    )
+                    rate = (published - last_pub) / (now - last)
+                    print(progress_line(now - start, published, rate, received, lat), flush=True)
                     lat.clear()
                     last, last_pub = now, published
             elapsed = time.monotonic() - start
@@ -221,38 +376,15 @@ def run(args: argparse.Namespace) -> int:
                 p.kill()
                 p.join(5)
         shutil.rmtree(tmpdir, ignore_errors=True)
-    ok = not failures and len(done) == args.consumers
-    lines = [
-        f"summary: published {published} frames in {elapsed:.1f} s "
-        f"({published / max(elapsed, 1e-9):.0f} frames/s, "
-        f"{published * frame_bytes * 2 / max(elapsed, 1e-9) / 1e9:.1f} GB/s handed over "
-        "without copies)"
-    ]
-    for i in range(args.consumers):
-        got, errs = done.get(i, (received[i], -1))
-        verified = errs == 0
-        ok = ok and verified and (got == published or args.mode == "latest") and got > 0
-        lines.append(
-            f"  consumer {i}: received {got} frames, "
-            + (
-                "all verified"
-                if verified
-                else f"{errs} mismatching bytes"
-                if errs > 0
-                else "did not finish"
-            )
-        )
-    lines += [f"  {f}" for f in failures]
-    lines.append(
-        "every received frame verified: "
-        + ("YES" if ok else "NO")
-        + (
-            ""
-            if args.mode == "latest"
-            else f" (block mode: all {published} frames delivered to every consumer)"
-            if ok
-            else ""
-        )
+    ok, lines = summary_lines(
+        published=published,
+        elapsed_s=elapsed,
+        frame_bytes=frame_bytes,
+        mode=args.mode,
+        done=done,
+        received=received,
+        failures=failures,
+        samples=every,
     )
     print("\n".join(lines), flush=True)
     return 0 if ok else 1
@@ -260,7 +392,11 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the demo from the command line."""
-    parser = argparse.ArgumentParser(prog="python -m cupy_ipcpool demo")
+    from .__main__ import HelpFormatter, program_name
+
+    parser = argparse.ArgumentParser(
+        prog=f"{program_name()} demo", description=DESCRIPTION, formatter_class=HelpFormatter
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 
