@@ -36,8 +36,8 @@ from cupy_ipcpool._slots import SlotTable
 from cupy_ipcpool.channel._payload import FRAME_HEAD
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from test_hotpath_cpu import _Source
 from test_kept_array_cpu import _CP
+from test_per_frame_shortcuts_cpu import _Source
 
 try:  # the shared summary of the benchmark suite, when its conftest is importable
     from conftest import record_value

@@ -1,20 +1,33 @@
-"""Loading :mod:`cupy_ipcpool._hotpath`, the compiled per-frame bookkeeping, with its checks.
+"""Loading cupy_ipcpool's compiled parts: one loader, one error text, layouts checked.
 
-Pool layer: the slot table loads it; the peer pool's and the channel's
-per-frame calls come from the same module (the channel checks the FRAME
-layout the module was built for itself: ``channel._payload.hotpath``).
+The three C extensions (``cupy_ipcpool._fastpath``, ``cupy_ipcpool._hotpath``
+and ``cupy_ipcpool.channel._frameio``) are loaded only through :func:`load`,
+by the module that makes their calls, when it is first used: ``import
+cupy_ipcpool`` (and ``python -m cupy_ipcpool info``, which reports a missing
+build) works without them.
 
-Not at import time: ``import cupy_ipcpool`` (and ``python -m cupy_ipcpool
-info``, which reports a missing build) works without the compiled parts; a
-pool, a peer pool or a channel loads it when it is made.
+Each extension exports the constants of the layouts and limits it was built
+for (``_hotpath.HANDLE_LAYOUT`` and ``FRAME_LAYOUT``, ``_frameio.PROTOCOL``,
+``_fastpath.MAX_BATCH``); the caller passes the values of its own Python
+definitions, the one source of each layout, and a build that differs is
+refused.  Each caller checks only what its own layer defines: the pool layer
+the array handle's layout, the channel the FRAME message and the FRAME
+payload.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 from types import ModuleType
 
-_loaded: ModuleType | None = None
+#: What to do about a missing or mismatched build (the same words everywhere).
+FIX = (
+    "reinstall the package (pip install . or, in a source tree, pip install -e .), "
+    "or build the extensions in place: python setup.py build_ext --inplace"
+)
+
+_kept_type_set = False
 
 
 class _Probe:
@@ -24,50 +37,85 @@ class _Probe:
         self.array = object()
 
 
-def hotpath() -> ModuleType:
-    """The compiled module, checked against the layouts and rules of the Python code.
+def load(name: str, **expected: object) -> ModuleType:
+    """Import the compiled module ``name`` and check the constants it was built for.
+
+    Parameters
+    ----------
+    name:
+        The module's full name, for example ``"cupy_ipcpool.channel._frameio"``.
+    **expected:
+        Attribute name -> the value this code's Python definitions give it (a
+        layout's sizes and offsets, a protocol's constants); every one must
+        equal the build's.
+
+    Returns
+    -------
+    ModuleType
+        The module (Python's import caches it: later calls cost a dict look-up
+        and the comparisons).
 
     Raises
     ------
     ImportError
-        Not built, built from other layouts than this code's, or this
-        interpreter counts an attribute's references otherwise than the
-        compiled kept-array rule assumes (``sys.getrefcount`` of an attribute).
+        The module is not built or does not load, or it was built from other
+        sources than this code (a constant differs or is missing).  The
+        message names the module, what is wrong and :data:`FIX`.
     """
-    global _loaded
-    if _loaded is not None:
-        return _loaded
     try:
-        from . import _hotpath
+        module = importlib.import_module(name)
     except ImportError as exc:
         raise ImportError(
-            f"cupy_ipcpool._hotpath, a compiled part of cupy_ipcpool, is not built ({exc}): "
-            "install the package with pip (pip install .), or build it in place with "
-            "'python3 setup.py build_ext --inplace'"
+            f"{name}, a compiled part of cupy_ipcpool, is not built or does not load ({exc}): {FIX}"
         ) from None
+    for attr, want in expected.items():
+        built = getattr(module, attr, None)
+        if built != want:
+            raise ImportError(
+                f"{name} was built from other sources than this code ({attr}: the build has "
+                f"{built!r}, this code {want!r}): rebuild it: {FIX}"
+            )
+    return module
+
+
+def hotpath(**expected: object) -> ModuleType:
+    """:mod:`cupy_ipcpool._hotpath`, checked against the array handle's layout and ``expected``.
+
+    Parameters
+    ----------
+    **expected:
+        Further constants to check, as :func:`load` takes them (the channel
+        passes its FRAME payload layout).
+
+    Raises
+    ------
+    ImportError
+        As :func:`load`, or this interpreter counts an attribute's references
+        otherwise than the compiled kept-array rule assumes
+        (``sys.getrefcount`` of an attribute).
+    """
+    global _kept_type_set
     from . import _handles
 
-    # the handle layout (the channel checks its own FRAME layout: channel._payload)
-    layout = (
+    # the array handle's fixed header: its size, where the generation, the offset
+    # and ndim lie (the rest of a handle is 16 bytes per dimension)
+    handle = (
         _handles._HANDLE_HEADER.size,
         _handles._GENERATION_AT,
         _handles._OFFSET_AT,
         _handles._NDIM_AT,
     )
-    if layout != _hotpath.LAYOUT[1:5]:
-        raise ImportError(
-            f"cupy_ipcpool._hotpath was built for the handle layout {_hotpath.LAYOUT[1:5]}, "
-            f"this code uses {layout}: rebuild it (pip install -e .)"
-        )
-    probe = _Probe()
-    if _hotpath.attr_refcount(probe, "array") != sys.getrefcount(probe.array):
-        raise ImportError(
-            "cupy_ipcpool._hotpath reads reference counts otherwise than this interpreter's "
-            "sys.getrefcount (the rule KeptArray.in_use relies on); this Python version is "
-            "not supported"
-        )
-    from ._arrays import KeptArray
+    module = load("cupy_ipcpool._hotpath", HANDLE_LAYOUT=handle, **expected)
+    if not _kept_type_set:
+        probe = _Probe()
+        if module.attr_refcount(probe, "array") != sys.getrefcount(probe.array):
+            raise ImportError(
+                "cupy_ipcpool._hotpath reads reference counts otherwise than this "
+                "interpreter's sys.getrefcount (the rule KeptArray.in_use relies on); this "
+                "Python version is not supported"
+            )
+        from ._arrays import KeptArray
 
-    _hotpath.set_kept_type(KeptArray)
-    _loaded = _hotpath
-    return _hotpath
+        module.set_kept_type(KeptArray)
+        _kept_type_set = True
+    return module

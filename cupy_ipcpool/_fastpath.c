@@ -153,13 +153,26 @@ static PyMethodDef fastpath_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* The limit wait_all was built with; cupy_ipcpool._compiled checks it against the
+ * batch size the channel's sync page splits its waits into (_syncpage._MAX_BATCH). */
+static int
+fastpath_exec(PyObject *module)
+{
+    return PyModule_AddIntConstant(module, "MAX_BATCH", CIP_MAX_BATCH);
+}
+
+static PyModuleDef_Slot fastpath_slots[] = {
+    {Py_mod_exec, fastpath_exec},
+    {0, NULL},
+};
+
 static struct PyModuleDef fastpath_module = {
     PyModuleDef_HEAD_INIT,
     "cupy_ipcpool._fastpath",
     "The per-frame driver calls of cupy_ipcpool, compiled (see docs/performance.md).",
     0,
     fastpath_methods,
-    NULL,
+    fastpath_slots,
     NULL,
     NULL,
     NULL,

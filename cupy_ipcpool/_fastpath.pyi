@@ -1,5 +1,8 @@
 """Type stub of the compiled module ``cupy_ipcpool._fastpath`` (source: ``_fastpath.c``)."""
 
+#: Most waits one ``wait_all`` call takes (``cuStreamBatchMemOp``: "count must be less than 256").
+MAX_BATCH: int
+
 def memop(fn: int, stream: int, addr: int, value: int, flags: int, /) -> int:
     """Call a driver stream memory operation at ``fn``; return its CUresult (0 on success)."""
 

@@ -26,11 +26,14 @@
  * nothing.  The calls hold the GIL throughout and call no Python code but the
  * locks' acquire/release, so what they read is consistent.
  *
- * Layouts known here (the session layer compares LAYOUT with the Python
- * definitions and refuses a build that differs): the FRAME payload head
- * "<IIHH" (flag, generation, array count, metadata length) and an array
- * handle's "<IQQBB" header (the generation at byte 4, the offset at 12, ndim
- * at 20) followed by 16 bytes per dimension.
+ * Layouts known here, exported as HANDLE_LAYOUT and FRAME_LAYOUT; their one
+ * source is the Python code, which refuses a build that differs at import
+ * (cupy_ipcpool._compiled): an array handle's "<IQQBB" header (the generation
+ * at byte 4, the offset at 12, ndim at 20) followed by 16 bytes per dimension
+ * (cupy_ipcpool._handles), and the head of a FRAME message's payload "<IIHH"
+ * (flag, generation, array count, metadata length) with the channel's limits
+ * (cupy_ipcpool.channel._payload).  The FRAME message's own header, around
+ * that payload, is channel/_frameio.c's (CIP_FRAME_MSG_HEAD).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -39,11 +42,13 @@
 #include "_le.h"
 #include "_memop_args.h"
 
-#define CIP_FRAME_HEAD 12       /* FRAME_HEAD = "<IIHH" */
-#define CIP_HANDLE_HEAD 22      /* _HANDLE_HEADER = "<IQQBB" */
+/* HANDLE_LAYOUT: cupy_ipcpool._handles._HANDLE_HEADER = "<IQQBB" and its field offsets */
+#define CIP_HANDLE_HEAD 22
 #define CIP_GENERATION_AT 4
 #define CIP_OFFSET_AT 12
 #define CIP_NDIM_AT 20
+/* FRAME_LAYOUT: cupy_ipcpool.channel._payload.FRAME_HEAD = "<IIHH", MAX_ARRAYS, MAX_METADATA */
+#define CIP_FRAME_PAYLOAD_HEAD 12
 #define CIP_MAX_ARRAYS 64
 #define CIP_MAX_METADATA 16384
 
@@ -285,7 +290,7 @@ hotpath_take_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
     PyObject *result = Py_None; /* None until every check passed */
     Py_INCREF(Py_None);
 
-    if (n < CIP_FRAME_HEAD || slot < 0 || slot >= PyList_GET_SIZE(flags) ||
+    if (n < CIP_FRAME_PAYLOAD_HEAD || slot < 0 || slot >= PyList_GET_SIZE(flags) ||
         slot >= PyList_GET_SIZE(seen) || (Py_ssize_t)le32(data) != slot)
         goto done;
     unsigned int generation = le32(data + 4);
@@ -293,7 +298,7 @@ hotpath_take_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
     Py_ssize_t meta_len = (Py_ssize_t)le16(data + 10);
     if (want > CIP_MAX_ARRAYS || meta_len > CIP_MAX_METADATA)
         goto done;
-    Py_ssize_t pos = CIP_FRAME_HEAD;
+    Py_ssize_t pos = CIP_FRAME_PAYLOAD_HEAD;
 
     /* First pass: look everything up, change nothing. */
     for (; count < want;) {
@@ -741,13 +746,20 @@ hotpath_exec(PyObject *module)
     if (ONE == NULL)
         return -1;
     /* The layouts this build reads; the Python side compares them with its own. */
-    PyObject *layout = Py_BuildValue("(iiiiiii)", CIP_FRAME_HEAD, CIP_HANDLE_HEAD,
-                                     CIP_GENERATION_AT, CIP_OFFSET_AT, CIP_NDIM_AT,
-                                     CIP_MAX_ARRAYS, CIP_MAX_METADATA);
-    if (layout == NULL)
+    PyObject *handle = Py_BuildValue("(iiii)", CIP_HANDLE_HEAD, CIP_GENERATION_AT,
+                                     CIP_OFFSET_AT, CIP_NDIM_AT);
+    if (handle == NULL)
         return -1;
-    if (PyModule_AddObject(module, "LAYOUT", layout) < 0) {
-        Py_DECREF(layout);
+    if (PyModule_AddObject(module, "HANDLE_LAYOUT", handle) < 0) {
+        Py_DECREF(handle);
+        return -1;
+    }
+    PyObject *frame =
+        Py_BuildValue("(iii)", CIP_FRAME_PAYLOAD_HEAD, CIP_MAX_ARRAYS, CIP_MAX_METADATA);
+    if (frame == NULL)
+        return -1;
+    if (PyModule_AddObject(module, "FRAME_LAYOUT", frame) < 0) {
+        Py_DECREF(frame);
         return -1;
     }
     return 0;

@@ -2,9 +2,10 @@
 
 from typing import Any
 
-#: (FRAME head size, handle header size, generation offset, offset offset,
-#: ndim offset, most arrays per frame, most metadata bytes)
-LAYOUT: tuple[int, int, int, int, int, int, int]
+#: The array handle's header: (size, generation offset, offset offset, ndim offset)
+HANDLE_LAYOUT: tuple[int, int, int, int]
+#: The FRAME payload: (head size, most arrays per frame, most metadata bytes)
+FRAME_LAYOUT: tuple[int, int, int]
 
 def take_frame(
     ctx: tuple[Any, ...], payload: Any, slot: int, owner: Any, stream: int

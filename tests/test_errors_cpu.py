@@ -16,6 +16,7 @@ import inspect
 import os
 import pathlib
 import pickle
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -176,6 +177,174 @@ def test_undo_stack_runs_steps_newest_first_and_warns_on_failures() -> None:
     assert "never" not in done
 
 
+# ---------------------------------------------------------------- compiled parts
+
+
+def _load_at_site(name: str) -> Any:
+    """The library's own call that loads the compiled module ``name`` (as a pool or a channel)."""
+    from cupy_ipcpool import _compiled
+    from cupy_ipcpool.channel import _payload, _session, _syncpage
+
+    if name == "cupy_ipcpool._hotpath":
+        _compiled.hotpath()
+        return _payload.hotpath()
+    if name == "cupy_ipcpool._fastpath":
+        return _syncpage._memops()
+    for attr in ("pollfds", "recv_frame", "release_frame", "send_frame", "wait_releases"):
+        _session.__dict__.pop(attr, None)  # loaded again, as at the first session
+    return _session._load_frameio()
+
+
+#: Each compiled module, the constants it exports, and the Python definitions they must equal.
+def _expected_constants() -> dict[str, dict[str, object]]:
+    from cupy_ipcpool import _handles
+    from cupy_ipcpool.channel import _payload, _session, _syncpage
+
+    return {
+        "cupy_ipcpool._hotpath": {
+            "HANDLE_LAYOUT": (
+                _handles._HANDLE_HEADER.size,
+                _handles._GENERATION_AT,
+                _handles._OFFSET_AT,
+                _handles._NDIM_AT,
+            ),
+            "FRAME_LAYOUT": (_payload.FRAME_HEAD.size, _payload.MAX_ARRAYS, _payload.MAX_METADATA),
+        },
+        "cupy_ipcpool.channel._frameio": {"PROTOCOL": _session._PROTOCOL},
+        "cupy_ipcpool._fastpath": {"MAX_BATCH": _syncpage._MAX_BATCH},
+    }
+
+
+COMPILED = ("cupy_ipcpool._fastpath", "cupy_ipcpool._hotpath", "cupy_ipcpool.channel._frameio")
+
+
+def test_each_build_exports_the_layouts_of_the_python_definitions() -> None:
+    import importlib
+
+    from cupy_ipcpool.channel import _protocol as proto
+
+    for name, constants in _expected_constants().items():
+        module = importlib.import_module(name)
+        for attr, want in constants.items():
+            assert getattr(module, attr) == want, (name, attr)
+    # the two FRAME heads are different things with different sizes: the message's
+    # header before its payload (_frameio), and the payload's own head (_hotpath)
+    frameio = importlib.import_module("cupy_ipcpool.channel._frameio")
+    hotpath = importlib.import_module("cupy_ipcpool._hotpath")
+    assert frameio.PROTOCOL[4] == proto.MAX_FRAME_SIZE - proto.MAX_FRAME_PAYLOAD == 20
+    assert hotpath.FRAME_LAYOUT[0] == 12
+    for name in COMPILED:  # and the sites accept this build
+        try:
+            _load_at_site(name)
+        except cip.CudaUnavailableError:  # loaded and checked; the driver comes next
+            assert name == "cupy_ipcpool._fastpath"
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_a_missing_build_is_one_error_naming_the_fix(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib
+    import sys
+
+    from cupy_ipcpool import _info
+
+    parent, _, leaf = name.rpartition(".")
+    monkeypatch.delattr(importlib.import_module(parent), leaf)
+    monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(ImportError) as info:
+        _load_at_site(name)
+    text = str(info.value)
+    assert text.startswith(f"{name}, a compiled part of cupy_ipcpool, is not built")
+    assert "python setup.py build_ext --inplace" in text and "pip install ." in text
+    assert f"NOT BUILT ({leaf})" in _info.fastpath_summary()
+    if name == "cupy_ipcpool._hotpath":
+        with pytest.raises(ImportError, match="is not built"):
+            SlotTable(2)  # a pool cannot be made without it
+
+
+def test_the_missing_build_text_is_the_same_for_every_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from cupy_ipcpool import _compiled
+
+    texts = set()
+    for name in COMPILED:
+        monkeypatch.setitem(sys.modules, name, None)
+        with pytest.raises(ImportError) as info:
+            _compiled.load(name)
+        texts.add(str(info.value).replace(name, "NAME"))
+    assert len(texts) == 1, texts
+
+
+@pytest.mark.parametrize(
+    ("name", "attr"),
+    [
+        ("cupy_ipcpool._hotpath", "HANDLE_LAYOUT"),
+        ("cupy_ipcpool._hotpath", "FRAME_LAYOUT"),
+        ("cupy_ipcpool.channel._frameio", "PROTOCOL"),
+        ("cupy_ipcpool._fastpath", "MAX_BATCH"),
+    ],
+)
+@pytest.mark.parametrize("change", ["differs", "missing"])
+def test_a_build_of_other_layouts_is_refused_naming_the_constant(
+    name: str, attr: str, change: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib
+
+    module = importlib.import_module(name)
+    built = getattr(module, attr)
+    if change == "missing":  # a build older than the constant
+        monkeypatch.delattr(module, attr)
+    elif isinstance(built, tuple):
+        monkeypatch.setattr(module, attr, (built[0] + 1, *built[1:]))
+    else:
+        monkeypatch.setattr(module, attr, built + 1)
+    with pytest.raises(ImportError) as info:
+        _load_at_site(name)
+    text = str(info.value)
+    assert text.startswith(f"{name} was built from other sources than this code ({attr}: ")
+    assert "rebuild it" in text and "python setup.py build_ext --inplace" in text
+
+
+def test_the_pool_layer_checks_only_the_handle_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cupy_ipcpool import _compiled
+    from cupy_ipcpool.channel import _payload
+
+    hp = _compiled.hotpath()
+    monkeypatch.setattr(hp, "FRAME_LAYOUT", (16, *hp.FRAME_LAYOUT[1:]))
+    assert _compiled.hotpath() is hp  # the pool's own layout is this code's
+    SlotTable(2)
+    with pytest.raises(ImportError, match="FRAME_LAYOUT"):
+        _payload.hotpath()  # the channel's is not
+
+
+def test_compiled_parts_are_loaded_only_through_the_loader() -> None:
+    """No module imports a compiled part itself (type-checking imports aside)."""
+    compiled = {name.rpartition(".")[2] for name in COMPILED}
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        typing_only = {
+            id(node)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+            for node in ast.walk(block)
+        }
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.ImportFrom):
+                names = {(node.module or "").rpartition(".")[2], *(a.name for a in node.names)}
+            elif isinstance(node, ast.Import):
+                names = {a.name.rpartition(".")[2] for a in node.names}
+            else:
+                continue
+            if names & compiled:
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not found, f"compiled parts imported outside cupy_ipcpool._compiled.load: {found}"
+
+
 # --------------------------------------------------------------- import layers
 
 #: The layers of DESIGN.md, bottom first; a module may import its own layer and below.
@@ -184,9 +353,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("handles", ("_handles",)),
     ("driver", ("_driver", "_fastpath")),
     ("vmm", ("_vmm",)),
-    ("transport", ("_transport",)),
+    ("transport", ("_transport", "_transport.*", "transport.*")),
     ("pool", ("_arrays", "_compiled", "_hotpath", "_slots", "_arena", "_pool")),
-    ("peer", ("_peer",)),
+    ("peer", ("_peer", "_seedpeer")),
     ("allocator", ("_allocator", "_compat")),
     (
         "channel",
@@ -249,11 +418,127 @@ def _imports(path: pathlib.Path) -> Iterator[str]:
                     yield ".".join(parts[1:]) or "__init__"
 
 
+def _loads(path: pathlib.Path) -> Iterator[str]:
+    """Modules of the package that ``path`` loads by name: ``load("cupy_ipcpool.x")``
+    (the compiled parts' loader) or ``importlib.import_module("cupy_ipcpool.x")``."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call) or not node.args:
+            continue
+        func = node.func
+        called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        first = node.args[0]
+        if (
+            called in ("load", "import_module")
+            and isinstance(first, ast.Constant)
+            and isinstance(first.value, str)
+            and first.value.startswith("cupy_ipcpool.")
+        ):
+            yield first.value.split(".", 1)[1]
+
+
+# -- what the compiled code touches: the C sources, scanned ----------------------------
+
+#: A C source's imports: PyImport_ImportModule("cupy_ipcpool.x") and its kin.
+_C_IMPORT = re.compile(r'PyImport_\w*\(\s*"([\w.]+)"')
+#: The names of attributes a C source reads, writes or calls on the objects it is given.
+_C_ATTRIBUTE = [
+    re.compile(r'PyObject_(?:Get|Set|Has|Del)AttrString\s*\([^;]*?"(\w+)"'),
+    re.compile(r'PyObject_CallMethod\w*\s*\([^;"]*?"(\w+)"'),
+    re.compile(r'PyUnicode_InternFromString\s*\(\s*"(\w+)"'),
+    # the modules' helper around PyUnicode_InternFromString: intern(&S_name, "name")
+    re.compile(r'\bintern\s*\(\s*&\w+\s*,\s*"(\w+)"'),
+]
+
+
+def _c_sources() -> dict[str, pathlib.Path]:
+    """Compiled module name -> its C source (each has a stub beside it)."""
+    return {_module_name(c): c for c in PACKAGE.rglob("*.c") if c.with_suffix(".pyi").exists()}
+
+
+def _c_imports(text: str) -> set[str]:
+    return {
+        m.split(".", 1)[1] if "." in m else "__init__"
+        for m in _C_IMPORT.findall(text)
+        if m.split(".")[0] == "cupy_ipcpool"
+    }
+
+
+def _c_attributes(text: str) -> set[str]:
+    return {name for pattern in _C_ATTRIBUTE for name in pattern.findall(text)}
+
+
+def _attribute_owners() -> dict[str, set[str]]:
+    """Attribute name -> the package's modules whose classes define it (assigned to
+    ``self``, in the class body, in ``__slots__``, or as a method or property)."""
+    owners: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        module = _module_name(path)
+        for cls in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(cls, ast.ClassDef):
+                continue
+            names: set[str] = set()
+            for node in cls.body:
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    names.add(node.name)
+                elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                    names.add(node.target.id)
+                elif isinstance(node, ast.Assign):
+                    for target in node.targets:
+                        if isinstance(target, ast.Name) and target.id == "__slots__":
+                            names.update(
+                                e.value
+                                for e in ast.walk(node.value)
+                                if isinstance(e, ast.Constant) and isinstance(e.value, str)
+                            )
+                        elif isinstance(target, ast.Name):
+                            names.add(target.id)
+            for node in ast.walk(cls):
+                if (
+                    isinstance(node, ast.Attribute)
+                    and isinstance(node.ctx, ast.Store)
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id == "self"
+                ):
+                    names.add(node.attr)
+            for name in names:
+                owners.setdefault(name, set()).add(module)
+    return owners
+
+
+def _c_attribute_violations(
+    module: str, attributes: set[str], owners: dict[str, set[str]]
+) -> set[str]:
+    """The attributes a compiled ``module`` touches that break the layer rules: defined
+    only above its layer, or private and defined only in other layers."""
+    level = _layer_of(module)
+    found = set()
+    for name in attributes:
+        layers = {_layer_of(m) for m in owners.get(name, ())}
+        if not layers:
+            continue  # not the package's (a lock's acquire, CuPy's or Python's own)
+        if min(layers) > level:
+            found.add(f"{module} ({LAYERS[level][0]}) touches .{name}, defined only above")
+        elif name.startswith("_") and not name.startswith("__") and level not in layers:
+            found.add(f"{module} ({LAYERS[level][0]}) touches the private .{name} of another layer")
+    return found
+
+
+#: What _hotpath.c touches today against the rules (it goes with it, and this with it):
+#: the peer layer's kept views (``holder``, whose ``owner`` it sets) and the channel's
+#: lease sources (``holder_sets``, named only in a comment of the pool's LeaseSource).
+KNOWN_C_VIOLATIONS = {
+    "_hotpath (pool) touches .holder, defined only above",
+    "_hotpath (pool) touches .holder_sets, defined only above",
+}
+
+
 def _graph() -> dict[str, set[str]]:
     graph = {}
     for path in PACKAGE.rglob("*.py"):
         name = _module_name(path)
-        graph[name] = {m for m in _imports(path) if m != name}
+        graph[name] = {m for m in (*_imports(path), *_loads(path)) if m != name}
+    for name, source in _c_sources().items():
+        graph[name] = _c_imports(source.read_text()) - {name}
     return graph
 
 
@@ -291,6 +576,48 @@ def test_no_import_cycle() -> None:
     for node in sorted(graph):
         if node not in state:
             visit(node)
+
+
+def test_the_graph_holds_the_compiled_parts_and_the_loads_by_name() -> None:
+    graph = _graph()
+    compiled = set(_c_sources())
+    assert compiled == {"_fastpath", "_hotpath", "channel._frameio"}
+    assert compiled <= set(graph)
+    assert "_hotpath" in graph["_compiled"]  # load("cupy_ipcpool._hotpath")
+    assert "channel._frameio" in graph["channel._session"]
+    assert "_fastpath" in graph["channel._syncpage"]
+
+
+def test_the_c_scanner_finds_imports_and_attributes() -> None:
+    """A negative control: what the checks below would see in a C source that broke the rules."""
+    text = """
+        PyObject *m = PyImport_ImportModule("cupy_ipcpool.channel._session");
+        PyObject *v = PyObject_GetAttrString(obj, "_book");
+        PyObject_SetAttrString(obj, "holder", x);
+        PyObject_CallMethod(lock, "acquire", "O", Py_False);
+        intern(&S_sets, "holder_sets");
+    """
+    assert _c_imports(text) == {"channel._session"}
+    assert _c_attributes(text) == {"_book", "holder", "acquire", "holder_sets"}
+    found = _c_attribute_violations("_hotpath", _c_attributes(text), _attribute_owners())
+    assert "_hotpath (pool) touches .holder_sets, defined only above" in found
+    assert "_hotpath (pool) touches ._book, defined only above" in found
+    assert not any(".acquire" in f for f in found)  # the pool's own acquire, and a lock's
+    # the real sources are read: _hotpath.c's attribute names are found
+    hotpath = _c_attributes(_c_sources()["_hotpath"].read_text())
+    assert {"_n_array", "_memptr", "holder_sets", "in_use"} <= hotpath
+
+
+def test_compiled_code_touches_no_attribute_of_a_higher_layer() -> None:
+    """The compiled modules import nothing above their layer (the graph's check above covers
+    their PyImport calls) and read, write or call no attribute that only a higher layer
+    defines, and no private attribute of another layer."""
+    owners = _attribute_owners()
+    found = set()
+    for module, source in _c_sources().items():
+        found |= _c_attribute_violations(module, _c_attributes(source.read_text()), owners)
+    assert found - KNOWN_C_VIOLATIONS == set(), "compiled code breaks the layers"
+    assert KNOWN_C_VIOLATIONS - found == set(), "fixed: remove from KNOWN_C_VIOLATIONS"
 
 
 # ----------------------------------------------------------- descriptor pickles

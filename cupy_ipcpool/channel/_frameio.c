@@ -29,12 +29,16 @@
 /* ------------------------------------------------------------------------ */
 
 /* cupy_ipcpool.channel._protocol: header "<HBB" (magic, version, type), FRAME
- * "<HBBQII" (+ seq, slot, payload length, then the payload), RELEASE "<HBBQI". */
+ * "<HBBQII" (+ seq, slot, payload length, then the payload), RELEASE "<HBBQI".
+ * CIP_FRAME_MSG_HEAD is the FRAME message's header before its payload (the
+ * payload's own head, "<IIHH", is _hotpath.c's CIP_FRAME_PAYLOAD_HEAD).  Exported
+ * as PROTOCOL; cupy_ipcpool._compiled refuses a build that differs from
+ * _protocol.py at import. */
 #define CIP_MAGIC 0x4950u
 #define CIP_VERSION 2u
 #define CIP_FRAME 4u
 #define CIP_RELEASE 5u
-#define CIP_FRAME_HEAD 20
+#define CIP_FRAME_MSG_HEAD 20
 #define CIP_RELEASE_SIZE 16
 #define CIP_MAX_FRAME_PAYLOAD (64u * 1024u)
 #define CIP_MAX_POLLFDS 16             /* a hang-up set: the socket and watched fds */
@@ -319,10 +323,11 @@ frameio_recv_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
     long long seq = -1;
     unsigned int slot = 0;
     const unsigned char *p = (const unsigned char *)buf;
-    if (n >= CIP_FRAME_HEAD && (size_t)n <= size && p[0] == (CIP_MAGIC & 0xFF) &&
+    if (n >= CIP_FRAME_MSG_HEAD && (size_t)n <= size && p[0] == (CIP_MAGIC & 0xFF) &&
         p[1] == (CIP_MAGIC >> 8) && p[2] == CIP_VERSION && p[3] == CIP_FRAME) {
         unsigned int length = le32(p + 16);
-        if (length <= CIP_MAX_FRAME_PAYLOAD && (size_t)n == CIP_FRAME_HEAD + (size_t)length) {
+        if (length <= CIP_MAX_FRAME_PAYLOAD &&
+            (size_t)n == CIP_FRAME_MSG_HEAD + (size_t)length) {
             int ready = hup_state == HUP_FIRED;
             if (hup_state == HUP_UNKNOWN) {
                 ready = any_ready(hup, nhup);
@@ -495,7 +500,7 @@ frameio_send_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
             return NULL;
         }
     }
-    unsigned char head[CIP_FRAME_HEAD];
+    unsigned char head[CIP_FRAME_MSG_HEAD];
     head[0] = CIP_MAGIC & 0xFF;
     head[1] = CIP_MAGIC >> 8;
     head[2] = CIP_VERSION;
@@ -519,7 +524,7 @@ frameio_send_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
             sent = sendmsg(fds[i], &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
             err = errno;
         } while (sent < 0 && err == EINTR);
-        if (sent == (ssize_t)(CIP_FRAME_HEAD + length))
+        if (sent == (ssize_t)(CIP_FRAME_MSG_HEAD + length))
             continue;
         if (sent >= 0)
             err = EMSGSIZE; /* a datagram goes whole or not at all */
@@ -712,8 +717,8 @@ frameio_exec(PyObject *module)
 {
     /* what the calls take the protocol to be */
     PyObject *protocol =
-        Py_BuildValue("(IIIIiiI)", CIP_MAGIC, CIP_VERSION, CIP_FRAME, CIP_RELEASE, CIP_FRAME_HEAD,
-                      CIP_RELEASE_SIZE, CIP_MAX_FRAME_PAYLOAD);
+        Py_BuildValue("(IIIIiiI)", CIP_MAGIC, CIP_VERSION, CIP_FRAME, CIP_RELEASE,
+                      CIP_FRAME_MSG_HEAD, CIP_RELEASE_SIZE, CIP_MAX_FRAME_PAYLOAD);
     if (protocol == NULL)
         return -1;
     if (PyModule_AddObject(module, "PROTOCOL", protocol) < 0) {

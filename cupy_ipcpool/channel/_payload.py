@@ -36,14 +36,6 @@ def hotpath() -> ModuleType:
     ------
     ImportError
         As :func:`~cupy_ipcpool._compiled.hotpath`, or the module was built for
-        another FRAME head or other limits.
+        another FRAME payload head or other limits (``_hotpath.FRAME_LAYOUT``).
     """
-    module = _load_hotpath()
-    layout = (FRAME_HEAD.size, MAX_ARRAYS, MAX_METADATA)
-    built = (module.LAYOUT[0], *module.LAYOUT[5:])
-    if built != layout:
-        raise ImportError(
-            f"cupy_ipcpool._hotpath was built for the FRAME layout {built}, this code uses "
-            f"{layout}: rebuild it (pip install -e .)"
-        )
-    return module
+    return _load_hotpath(FRAME_LAYOUT=(FRAME_HEAD.size, MAX_ARRAYS, MAX_METADATA))

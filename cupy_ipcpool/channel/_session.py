@@ -110,19 +110,9 @@ def _load_frameio() -> None:
     global pollfds, recv_frame, release_frame, send_frame, wait_releases
     if "recv_frame" in globals():
         return
-    try:
-        from . import _frameio
-    except ImportError as exc:
-        raise ImportError(
-            f"cupy_ipcpool.channel._frameio, a compiled part of cupy_ipcpool, is not built "
-            f"({exc}): install the package with pip (pip install .), or build it in place "
-            "with 'python3 setup.py build_ext --inplace'"
-        ) from None
-    if _frameio.PROTOCOL != _PROTOCOL:
-        raise ImportError(
-            f"cupy_ipcpool.channel._frameio was built for protocol {_frameio.PROTOCOL}, this "
-            f"code speaks {_PROTOCOL}: rebuild it (pip install -e .)"
-        )
+    from .._compiled import load
+
+    _frameio = load("cupy_ipcpool.channel._frameio", PROTOCOL=_PROTOCOL)
     pollfds, recv_frame, release_frame = (
         _frameio.pollfds,
         _frameio.recv_frame,

@@ -181,14 +181,10 @@ class SharedFlags:
 def _memops() -> tuple[object, int, int, int, int, object, int]:
     """``(_fastpath.memop, write pointer, wait pointer, write flags, wait flags,
     _fastpath.wait_all, cuStreamBatchMemOp pointer)``."""
-    try:
-        from .._fastpath import memop, wait_all
-    except ImportError as exc:
-        raise ImportError(
-            "cupy_ipcpool._fastpath, a compiled part of cupy_ipcpool, is not built "
-            f"({exc}): install the package with pip (pip install .), or build it in place "
-            "with 'python3 setup.py build_ext --inplace'"
-        ) from None
+    from .._compiled import load
+
+    fastpath = load("cupy_ipcpool._fastpath", MAX_BATCH=_MAX_BATCH)
+    memop, wait_all = fastpath.memop, fastpath.wait_all
     write_fn, wait_fn = _driver.memop_pointers()
     driver = _driver.driver_module()
     return (
