@@ -5,7 +5,10 @@ Three small C extensions with no dependency beyond Python's headers, built by
 ``cupy_ipcpool._fastpath`` (the per-frame stream memory operations, driver
 layer), ``cupy_ipcpool._hotpath`` (the per-frame bookkeeping of the pool, peer
 and channel layers: slot pick, frame assembly, write ordering) and
-``cupy_ipcpool.channel._frameio`` (the channel's per-frame socket calls).  See docs/performance.md for what they do and why.
+``cupy_ipcpool.channel._frameio`` (the channel's per-frame socket calls).
+docs/install.md ("The compiled parts") says what each saves per frame and why
+it is plain C; ``cupy_ipcpool._compiled.load`` loads them and checks each
+build's layout constants against the Python definitions.
 """
 
 from setuptools import Extension, setup
