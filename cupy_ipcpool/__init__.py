@@ -9,7 +9,7 @@ is none.
 from ._allocator import allocating
 from ._arrays import dlpack_safe
 from ._compat import IPCBufferManager
-from ._connect import subscribe
+from ._connect import follow, subscribe
 from ._errors import (
     ChannelTimeoutError,
     CudaError,
@@ -41,7 +41,7 @@ from ._pool import IpcPool, SlotToken
 from ._seedpeer import SeedBuffers, import_seed_buffers
 from ._slots import LeaseSource
 from ._version import __version__
-from .channel import Frame, Publisher, PublishFrame, Subscriber
+from .channel import Follower, Frame, Publisher, PublishFrame, Subscriber
 
 __all__ = [
     "ArrayHandle",
@@ -52,6 +52,7 @@ __all__ = [
     "DescriptorError",
     "EndOfStream",
     "EvictedError",
+    "Follower",
     "ForkedProcessError",
     "Frame",
     "IPCBufferManager",
@@ -83,6 +84,7 @@ __all__ = [
     "allocating",
     "attach",
     "dlpack_safe",
+    "follow",
     "import_seed_buffers",
     "subscribe",
 ]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ._errors import UsageError
-from .channel import Subscriber
+from .channel import Follower, Subscriber
+from .channel import follow as follow_local
 from .channel import subscribe as subscribe_local
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -25,6 +27,7 @@ def subscribe(
     token: str | bytes | None = None,
     insecure: bool = False,
     spin_us: float = 0.0,
+    wait: float = 0.0,
 ) -> Subscriber | RemoteSubscriber:
     """Connect to a publisher and receive its frames.
 
@@ -58,6 +61,11 @@ def subscribe(
     spin_us:
         Local publishers only: microseconds ``recv`` busy-polls before it
         sleeps (default 0).
+    wait:
+        Local publishers only: seconds to wait for a publisher that is not up
+        yet (no socket, or a dead publisher's socket file) instead of failing
+        at once; ``math.inf``: no limit.  Default 0.  To keep receiving across
+        publisher restarts, see :func:`follow`.
 
     Raises
     ------
@@ -70,6 +78,10 @@ def subscribe(
             raise UsageError("allowed_uids applies to local publishers; remote ones use a token")
         if spin_us:
             raise UsageError("spin_us applies to local publishers")
+        if wait:
+            raise UsageError(
+                "wait applies to local publishers; a ucx:// subscriber connects at once"
+            )
         from .remote import subscribe as subscribe_remote
 
         kwargs: dict[str, Any] = {} if credit is None else {"slots": credit}
@@ -94,4 +106,56 @@ def subscribe(
         timeout=timeout,
         allowed_uids=allowed_uids,
         spin_us=spin_us,
+        wait=wait,
     )
+
+
+def follow(
+    address: str | os.PathLike[str],
+    *,
+    wait: float = math.inf,
+    restart_on_close: bool = False,
+    **options: Any,
+) -> Follower[Subscriber]:
+    """Receive frames from whichever publisher serves ``address``, across its restarts.
+
+    Returns a :class:`~cupy_ipcpool.channel.Follower` at once; it subscribes
+    at the first ``recv()`` (or iteration step), waiting for a publisher.
+    When a subscription ends with ``EndOfStream(clean=False)`` (the publisher
+    died or was killed, hung up, or evicted this subscriber) it closes that
+    subscriber and subscribes again to the next publisher at ``address``.  A
+    clean close ends the iteration, unless ``restart_on_close``.
+
+    Parameters
+    ----------
+    address:
+        A local publisher's socket path (``ucx://`` addresses are not supported).
+    wait:
+        Seconds to wait for a publisher each time one is needed (default
+        ``math.inf``: no limit); past it, ``recv`` raises
+        :class:`~cupy_ipcpool.ChannelTimeoutError` and the follower stays usable.
+    restart_on_close:
+        After a clean close too, wait for the next publisher.
+    **options:
+        :func:`subscribe`'s options for each subscription (``mode``,
+        ``credit``, ``device``, ``timeout``, ``allowed_uids``, ``spin_us``).
+
+    Notes
+    -----
+    Sequence numbers start again with each publisher, whose pool (descriptor,
+    slots) is a new one; frames of the old publisher stay valid until they
+    are released or dropped.  ``follower.reconnects`` counts the publishers
+    joined after the first.  See ``docs/protocol.md`` ("Restarts").
+
+    Raises
+    ------
+    UsageError
+        A ``ucx://`` address, or an option :func:`subscribe` does not take.
+    """
+    text = os.fspath(address)
+    if isinstance(text, str) and text.startswith("ucx://"):
+        raise UsageError(
+            "follow() follows local publishers; for a ucx:// server, subscribe again "
+            "when its stream ends"
+        )
+    return follow_local(text, wait=wait, restart_on_close=restart_on_close, **options)

@@ -24,8 +24,11 @@ See ``docs/protocol.md`` for the sequence diagram.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -50,9 +53,112 @@ from ._payload import (
     hotpath,
 )
 from ._session import PublisherCore, SubscriberInfo
-from ._syncpage import SyncPage, raise_driver_error
+from ._syncpage import FlagLayout, SharedFlags, SyncPage, raise_driver_error
 
 _TEMPLATES = 1024  # most array geometries whose wire form a publisher keeps
+_STREAMS_KEPT = 16  # most streams a publisher tracks before it forgets idle ones
+#: Seconds between two looks at departed subscribers (is one dead? are its flags in?).
+_DEPARTED_EVERY = 0.01
+
+#: Sync pages kept mapped because a live subscriber's read flag was still awaited by
+#: one of the publisher's streams when it closed: never unmapped while registered.
+_KEPT_PAGES: list[SyncPage] = []
+
+
+def _open_pidfd(pid: int) -> int:
+    """A pidfd of ``pid`` (readable once it exits), or -1 where none can be had."""
+    if pid <= 0:
+        return -1
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return -1
+
+
+def _close_pidfd(pidfd: int) -> None:
+    if pidfd >= 0:
+        with contextlib.suppress(OSError):
+            os.close(pidfd)
+
+
+def _exited(pidfd: int) -> bool:
+    """True once the process of ``pidfd`` has exited."""
+    return pidfd >= 0 and bool(select.select([pidfd], [], [], 0)[0])
+
+
+class _Departed:
+    """A subscriber that left while the publisher's streams may still wait on its read flags.
+
+    Its row is kept out of reuse until its flags are seen at ``values`` (the
+    generations the publisher may wait for), or its process has exited (then
+    they are forced: the writes died with its CUDA context), or the row is
+    needed for a newcomer, or the publisher closes.
+    """
+
+    __slots__ = ("index", "pidfd", "values")
+
+    def __init__(self, index: int, pidfd: int, values: list[int]) -> None:
+        self.index = index
+        self.pidfd = pidfd
+        self.values = values
+
+    def settled(self, flags: SharedFlags, layout: FlagLayout) -> bool:
+        """True once every flag of the row is at its value (nothing to wait for)."""
+        return all(
+            flags.reached(layout.read_offset(self.index, slot), value)
+            for slot, value in enumerate(self.values)
+        )
+
+    def force(self, flags: SharedFlags, layout: FlagLayout) -> int:
+        """Write the row's flags from the host; return how many had to be written."""
+        return sum(
+            flags.force(layout.read_offset(self.index, slot), value)
+            for slot, value in enumerate(self.values)
+        )
+
+    def close(self) -> None:
+        _close_pidfd(self.pidfd)
+        self.pidfd = -1
+
+
+class _PageStreams:
+    """Raw streams the publisher queued flag operations on (frame-flag writes, read-flag waits).
+
+    Closing the publisher waits for them before it unmaps the sync page.
+    """
+
+    __slots__ = ("ptrs",)
+
+    def __init__(self) -> None:
+        self.ptrs: dict[int, None] = {}
+
+    def note(self, ptr: int) -> None:
+        ptrs = self.ptrs
+        if ptr in ptrs:
+            return
+        if len(ptrs) >= _STREAMS_KEPT:
+            for known in [p for p in ptrs if self._idle(p)]:
+                del ptrs[known]
+        ptrs[ptr] = None
+
+    @staticmethod
+    def _idle(ptr: int) -> bool:
+        try:
+            return bool(cupy_module().cuda.runtime.streamQuery(ptr) == 0)
+        except Exception:  # not a valid stream any more
+            return True
+
+    def idle(self) -> bool:
+        return all(self._idle(p) for p in self.ptrs)
+
+    def synchronize(self) -> None:
+        if not self.ptrs:
+            return
+        rt = cupy_module().cuda.runtime
+        ptrs, self.ptrs = self.ptrs, {}
+        for ptr in ptrs:
+            with contextlib.suppress(Exception):  # destroyed meanwhile: nothing to wait for
+                rt.streamSynchronize(ptr)
 
 
 class PublishFrame:
@@ -137,6 +243,9 @@ class _PublisherLeases:
         self._published = publisher._published
         self._rows = publisher._rows
         self._order_all = publisher._sync.order_all
+        self._departed = publisher._departed  # shared: looked at while not empty
+        self._settle = weakref.WeakMethod(publisher._settle_departed)  # no cycle to it
+        self._streams = publisher._streams
         self.closed = False  # set by the publisher's close
         self.lock = threading.RLock()  # serialises the (single-threaded) session core
         #: The lease book's per-slot holder sets: the compiled slot pick counts
@@ -170,10 +279,16 @@ class _PublisherLeases:
         """Make ``stream`` wait for the read flags of every subscriber that read ``slot``."""
         if self.closed:
             return
+        if self._departed:
+            settle = self._settle()
+            if settle is not None:
+                settle()
         got = self._order_slot(self._order_ctx, slot, stream)
         if got is not None:
             if got[1]:
                 raise_driver_error("cuStreamWaitValue32", got[1])
+            if got[0]:
+                self._streams.note(stream)
             return
         # the lock was held elsewhere, or several flags need a wait: one batch
         with self.lock:
@@ -184,8 +299,8 @@ class _PublisherLeases:
         # order_all skips the flags the host sees set already (the usual case with one
         # subscriber: the slot was read a whole ring ago)
         addrs = [row[1][slot] for row in map(self._rows.get, readers) if row is not None]
-        if addrs:
-            self._order_all(stream, addrs, self._published[slot])
+        if addrs and self._order_all(stream, addrs, self._published[slot]):
+            self._streams.note(stream)
 
     def describe(self, slot: int) -> str:
         pub = self._publisher()
@@ -270,6 +385,14 @@ class Publisher:
         self._closed = False
         self._token: SlotToken | None = None  # the slot being written
         self._published = [0] * n  # generation of each slot's last published frame
+        # a pidfd per welcomed subscriber (its death means its read-flag writes never
+        # come), the adopted ones, and those that left while our streams may still
+        # wait on their flags; all under self._lock
+        self._pidfds: dict[int, int] = {}
+        self._adopted: set[int] = set()
+        self._departed: list[_Departed] = []
+        self._next_settle = 0.0
+        self._streams = _PageStreams()  # streams with flag operations on the page
         desc = pool.descriptor(transport="pidfd").to_bytes()  # raises if the pool is closed
         self._sync = sync = SyncPage.create(n, max_subscribers, self._device)
         self._desc_bytes = desc
@@ -280,6 +403,7 @@ class Publisher:
                 n,
                 welcome=self._welcome,
                 allowed_uids=allowed_uids,
+                on_join=self._on_join,
                 on_leave=self._on_leave,
                 max_subscribers=max_subscribers,
                 send_timeout=send_timeout,
@@ -302,7 +426,15 @@ class Publisher:
         pool.add_lease_source(self._leases)
         self._pid = os.getpid()
         self._finalizer = weakref.finalize(
-            self, _close_publisher, self._core, sync, pool, self._leases, self._pid
+            self,
+            _close_publisher,
+            self._core,
+            sync,
+            pool,
+            self._leases,
+            self._pid,
+            _PageState(self),
+            5.0,
         )
 
     # -- accept thread / callbacks --
@@ -310,18 +442,27 @@ class Publisher:
     def _welcome(self, info: SubscriberInfo) -> tuple[bytes, list[int]]:
         # Rows are handed out round-robin, so a departed subscriber's row is reused
         # as late as possible (its last flag writes may still be in flight).
+        # A departed subscriber's row is not reused while our streams may wait on it,
+        # unless no other row is free: then the oldest such row is forced and taken.
         with self._lock:
             used = {row for row, _ in self._rows.values()}
+            held = {d.index for d in self._departed}
             for step in range(self._max_subscribers):
                 index = (self._next_index + step) % self._max_subscribers
-                if index not in used:
+                if index not in used and index not in held:
                     break
             else:
-                raise PeerRefusedError("no free subscriber row in the sync page")
+                if not self._departed:
+                    raise PeerRefusedError("no free subscriber row in the sync page")
+                oldest = self._departed.pop(0)
+                oldest.force(self._sync.flags, self._sync.layout)
+                oldest.close()
+                index = oldest.index
             self._next_index = index + 1
             sync = self._sync
             flags = [sync.read_flag(index, slot) for slot in range(self._pool.num_slots)]
             self._rows[info.sub_id] = (index, flags)
+            self._pidfds[info.sub_id] = _open_pidfd(info.pid)
         head = WELCOME_HEAD.pack(
             len(self._desc_bytes),
             self._pool.num_slots,
@@ -331,9 +472,48 @@ class Publisher:
         )
         return head + self._desc_bytes, self._welcome_fds
 
-    def _on_leave(self, info: SubscriberInfo) -> None:
+    def _on_join(self, info: SubscriberInfo) -> None:
         with self._lock:
-            self._rows.pop(info.sub_id, None)
+            self._adopted.add(info.sub_id)
+
+    def _on_leave(self, info: SubscriberInfo) -> None:
+        # Our streams may wait on the read flags of a subscriber that read frames (it
+        # was adopted): if it is dead, those writes died with its CUDA context, so they
+        # are made here; if it lives, its row waits among the departed.
+        with self._lock:
+            row = self._rows.pop(info.sub_id, None)
+            pidfd = self._pidfds.pop(info.sub_id, -1)
+            adopted = info.sub_id in self._adopted
+            self._adopted.discard(info.sub_id)
+            if row is None or not adopted or self._sync.flags.closed:
+                _close_pidfd(pidfd)
+                return
+            gone = _Departed(row[0], pidfd, [g & 0xFFFFFFFF for g in self._published])
+            if _exited(pidfd):
+                gone.force(self._sync.flags, self._sync.layout)
+                gone.close()
+            elif gone.settled(self._sync.flags, self._sync.layout):
+                gone.close()
+            else:
+                self._departed.append(gone)
+
+    def _settle_departed(self) -> None:
+        """Look (at most every 10 ms) whether departed subscribers died or wrote their flags."""
+        now = time.monotonic()
+        if now < self._next_settle:
+            return
+        self._next_settle = now + _DEPARTED_EVERY
+        with self._lock:
+            keep = []
+            for gone in self._departed:
+                if _exited(gone.pidfd):
+                    gone.force(self._sync.flags, self._sync.layout)
+                    gone.close()
+                elif gone.settled(self._sync.flags, self._sync.layout):
+                    gone.close()
+                else:
+                    keep.append(gone)
+            self._departed[:] = keep  # in place: the lease source holds this list
 
     # -- state --
 
@@ -352,6 +532,11 @@ class Publisher:
         """True after :meth:`close`."""
         return self._closed
 
+    @property
+    def evictions(self) -> int:
+        """Subscribers evicted so far (``lease_timeout`` passed, or a full socket)."""
+        return int(self._core.evictions)
+
     def _check(self) -> None:
         if self._closed:
             raise PoolClosedError("the Publisher is closed")
@@ -363,7 +548,7 @@ class Publisher:
 
     # -- hot path --
 
-    def acquire(self, timeout: float | None = DEFAULT_TIMEOUT, stream: Any = None) -> int:
+    def acquire(self, timeout: float | None = DEFAULT_TIMEOUT, *, stream: Any = None) -> int:
         """Take a free slot for the next frame and make it the pool's current slot.
 
         The same call as ``pool.acquire(timeout=timeout, stream=stream)``: a
@@ -397,7 +582,7 @@ class Publisher:
         self._token = token
         return token
 
-    def frame(self, timeout: float | None = DEFAULT_TIMEOUT, stream: Any = None) -> PublishFrame:
+    def frame(self, timeout: float | None = DEFAULT_TIMEOUT, *, stream: Any = None) -> PublishFrame:
         """:meth:`acquire` a slot and return a :class:`PublishFrame` for it.
 
         Use as ``with pub.frame() as f: ...; f.publish(y)``; allocations under
@@ -483,6 +668,8 @@ class Publisher:
         parts.append(metadata)
         sptr = stream_ptr(stream) if stream_raw is None else stream_raw
         self._write_flag(sptr, self._frame_flags[slot], generation)
+        if sptr not in self._streams.ptrs:
+            self._streams.note(sptr)
         self._published[slot] = generation
         with self._leases.lock:
             seq = self._core.publish(slot, b"".join(parts))
@@ -499,6 +686,8 @@ class Publisher:
         """
         if self._closed:
             self._check()  # raises
+        if self._departed:
+            self._settle_departed()
         returned = self._leases.collect(timeout)
         self._pool.notify_released()
         return returned
@@ -515,28 +704,21 @@ class Publisher:
         Subscribers get a clean end of stream after the frames already sent;
         frames they hold stay readable (they mapped the memory themselves).
         ``close`` waits up to ``timeout`` seconds for every subscriber to
-        disconnect: until then the publisher's streams may have waits queued
-        on their read flags in the sync page (each subscriber maps the page
-        itself, so its own streams never depend on the publisher's mapping).
-        If some are still connected after that, the page is kept mapped and
-        registered (leaked, with a :class:`TeardownWarning`) rather than
-        unmapped under a queued wait.  Idempotent; never raises.
+        disconnect, then for the flag operations queued on the publisher's
+        streams (frame-flag writes, waits on read flags) before it unmaps the
+        page; read flags of subscribers that died are written here, so no
+        such wait is left hanging.  Only a live subscriber whose read flag a
+        stream of ours still waits on after another ``timeout`` keeps the page
+        mapped (with a :class:`TeardownWarning`).  Idempotent; never raises.
         """
         if self._closed:
             return
         self._closed = True
         self._leases.closed = True
-        all_gone = self._core.close(linger=timeout)
-        if not all_gone:
-            warnings.warn(
-                f"subscribers still connected {timeout} s after the publisher said goodbye; "
-                "the shared sync page is kept mapped (leaked) rather than freed under them",
-                TeardownWarning,
-                stacklevel=2,
-            )
+        self._core.close(linger=timeout)
         self._finalizer.detach()
         _close_publisher(
-            self._core, self._sync if all_gone else None, self._pool, self._leases, self._pid
+            self._core, self._sync, self._pool, self._leases, self._pid, _PageState(self), timeout
         )
 
     def __enter__(self) -> Publisher:
@@ -551,21 +733,98 @@ class Publisher:
         self.close()
 
 
+class _PageState:
+    """What closing a publisher needs of its sync-page bookkeeping (no reference to it)."""
+
+    __slots__ = ("adopted", "departed", "lock", "pidfds", "published", "rows", "streams")
+
+    def __init__(self, pub: Publisher) -> None:
+        self.adopted = pub._adopted
+        self.lock = pub._lock
+        self.rows = pub._rows
+        self.pidfds = pub._pidfds
+        self.departed = pub._departed
+        self.published = pub._published
+        self.streams = pub._streams
+
+
 def _close_publisher(
     core: PublisherCore,
-    sync: SyncPage | None,
+    sync: SyncPage,
     pool: IpcPool,
     leases: _PublisherLeases,
     pid: int,
+    state: _PageState,
+    grace: float,
 ) -> None:
+    """Tear a publisher down (also its finalizer); never raises."""
     leases.closed = True
     try:
-        all_gone = core.close()
+        core.close()
     except Exception as exc:  # pragma: no cover - core.close never raises
         warnings.warn(f"closing the publisher socket failed: {exc}", TeardownWarning, stacklevel=2)
-        all_gone = False
     pool.remove_lease_source(leases)
-    # A subscriber still connected may not have released its frames: this process's
-    # streams may still wait on its read flags, so the page is leaked instead.
-    if sync is not None and all_gone and os.getpid() == pid:
-        sync.close()
+    with state.lock:
+        values = [g & 0xFFFFFFFF for g in state.published]
+        gone = list(state.departed)
+        state.departed.clear()
+        for sub_id, (index, _flags) in list(state.rows.items()):
+            if sub_id in state.adopted:  # one never adopted read nothing: nothing waits on it
+                gone.append(_Departed(index, state.pidfds.pop(sub_id, -1), values))
+        state.rows.clear()
+        state.adopted.clear()
+        for fd in state.pidfds.values():
+            _close_pidfd(fd)
+        state.pidfds.clear()
+    try:
+        if os.getpid() != pid or sync.flags.closed:
+            return
+        try:
+            settled = _settle_page(sync.flags, sync.layout, state.streams, gone, grace)
+        except Exception as exc:
+            warnings.warn(
+                f"waiting for the publisher's streams failed: {exc}", TeardownWarning, stacklevel=2
+            )
+            settled = False
+        if settled:
+            sync.close()
+        else:
+            _KEPT_PAGES.append(sync)
+            warnings.warn(
+                f"a stream of the publisher still waits on the read flag of a live subscriber "
+                f"{grace} s after close; the shared sync page is kept mapped (leaked) rather "
+                "than freed under it",
+                TeardownWarning,
+                stacklevel=3,
+            )
+    finally:
+        for d in gone:
+            d.close()
+
+
+def _settle_page(
+    flags: SharedFlags,
+    layout: FlagLayout,
+    streams: _PageStreams,
+    gone: list[_Departed],
+    grace: float,
+) -> bool:
+    """Wait until no stream of the publisher has a flag operation left on the page.
+
+    The read flags of subscribers that died are forced (their writes died with
+    them); a live one's are awaited.  False if a stream still waits on a live
+    subscriber's flag after ``grace`` seconds.
+    """
+    deadline = time.monotonic() + grace
+    pause = 0.0005
+    while True:
+        for d in gone:
+            if _exited(d.pidfd):
+                d.force(flags, layout)
+        if streams.idle() or all(d.settled(flags, layout) for d in gone):
+            streams.synchronize()  # every flag they may wait on is in: this ends
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)

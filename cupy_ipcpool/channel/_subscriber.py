@@ -7,8 +7,10 @@ the sequence diagram.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import select
+import time
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
@@ -25,9 +27,10 @@ from .._errors import (
 )
 from .._handles import PoolDescriptor
 from .._peer import PeerPool, attach_fds
+from ._follow import connect_waiting
 from ._payload import FRAME_HEAD, MAX_ARRAYS, MAX_METADATA, WELCOME_HEAD, hotpath
 from ._session import SubscriberCore
-from ._syncpage import SyncPage, raise_driver_error
+from ._syncpage import FrameWaits, SharedFlags, SyncPage, raise_driver_error
 
 #: Most streams a subscriber tracks before it forgets those with no work left.
 _STREAMS_KEPT = 8
@@ -65,7 +68,22 @@ class _StreamsInUse:
     def __len__(self) -> int:
         return len(self._streams)
 
+    def idle(self) -> bool:
+        """True when no tracked stream has work left (``cudaStreamQuery``)."""
+        if not self._streams:
+            return True
+        rt = cupy_module().cuda.runtime
+        for ptr in self._streams:
+            try:
+                if rt.streamQuery(ptr) != 0:
+                    return False
+            except Exception:  # not a valid stream any more: nothing to wait for
+                continue
+        return True
+
     def synchronize(self) -> None:
+        if not self._streams:
+            return
         rt = cupy_module().cuda.runtime
         streams, self._streams = self._streams, {}
         for ptr in streams:
@@ -108,6 +126,10 @@ class _Lease:
         self.released = True
         self.subscriber._release(self.seq, self.slot, self.generation, stream)
 
+    @property
+    def complete(self) -> bool | None:
+        return self.subscriber._frame_complete(self.slot, self.generation)
+
     def __del__(self) -> None:
         if not self.released:
             try:  # noqa: SIM105 - cheaper than contextlib.suppress in a finalizer
@@ -134,6 +156,9 @@ class Frame:
 
     Notes
     -----
+    :attr:`complete` says whether the producer finished writing the frame;
+    it matters only for frames received before the producer died.
+
     Release the frame (:meth:`release`, or leave a ``with`` block) when done:
     the producer cannot reuse the slot before.  The lease is also returned
     when the frame and all of its arrays are gone (garbage collected, noticed
@@ -162,6 +187,22 @@ class Frame:
     def released(self) -> bool:
         """True once the lease was returned."""
         return self._lease.released
+
+    @property
+    def complete(self) -> bool | None:
+        """Whether the producer's stream set this frame's flag, i.e. finished writing it.
+
+        True: it did (every write the producer queued before publishing had
+        finished, and is what the arrays hold).  False: the producer died
+        before its stream got there, and the subscriber ended the wait of its
+        own streams itself: the arrays hold whatever the producer's kernels
+        had written by then (partly the new frame, partly older data).  None:
+        not known yet (the producer is alive and its stream has not set the
+        flag yet; work on the current stream of :meth:`Subscriber.recv` waits
+        for it on the GPU).  Frames of a remote subscriber are always True.
+        """
+        probe = getattr(self._lease, "complete", True)  # a remote lease: copied, so complete
+        return None if probe is None else bool(probe)
 
     def release(self, stream: Any = None) -> None:
         """Return the lease: set the read flag on ``stream`` (default: current) and
@@ -200,6 +241,8 @@ class Subscriber:
         self._sync: SyncPage | None = None
         self._index = 0
         self._streams = _StreamsInUse()  # streams this subscriber enqueued flag operations on
+        self._waits: FrameWaits | None = None  # the frame flags those streams may wait on
+        self._timeout = timeout
         self._last_stream: Any = None  # the stream of the last recv/release, and its handle
         self._last_ptr = 0
         self._core = SubscriberCore(
@@ -235,6 +278,8 @@ class Subscriber:
             self._peer,
             self._pidfd,
             self._streams,
+            self._waits,
+            timeout,
             os.getpid(),
         )
 
@@ -275,6 +320,8 @@ class Subscriber:
         finally:
             os.close(sync_fd)
         self._index = index
+        self._waits = FrameWaits(sync.layout)
+        self._waited_for = self._waits.generations  # per slot: the generation last waited for
         # per-frame lookups, made once
         self._frame_flags = [sync.frame_flag(i) for i in range(n)]
         self._read_flags = [sync.read_flag(index, i) for i in range(n)]
@@ -314,7 +361,7 @@ class Subscriber:
 
     # -- hot path --
 
-    def recv(self, timeout: float | None = None, stream: Any = None) -> Frame:
+    def recv(self, timeout: float | None = None, *, stream: Any = None) -> Frame:
         """Wait for the next frame.
 
         ``stream`` (default: CuPy's current stream) is made to wait on the
@@ -329,6 +376,9 @@ class Subscriber:
             :class:`EndOfStream` with ``clean`` False.
         EndOfStream
             The publisher closed (``clean`` True) or died (``clean`` False).
+            If it died, the frame flags it never set are set by this
+            subscriber, so no stream waits for them any more (see
+            :attr:`Frame.complete`).
         ChannelTimeoutError
             No frame within ``timeout`` seconds (also a ``TimeoutError``).
         ProtocolError
@@ -345,6 +395,9 @@ class Subscriber:
         except ProtocolError:
             self.close()
             raise
+        except EndOfStream:
+            self._settle_if_dead()
+            raise
         if core.alarm and self._alive.poll(0):
             self.close()
             raise EndOfStream(
@@ -358,9 +411,11 @@ class Subscriber:
         sptr = self._stream_ptr(stream)
         got = self._take_frame(self._frame_ctx, payload, slot, lease, sptr)
         if got is not None:
-            lease.generation, arrays_t, metadata, _waited, rc = got
+            lease.generation, arrays_t, metadata, waited, rc = got
             if rc:
                 raise_driver_error("cuStreamWaitValue32", rc)
+            if waited:  # the stream waits on the flag: noted, in case the producer dies
+                self._waited_for[slot] = lease.generation & 0xFFFFFFFF
             return Frame(seq, slot, arrays_t, metadata, lease)
         lease.released = True  # not handed out: the Python path makes the frame's lease
         del lease
@@ -386,7 +441,8 @@ class Subscriber:
             self.close()
             raise
         sptr = self._stream_ptr(stream)
-        self._order(sptr, self._frame_flags[slot], generation)
+        if self._order(sptr, self._frame_flags[slot], generation):
+            self._waited_for[slot] = generation
         return Frame(seq, slot, tuple(arrays), bytes(payload[pos:]), lease)
 
     def _stream_ptr(self, stream: Any) -> int:
@@ -417,9 +473,48 @@ class Subscriber:
                 seq, slot, self._write_fn, sptr, self._read_flags[slot], generation, self._wflags
             )
         except EndOfStream:  # the producer is gone: nobody to return it to
+            self._settle_if_dead()
             return
         if rc:
             raise_driver_error("cuStreamWriteValue32", rc)
+
+    # -- the producer's death --
+
+    def _producer_dead(self) -> bool:
+        """True once the producer process has exited (its pidfd is readable)."""
+        return self._pidfd >= 0 and bool(self._alive.poll(0))
+
+    def _settle_if_dead(self) -> None:
+        """If the producer died, set the frame flags it never wrote that our streams await.
+
+        Afterwards no stream of this subscriber waits for the dead producer:
+        work on held frames runs (see :attr:`Frame.complete` for what they hold).
+        """
+        sync, waits = self._sync, self._waits
+        if (
+            sync is not None
+            and waits is not None
+            and not sync.flags.closed
+            and self._producer_dead()
+        ):
+            waits.resolve(sync.flags)
+
+    def _frame_complete(self, slot: int, generation: int) -> bool | None:
+        """:attr:`Frame.complete` of the frame of ``generation`` in ``slot``."""
+        waits = self._waits
+        if waits is None:
+            return None
+        flags = None if self._sync is None else self._sync.flags
+        state = waits.state(flags, slot, generation)
+        if state is None and not self._closed:
+            self._settle_if_dead()
+            state = waits.state(flags, slot, generation)
+        return state
+
+    @property
+    def forced_flags(self) -> int:
+        """How many frame flags this subscriber set itself because the producer died."""
+        return 0 if self._waits is None else self._waits.forced
 
     def __iter__(self) -> Iterator[Frame]:
         """Yield frames until the publisher closes.
@@ -457,7 +552,14 @@ class Subscriber:
     def _teardown(self) -> None:
         self._closed = True
         _teardown_subscriber(
-            self._core, self._sync, self._peer, self._pidfd, self._streams, os.getpid()
+            self._core,
+            self._sync,
+            self._peer,
+            self._pidfd,
+            self._streams,
+            self._waits,
+            self._timeout,
+            os.getpid(),
         )
 
     def __enter__(self) -> Subscriber:
@@ -472,35 +574,104 @@ class Subscriber:
         self.close()
 
 
+#: Sync pages kept mapped because a live but silent producer might still let a
+#: stream of ours wait on them: kept here so that they are never unmapped while
+#: registered (collecting the mapping would leave the registration behind).
+_KEPT_PAGES: list[SyncPage] = []
+
+
 def _teardown_subscriber(
     core: SubscriberCore,
     sync: SyncPage | None,
     peer: PeerPool | None,
     pidfd: int,
     streams: _StreamsInUse,
+    waits: FrameWaits | None,
+    grace: float,
     pid: int,
 ) -> None:
-    """Close a subscriber (also its finalizer); never raises."""
-    core.close()
-    if os.getpid() != pid:
+    """Close a subscriber (also its finalizer); never raises.
+
+    Order: wait for the flag operations queued on our streams (forcing the
+    frame flags of a dead producer, so that none waits forever), then BYE
+    (the publisher then finds every read flag of ours written), then
+    unregister and unmap the sync page, close the pidfd, detach the pool.
+    """
+    if os.getpid() != pid:  # a forked child: nothing of the parent's GPU state is ours
+        core.close()
         return
-    producer_alive = True
-    if pidfd >= 0:
-        producer_alive = not select.select([pidfd], [], [], 0)[0]
-        with contextlib.suppress(OSError):
-            os.close(pidfd)
-    # Flag operations still queued on our streams must not hit an unmapped page.
-    # If the producer died, a queued wait may never be satisfied: keep the page
-    # mapped (leaked) rather than block here forever or unmap it under the GPU.
-    if sync is not None and producer_alive:
-        try:
-            streams.synchronize()
-            sync.close()
-        except Exception as exc:
-            warnings.warn(f"closing the sync page failed: {exc}", TeardownWarning, stacklevel=2)
-    streams.clear()
-    if peer is not None:
-        peer.close()
+    settled = True
+    try:
+        if sync is not None and waits is not None and not sync.flags.closed:
+            try:
+                settled = _settle_streams(sync.flags, streams, waits, pidfd, grace)
+                waits.freeze(sync.flags)
+            except Exception as exc:
+                settled = False
+                warnings.warn(
+                    f"waiting for the subscriber's streams failed: {exc}",
+                    TeardownWarning,
+                    stacklevel=2,
+                )
+        core.close()
+        streams.clear()
+        if sync is not None:
+            if settled:
+                sync.close()
+            else:
+                _KEPT_PAGES.append(sync)
+                warnings.warn(
+                    f"a stream of this subscriber still waits on a frame flag of the publisher "
+                    f"(pid {core.producer_pid}), which is alive but did not set it within "
+                    f"{grace} s: the sync page is kept mapped",
+                    TeardownWarning,
+                    stacklevel=2,
+                )
+    finally:
+        if pidfd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(pidfd)
+        if peer is not None:
+            peer.close()
+
+
+def _settle_streams(
+    flags: SharedFlags, streams: _StreamsInUse, waits: FrameWaits, pidfd: int, grace: float
+) -> bool:
+    """Wait until no stream of this subscriber has a flag operation left that may not end.
+
+    While the producer lives, every frame flag our streams wait on gets set.
+    Once it is dead (its pidfd readable, now or while we wait), the flags
+    still awaited are forced (:meth:`FrameWaits.resolve`), so those waits end.
+    A flag is never forced while the producer may still write it: other
+    subscribers' streams wait on the same flag for the producer's data.
+
+    Returns
+    -------
+    bool
+        True when the streams are done with the page; False when a live
+        producer (or one that cannot be watched: no pidfd) left a flag unset
+        for ``grace`` seconds while a stream of ours still waits.
+    """
+    watch = [pidfd] if pidfd >= 0 else []
+    if watch and select.select(watch, [], [], 0)[0]:
+        waits.resolve(flags)
+        streams.synchronize()
+        return True
+    deadline = time.monotonic() + (grace if math.isfinite(grace) else 3600.0)
+    pause = 0.0005
+    while waits.pending(flags) and not streams.idle():
+        if time.monotonic() >= deadline:
+            return False
+        if watch:
+            if select.select(watch, [], [], pause)[0]:  # it died: its flags will never come
+                waits.resolve(flags)
+                break
+        else:
+            time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+    streams.synchronize()  # every flag they wait on is set now: this ends
+    return True
 
 
 def subscribe(
@@ -512,6 +683,7 @@ def subscribe(
     timeout: float = 10.0,
     allowed_uids: Iterable[int] | None = None,
     spin_us: float = 0.0,
+    wait: float = 0.0,
 ) -> Subscriber:
     """Connect to a :class:`Publisher` and map its pool; frames arrive with ``recv()``.
 
@@ -537,21 +709,32 @@ def subscribe(
         (default 0: sleep at once; an idle subscriber then uses no CPU).  Tens
         of microseconds cut the wake-up latency of a high-rate stream; see
         docs/performance.md.
+    wait:
+        Seconds to wait for a publisher that is not up yet (no socket at
+        ``address``, or one left by a publisher that exited), or that goes
+        away during the handshake; ``math.inf``: no limit.  Default 0: fail
+        at once.
 
     Raises
     ------
     TransportError
-        No publisher at ``address``, or no permission to connect.
+        No publisher at ``address`` (with ``wait=0``), or no permission to connect.
+    ChannelTimeoutError
+        No publisher answered within ``wait`` seconds.
     PeerRefusedError
         The publisher refused this subscriber (uid, capacity), or runs as a
         uid not allowed here.
     """
-    return Subscriber(
-        address,
-        mode=mode,
-        credit=credit,
-        device=device,
-        timeout=timeout,
-        allowed_uids=allowed_uids,
-        spin_us=spin_us,
+    return connect_waiting(
+        lambda: Subscriber(
+            address,
+            mode=mode,
+            credit=credit,
+            device=device,
+            timeout=timeout,
+            allowed_uids=allowed_uids,
+            spin_us=spin_us,
+        ),
+        os.fspath(address),
+        wait,
     )

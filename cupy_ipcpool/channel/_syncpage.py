@@ -28,6 +28,15 @@ that, interprocess CUDA events made the host block, see git history.)
 The comparison is the driver's cyclic ``(int32_t)(*flag - value) >= 0``, so
 generations may wrap around 2**32.  The stream memory operations go through
 :mod:`cupy_ipcpool._fastpath` (compiled), not the binding.
+
+When a peer dies, the flags it would have written never come, and a stream
+of the survivor may be waiting for one: the survivor writes them itself
+from the host (the page is shared host memory), so that every queued wait
+ends and the page can be unregistered and unmapped.  A frame flag forced that
+way holds the awaited generation plus :data:`FORCED`, so every process that
+maps the page can tell it from one the producer set (:func:`frame_state`,
+:class:`FrameWaits`); a read flag is forced to the generation the producer
+may wait for (:meth:`SharedFlags.force`).  Those parts need no GPU.
 """
 
 from __future__ import annotations
@@ -51,6 +60,31 @@ _HALF = 1 << 31
 _MASK = 0xFFFFFFFF
 #: Most operations one cuStreamBatchMemOp takes ("count must be less than 256").
 _MAX_BATCH = 255
+#: Added to the awaited generation when a survivor forces a frame flag that the
+#: producer, dead, never wrote: far enough ahead of every real value to be told
+#: apart (:func:`frame_state`), close enough to satisfy every wait (cyclic).
+FORCED = 3 << 29
+#: Distance (cyclic) from a frame's generation below which the flag counts as the
+#: producer's own write; from here to 2**31 it was forced.
+_SET_WINDOW = 1 << 29
+
+
+def frame_state(word: int, generation: int) -> bool | None:
+    """What frame flag value ``word`` says about the frame of ``generation``.
+
+    Returns
+    -------
+    bool or None
+        True: the producer's stream set the flag (at or after ``generation``),
+        so its writes to the frame had finished.  False: a survivor forced it
+        after the producer died (:data:`FORCED`): the frame's contents are
+        whatever the producer's kernels had written by then.  None: not set
+        yet.
+    """
+    distance = (word - generation) & _MASK
+    if distance >= _HALF:
+        return None
+    return distance < _SET_WINDOW
 
 
 class FlagLayout:
@@ -168,6 +202,23 @@ class SharedFlags:
         """True when the flag at ``offset`` is at or past ``value`` (cyclic, as on the GPU)."""
         return ((self._words[offset >> 2] - value) & _MASK) < _HALF
 
+    def force(self, offset: int, value: int) -> bool:
+        """Store ``value`` at ``offset`` unless the flag reached it already; True if stored.
+
+        What a survivor does for a flag that a dead peer will never write: a
+        stream waiting for ``value`` there then goes on.  A flag that is at or
+        past ``value`` is left alone (it never moves backwards).
+        """
+        if ((self._words[offset >> 2] - value) & _MASK) < _HALF:
+            return False
+        self._words[offset >> 2] = value & _MASK
+        return True
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._fd < 0
+
     def close(self) -> None:
         """Unmap and close the fd (idempotent)."""
         if self._fd < 0:
@@ -176,6 +227,74 @@ class SharedFlags:
         self._mm.close()
         os.close(self._fd)
         self._fd = -1
+
+
+class FrameWaits:
+    """The frame flags a subscriber's streams may still be waiting on (no GPU here).
+
+    Per slot, the generation of the last wait enqueued on a frame flag
+    (:meth:`note`, per frame that had to wait).  When the producer dies,
+    :meth:`resolve` forces the flags it never wrote, so that those waits end;
+    :meth:`freeze` keeps the frame flags' last values for :meth:`state` once
+    the page is unmapped.
+
+    Parameters
+    ----------
+    layout:
+        The page's layout.
+    """
+
+    __slots__ = ("_layout", "final", "forced", "generations")
+
+    def __init__(self, layout: FlagLayout) -> None:
+        self._layout = layout
+        #: per slot: the generation last waited for (low 32 bits), or -1
+        self.generations = [-1] * layout.num_slots
+        #: the frame flags as they were when the page was unmapped, else None
+        self.final: list[int] | None = None
+        #: how many frame flags :meth:`resolve` forced so far
+        self.forced = 0
+
+    def note(self, slot: int, generation: int) -> None:
+        """A stream was made to wait for ``slot``'s frame flag to reach ``generation``."""
+        self.generations[slot] = generation & _MASK
+
+    def pending(self, flags: SharedFlags) -> list[int]:
+        """The slots whose last awaited generation the host does not see set yet."""
+        layout = self._layout
+        return [
+            slot
+            for slot, gen in enumerate(self.generations)
+            if gen >= 0 and not flags.reached(layout.frame_offset(slot), gen)
+        ]
+
+    def resolve(self, flags: SharedFlags) -> list[int]:
+        """Force every frame flag still awaited to its generation plus :data:`FORCED`.
+
+        Call only once the producer is dead (or given up on): afterwards every
+        stream wait this subscriber enqueued can end.  Returns the slots forced.
+        """
+        layout = self._layout
+        forced = [
+            slot
+            for slot in self.pending(flags)
+            if flags.force(layout.frame_offset(slot), self.generations[slot] + FORCED)
+        ]
+        self.forced += len(forced)
+        return forced
+
+    def freeze(self, flags: SharedFlags) -> None:
+        """Keep the frame flags' values, for :meth:`state` after the page is unmapped."""
+        layout = self._layout
+        self.final = [flags.load(layout.frame_offset(s)) for s in range(layout.num_slots)]
+
+    def state(self, flags: SharedFlags | None, slot: int, generation: int) -> bool | None:
+        """:func:`frame_state` of ``slot``'s frame flag for ``generation`` (live, or frozen)."""
+        if self.final is not None:
+            return frame_state(self.final[slot], generation)
+        if flags is None or flags.closed:
+            return None
+        return frame_state(flags.load(self._layout.frame_offset(slot)), generation)
 
 
 def _memops() -> tuple[object, int, int, int, int, object, int]:
