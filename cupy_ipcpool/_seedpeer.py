@@ -59,6 +59,11 @@ _NO_SOCKET = (
     "serves its fds (a cupy_ipcpool pool: attach(pool.descriptor())), which the C++ "
     "IPCBufferManager does not"
 )
+_SIZE_FIX = (
+    "the exporter's allocation is most likely of another size: pass the bufferStep it used, "
+    "and rounding='seed' for the C++ IPCBufferManager, rounding='exact' for this library's "
+    "pools, or alloc_nbytes= with the exporter's allocation size"
+)
 _PID_HERE = (
     "; a {pid, fd} pair names its exporter by pid, so it works only in the exporter's PID "
     "namespace (not across containers with their own)"
@@ -468,14 +473,14 @@ def _explain(exc: CudaError, i: int, pair: tuple[int, int], alloc_nbytes: int) -
     where = f"buffer {i} (pid {pair[0]}, fd {pair[1]})"
     if exc.call == "cuMemImportFromShareableHandle":
         hint = f"{where}: the fd is not an exported CUDA allocation, or not one this GPU can import"
-    elif exc.call == "cuMemMap" and exc.name == "CUDA_ERROR_INVALID_VALUE":
-        hint = (
-            f"{where}: mapping {alloc_nbytes} bytes failed; the exporter's allocation is most "
-            "likely of another size: pass the bufferStep it used, and rounding='seed' for the "
-            "C++ IPCBufferManager, rounding='exact' for this library's pools, or alloc_nbytes="
-        )
+    elif exc.call == "cuMemMap":
+        hint = f"{where}: mapping {alloc_nbytes} bytes failed; {_SIZE_FIX}"
     elif exc.call == "cuMemSetAccess":
-        hint = f"{where}: this device cannot be granted access to the exporter's memory"
+        hint = (
+            f"{where}: this device cannot be granted access to {alloc_nbytes} bytes of the "
+            "exporter's memory: pass the device the exporter allocated on (or one with peer "
+            f"access to it); or the size is not the allocation's: {_SIZE_FIX}"
+        )
     else:
         hint = where
     detail = f"{exc.detail}; {hint}" if exc.detail else hint
