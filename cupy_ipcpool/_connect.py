@@ -24,7 +24,7 @@ def subscribe(
     device: int | None = None,
     timeout: float = 10.0,
     allowed_uids: Iterable[int] | None = None,
-    token: str | bytes | None = None,
+    secret: str | bytes | None = None,
     insecure: bool = False,
     spin_us: float = 0.0,
     wait: float = 0.0,
@@ -55,9 +55,9 @@ def subscribe(
         Seconds for connecting and the handshake.
     allowed_uids:
         Local publishers only: the uids the publisher may run as.
-    token, insecure:
+    secret, insecure:
         Remote servers only: the shared secret (default
-        ``$CUPY_IPCPOOL_TOKEN``), or ``insecure=True`` for a server without one.
+        ``$CUPY_IPCPOOL_SECRET``), or ``insecure=True`` for a server without one.
     spin_us:
         Local publishers only: microseconds ``recv`` busy-polls before it
         sleeps (default 0).
@@ -75,7 +75,7 @@ def subscribe(
     text = os.fspath(address)
     if isinstance(text, str) and text.startswith("ucx://"):
         if allowed_uids is not None:
-            raise UsageError("allowed_uids applies to local publishers; remote ones use a token")
+            raise UsageError("allowed_uids applies to local publishers; remote ones use a secret")
         if spin_us:
             raise UsageError("spin_us applies to local publishers")
         if wait:
@@ -87,16 +87,16 @@ def subscribe(
         kwargs: dict[str, Any] = {} if credit is None else {"slots": credit}
         return subscribe_remote(
             text,
-            token=token,
+            secret=secret,
             insecure=insecure,
             mode=mode,
             device=0 if device is None else device,
             timeout=timeout,
             **kwargs,
         )
-    if token is not None or insecure:
+    if secret is not None or insecure:
         raise UsageError(
-            "token and insecure apply to ucx:// addresses; a local publisher checks the uid"
+            "secret and insecure apply to ucx:// addresses; a local publisher checks the uid"
         )
     return subscribe_local(
         address,

@@ -29,7 +29,7 @@ from cupy_ipcpool.remote import _wire as wire
 from cupy_ipcpool.remote._credit import ClientBook, ServerBook
 
 CTX = mp.get_context("spawn")
-TOKEN = "correct horse battery staple 42"
+SECRET = "correct horse battery staple 42"
 N_BYTES = 40_000  # above UCX's rendezvous threshold: zero-copy into the receive slot
 N_FLOATS = 300
 
@@ -161,11 +161,11 @@ def test_auth_proofs_bind_direction_and_transcript() -> None:
 
 
 def test_auth_secret_sources(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
     assert auth.secret_from(None) is None
-    assert auth.secret_from(TOKEN) == TOKEN.encode()
-    monkeypatch.setenv(auth.TOKEN_ENV, TOKEN)
-    assert auth.secret_from(None) == TOKEN.encode()
+    assert auth.secret_from(SECRET) == SECRET.encode()
+    monkeypatch.setenv(auth.SECRET_ENV, SECRET)
+    assert auth.secret_from(None) == SECRET.encode()
     with pytest.raises(ValueError, match="at least 16"):
         auth.secret_from("short")
 
@@ -267,7 +267,7 @@ def producer(num_slots: int = 4, **kwargs: Any) -> Iterator[tuple[Any, Any]]:
         path = os.path.join(tmp, "cam.sock")
         pub = HostChannelPublisher(path, num_slots, 1 << 17)
         try:
-            kwargs.setdefault("token", TOKEN)
+            kwargs.setdefault("secret", SECRET)
             server = serve(path, memory="host", listen="127.0.0.1:0", **kwargs)
             try:
                 yield pub, server
@@ -290,7 +290,7 @@ def wait_for(cond: Any, timeout: float = 10.0, poll: Any = None) -> None:
 def remote_sub(address: str, **kwargs: Any) -> Any:
     from cupy_ipcpool.remote import subscribe
 
-    kwargs.setdefault("token", TOKEN)
+    kwargs.setdefault("secret", SECRET)
     return subscribe(address, memory="host", **kwargs)
 
 
@@ -332,11 +332,11 @@ def test_wrong_or_missing_secret_refused() -> None:
 
     with producer() as (pub, server):
         with pytest.raises(AuthenticationError, match="does not know the shared secret"):
-            remote_sub(server.address, token="wrong horse battery staple 42")
+            remote_sub(server.address, secret="wrong horse battery staple 42")
         with pytest.raises(AuthenticationError, match="requires a shared secret"):
-            remote_sub(server.address, token=None, insecure=True)
+            remote_sub(server.address, secret=None, insecure=True)
         with pytest.raises(ValueError, match="shared secret"):
-            remote_sub(server.address, token=None)
+            remote_sub(server.address, secret=None)
         assert issubclass(AuthenticationError, IpcPoolError)
         assert issubclass(AuthenticationError, PeerRefusedError)
         # a raw client that answers the challenge with a wrong proof is refused by the server
@@ -357,10 +357,10 @@ def test_wrong_or_missing_secret_refused() -> None:
                 assert check(f) == seq
     with pytest.raises(ValueError, match="shared secret"):
         RemoteServer(object(), listen="127.0.0.1:0")  # type: ignore[arg-type]
-    with producer(token=None, insecure=True) as (_pub, server):
+    with producer(secret=None, insecure=True) as (_pub, server):
         with pytest.raises(AuthenticationError, match="does not prove"):
             remote_sub(server.address)  # a subscriber with a secret refuses an open server
-        remote_sub(server.address, token=None, insecure=True).close()
+        remote_sub(server.address, secret=None, insecure=True).close()
 
 
 def _read(s: socket.socket) -> tuple[wire.Message, bytes]:
@@ -561,7 +561,7 @@ def test_relay_feeds_two_local_subscribers() -> None:
 
     with producer(num_slots=4) as (pub, server), tempfile.TemporaryDirectory() as tmp:
         local = os.path.join(tmp, "relay.sock")
-        with Relay(server.address, local, token=TOKEN, memory="host", slots=4) as relay:
+        with Relay(server.address, local, secret=SECRET, memory="host", slots=4) as relay:
             wait_for(lambda: server.subscribers)
             a = HostChannelSubscriber(local)
             b = HostChannelSubscriber(local)
@@ -599,7 +599,7 @@ def test_import_needs_no_ucxx() -> None:
         "import cupy_ipcpool, cupy_ipcpool.remote as r\n"
         "assert r.available() is not None\n"
         "try:\n"
-        "    r.subscribe('ucx://127.0.0.1:1', token='x'*16, memory='host')\n"
+        "    r.subscribe('ucx://127.0.0.1:1', secret='x'*16, memory='host')\n"
         "except r.RemoteUnavailableError as e:\n"
         "    assert 'cupy_ipcpool[remote]' in str(e)\n"
         "else:\n"
@@ -618,7 +618,7 @@ def test_relay_command_line() -> None:
 
     with producer() as (pub, server), tempfile.TemporaryDirectory() as tmp:
         local = os.path.join(tmp, "relay.sock")
-        env = {**os.environ, auth.TOKEN_ENV: TOKEN}
+        env = {**os.environ, auth.SECRET_ENV: SECRET}
         cmd = [sys.executable, "-m", "cupy_ipcpool", "relay", server.address, local]
         proc = subprocess.Popen([*cmd, "--memory", "host"], env=env, stdout=subprocess.PIPE)
         try:

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(240)]
 
 SPAWN = mp.get_context("spawn")
 SEQ = struct.Struct("<Q")
-TOKEN = "gpu-tier-token-0123456789abcdef"
+SECRET = "gpu-tier-secret-0123456789abcdef"
 ELEMS = (4 << 20) // 4  # 4 MiB frames of uint32
 
 ucx_reason = None
@@ -67,7 +67,7 @@ def producer(address: str, frames: int, device: int, tls: str, q, go=None) -> No
             cip.IpcPool(6, ELEMS * 4, device=device) as pool,
             cip.Publisher(pool, address) as pub,
         ):
-            server = serve(address, listen="127.0.0.1:0", token=TOKEN, device=device)
+            server = serve(address, listen="127.0.0.1:0", secret=SECRET, device=device)
             q.put(("addr", server.address))
             deadline = time.monotonic() + 60
             while not server.subscribers and time.monotonic() < deadline:
@@ -101,7 +101,7 @@ def consumer(address: str, frames: int, device: int, tls: str, mode: str, q) -> 
         cp.cuda.Device(device).use()
         bad = []
         seqs = []
-        with subscribe(address, token=TOKEN, device=device, mode=mode, slots=3) as sub:
+        with subscribe(address, secret=SECRET, device=device, mode=mode, slots=3) as sub:
             for _ in range(frames):
                 with sub.recv(timeout=60) as f:
                     (seq,) = SEQ.unpack(f.metadata)
@@ -198,7 +198,7 @@ def test_relay_feeds_two_local_subscribers(tmp_path) -> None:
     readers = []
     try:
         _kind, remote = _get(pq)
-        relay = Relay(remote, local, token=TOKEN, memory="device", device=0, slots=4)
+        relay = Relay(remote, local, secret=SECRET, memory="device", device=0, slots=4)
         try:
             for _ in range(2):
                 q = SPAWN.Queue()

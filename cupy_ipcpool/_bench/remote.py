@@ -30,7 +30,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 MiB = 1 << 20
-TOKEN = "benchmark-token-not-a-secret-0123456789"
+SECRET = "benchmark-secret-not-for-use-0123456789"
 CTX = mp.get_context("spawn")
 
 
@@ -69,7 +69,7 @@ def _alloc(memory: str, nbytes: int, device: int) -> Any:
 def _child_channel(conn: Connection, address: str, frames: int, memory: str, dev: int) -> None:
     from cupy_ipcpool.remote._subscriber import subscribe
 
-    with subscribe(address, token=TOKEN, memory=memory, device=dev, slots=4) as sub:
+    with subscribe(address, secret=SECRET, memory=memory, device=dev, slots=4) as sub:
         conn.send("ready")
         t0 = 0.0
         for i in range(frames):
@@ -138,7 +138,7 @@ def _child_tcp(conn: Connection, port: int, frames: int, nbytes: int) -> None:
 
 
 def _channel(nbytes: int, frames: int, memory: str, device: int) -> float:
-    from cupy_ipcpool.remote._server import serve
+    from cupy_ipcpool.remote._source import serve
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "bench.sock")
@@ -165,7 +165,7 @@ def _channel(nbytes: int, frames: int, memory: str, device: int) -> float:
                 with pub.frame(timeout=60) as f:
                     f.publish(f.array((nbytes,), "uint8"))
 
-        server = serve(path, memory=memory, listen="127.0.0.1:0", token=TOKEN)
+        server = serve(path, memory=memory, listen="127.0.0.1:0", secret=SECRET)
         parent, child = CTX.Pipe()
         proc = CTX.Process(
             target=_child_channel, args=(child, server.address, frames, memory, device)

@@ -8,7 +8,8 @@ from ._errors import AuthenticationError, RemoteUnavailableError
 from ._host import HostChannelPublisher, HostChannelSubscriber, HostFrame
 from ._memory import DeviceSlots, HostSlots, SlotMemory
 from ._relay import Relay, relay
-from ._server import DeviceSource, RemoteInfo, RemoteServer, serve
+from ._server import RemoteInfo, RemoteServer
+from ._source import DeviceSource, serve
 from ._subscriber import RemoteFrame, RemoteSubscriber, subscribe
 from ._ucx import available
 from ._wire import is_remote_address, parse_address

@@ -26,8 +26,8 @@ from . import _wire as wire
 
 _LABEL_SERVER = b"cupy_ipcpool remote v1 server proof\x00"
 _LABEL_CLIENT = b"cupy_ipcpool remote v1 client proof\x00"
-#: Environment variable read when no token is passed.
-TOKEN_ENV = "CUPY_IPCPOOL_TOKEN"
+#: Environment variable read when no secret is passed.
+SECRET_ENV = "CUPY_IPCPOOL_SECRET"
 #: Fewest bytes a secret may have.
 MIN_SECRET = 16
 _NO_PROOF = bytes(wire.MAC_SIZE)
@@ -38,20 +38,20 @@ def nonce() -> bytes:
     return os.urandom(wire.NONCE_SIZE)
 
 
-def secret_from(token: str | bytes | None) -> bytes | None:
-    """The secret as bytes: ``token``, else ``$CUPY_IPCPOOL_TOKEN``, else None.
+def secret_from(secret: str | bytes | None) -> bytes | None:
+    """The secret as bytes: ``secret``, else ``$CUPY_IPCPOOL_SECRET``, else None.
 
     Raises
     ------
     UsageError
         The secret is shorter than 16 bytes.
     """
-    if token is None:
-        env = os.environ.get(TOKEN_ENV)
+    if secret is None:
+        env = os.environ.get(SECRET_ENV)
         if not env:
             return None
-        token = env
-    raw = token.encode("utf-8") if isinstance(token, str) else bytes(token)
+        secret = env
+    raw = secret.encode("utf-8") if isinstance(secret, str) else bytes(secret)
     if len(raw) < MIN_SECRET:
         raise UsageError(
             f"the shared secret has {len(raw)} bytes; use at least {MIN_SECRET} "

@@ -1,28 +1,40 @@
 """``python -m cupy_ipcpool relay|serve``: the remote layer from the command line.
 
-The secret comes from ``$CUPY_IPCPOOL_TOKEN`` or ``--token-file`` (never the
+The secret comes from ``$CUPY_IPCPOOL_SECRET`` or ``--secret-file`` (never the
 command line, where other users can read it in the process list).
+
+Exit status: 0 when the stream ended cleanly (the producer closed, or the
+server said goodbye) or a signal stopped the command; 1 when it ended for any
+other reason, which is printed (the producer died, the connection was lost,
+the server was evicted or failed).
 """
 
 from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import threading
 
 
-def _token(args: argparse.Namespace) -> str | None:
-    if args.token_file:
-        with open(args.token_file, encoding="utf-8") as f:
+def _secret(args: argparse.Namespace) -> str | None:
+    if args.secret_file:
+        with open(args.secret_file, encoding="utf-8") as f:
             return f.read().strip()
     return None
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--token-file", help="file holding the shared secret ($CUPY_IPCPOOL_TOKEN)")
+    parser.add_argument(
+        "--secret-file", help="file holding the shared secret (default: $CUPY_IPCPOOL_SECRET)"
+    )
     parser.add_argument("--insecure", action="store_true", help="no secret (trusted hosts only)")
-    parser.add_argument("--memory", choices=("device", "host"), default="device")
-    parser.add_argument("--mode", choices=("block", "latest"), default="block")
+    parser.add_argument(
+        "--memory", choices=("device", "host"), default="device", help="default: device"
+    )
+    parser.add_argument(
+        "--mode", choices=("block", "latest"), default="block", help="default: block"
+    )
     parser.add_argument("--device", type=int, default=0, help="GPU (default 0)")
 
 
@@ -49,7 +61,7 @@ def run_relay(args: argparse.Namespace) -> int:
     with Relay(
         args.remote,
         args.path,
-        token=_token(args),
+        secret=_secret(args),
         insecure=args.insecure,
         mode=args.mode,
         slots=args.slots,
@@ -61,7 +73,8 @@ def run_relay(args: argparse.Namespace) -> int:
             pass
         end = relay.ended
         print(f"relayed {relay.relayed} frames; {end or 'stopped'}", flush=True)
-        return 0 if end is None or end.clean else 1
+        clean = end is None or bool(getattr(end, "clean", False))
+        return 0 if clean else 1
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,15 +88,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Serve until the local stream ends or a signal arrives."""
-    from ._server import serve
+    """Serve until the local stream ends or a signal arrives.
+
+    Returns 0 when a signal stopped it or the producer closed its channel
+    cleanly; otherwise prints why the server ended and returns 1.
+    """
+    from ._source import serve
 
     stop = threading.Event()
     _until_signal(stop)
     with serve(
         args.path,
         listen=args.listen,
-        token=_token(args),
+        secret=_secret(args),
         insecure=args.insecure,
         memory=args.memory,
         mode=args.mode,
@@ -92,5 +109,12 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"serving {args.path} at {server.address}", flush=True)
         while not stop.is_set() and not server.wait(0.5):
             pass
-        print(f"sent {server.frames_sent} frames", flush=True)
-    return 0
+        end = server.ended
+        if end is None:  # stopped by a signal while serving
+            print(f"sent {server.frames_sent} frames; stopped", flush=True)
+            return 0
+        print(f"sent {server.frames_sent} frames; {end}", flush=True)
+        if end.clean:
+            return 0
+        print(f"cupy_ipcpool serve: the server ended: {end}", file=sys.stderr, flush=True)
+        return 1

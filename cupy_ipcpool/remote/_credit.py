@@ -8,6 +8,15 @@ from its local source, which subscribers get it now, which wait for credit
 be released (no send in flight and no subscriber queued on it).
 :class:`ClientBook` checks on the subscriber that the server only uses slots
 that were granted, in increasing sequence order.
+
+The local channel's rules hold for the source's ring: ``"latest"`` sends in
+flight together never retain more than ``source_slots - latest_reserve``
+source frames (the reserve of :func:`~cupy_ipcpool.channel._leases.default_latest_reserve`),
+so a ``"latest"`` subscriber whose sends stall never makes the producer wait:
+it skips frames instead.  Every send carries its start time (the caller's
+clock); :meth:`ServerBook.overdue` names the subscribers with a send older
+than a timeout, and :meth:`ServerBook.remove_subscriber` with
+``abandon_sends=True`` gives back what their sends retained.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import collections
 from dataclasses import dataclass, field
 
 from .._errors import ProtocolError, UsageError
+from ..channel._leases import default_latest_reserve
 
 BLOCK = "block"
 LATEST = "latest"
@@ -28,7 +38,6 @@ class _Sub:
     granted: collections.deque[int] = field(default_factory=collections.deque)
     granted_set: set[int] = field(default_factory=set)
     queue: collections.deque[int] = field(default_factory=collections.deque)
-    in_flight: collections.Counter[int] = field(default_factory=collections.Counter)
 
 
 class ServerBook:
@@ -37,11 +46,30 @@ class ServerBook:
     Frames are identified by an opaque integer the caller chooses (the source
     frame's sequence number).  A frame is *retained* while a send of it is in
     flight or a ``"block"`` subscriber waits for credit to receive it.
+
+    Parameters
+    ----------
+    source_slots:
+        Slots of the source's ring.  ``"latest"`` sends in flight together
+        retain at most ``source_slots - default_latest_reserve(source_slots)``
+        distinct frames; a ``"latest"`` subscriber with credit skips a frame
+        that would exceed it.  None: no such cap (for tests of the other rules).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, source_slots: int | None = None) -> None:
+        if source_slots is not None and source_slots < 1:
+            raise UsageError(f"source_slots must be at least 1, not {source_slots}")
         self._subs: dict[int, _Sub] = {}
         self._refs: collections.Counter[int] = collections.Counter()
+        #: sends in flight: (sub_id, frame) -> (count, oldest start time)
+        self._sends: dict[tuple[int, int], list[float]] = {}
+        self._latest_sends: set[tuple[int, int]] = set()
+        self._latest_refs: collections.Counter[int] = collections.Counter()
+        self.latest_budget: int | None = (
+            None if source_slots is None else source_slots - default_latest_reserve(source_slots)
+        )
+        #: frames a ``"latest"`` subscriber with credit skipped to respect the budget
+        self.latest_skips = 0
 
     # -- subscribers --
 
@@ -61,11 +89,15 @@ class ServerBook:
             raise UsageError(f"num_slots must be at least 1, not {num_slots}")
         self._subs[sub_id] = _Sub(mode, num_slots)
 
-    def remove_subscriber(self, sub_id: int) -> list[int]:
+    def remove_subscriber(self, sub_id: int, *, abandon_sends: bool = False) -> list[int]:
         """Forget a subscriber: drop its queue and grants.
 
-        Its sends still in flight keep their frames retained until
-        :meth:`sent` reports them (complete or failed).
+        Parameters
+        ----------
+        abandon_sends:
+            Also give back what its sends in flight retain (they will never
+            be reported, or their reports are ignored).  Otherwise they keep
+            their frames retained until :meth:`sent` reports them.
 
         Returns
         -------
@@ -73,12 +105,18 @@ class ServerBook:
             Frames no longer retained by anyone (release them).
         """
         sub = self._subs.pop(sub_id, None)
-        if sub is None:
-            return []
         freed = []
-        for frame in sub.queue:
-            if self._unref(frame):
-                freed.append(frame)
+        if sub is not None:
+            for frame in sub.queue:
+                if self._unref(frame):
+                    freed.append(frame)
+        if abandon_sends:
+            for key in [k for k in self._sends if k[0] == sub_id]:
+                count = int(self._sends.pop(key)[0])
+                self._forget_latest(key)
+                for _ in range(count):
+                    if self._unref(key[1]):
+                        freed.append(key[1])
         return freed
 
     def subscribers(self) -> list[int]:
@@ -91,7 +129,7 @@ class ServerBook:
 
     # -- events --
 
-    def credit(self, sub_id: int, slot: int) -> tuple[int, int] | None:
+    def credit(self, sub_id: int, slot: int, now: float = 0.0) -> tuple[int, int] | None:
         """The subscriber granted ``slot``; return ``(frame, slot)`` to send now, if one waits.
 
         Raises
@@ -108,25 +146,35 @@ class ServerBook:
             raise ProtocolError(f"slot {slot} granted twice")
         if sub.queue:
             frame = sub.queue.popleft()
-            sub.in_flight[frame] += 1  # the queue's reference becomes the send's
+            self._start(sub_id, frame, now, ref=False)  # the queue's reference becomes the send's
             return frame, slot
         sub.granted.append(slot)
         sub.granted_set.add(slot)
         return None
 
-    def offer(self, frame: int) -> list[tuple[int, int]]:
+    def offer(self, frame: int, now: float = 0.0) -> list[tuple[int, int]]:
         """A new frame from the source; return the ``(sub_id, slot)`` sends to start now.
 
         Subscribers with credit get it now; ``"block"`` subscribers without
-        credit queue it; ``"latest"`` subscribers without credit skip it.
+        credit queue it; ``"latest"`` subscribers without credit skip it, and
+        so do those with credit when the frame would take the ``"latest"``
+        sends past the source's budget.
         """
         sends = []
+        budget = self.latest_budget
         for sub_id, sub in self._subs.items():
             if sub.granted:
+                if (
+                    sub.mode == LATEST
+                    and budget is not None
+                    and frame not in self._latest_refs
+                    and len(self._latest_refs) >= budget
+                ):
+                    self.latest_skips += 1
+                    continue
                 slot = sub.granted.popleft()
                 sub.granted_set.discard(slot)
-                sub.in_flight[frame] += 1
-                self._refs[frame] += 1
+                self._start(sub_id, frame, now, ref=True)
                 sends.append((sub_id, slot))
             elif sub.mode == BLOCK:
                 sub.queue.append(frame)
@@ -136,13 +184,18 @@ class ServerBook:
     def sent(self, sub_id: int, frame: int) -> bool:
         """A send of ``frame`` to ``sub_id`` completed or failed; True when ``frame`` is free.
 
-        Works for subscribers already removed (their last sends finish late).
+        Works for subscribers already removed (their last sends finish late);
+        a send given back by ``remove_subscriber(..., abandon_sends=True)`` is
+        ignored (False).
         """
-        sub = self._subs.get(sub_id)
-        if sub is not None and sub.in_flight[frame] > 0:
-            sub.in_flight[frame] -= 1
-            if not sub.in_flight[frame]:
-                del sub.in_flight[frame]
+        key = (sub_id, frame)
+        entry = self._sends.get(key)
+        if entry is None:
+            return False
+        entry[0] -= 1
+        if entry[0] <= 0:
+            del self._sends[key]
+            self._forget_latest(key)
         return self._unref(frame)
 
     # -- queries --
@@ -162,6 +215,48 @@ class ServerBook:
     def granted(self, sub_id: int) -> int:
         """Slots ``sub_id`` granted and not yet used."""
         return len(self._subs[sub_id].granted)
+
+    def in_flight(self, sub_id: int | None = None) -> int:
+        """Sends in flight (of ``sub_id``, or in all)."""
+        return sum(int(e[0]) for k, e in self._sends.items() if sub_id is None or k[0] == sub_id)
+
+    def latest_frames(self) -> int:
+        """Distinct frames retained by ``"latest"`` sends in flight."""
+        return len(self._latest_refs)
+
+    def next_deadline(self, timeout: float) -> float | None:
+        """When the oldest send in flight becomes overdue (None: none in flight)."""
+        starts = [e[1] for k, e in self._sends.items() if k[0] in self._subs]
+        return min(starts) + timeout if starts else None
+
+    def overdue(self, now: float, timeout: float) -> list[int]:
+        """Registered subscribers with a send in flight for longer than ``timeout``."""
+        late = {k[0] for k, e in self._sends.items() if now - e[1] > timeout}
+        return sorted(s for s in late if s in self._subs)
+
+    # -- internals --
+
+    def _start(self, sub_id: int, frame: int, now: float, *, ref: bool) -> None:
+        key = (sub_id, frame)
+        entry = self._sends.get(key)
+        if entry is None:
+            self._sends[key] = [1, now]
+        else:
+            entry[0] += 1
+        if ref:
+            self._refs[frame] += 1
+        if self._subs[sub_id].mode == LATEST and key not in self._latest_sends:
+            self._latest_sends.add(key)
+            self._latest_refs[frame] += 1
+
+    def _forget_latest(self, key: tuple[int, int]) -> None:
+        if key in self._latest_sends:
+            self._latest_sends.discard(key)
+            n = self._latest_refs[key[1]] - 1
+            if n <= 0:
+                del self._latest_refs[key[1]]
+            else:
+                self._latest_refs[key[1]] = n
 
     def _unref(self, frame: int) -> bool:
         n = self._refs[frame] - 1

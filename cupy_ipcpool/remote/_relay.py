@@ -17,7 +17,14 @@ import select
 import threading
 from typing import Any
 
-from .._errors import EndOfStream, ProtocolError, SlotBusyError, SlotFullError, UsageError
+from .._errors import (
+    EndOfStream,
+    IpcPoolError,
+    ProtocolError,
+    SlotBusyError,
+    SlotFullError,
+    UsageError,
+)
 from . import _wire as wire
 from ._credit import ClientBook
 from ._session import ClientSession, Received
@@ -157,7 +164,7 @@ class Relay:
         Local socket path of the republished channel.  Local subscribers use
         :func:`cupy_ipcpool.subscribe` (``memory="device"``) or
         :class:`~cupy_ipcpool.remote.HostChannelSubscriber` (``memory="host"``).
-    token, insecure, mode, timeout:
+    secret, insecure, mode, timeout:
         As for :func:`cupy_ipcpool.remote.subscribe`.
     slots:
         Slots of the local ring (and the relay's credit on the host path).
@@ -183,7 +190,7 @@ class Relay:
         remote: str,
         path: str | os.PathLike[str],
         *,
-        token: str | bytes | None = None,
+        secret: str | bytes | None = None,
         insecure: bool = False,
         mode: str = "block",
         slots: int = 4,
@@ -209,7 +216,7 @@ class Relay:
         self._stop = False
         self._closed = False
         self.session = ClientSession(
-            remote, self.sink, token=token, insecure=insecure, mode=mode, timeout=timeout
+            remote, self.sink, secret=secret, insecure=insecure, mode=mode, timeout=timeout
         )
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -244,10 +251,18 @@ class Relay:
         return self.sink.subscribers
 
     @property
-    def ended(self) -> EndOfStream | None:
-        """How the remote stream ended (None while it runs)."""
+    def ended(self) -> IpcPoolError | None:
+        """How the remote stream ended (None while it runs).
+
+        An :class:`~cupy_ipcpool.EvictedError` when the server evicted the
+        relay, a :class:`~cupy_ipcpool.ProtocolError` when it spoke out of
+        protocol, else an :class:`~cupy_ipcpool.EndOfStream`.
+        """
         end = self.session.ended
-        return None if end is None else EndOfStream(end[0], end[1])
+        if end is None:
+            return None
+        failure = self.session.failure
+        return failure if failure is not None else EndOfStream(end[0], end[1])
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the remote stream to end; True if it did."""

@@ -4,14 +4,17 @@ A :class:`RemoteServer` is itself a *local subscriber* of the producer's
 channel (the bridge): it receives each frame once, zero-copy, and sends it
 with UCX to every remote subscriber that has credit.  The bridge's lease on
 the producer's slot is its only hold, and it is returned when every UCX send
-of that frame has completed or failed and no ``"block"`` subscriber still
-waits for credit to receive it.  The producer and its local subscribers are
-untouched: they see one more local subscriber.
+of that frame has completed or failed (or was given up after
+``send_timeout``) and no ``"block"`` subscriber still waits for credit to
+receive it.  The producer and its local subscribers are untouched: they see
+one more local subscriber.
 
-Threads: an accept thread (TCP listener; each handshake on a short-lived
-thread with a deadline, at most ``max_pending`` at once), a source thread
-(blocks in the bridge's ``recv``) and the server loop, which owns the UCX
-worker, the control sockets and the :class:`~._credit.ServerBook`.
+Threads: the accept thread (:class:`~._accept.Acceptor`: every handshake,
+non-blocking, admitted per source address), the source thread (blocks in the
+bridge's ``recv``) and the server loop, which owns the UCX worker, the
+control sockets (never a blocking write) and the :class:`~._credit.ServerBook`.
+The loop ends only when the source ends, on :meth:`RemoteServer.close`, or on
+a failure of the server itself; :attr:`RemoteServer.ended` says which.
 """
 
 from __future__ import annotations
@@ -26,39 +29,28 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from .._errors import EndOfStream, ProtocolError, TeardownWarning, TransportError, UsageError
+from .._errors import (
+    ChannelTimeoutError,
+    EndOfStream,
+    ProtocolError,
+    TeardownWarning,
+    TransportError,
+    UsageError,
+)
 from . import _auth as auth
 from . import _io
 from . import _ucx as ucx
 from . import _wire as wire
+from ._accept import HANDSHAKE_TIMEOUT, MAX_PENDING_PER_ADDRESS, Acceptor, Joined, refuse
 from ._credit import ServerBook
+from ._source import FrameSource
 
-#: Seconds a connecting subscriber has to finish the handshake.
-HANDSHAKE_TIMEOUT = 5.0
-
-
-class SourceFrame(Protocol):
-    """A frame the server forwards: C-contiguous arrays (NumPy or CuPy), metadata, a lease."""
-
-    seq: int
-    arrays: tuple[Any, ...]
-    metadata: bytes
-
-    def release(self) -> None: ...
-
-
-class FrameSource(Protocol):
-    """Where the server takes frames from (the bridge subscriber)."""
-
-    slot_nbytes: int
-
-    def recv(self, timeout: float | None = None) -> Any: ...
-
-    def close(self) -> None: ...
+#: Bytes of control messages a subscriber may leave unread before it is dropped.
+MAX_OUTBOX = 1 << 20
+_SEND_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
 
 
 @dataclass(frozen=True)
@@ -77,7 +69,8 @@ class _Remote:
     sock: socket.socket
     endpoint: Any
     key: int
-    reader: _io.MessageReader = field(default_factory=_io.MessageReader)
+    reader: _io.MessageReader
+    outbox: bytearray = field(default_factory=bytearray)
 
 
 @dataclass
@@ -85,109 +78,6 @@ class _Send:
     sub_id: int
     seq: int
     requests: list[Any]
-
-
-@dataclass
-class _Joined:
-    sock: socket.socket
-    hello: wire.Hello
-    ucx_address: bytes
-    peer: str
-
-
-def _refuse(sock: socket.socket, reason: str) -> None:
-    with contextlib.suppress(OSError):
-        _io.send_all(sock, wire.encode_refuse(reason), 1.0)
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_WR)
-    sock.close()
-
-
-class _Acceptor:
-    """The TCP listener and the handshakes (each on its own thread, bounded)."""
-
-    def __init__(
-        self,
-        listener: socket.socket,
-        secret: bytes | None,
-        on_joined: Any,
-        max_pending: int,
-    ) -> None:
-        self.listener = listener
-        self.secret = secret
-        self.on_joined = on_joined
-        self.stopping = False
-        self._slots = threading.BoundedSemaphore(max_pending)
-        self._wake_r, self._wake_w = os.pipe()
-        self.thread = threading.Thread(target=self._run, name="ipcpool-remote-accept", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.stopping = True
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
-        self.thread.join(2.0)
-        self.listener.close()
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-    def _run(self) -> None:
-        poller = select.poll()
-        poller.register(self.listener, select.POLLIN)
-        poller.register(self._wake_r, select.POLLIN)
-        while not self.stopping:
-            poller.poll()
-            if self.stopping:
-                return
-            try:
-                conn, peer = self.listener.accept()
-            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-                continue
-            except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    select.select([self._wake_r], [], [], 0.1)
-                    continue
-                return
-            if not self._slots.acquire(blocking=False):
-                _refuse(conn, "too many handshakes in progress; try again")
-                continue
-            where = f"{peer[0]}:{peer[1]}"
-            threading.Thread(
-                target=self._handshake, args=(conn, where), name="ipcpool-remote-hs", daemon=True
-            ).start()
-
-    def _handshake(self, conn: socket.socket, peer: str) -> None:
-        try:
-            _io.configure(conn)
-            deadline = time.monotonic() + HANDSHAKE_TIMEOUT
-            hello, hello_raw = _io.recv_message(conn, deadline)
-            if not isinstance(hello, wire.Hello):
-                raise ProtocolError(f"expected HELLO, got {type(hello).__name__}")
-            nonce = auth.nonce()
-            proof = auth.server_proof(self.secret, hello_raw, nonce)
-            challenge = wire.encode_challenge(nonce, self.secret is not None, proof)
-            _io.send_all(conn, challenge, HANDSHAKE_TIMEOUT)
-            msg, _raw = _io.recv_message(conn, deadline)
-            if not isinstance(msg, wire.Proof):
-                raise ProtocolError(f"expected PROOF, got {type(msg).__name__}")
-            expected = auth.client_proof(self.secret, hello_raw, challenge, msg.ucx_address)
-            if not auth.verify(expected, msg.proof):
-                _refuse(conn, "authentication failed: wrong secret")
-                return
-            if self.stopping:
-                _refuse(conn, "the server is closing")
-                return
-            conn.settimeout(None)
-            self.on_joined(_Joined(conn, hello, msg.ucx_address, peer))
-        except (ProtocolError, EndOfStream, TimeoutError, OSError) as exc:
-            _refuse(conn, f"handshake failed: {exc}")
-        except Exception as exc:  # never let a hostile peer kill the thread silently
-            _refuse(conn, f"handshake failed: {exc!r}")
-        finally:
-            self._slots.release()
 
 
 class RemoteServer:
@@ -203,18 +93,23 @@ class RemoteServer:
         port 0 picks a free one).  A loopback host also restricts UCX to the
         loopback device.  Bind to another address only on a trusted network:
         UCX does not encrypt.
-    token:
-        The shared secret (at least 16 bytes; default ``$CUPY_IPCPOOL_TOKEN``).
+    secret:
+        The shared secret (at least 16 bytes; default ``$CUPY_IPCPOOL_SECRET``).
         Required unless ``insecure=True``.
     insecure:
         Accept subscribers without a secret (for trying it out on one machine).
     max_subscribers:
         Further subscribers are refused.
-    max_pending:
-        Most handshakes in progress at once.
+    max_pending_per_address:
+        Most handshakes of one source address waiting at once in each step
+        (for HELLO, for PROOF); one more makes the oldest of that address and
+        step go.
+    handshake_timeout:
+        Seconds a connection has, from accept, to finish the handshake.
     send_timeout:
-        How long writing a control message to a subscriber may block before it
-        is dropped.
+        Seconds a frame's UCX send to one subscriber may stay incomplete (and
+        its unread control messages may stay unsent); then that subscriber is
+        evicted and the source frame's lease comes back.
     linger:
         After the source ends, how long queued frames may take to drain.
     own_source:
@@ -223,7 +118,7 @@ class RemoteServer:
     Raises
     ------
     UsageError
-        No secret and not ``insecure``; a bad ``listen`` address.
+        No secret and not ``insecure``; a bad ``listen`` address or option.
     TransportError
         The listener cannot bind.
     RemoteUnavailableError
@@ -235,37 +130,41 @@ class RemoteServer:
         source: FrameSource,
         *,
         listen: str = f"127.0.0.1:{wire.DEFAULT_PORT}",
-        token: str | bytes | None = None,
+        secret: str | bytes | None = None,
         insecure: bool = False,
         max_subscribers: int = 16,
-        max_pending: int = 8,
+        max_pending_per_address: int = MAX_PENDING_PER_ADDRESS,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
         send_timeout: float = 5.0,
         linger: float = 5.0,
         own_source: bool = False,
     ) -> None:
-        secret = auth.secret_from(token)
-        if secret is None and not insecure:
+        key = auth.secret_from(secret)
+        if key is None and not insecure:
             raise UsageError(
-                "a remote server needs a shared secret: pass token=... (or set "
-                f"${auth.TOKEN_ENV}); insecure=True serves without one"
+                "a remote server needs a shared secret: pass secret=... (or set "
+                f"${auth.SECRET_ENV}); insecure=True serves without one"
             )
+        if not send_timeout > 0:
+            raise UsageError(f"send_timeout must be positive, not {send_timeout}")
         host, port = wire.parse_address(listen)
         self._source = source
         self._own_source = own_source
-        self._secret = secret
         self._max_subscribers = max_subscribers
-        self._send_timeout = send_timeout
+        self.send_timeout = float(send_timeout)
         self._linger = linger
-        self._worker = ucx.Worker(loopback_only=ucx.is_loopback(host))
-        self._book = ServerBook()
+        self._book = ServerBook(source_slots=int(getattr(source, "num_slots", 0)) or None)
         self._remotes: dict[int, _Remote] = {}
         self._by_fd: dict[int, _Remote] = {}
         self._frames: dict[int, Any] = {}
         self._sends: list[_Send] = []
+        self._orphans: list[Any] = []  # requests of evicted subscribers, given up
         self._closing_eps: list[Any] = []
-        self._joined: collections.deque[_Joined] = collections.deque()
+        self._joined: collections.deque[Joined] = collections.deque()
         self._incoming: collections.deque[Any] = collections.deque()
         self._source_end: tuple[str, bool] | None = None
+        self._failure: str | None = None
+        self._last_seq = -1
         self._next_id = 1
         self._lock = threading.Lock()
         self._stop = False
@@ -273,27 +172,37 @@ class RemoteServer:
         self.last_leave_reason = ""
         self.frames_received = 0
         self.frames_sent = 0
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
+        self.evictions = 0
+        self._worker = ucx.Worker(loopback_only=ucx.is_loopback(host))
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         try:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             listener.bind((host, port))
-            listener.listen(min(max_subscribers + max_pending, socket.SOMAXCONN))
+            listener.listen(socket.SOMAXCONN)
             listener.setblocking(False)
-        except OSError as exc:
+            self._acceptor = Acceptor(
+                listener,
+                key,
+                self._on_joined,
+                per_address=max_pending_per_address,
+                timeout=handshake_timeout,
+            )
+        except (OSError, UsageError) as exc:
             listener.close()
             self._worker.close()
             for fd in (self._wake_r, self._wake_w):
                 os.close(fd)
+            if isinstance(exc, UsageError):
+                raise
             raise TransportError(
                 exc.errno or errno.EADDRINUSE,
                 f"cannot listen on {host}:{port}: {exc.strerror or exc}",
             ) from None
         bound = listener.getsockname()
         self.host, self.port = host, int(bound[1])
-        self._acceptor = _Acceptor(listener, secret, self._on_joined, max_pending)
+        self._poller = select.poll()
         self._source_thread = threading.Thread(
             target=self._pump, name="ipcpool-remote-source", daemon=True
         )
@@ -319,17 +228,39 @@ class RemoteServer:
             return [r.info for r in self._remotes.values()]
 
     @property
+    def pending_handshakes(self) -> int:
+        """Handshakes in progress (for diagnostics and tests)."""
+        return self._acceptor.pending()
+
+    @property
     def ucx_config(self) -> dict[str, str]:
         """The UCX configuration the server's worker uses."""
         return self._worker.config
 
     @property
     def running(self) -> bool:
-        """True until the server loop ended (source ended and drained, or closed)."""
+        """True until the server loop ended (source ended and drained, closed, or failed)."""
         return self._loop_thread.is_alive()
 
+    @property
+    def ended(self) -> EndOfStream | None:
+        """Why the loop ended (None while it runs).
+
+        ``clean`` is True when the source ended cleanly (the producer closed)
+        or :meth:`close` was called; False when the source died or failed, or
+        the server itself failed (the message says which).
+        """
+        if self._loop_thread.is_alive():
+            return None
+        if self._failure is not None:
+            return EndOfStream(self._failure, False)
+        if self._source_end is not None:
+            reason, clean = self._source_end
+            return EndOfStream(f"the source ended: {reason}", clean)
+        return EndOfStream("the server was closed", True)
+
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the loop to end (the source ended); True if it did."""
+        """Wait for the loop to end (see :attr:`ended`); True if it did."""
         self._loop_thread.join(timeout)
         return not self._loop_thread.is_alive()
 
@@ -339,7 +270,7 @@ class RemoteServer:
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
 
-    def _on_joined(self, joined: _Joined) -> None:
+    def _on_joined(self, joined: Joined) -> None:
         self._joined.append(joined)
         self._wake()
 
@@ -348,12 +279,14 @@ class RemoteServer:
         while not self._stop:
             try:
                 frame = source.recv(0.2)
-            except TimeoutError:
+            except (ChannelTimeoutError, TimeoutError):
                 continue
             except EndOfStream as exc:
                 self._incoming.append((str(exc), exc.clean))
                 break
             except Exception as exc:
+                if self._stop:
+                    break
                 self._incoming.append((f"the source failed: {exc!r}", False))
                 break
             self._incoming.append(frame)
@@ -362,15 +295,13 @@ class RemoteServer:
 
     def _run(self) -> None:
         worker = self._worker
-        poller = select.poll()
+        poller = self._poller
         poller.register(self._wake_r, select.POLLIN)
         poller.register(worker.fileno(), select.POLLIN)
-        self._poller = poller
         drain_deadline = None
         try:
             while not self._stop:
-                worker.progress()
-                self._reap_sends()
+                self._progress()
                 while self._joined:
                     self._adopt(self._joined.popleft())
                 while self._incoming:
@@ -379,91 +310,148 @@ class RemoteServer:
                         self._source_end = item
                     else:
                         self._forward(item)
+                if self._acceptor.failure is not None:
+                    self._failure = self._acceptor.failure
+                    break
                 if self._source_end is not None:
                     if drain_deadline is None:
                         drain_deadline = time.monotonic() + self._linger
                     if not self._book.retained_frames() or time.monotonic() > drain_deadline:
                         break
-                worker.progress()
-                self._reap_sends()
+                self._progress()
                 if worker.arm():
-                    timeout = 100 if self._source_end is not None else -1
-                    for fd, _ev in poller.poll(timeout):
+                    for fd, ev in poller.poll(self._poll_timeout()):
                         if fd == self._wake_r:
                             with contextlib.suppress(OSError):
                                 os.read(self._wake_r, 4096)
                             continue
                         remote = self._by_fd.get(fd)
                         if remote is not None:
-                            self._read(remote)
-        except Exception as exc:  # pragma: no cover - a bug: end the sessions, say why
-            warnings.warn(f"the remote server loop failed: {exc!r}", RuntimeWarning, stacklevel=1)
-            self._source_end = (f"the server failed: {exc!r}", False)
+                            self._guard(remote, self._on_event, remote, ev)
+        except Exception as exc:  # a bug: end the sessions and say why
+            self._failure = f"the remote server loop failed: {exc!r}"
+            warnings.warn(self._failure, RuntimeWarning, stacklevel=1)
         finally:
             self._shutdown()
 
     # -- loop internals --
 
-    def _adopt(self, joined: _Joined) -> None:
+    def _poll_timeout(self) -> int:
+        deadlines = [self._book.next_deadline(self.send_timeout)]
+        if self._source_end is not None or self._orphans:
+            deadlines.append(time.monotonic() + 0.1)
+        due = [d for d in deadlines if d is not None]
+        if not due:
+            return -1
+        return max(0, int((min(due) - time.monotonic()) * 1000) + 1)
+
+    def _progress(self) -> None:
+        self._worker.progress()
+        self._reap_sends()
+        now = time.monotonic()
+        for sub_id in self._book.overdue(now, self.send_timeout):
+            remote = self._remotes.get(sub_id)
+            if remote is not None:
+                self.evictions += 1
+                self._drop(
+                    remote,
+                    f"evicted: a frame send did not complete within send_timeout="
+                    f"{self.send_timeout} s",
+                    notify=True,
+                    abandon=True,
+                )
+
+    def _guard(self, remote: _Remote, step: Any, *args: Any) -> None:
+        """Run one subscriber's step; an unexpected error costs that subscriber only."""
+        try:
+            step(*args)
+        except Exception as exc:
+            self._drop(remote, f"dropped after a server error: {exc!r}")
+
+    def _adopt(self, joined: Joined) -> None:
         hello = joined.hello
         if len(self._remotes) >= self._max_subscribers:
-            _refuse(joined.sock, f"the server already has max_subscribers={self._max_subscribers}")
+            refuse(joined.sock, f"the server already has max_subscribers={self._max_subscribers}")
             return
         if self._source_end is not None:
-            _refuse(joined.sock, "the stream has ended")
+            refuse(joined.sock, "the stream has ended")
             return
         sub_id = self._next_id
         self._next_id += 1
-        key = secrets.randbits(32)
         try:
             endpoint = self._worker.connect(joined.ucx_address)
         except Exception as exc:
-            _refuse(joined.sock, f"cannot reach the subscriber's UCX worker: {exc}")
+            refuse(joined.sock, f"cannot reach the subscriber's UCX worker: {exc}")
             return
         mode = wire.MODE_NAMES[hello.mode]
         info = RemoteInfo(sub_id, joined.peer, mode, hello.num_slots)
-        remote = _Remote(info, joined.sock, endpoint, key)
-        next_seq = getattr(self, "_last_seq", -1) + 1
-        welcome = wire.encode_welcome(
-            sub_id, key, next_seq, int(self._source.slot_nbytes), wire.MAX_ARRAYS
-        )
-        try:
-            _io.send_all(joined.sock, welcome, self._send_timeout)
-            joined.sock.setblocking(False)
-        except OSError:
-            joined.sock.close()
-            ucx.close_endpoint(endpoint)
-            return
+        remote = _Remote(info, joined.sock, endpoint, secrets.randbits(32), joined.reader)
         self._book.add_subscriber(sub_id, mode, hello.num_slots)
         with self._lock:
             self._remotes[sub_id] = remote
         self._by_fd[joined.sock.fileno()] = remote
         self._poller.register(joined.sock, select.POLLIN)
+        welcome = wire.encode_welcome(
+            sub_id, remote.key, self._last_seq + 1, int(self._source.slot_nbytes), wire.MAX_ARRAYS
+        )
+        self._guard(remote, self._send_control, remote, welcome)
+
+    def _send_control(self, remote: _Remote, data: bytes) -> None:
+        """Queue ``data`` on the control socket; never blocks (a full outbox drops the peer)."""
+        if not remote.outbox:
+            try:
+                sent = remote.sock.send(data, _SEND_FLAGS)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                self._drop(remote, f"its control connection failed: {exc}")
+                return
+            data = data[sent:]
+            if not data:
+                return
+            self._poller.modify(remote.sock, select.POLLIN | select.POLLOUT)
+        remote.outbox += data
+        if len(remote.outbox) > MAX_OUTBOX:
+            self._drop(remote, f"dropped: it left {len(remote.outbox)} control bytes unread")
+
+    def _on_event(self, remote: _Remote, ev: int) -> None:
+        if ev & select.POLLOUT and remote.outbox:
+            try:
+                sent = remote.sock.send(remote.outbox, _SEND_FLAGS)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                self._drop(remote, f"its control connection failed: {exc}")
+                return
+            del remote.outbox[:sent]
+            if not remote.outbox:
+                self._poller.modify(remote.sock, select.POLLIN)
+        if ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
+            self._read(remote)
 
     def _forward(self, frame: Any) -> None:
         seq = int(frame.seq)
         self._last_seq = seq
         self.frames_received += 1
         self._frames[seq] = frame
-        for sub_id, slot in self._book.offer(seq):
-            self._start_send(sub_id, seq, slot)
+        for sub_id, slot in self._book.offer(seq, time.monotonic()):
+            remote = self._remotes[sub_id]
+            self._guard(remote, self._start_send, remote, seq, slot)
         if not self._book.retained(seq):
             self._release(seq)
 
-    def _start_send(self, sub_id: int, seq: int, slot: int) -> None:
-        remote = self._remotes.get(sub_id)
+    def _start_send(self, remote: _Remote, seq: int, slot: int) -> None:
         frame = self._frames[seq]
-        if remote is None:  # pragma: no cover - the book only names live subscribers
-            if self._book.sent(sub_id, seq):
-                self._release(seq)
-            return
+        sub_id = remote.info.sub_id
         try:
             from ._host import spec_of
 
             specs = tuple(spec_of(a) for a in frame.arrays)
-            header = wire.encode_frame(seq, slot, specs, frame.metadata)
-            _io.send_all(remote.sock, header, self._send_timeout)
-            remote.sock.setblocking(False)
+            self._send_control(remote, wire.encode_frame(seq, slot, specs, frame.metadata))
+            if sub_id not in self._remotes:  # dropped by that write: the send never starts
+                if self._book.sent(sub_id, seq):
+                    self._release(seq)
+                return
             requests = [
                 self._worker.send(remote.endpoint, a, wire.data_tag(remote.key, seq, i))
                 for i, a in enumerate(frame.arrays)
@@ -477,6 +465,8 @@ class RemoteServer:
         self.frames_sent += 1
 
     def _reap_sends(self) -> None:
+        if self._orphans:
+            self._orphans = [r for r in self._orphans if ucx.request_state(r) is None]
         if not self._sends:
             return
         still = []
@@ -508,17 +498,18 @@ class RemoteServer:
                 )
 
     def _read(self, remote: _Remote) -> None:
+        sub_id = remote.info.sub_id
         try:
             messages, eof = remote.reader.feed(remote.sock)
             for msg in messages:
                 if type(msg) is wire.Credit:
-                    start = self._book.credit(remote.info.sub_id, msg.slot)
+                    start = self._book.credit(sub_id, msg.slot, time.monotonic())
                     if start is not None:
-                        self._start_send(remote.info.sub_id, start[0], start[1])
-                    if remote.info.sub_id not in self._remotes:
+                        self._start_send(remote, start[0], start[1])
+                    if sub_id not in self._remotes:
                         return
                 elif type(msg) is wire.Bye:
-                    self._drop(remote, "said BYE", bye=False)
+                    self._drop(remote, "said BYE")
                     return
                 else:
                     raise ProtocolError(f"unexpected {type(msg).__name__} from a subscriber")
@@ -528,7 +519,24 @@ class RemoteServer:
         if eof:
             self._drop(remote, "disconnected")
 
-    def _drop(self, remote: _Remote, reason: str, *, bye: bool = False) -> None:
+    def _drop(
+        self,
+        remote: _Remote,
+        reason: str,
+        *,
+        bye: bool = False,
+        notify: bool = False,
+        abandon: bool = False,
+    ) -> None:
+        """Forget a subscriber: close its control socket first, then give back what it held.
+
+        ``notify`` tells it why (a REFUSE) and ``bye`` says goodbye, when its
+        socket takes it now.  ``abandon`` also gives back the leases of its
+        sends still in flight (after ``send_timeout``): UCX cannot cancel a
+        send to a peer that makes no progress, so those requests are kept
+        until they end; the subscriber, its control connection closed before
+        the lease was given back, never hands their frames out.
+        """
         sub_id = remote.info.sub_id
         with self._lock:
             if self._remotes.pop(sub_id, None) is None:
@@ -539,13 +547,18 @@ class RemoteServer:
         self._by_fd.pop(fd, None)
         with contextlib.suppress(KeyError, ValueError, OSError):
             self._poller.unregister(fd)
-        if bye:
+        last = wire.encode_refuse(reason) if notify else wire.encode_bye() if bye else b""
+        if last and not remote.outbox:
             with contextlib.suppress(OSError):
-                remote.sock.send(wire.encode_bye(), socket.MSG_DONTWAIT)
+                remote.sock.send(last, _SEND_FLAGS)
         with contextlib.suppress(OSError):
             remote.sock.shutdown(socket.SHUT_RDWR)
         remote.sock.close()
-        for seq in self._book.remove_subscriber(sub_id):
+        if abandon:
+            keep = [s for s in self._sends if s.sub_id == sub_id]
+            self._sends = [s for s in self._sends if s.sub_id != sub_id]
+            self._orphans.extend(r for s in keep for r in s.requests if r is not None)
+        for seq in self._book.remove_subscriber(sub_id, abandon_sends=abandon):
             self._release(seq)
         req = ucx.close_endpoint(remote.endpoint)
         if req is not None:
@@ -554,9 +567,10 @@ class RemoteServer:
     def _shutdown(self) -> None:
         """End every session, wait (bounded) for sends to finish, release every frame."""
         end = self._source_end
-        clean = end is None or end[1]
+        clean = self._failure is None and (end is None or end[1])
+        reason = self._failure or ("the server closed" if end is None else end[0])
         for remote in list(self._remotes.values()):
-            self._drop(remote, "the server closed" if end is None else end[0], bye=clean)
+            self._drop(remote, reason, bye=clean)
         deadline = time.monotonic() + 2.0
         while (self._sends or self._closing_eps) and time.monotonic() < deadline:
             self._worker.progress()
@@ -566,7 +580,7 @@ class RemoteServer:
             ]
             if self._sends or self._closing_eps:
                 time.sleep(0.002)
-        if self._sends:
+        if self._sends or self._orphans:
             self._worker.cancel()
             self._worker.progress()
             self._reap_sends()
@@ -594,7 +608,7 @@ class RemoteServer:
         self._loop_thread.join(10.0)
         self._source_thread.join(2.0)
         while self._joined:
-            _refuse(self._joined.popleft().sock, "the server is closing")
+            refuse(self._joined.popleft().sock, "the server is closing")
         for item in self._incoming:
             if not isinstance(item, tuple):
                 with contextlib.suppress(Exception):
@@ -617,136 +631,4 @@ class RemoteServer:
         self.close()
 
 
-# -- sources ------------------------------------------------------------------------
-
-
-class _DeviceFrame:
-    __slots__ = ("_frame", "_stream", "arrays", "metadata", "seq")
-
-    def __init__(self, frame: Any, arrays: tuple[Any, ...], stream: Any) -> None:
-        self._frame = frame
-        self._stream = stream
-        self.seq = frame.seq
-        self.arrays = arrays
-        self.metadata = frame.metadata
-
-    def release(self) -> None:
-        self.arrays = ()
-        self._frame.release(self._stream)
-
-
-class DeviceSource:
-    """The bridge over a GPU channel: :func:`cupy_ipcpool.subscribe` on ``device``.
-
-    Each frame's stream is synchronised on the host before UCX reads the
-    slot (UCX copies on its own streams, which do not wait on the channel's
-    GPU-side flag).  Non-contiguous arrays are copied to contiguous ones.
-    """
-
-    def __init__(
-        self,
-        address: str | os.PathLike[str],
-        *,
-        mode: str = "block",
-        credit: int | None = None,
-        device: int | None = None,
-        timeout: float = 10.0,
-        allowed_uids: Iterable[int] | None = None,
-    ) -> None:
-        from .._arrays import cupy_module
-        from ..channel import subscribe
-
-        self._cp = cupy_module()
-        self._sub = subscribe(
-            address,
-            mode=mode,
-            credit=credit,
-            device=device,
-            timeout=timeout,
-            allowed_uids=allowed_uids,
-        )
-        self.slot_nbytes = self._sub.peer.slot_nbytes
-        self.device = self._sub.peer.device
-        self._stream: Any = None
-
-    def recv(self, timeout: float | None = None) -> _DeviceFrame:
-        cp = self._cp
-        with cp.cuda.Device(self.device):
-            if self._stream is None:
-                self._stream = cp.cuda.Stream(non_blocking=True)
-            stream = self._stream
-            frame = self._sub.recv(timeout, stream=stream)
-            with stream:
-                arrays = tuple(
-                    a if a.flags.c_contiguous else cp.ascontiguousarray(a) for a in frame.arrays
-                )
-            stream.synchronize()
-        return _DeviceFrame(frame, arrays, stream)
-
-    def close(self) -> None:
-        self._sub.close()
-
-
-def serve(
-    address: str | os.PathLike[str],
-    *,
-    listen: str = f"127.0.0.1:{wire.DEFAULT_PORT}",
-    token: str | bytes | None = None,
-    insecure: bool = False,
-    memory: str = "device",
-    mode: str = "block",
-    credit: int | None = None,
-    device: int | None = None,
-    max_subscribers: int = 16,
-    timeout: float = 10.0,
-    linger: float = 5.0,
-) -> RemoteServer:
-    """Serve the channel at ``address`` (a local socket path) to remote subscribers.
-
-    Parameters
-    ----------
-    address:
-        The producer's channel: a :class:`cupy_ipcpool.Publisher` socket
-        (``memory="device"``) or a :class:`HostChannelPublisher` socket
-        (``memory="host"``).
-    listen, token, insecure, max_subscribers, linger:
-        See :class:`RemoteServer`.
-    mode, credit:
-        How the bridge subscribes locally.  ``"block"`` (default): the bridge
-        receives every frame, so remote ``"block"`` subscribers miss none (and
-        can slow the producer, as local ones can).  ``"latest"``: the remote
-        side never slows the producer; every remote subscriber may miss frames.
-    device:
-        GPU the bridge maps the producer's pool on (default: the producer's).
-    timeout:
-        Seconds to connect to the local channel.
-
-    Returns
-    -------
-    RemoteServer
-        Already serving; close it (or use it as a context manager) when done.
-    """
-    source: Any
-    if memory == "device":
-        source = DeviceSource(address, mode=mode, credit=credit, device=device, timeout=timeout)
-    elif memory == "host":
-        from ._host import HostChannelSubscriber
-
-        source = HostChannelSubscriber(
-            address, mode=mode, credit=credit, timeout=timeout, writable=True
-        )
-    else:
-        raise UsageError(f"memory must be 'device' or 'host', not {memory!r}")
-    try:
-        return RemoteServer(
-            source,
-            listen=listen,
-            token=token,
-            insecure=insecure,
-            max_subscribers=max_subscribers,
-            linger=linger,
-            own_source=True,
-        )
-    except BaseException:
-        source.close()
-        raise
+__all__ = ["RemoteInfo", "RemoteServer"]

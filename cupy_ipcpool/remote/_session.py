@@ -15,7 +15,15 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .._errors import EndOfStream, PeerRefusedError, ProtocolError, TransportError, UsageError
+from .._errors import (
+    EndOfStream,
+    EvictedError,
+    IpcPoolError,
+    PeerRefusedError,
+    ProtocolError,
+    TransportError,
+    UsageError,
+)
 from . import _auth as auth
 from . import _io
 from . import _ucx as ucx
@@ -77,8 +85,8 @@ class ClientSession:
         ``ucx://host:port`` of a :class:`~cupy_ipcpool.remote.RemoteServer`.
     sink:
         Receives the frames (see :class:`Sink`).
-    token:
-        The shared secret (default ``$CUPY_IPCPOOL_TOKEN``).
+    secret:
+        The shared secret (default ``$CUPY_IPCPOOL_SECRET``).
     insecure:
         Accept a server that requires no secret.
     mode:
@@ -103,7 +111,7 @@ class ClientSession:
         address: str,
         sink: Sink,
         *,
-        token: str | bytes | None = None,
+        secret: str | bytes | None = None,
         insecure: bool = False,
         mode: str = "block",
         timeout: float = 10.0,
@@ -111,32 +119,39 @@ class ClientSession:
         if mode not in wire.MODE_CODES:
             raise UsageError(f"mode must be 'block' or 'latest', not {mode!r}")
         host, port = wire.parse_address(address)
-        secret = auth.secret_from(token)
-        if secret is None and not insecure:
+        key = auth.secret_from(secret)
+        if key is None and not insecure:
             raise UsageError(
-                "a remote subscription needs the server's shared secret: pass token=... "
-                f"(or set ${auth.TOKEN_ENV}); insecure=True connects without one"
+                "a remote subscription needs the server's shared secret: pass secret=... "
+                f"(or set ${auth.SECRET_ENV}); insecure=True connects without one"
             )
         ucx.load()  # say so now if UCXX is missing (after the caller's own mistakes)
         self.address = address
         self.mode = mode
         self.sink = sink
         self.ended: tuple[str, bool] | None = None
+        #: set with ``ended`` when the server evicted this subscriber, or when it
+        #: spoke out of protocol: what ``recv`` raises once before EndOfStream
+        self.failure: IpcPoolError | None = None
         self._pending: dict[int, _Pending] = {}  # slot -> frame, in header (= seq) order
         deadline = time.monotonic() + timeout
+        # The UCX worker exists before the handshake starts, so that the PROOF
+        # follows the CHALLENGE at once: the server admits a handshake per
+        # source address for a bounded time, and a quick one is never pushed out.
+        self.worker: ucx.Worker | None = ucx.Worker(loopback_only=ucx.is_loopback(host))
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
+            self.worker.close()
             raise TransportError(
                 exc.errno or 0,
                 f"cannot connect to the remote server at {address}: {exc.strerror or exc} "
                 "(is it serving, and is its port reachable from here?)",
             ) from None
         self.sock = sock
-        self.worker: ucx.Worker | None = None
         try:
             _io.configure(sock)
-            self._handshake(host, secret, insecure, deadline)
+            self._handshake(key, insecure, deadline)
             sink.setup(self.max_frame)
         except BaseException:
             self.close(bye=False)
@@ -144,8 +159,9 @@ class ClientSession:
         sock.setblocking(False)
         self.reader = _io.MessageReader()
 
-    def _handshake(self, host: str, secret: bytes | None, insecure: bool, deadline: float) -> None:
+    def _handshake(self, secret: bytes | None, insecure: bool, deadline: float) -> None:
         sock = self.sock
+        assert self.worker is not None
         hello = wire.encode_hello(auth.nonce(), wire.MODE_CODES[self.mode], self.sink.num_slots)
         _io.send_all(sock, hello, max(0.0, deadline - time.monotonic()))
         msg, challenge = _io.recv_message(sock, deadline)
@@ -155,7 +171,7 @@ class ClientSession:
             raise ProtocolError(f"expected CHALLENGE, got {type(msg).__name__}")
         if msg.auth and secret is None:
             raise AuthenticationError(
-                f"the server at {self.address} requires a shared secret: pass token=..."
+                f"the server at {self.address} requires a shared secret: pass secret=..."
             )
         if not msg.auth and secret is not None and not insecure:
             raise AuthenticationError(
@@ -168,7 +184,6 @@ class ClientSession:
                 raise AuthenticationError(
                     f"the server at {self.address} does not know the shared secret"
                 )
-        self.worker = ucx.Worker(loopback_only=ucx.is_loopback(host))
         address = self.worker.address
         use = secret if msg.auth else None
         proof = auth.client_proof(use, hello, challenge, address)
@@ -236,11 +251,16 @@ class ClientSession:
                 elif type(msg) is wire.Bye:
                     self._end(f"the server at {self.address} said BYE", True)
                     return
+                elif type(msg) is wire.Refuse:  # the server dropped us, and says why
+                    reason = f"the server at {self.address} {msg.reason}"
+                    self._end(reason, False, EvictedError(reason, False))
+                    return
                 else:
                     raise ProtocolError(f"unexpected {type(msg).__name__} from the server")
         except ProtocolError as exc:
-            self._end(f"the connection was closed after a protocol error: {exc}", False)
-            raise
+            reason = f"the connection was closed after a protocol error: {exc}"
+            self._end(reason, False, ProtocolError(f"the server at {self.address}: {exc}"))
+            return
         if eof:
             self._end(f"the connection to the server at {self.address} was lost", False)
 
@@ -264,6 +284,13 @@ class ClientSession:
         )
 
     def _complete(self) -> None:
+        if self._pending and self._first_done():
+            # Hand a frame out only while the server still holds its lease: it
+            # closes this connection (after an eviction notice) before it gives
+            # a lease back, so whatever is queued here is read first.
+            self._read()
+            if self.ended is not None:
+                return
         while self._pending:
             slot, first = next(iter(self._pending.items()))
             states = [ucx.request_state(r) for r in first.requests]
@@ -281,9 +308,14 @@ class ClientSession:
                 Received(first.seq, slot, first.specs, first.arrays, first.metadata), self.book
             )
 
-    def _end(self, reason: str, clean: bool) -> None:
+    def _first_done(self) -> bool:
+        first = next(iter(self._pending.values()))
+        return all(ucx.request_state(r) is not None for r in first.requests)
+
+    def _end(self, reason: str, clean: bool, failure: IpcPoolError | None = None) -> None:
         if self.ended is None:
             self.ended = (reason, clean)
+            self.failure = failure
             self._abandon_pending()
 
     def _abandon_pending(self) -> None:

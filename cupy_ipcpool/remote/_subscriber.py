@@ -11,7 +11,14 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from .._errors import EndOfStream, PoolClosedError, UsageError
+from .._errors import (
+    ChannelTimeoutError,
+    EndOfStream,
+    EvictedError,
+    PoolClosedError,
+    ProtocolError,
+    UsageError,
+)
 from ..channel import Frame
 from . import _wire as wire
 from ._credit import ClientBook
@@ -86,7 +93,7 @@ class RemoteSubscriber:
         self,
         address: str,
         *,
-        token: str | bytes | None = None,
+        secret: str | bytes | None = None,
         insecure: bool = False,
         mode: str = "block",
         slots: int = DEFAULT_SLOTS,
@@ -112,7 +119,7 @@ class RemoteSubscriber:
         self._closed = False
         self._stop = False
         self._session = ClientSession(
-            address, self, token=token, insecure=insecure, mode=mode, timeout=timeout
+            address, self, secret=secret, insecure=insecure, mode=mode, timeout=timeout
         )
         self.sub_id = self._session.sub_id
         self._wake_r, self._wake_w = os.pipe()
@@ -201,35 +208,60 @@ class RemoteSubscriber:
         with self._cond:
             return dict(self._held)
 
-    def recv(self, timeout: float | None = None, stream: Any = None) -> RemoteFrame:
+    def recv(self, timeout: float | None = None, *, stream: Any = None) -> RemoteFrame:
         """Wait for the next complete frame.
+
+        ``stream`` is accepted for the local subscriber's signature: a remote
+        frame is complete in this process's memory when it is handed out.
 
         Raises
         ------
+        EvictedError
+            The server evicted this subscriber (a frame's send to it did not
+            complete within the server's ``send_timeout``); raised on this call
+            and every later one, frames not yet handed out are dropped.
+            Subscribe again to resume.
         EndOfStream
             The server said goodbye (``clean``) or the connection was lost
             (``clean=False``); frames already received stay readable.
-        TimeoutError
-            No frame within ``timeout`` seconds.
+        ChannelTimeoutError
+            No frame within ``timeout`` seconds (also a ``TimeoutError``).
+        ProtocolError
+            The server spoke out of protocol (after the frames received before
+            that); the subscription is closed.
         PoolClosedError
             This subscriber is closed.
         """
         if self._closed:
             raise PoolClosedError("the remote subscriber is closed")
         deadline = None if timeout is None else time.monotonic() + timeout
+        broken: ProtocolError | None = None
         with self._cond:
-            while not self._ready:
+            while True:
+                failure = self._session.failure
+                if isinstance(failure, EvictedError):
+                    self._ready.clear()
+                    raise EvictedError(str(failure), False)
+                if self._ready:
+                    break
                 ended = self._session.ended
                 if ended is not None and not self._thread.is_alive():
+                    if isinstance(failure, ProtocolError):
+                        broken = failure
+                        break
                     raise EndOfStream(ended[0], ended[1])
                 if self._closed:
                     raise PoolClosedError("the remote subscriber is closed")
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"no frame within {timeout} s")
+                    raise ChannelTimeoutError(f"no frame within {timeout} s")
                 self._cond.wait(0.5 if remaining is None else min(remaining, 0.5))
-            got = self._ready.popleft()
-            self._held[got.seq] = got.slot
+            if broken is None:
+                got = self._ready.popleft()
+                self._held[got.seq] = got.slot
+        if broken is not None:
+            self.close()
+            raise ProtocolError(str(broken))
         assert self._memory is not None
         lease = _Lease(self, got.seq, got.slot)
         arrays = tuple(self._memory.arrays(got.slot, got.specs, owner=lease))
@@ -283,7 +315,7 @@ class RemoteSubscriber:
 def subscribe(
     address: str,
     *,
-    token: str | bytes | None = None,
+    secret: str | bytes | None = None,
     insecure: bool = False,
     mode: str = "block",
     slots: int = DEFAULT_SLOTS,
@@ -297,8 +329,8 @@ def subscribe(
     ----------
     address:
         ``ucx://host:port`` of a :class:`~cupy_ipcpool.remote.RemoteServer`.
-    token:
-        The shared secret (default ``$CUPY_IPCPOOL_TOKEN``); required unless
+    secret:
+        The shared secret (default ``$CUPY_IPCPOOL_SECRET``); required unless
         ``insecure=True`` and the server serves without one.
     mode:
         ``"block"``: every frame (the producer may wait for this subscriber);
@@ -321,7 +353,7 @@ def subscribe(
     """
     return RemoteSubscriber(
         address,
-        token=token,
+        secret=secret,
         insecure=insecure,
         mode=mode,
         slots=slots,

@@ -1,0 +1,264 @@
+"""The remote server's TCP listener: every handshake on one thread, non-blocking, bounded.
+
+One thread accepts connections and drives every handshake in progress
+(HELLO, CHALLENGE, PROOF) from one ``poll(2)`` set: no thread per peer, no
+blocking read or write.  :class:`~._admission.HandshakeBook` decides who
+waits: at most ``per_address`` handshakes of one source address per stage,
+the oldest of that address and stage going when one more arrives, and one
+deadline per handshake from accept.  A peer that sends a malformed message,
+the wrong proof, or nothing in time is refused (a REFUSE with the reason, when
+its socket takes it) and closed.  A handshake that proves the secret is handed
+to the server loop (``on_joined``), which creates the UCX endpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import select
+import socket
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .._errors import ProtocolError
+from . import _auth as auth
+from . import _io
+from . import _wire as wire
+from ._admission import WAIT_PROOF, HandshakeBook, address_key
+
+#: Seconds a connecting subscriber has, from accept, to finish the handshake.
+HANDSHAKE_TIMEOUT = 5.0
+#: Most handshakes of one source address waiting in one stage at once.
+MAX_PENDING_PER_ADDRESS = 8
+
+
+@dataclass
+class Joined:
+    """A peer that proved the secret: what the server loop needs to adopt it."""
+
+    sock: socket.socket
+    hello: wire.Hello
+    ucx_address: bytes
+    peer: str
+    reader: _io.MessageReader
+
+
+@dataclass
+class _Handshake:
+    sock: socket.socket
+    peer: str
+    reader: _io.MessageReader = field(default_factory=_io.MessageReader)
+    hello: wire.Hello | None = None
+    hello_raw: bytes = b""
+    challenge: bytes = b""
+
+
+def refuse(sock: socket.socket, reason: str) -> None:
+    """Send REFUSE if the socket takes it now (never blocks), then close."""
+    with contextlib.suppress(OSError):
+        sock.send(wire.encode_refuse(reason), socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_WR)
+    sock.close()
+
+
+class Acceptor:
+    """Accept and authenticate subscribers; hand each one that proves the secret on.
+
+    Parameters
+    ----------
+    listener:
+        A bound, listening, non-blocking TCP socket (closed by :meth:`stop`).
+    secret:
+        The shared secret, or None (serve without one).
+    on_joined:
+        Called on the accept thread with each :class:`Joined` peer.
+    per_address:
+        Most handshakes of one source address per stage.
+    timeout:
+        Seconds each handshake has, from accept.
+    """
+
+    def __init__(
+        self,
+        listener: socket.socket,
+        secret: bytes | None,
+        on_joined: Callable[[Joined], None],
+        *,
+        per_address: int = MAX_PENDING_PER_ADDRESS,
+        timeout: float = HANDSHAKE_TIMEOUT,
+    ) -> None:
+        self.listener = listener
+        self.secret = secret
+        self.on_joined = on_joined
+        self.stopping = False
+        #: why the thread ended, when it ended by itself (a bug); None while it runs
+        self.failure: str | None = None
+        self.refused = 0
+        self._book = HandshakeBook(per_address, timeout)
+        self._handshakes: dict[int, _Handshake] = {}
+        self._poller = select.poll()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.thread = threading.Thread(target=self._run, name="ipcpool-remote-accept", daemon=True)
+
+    def start(self) -> None:
+        """Start the accept thread."""
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread, close the listener and refuse every handshake in progress."""
+        self.stopping = True
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(5.0)
+        self.listener.close()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def pending(self, address: str | None = None) -> int:
+        """Handshakes in progress (from ``address``, or in all); for tests and diagnostics."""
+        return self._book.count(None if address is None else address_key(address))
+
+    # -- the thread --
+
+    def _run(self) -> None:
+        poller = self._poller
+        listen_fd = self.listener.fileno()
+        poller.register(listen_fd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        book = self._book
+        try:
+            while not self.stopping:
+                deadline = book.next_deadline()
+                timeout = (
+                    -1
+                    if deadline is None
+                    else max(0, int((deadline - time.monotonic()) * 1000) + 1)
+                )
+                events = poller.poll(timeout)
+                if self.stopping:
+                    return
+                for fd, _ev in events:
+                    if fd == listen_fd:
+                        self._accept_all()
+                    elif fd == self._wake_r:
+                        with contextlib.suppress(OSError):
+                            os.read(self._wake_r, 4096)
+                    else:
+                        hs = self._handshakes.get(fd)
+                        if hs is not None:
+                            self._on_readable(fd, hs)
+                for fd in book.expired(time.monotonic()):
+                    self._end(fd, f"no complete handshake within {book.timeout} s")
+        except Exception as exc:  # a bug: say so, and let the server end with the reason
+            self.failure = f"the accept thread failed: {exc!r}"
+            with contextlib.suppress(Exception):
+                warnings.warn(self.failure, RuntimeWarning, stacklevel=1)
+        finally:
+            for fd in list(self._handshakes):
+                self._book.remove(fd)
+                self._handshakes.pop(fd).sock.close()
+
+    def _accept_all(self) -> None:
+        for _ in range(64):  # then let the handshakes in progress have a turn
+            try:
+                conn, addr = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # out of fds or memory: back off instead of spinning on the queued connection
+                    select.select([self._wake_r], [], [], 0.05)
+                    return
+                continue  # a network error of that one connection (accept(2)): the next
+            conn.setblocking(False)
+            _io.configure(conn)
+            host = str(addr[0])
+            peer = f"[{host}]:{addr[1]}" if ":" in host else f"{host}:{addr[1]}"
+            fd = conn.fileno()
+            for old in self._book.admit(fd, address_key(host), time.monotonic()):
+                self._end(
+                    old,
+                    f"{self._book.per_address} handshakes from {host} were waiting; this one, "
+                    "the oldest, made room for a newer one",
+                    booked=False,
+                )
+            hs = _Handshake(conn, peer)
+            self._handshakes[fd] = hs
+            self._poller.register(fd, select.POLLIN)
+            self._on_readable(fd, hs)  # the HELLO is often there already
+
+    def _on_readable(self, fd: int, hs: _Handshake) -> None:
+        try:
+            messages, eof = hs.reader.feed(hs.sock)
+            for msg in messages:
+                if fd not in self._handshakes:
+                    return
+                self._step(fd, hs, msg)
+        except ProtocolError as exc:
+            self._end(fd, f"handshake failed: {exc}")
+            return
+        if eof and fd in self._handshakes:
+            self._end(fd, "the peer closed the connection during the handshake")
+
+    def _step(self, fd: int, hs: _Handshake, msg: wire.Message) -> None:
+        if hs.hello is None:
+            if not isinstance(msg, wire.Hello):
+                raise ProtocolError(f"expected HELLO, got {type(msg).__name__}")
+            hs.hello = msg
+            hs.hello_raw = wire.encode_hello(msg.nonce, msg.mode, msg.num_slots)
+            nonce = auth.nonce()
+            proof = auth.server_proof(self.secret, hs.hello_raw, nonce)
+            hs.challenge = wire.encode_challenge(nonce, self.secret is not None, proof)
+            try:
+                sent = hs.sock.send(hs.challenge, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+            except OSError as exc:
+                self._end(fd, f"sending the challenge failed: {exc}")
+                return
+            if sent != len(hs.challenge):  # a fresh socket that cannot take 100 bytes
+                self._end(fd, "the peer does not read")
+                return
+            for old in self._book.advance(fd, WAIT_PROOF):
+                self._end(
+                    old,
+                    f"{self._book.per_address} handshakes from {hs.peer.rsplit(':', 1)[0]} "
+                    "owed their proof; this one, the oldest, made room for a newer one",
+                    booked=False,
+                )
+            return
+        if not isinstance(msg, wire.Proof):
+            raise ProtocolError(f"expected PROOF, got {type(msg).__name__}")
+        expected = auth.client_proof(self.secret, hs.hello_raw, hs.challenge, msg.ucx_address)
+        if not auth.verify(expected, msg.proof):
+            self._end(fd, "authentication failed: wrong secret")
+            return
+        self._book.remove(fd)
+        del self._handshakes[fd]
+        self._unregister(fd)
+        if self.stopping:
+            refuse(hs.sock, "the server is closing")
+            return
+        self.on_joined(Joined(hs.sock, hs.hello, msg.ucx_address, hs.peer, hs.reader))
+
+    def _end(self, fd: int, reason: str, *, booked: bool = True) -> None:
+        if booked:
+            self._book.remove(fd)
+        hs = self._handshakes.pop(fd, None)
+        if hs is None:
+            return
+        self._unregister(fd)
+        self.refused += 1
+        refuse(hs.sock, reason)
+
+    def _unregister(self, fd: int) -> None:
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._poller.unregister(fd)
+
+
+__all__ = ["HANDSHAKE_TIMEOUT", "MAX_PENDING_PER_ADDRESS", "Acceptor", "Joined", "refuse"]
