@@ -10,6 +10,7 @@ to a Python child that imports them the same way.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import subprocess
 import threading
@@ -100,6 +101,14 @@ class SeedProducer:
                 self.proc.communicate()
 
 
+def _warm_up(pairs: list[list[int]], step: int, **kwargs: Any) -> None:
+    """Import once and close, so that the fds the driver opens for good (its context,
+    the first import) are open before a test counts fds."""
+    with cip.import_seed_buffers(pairs, step, device=0, **kwargs) as bufs:
+        bufs.array(0)[:1].get()
+    gc.collect()
+
+
 @pytest.mark.parametrize("step", [5 * MiB + 12, 4 * MiB], ids=["unaligned", "aligned"])
 def test_every_byte_of_seed_buffers_read_and_written_back(producer_binary: str, step: int) -> None:
     import cupy as cp
@@ -107,6 +116,7 @@ def test_every_byte_of_seed_buffers_read_and_written_back(producer_binary: str, 
     words = step // 4
     producer = SeedProducer(producer_binary, 3, step)
     try:
+        _warm_up(producer.pairs, step)
         before = fd_count()
         bufs = cip.import_seed_buffers(producer.pairs, step, device=0)
         # the seed's sizes: an aligned step got a whole extra granule, and the import maps it
@@ -165,6 +175,7 @@ def test_failed_imports_leave_nothing_and_a_right_one_follows(producer_binary: s
     producer = SeedProducer(producer_binary, 2, step)
     try:
         pid = producer.proc.pid
+        _warm_up(producer.pairs, step, alloc_nbytes=producer.alloc)
         before = fd_count()
         # a mapping larger than the exporter's allocation: refused at buffer 0, nothing kept
         with pytest.raises(cip.CudaError) as ei:
@@ -199,7 +210,16 @@ def _child_import(
     try:
         import cupy as cp
 
-        before = fd_count()
+        n = step // 4
+        with cip.import_seed_buffers(pairs, step, device=0, rounding=rounding) as bufs:
+            for i, a in enumerate(bufs.arrays(np.uint32)):
+                if not np.array_equal(cp.asnumpy(a), expected(n, seeds[i])):
+                    raise AssertionError(f"buffer {i}: the child read wrong data")
+                fill(a, seeds[i] + 100)
+            cp.cuda.Device(0).synchronize()
+            del a
+        gc.collect()
+        before = fd_count()  # the driver's own fds are open now
         if step % _driver.granularity(0) == 0:
             # the seed's size is one granule more than the façade's allocation
             try:
@@ -213,13 +233,10 @@ def _child_import(
             if fd_count() != before:
                 raise AssertionError("the failed import left fds open")
         with cip.import_seed_buffers(pairs, step, device=0, rounding=rounding) as bufs:
-            n = step // 4
-            for i, a in enumerate(bufs.arrays(np.uint32)):
-                if not np.array_equal(cp.asnumpy(a), expected(n, seeds[i])):
-                    raise AssertionError(f"buffer {i}: the child read wrong data")
-                fill(a, seeds[i] + 100)
-            cp.cuda.Device(0).synchronize()
-            del a
+            if bufs.alloc_nbytes != -(-step // bufs.granularity) * bufs.granularity:
+                raise AssertionError(f"mapped {bufs.alloc_nbytes} bytes for a step of {step}")
+            bufs.array(0)[:1].get()
+        gc.collect()
         if fd_count() != before:
             raise AssertionError("the import left fds open")
         queue.put(("ok",))
