@@ -125,7 +125,8 @@ def mps_summary(flags: list[bool | None]) -> str | None:
     return (
         "GPU sharing between processes: without the MPS daemon, each process has its own "
         "context and the GPU runs them in turns (~150 us per switch on an H200), which bounds "
-        "a channel's frames/s with few slots; see 'Sizing the ring' and 'MPS' in the README"
+        "a channel's frames/s with few slots; see 'Sizing the ring' and 'MPS' in "
+        "docs/performance.md"
     )
 
 

@@ -215,3 +215,18 @@ def test_summary_fails_a_lost_frame_a_mismatch_and_a_consumer_that_did_not_finis
     assert not ok
     assert "  consumer 1: received 1000 frames, did not finish" in lines
     assert "  consumer 1: EndOfStream: gone" in lines
+
+
+def test_info_note_points_at_headings_that_exist():
+    import pathlib
+
+    from cupy_ipcpool import _info
+
+    note = _info.mps_summary([False])
+    assert note is not None and "docs/performance.md" in note
+    page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "performance.md"
+    headings = [
+        line[3:].strip() for line in page.read_text().splitlines() if line.startswith("## ")
+    ]
+    for quoted in ("Sizing the ring", "MPS"):
+        assert f"'{quoted}'" in note and quoted in headings, (quoted, headings)
