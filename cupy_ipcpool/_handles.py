@@ -17,7 +17,7 @@ truncated input and trailing bytes.
 
 Wire layout (all little-endian)
 -------------------------------
-Pool descriptor, format version 1::
+Pool descriptor, format version 2::
 
     offset size  field
     0      4     magic b"IPCP"
@@ -33,7 +33,8 @@ Pool descriptor, format version 1::
     60     4     u32 num_slots
     64     8     u64 slot_nbytes
     72     8     u64 alloc_nbytes
-    80     4*n   u32 fds[num_slots]
+    80     8     u64 exporter_pid_namespace (0 = unknown)
+    88     4*n   u32 fds[num_slots]
     ...    2     u16 path length in bytes (0 = no socket path)
     ...    len   UTF-8 socket path
 
@@ -59,10 +60,10 @@ import numpy
 
 from ._errors import DescriptorError, StaleHandleError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """Version of the descriptor wire format written by :meth:`PoolDescriptor.to_bytes`."""
 
-SUPPORTED_VERSIONS: tuple[int, ...] = (1,)
+SUPPORTED_VERSIONS: tuple[int, ...] = (2,)
 """Descriptor format versions :meth:`PoolDescriptor.from_bytes` accepts."""
 
 MAX_SLOTS = 65536
@@ -85,8 +86,8 @@ _I64_MIN = -(1 << 63)
 _I64_MAX = (1 << 63) - 1
 
 # magic, version, kind, reserved, pool_id, pid, uid, start_time, uuid, ordinal,
-# num_slots, slot_nbytes, alloc_nbytes
-_DESC_HEADER = struct.Struct("<4sHBB16sIIQ16sIIQQ")
+# num_slots, slot_nbytes, alloc_nbytes, pid_namespace
+_DESC_HEADER = struct.Struct("<4sHBB16sIIQ16sIIQQQ")
 _U16 = struct.Struct("<H")
 # slot, generation, offset, ndim, dtype code
 _HANDLE_HEADER = struct.Struct("<IQQBB")
@@ -238,6 +239,25 @@ def validate_dtype(obj: object) -> numpy.dtype[Any]:
     return _DTYPES[code]
 
 
+def own_pid_namespace() -> int:
+    """Return the id of this process's PID namespace, or 0 if it cannot be read.
+
+    The id is the inode number of ``/proc/self/ns/pid``: two processes see the
+    same pid numbers exactly when they report the same id.  A process never
+    changes its own PID namespace, but the value is read afresh on each call
+    (cheap) so that a forked child in a new namespace reports its own.
+
+    Returns
+    -------
+    int
+        A positive id, or 0 where ``/proc`` is not mounted or not readable.
+    """
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 # ---------------------------------------------------------------------------
 # File descriptors received by unpickling.
 
@@ -314,6 +334,11 @@ class PoolDescriptor:
         One fd number per slot, valid *in the exporter process* (for ``pidfd_getfd``).
     socket_path:
         Path of the exporter's ``SCM_RIGHTS`` fd server, or None.
+    exporter_pid_namespace:
+        Id of the exporter's PID namespace (:func:`own_pid_namespace`), so a
+        peer can tell a pid of another namespace (a container) from a pid
+        that has exited or was reused; 0 when unknown.  Default (None): this
+        process's namespace if ``exporter_pid`` is this process's pid, else 0.
 
     Notes
     -----
@@ -344,12 +369,16 @@ class PoolDescriptor:
     alloc_nbytes: int
     fds: tuple[int, ...]
     socket_path: str | None = None
+    exporter_pid_namespace: int | None = None
     _local: _LocalFds | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Normalise lists of fds and numpy integers, then check everything.
         if isinstance(self.fds, list):
             object.__setattr__(self, "fds", tuple(self.fds))
+        if self.exporter_pid_namespace is None:
+            mine = type(self.exporter_pid) is int and self.exporter_pid == os.getpid()
+            object.__setattr__(self, "exporter_pid_namespace", own_pid_namespace() if mine else 0)
         self.validate()
 
     def validate(self) -> None:
@@ -383,6 +412,7 @@ class PoolDescriptor:
             raise DescriptorError(f"{len(fds)} fds for num_slots={num_slots}; need one per slot")
         if self.socket_path is not None:
             _encode_socket_path(self.socket_path)
+        _as_int(self.exporter_pid_namespace, "exporter_pid_namespace", 0, _U64_MAX)
 
     # -- wire format ---------------------------------------------------------
 
@@ -412,6 +442,7 @@ class PoolDescriptor:
                     self.num_slots,
                     self.slot_nbytes,
                     self.alloc_nbytes,
+                    self.exporter_pid_namespace,
                 ),
                 struct.pack(f"<{self.num_slots}I", *self.fds),
                 _U16.pack(len(path)),
@@ -475,6 +506,7 @@ class PoolDescriptor:
             num_slots,
             slot_nbytes,
             alloc_nbytes,
+            pid_namespace,
         ) = _DESC_HEADER.unpack_from(view, 0)
         if kind != _KIND_POOL:
             raise DescriptorError(f"wrong message kind {kind} for a pool descriptor")
@@ -521,6 +553,7 @@ class PoolDescriptor:
             alloc_nbytes=alloc_nbytes,
             fds=fds,
             socket_path=socket_path,
+            exporter_pid_namespace=pid_namespace,
         )
 
     # -- fds that live in this process --------------------------------------
@@ -554,10 +587,18 @@ def _reduce_with_fds(desc: PoolDescriptor) -> tuple[Any, ...]:
     fds: Sequence[int] | None = None
     if desc._local is not None:
         fds = desc._local.peek()
-    if fds is None and os.getpid() == desc.exporter_pid:
+    if fds is None and _is_exporter(desc):
         fds = desc.fds
     carriers = None if fds is None else tuple(reduction.DupFd(fd) for fd in fds)
     return (_rebuild_descriptor, (desc.to_bytes(), carriers))
+
+
+def _is_exporter(desc: PoolDescriptor) -> bool:
+    """Whether this process is ``desc``'s exporter (its pid in its PID namespace)."""
+    if os.getpid() != desc.exporter_pid:
+        return False
+    ns = desc.exporter_pid_namespace
+    return not ns or ns == own_pid_namespace()
 
 
 def _rebuild_descriptor(data: bytes, carriers: tuple[_FdCarrier, ...] | None) -> PoolDescriptor:
@@ -1021,5 +1062,6 @@ __all__ = [
     "SUPPORTED_VERSIONS",
     "ArrayHandle",
     "PoolDescriptor",
+    "own_pid_namespace",
     "validate_dtype",
 ]

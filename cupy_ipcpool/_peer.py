@@ -137,6 +137,7 @@ def _import_all(
             token=desc.pool_id,
             method=transport,
             exporter_uid=desc.exporter_uid,
+            pid_namespace=desc.exporter_pid_namespace,
         )
     try:
         if len(fds) != desc.num_slots:
@@ -403,7 +404,8 @@ def attach(
     """Map a peer's pool into this process.
 
     Fetches the slot fds (``pidfd_getfd``, or ``SCM_RIGHTS`` over the exporter's
-    socket; ``"auto"`` tries pidfd then falls back on ``EPERM``/``ENOSYS``),
+    socket; ``"auto"`` tries pidfd then falls back on ``EPERM``/``ENOSYS`` and
+    when the exporter's pid is not visible here, e.g. another PID namespace),
     imports each with ``cuMemImportFromShareableHandle``, reserves and maps an
     address range, grants read-write access on ``device`` and closes the fds.
     Each slot is imported once per process and local device: attaching the

@@ -51,6 +51,7 @@ from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 
 from cupy_ipcpool._errors import PeerRefusedError, TeardownWarning, TransportError
+from cupy_ipcpool._handles import own_pid_namespace
 
 __all__ = [
     "Admission",
@@ -128,8 +129,12 @@ def process_start_time(pid: int) -> int:
         ``ESRCH`` when the process does not exist; ``EPROTO`` when the stat
         file cannot be parsed.
     """
+    pid = int(pid)
+    # this process through /proc/self: right even where /proc belongs to another
+    # PID namespace than this process's (a container without its own /proc)
+    where = "self" if pid == os.getpid() else str(pid)
     try:
-        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+        with open(f"/proc/{where}/stat", "rb") as f:
             stat = f.read()
     except (FileNotFoundError, ProcessLookupError):
         raise TransportError(
@@ -182,7 +187,9 @@ def _getfd_syscall() -> Callable[[int, int], int]:
     return call
 
 
-def _pidfd_error(err: int, pid: int, target_fd: int, call: str) -> TransportError:
+def _pidfd_error(
+    err: int, pid: int, target_fd: int, call: str, namespace: str = "same"
+) -> TransportError:
     where = f"{call}(pid={pid}, fd={target_fd})"
     if err == errno.EPERM:
         msg = (
@@ -197,8 +204,14 @@ def _pidfd_error(err: int, pid: int, target_fd: int, call: str) -> TransportErro
             f"{where}: not supported by this kernel (pidfd_getfd needs Linux >= 5.6); "
             'use the socket transport (transport="socket")'
         )
-    elif err == errno.ESRCH:
+    elif err == errno.ESRCH and namespace == "same":
         msg = f"{where}: the exporter process has exited"
+    elif err == errno.ESRCH:
+        msg = (
+            f"{where}: no process {pid} here: the exporter has exited, or it runs in another "
+            "PID namespace (a container, or unshare --pid), where pidfd_getfd cannot reach "
+            f"it: then {_SHARED_SOCKET_FIX}"
+        )
     elif err == errno.EBADF:
         msg = f"{where}: fd {target_fd} is no longer open in the exporter (pool closed?)"
     else:
@@ -233,17 +246,20 @@ def pidfd_getfd(pid: int, target_fd: int, *, start_time: int | None = None) -> i
         than 5.6), ``ESRCH`` (exporter exited or pid reused), ``EBADF`` (fd no
         longer open in the exporter).
     """
-    return _getfd_all(pid, (target_fd,), start_time)[0]
+    return _getfd_all(pid, (target_fd,), start_time, "same")[0]
 
 
-def _getfd_all(pid: int, target_fds: Iterable[int], start_time: int | None) -> list[int]:
+def _getfd_all(
+    pid: int, target_fds: Iterable[int], start_time: int | None, where: str
+) -> list[int]:
     """Duplicate every fd of ``target_fds`` from process ``pid``, in order.
 
     One pidfd serves them all: it is opened on the first fd, the start time is
     checked once (after opening, so a recycled pid can never yield another
     process's fd), and it is closed at the end.  On any failure the fds fetched
     so far are closed.  Errors are those of :func:`pidfd_getfd`, naming the fd
-    whose call failed.
+    whose call failed; ``where`` (``"same"`` or ``"unknown"``: is the pid of this
+    process's PID namespace?) words ``ESRCH``.
     """
     out: list[int] = []
     pidfd = -1
@@ -254,20 +270,16 @@ def _getfd_all(pid: int, target_fds: Iterable[int], start_time: int | None) -> l
             else:
                 pid = int(pid)
                 target_fd = int(fd)
-                pidfd = _open_pidfd(pid, target_fd)
+                pidfd = _open_pidfd(pid, target_fd, where)
                 if start_time is not None and process_start_time(pid) != start_time:
-                    raise TransportError(
-                        errno.ESRCH,
-                        f"exporter exited and its pid was reused: process {pid} has a "
-                        "different start time than the exporter",
-                    )
+                    raise TransportError(errno.ESRCH, _reused_pid_message(pid, where))
                 getfd = _getfd_syscall()
             new_fd = getfd(pidfd, target_fd)
             if new_fd < 0:
                 err = ctypes.get_errno() or errno.EIO
                 if err == errno.EBADF and _process_gone(pid):
                     err = errno.ESRCH  # older kernels say EBADF for an exiting process
-                raise _pidfd_error(err, pid, target_fd, "pidfd_getfd")
+                raise _pidfd_error(err, pid, target_fd, "pidfd_getfd", where)
             out.append(new_fd)
     except BaseException:
         _close_all(out)
@@ -278,14 +290,28 @@ def _getfd_all(pid: int, target_fds: Iterable[int], start_time: int | None) -> l
     return out
 
 
-def _open_pidfd(pid: int, target_fd: int) -> int:
+def _open_pidfd(pid: int, target_fd: int, where: str) -> int:
     """``os.pidfd_open(pid)``, its errors worded for fetching ``target_fd``."""
     try:
         return os.pidfd_open(pid)
     except AttributeError:
-        raise _pidfd_error(errno.ENOSYS, pid, target_fd, "pidfd_open") from None
+        raise _pidfd_error(errno.ENOSYS, pid, target_fd, "pidfd_open", where) from None
     except OSError as exc:
-        raise _pidfd_error(exc.errno or errno.EIO, pid, target_fd, "pidfd_open") from None
+        err = exc.errno or errno.EIO
+        raise _pidfd_error(err, pid, target_fd, "pidfd_open", where) from None
+
+
+def _reused_pid_message(pid: int, where: str) -> str:
+    if where == "same":
+        return (
+            f"exporter exited and its pid was reused: process {pid} has a different start "
+            "time than the exporter"
+        )
+    return (
+        f"process {pid} here is not the exporter (another start time): the exporter has "
+        "exited and its pid was reused, or it runs in another PID namespace (a container, "
+        f"or unshare --pid), where pidfd_getfd cannot reach it: then {_SHARED_SOCKET_FIX}"
+    )
 
 
 def _process_gone(pid: int) -> bool:
@@ -1214,6 +1240,7 @@ def fetch_fds(
     token: bytes,
     method: str = "auto",
     exporter_uid: int | None = None,
+    pid_namespace: int | None = None,
 ) -> list[int]:
     """Fetch an exporter's fds by ``pidfd_getfd`` or over its :class:`FdServer`.
 
@@ -1229,11 +1256,19 @@ def fetch_fds(
     token:
         The fd server's token.
     method:
-        ``"pidfd"``, ``"socket"`` or ``"auto"`` (pidfd, falling back to the
-        socket on ``EPERM``/``ENOSYS`` when ``socket_path`` is given).
+        ``"pidfd"``, ``"socket"`` or ``"auto"``: pidfd, falling back to the
+        socket (when ``socket_path`` is given) on ``EPERM``/``ENOSYS``, and
+        when the exporter's pid is not visible here: it lives in another PID
+        namespace, or, where the namespace is not known, there is no process
+        ``pid`` with ``start_time`` here.
     exporter_uid:
         The exporter's uid; the socket's server must run as it (see
         :func:`fetch_fds_over_socket` for the checks made without it).
+    pid_namespace:
+        The exporter's PID namespace (the descriptor's
+        ``exporter_pid_namespace``); None or 0 when unknown.  When it is not
+        this process's namespace, ``pid`` means nothing here: pidfd is not
+        tried.
 
     Returns
     -------
@@ -1245,10 +1280,16 @@ def fetch_fds(
     ValueError
         Unknown ``method``.
     TransportError
-        As :func:`pidfd_getfd` or :func:`fetch_fds_over_socket`.
+        As :func:`pidfd_getfd` or :func:`fetch_fds_over_socket`.  When
+        ``"auto"`` fell back and the socket failed too, the error is the
+        socket's (its type and errno), its message says why each transport
+        failed and what to do, and it is chained to the pidfd error.  ``ESRCH``
+        when the exporter's pid is of another PID namespace and no socket is
+        offered (``"pidfd"``, or a descriptor without a socket path).
     """
     if method not in ("auto", "pidfd", "socket"):
         raise ValueError(f'method must be "auto", "pidfd" or "socket", got {method!r}')
+    where = _namespace_of(pid_namespace)
     if method == "socket":
         if socket_path is None:
             raise TransportError(
@@ -1256,24 +1297,122 @@ def fetch_fds(
                 "socket transport requested but the exporter offers no fd server socket; "
                 'export with an fd server or use transport="pidfd"',
             )
-        return _fetch_socket(socket_path, token, len(fds), pid, start_time, exporter_uid)
-    try:
-        return _getfd_all(pid, fds, start_time)
-    except TransportError as exc:
+        return _fetch_socket(socket_path, token, len(fds), pid, start_time, exporter_uid, where)
+    if where == "other":
+        pidfd_exc = _foreign_pid_error(pid, socket_path)
         if method == "pidfd" or socket_path is None:
-            raise
-        if exc.errno not in (errno.EPERM, errno.ENOSYS):
-            raise
-        pidfd_exc = exc
+            raise pidfd_exc
+    else:
+        try:
+            return _getfd_all(pid, fds, start_time, where)
+        except TransportError as exc:
+            if method == "pidfd" or socket_path is None:
+                raise
+            invisible = exc.errno == errno.ESRCH and where == "unknown"
+            if exc.errno not in (errno.EPERM, errno.ENOSYS) and not invisible:
+                raise
+            pidfd_exc = exc
     try:
-        return _fetch_socket(socket_path, token, len(fds), pid, start_time, exporter_uid)
+        return _fetch_socket(socket_path, token, len(fds), pid, start_time, exporter_uid, where)
     except TransportError as exc:
-        raise exc from pidfd_exc
+        raise _both_failed(pidfd_exc, exc, pid, socket_path, where) from pidfd_exc
+
+
+def _namespace_of(pid_namespace: int | None) -> str:
+    """Where an exporter's PID namespace is: ``"same"``, ``"other"`` or ``"unknown"``."""
+    if not pid_namespace:
+        return "unknown"
+    mine = own_pid_namespace()
+    if not mine:
+        return "unknown"
+    return "same" if mine == pid_namespace else "other"
+
+
+#: The fix for a peer that cannot reach the exporter by pid.
+_SHARED_SOCKET_FIX = (
+    "create the pool with socket_path= in a directory both processes see (a shared "
+    "mount, e.g. docker run -v /run/ipcpool:/run/ipcpool), export it with "
+    'transport="auto" or "socket", and list this uid in allowed_uids= if it differs'
+)
+
+
+def _foreign_pid_error(pid: int, socket_path: str | None) -> TransportError:
+    """The exporter's pid is of another PID namespace: pidfd cannot name it from here."""
+    msg = (
+        "pidfd_getfd cannot reach the exporter: it runs in another PID namespace than this "
+        f"process (a container, or unshare --pid), so its pid {pid} names no process here"
+    )
+    if socket_path is None:
+        msg += f", and the descriptor offers no fd server socket: {_SHARED_SOCKET_FIX}"
+    else:
+        msg += f'; use the socket transport (transport="auto" or "socket") at {socket_path}'
+    return TransportError(errno.ESRCH, msg)
+
+
+def _both_failed(
+    pidfd_exc: TransportError,
+    sock_exc: TransportError,
+    pid: int,
+    path: str,
+    where: str,
+) -> TransportError:
+    """The error of ``auto`` when the pidfd path and then the socket failed: both causes.
+
+    Of the socket's type and errno, except that "no process ``pid`` here" and
+    "no fd server at ``path``" together are ``ESRCH``: the exporter has exited.
+    """
+    err = sock_exc.errno or errno.EIO
+    no_server = err in (errno.ENOENT, errno.ECONNREFUSED)
+    if where == "other":
+        msg = (
+            "pidfd_getfd could not see the exporter: it runs in another PID namespace than "
+            f"this process (a container, or unshare --pid), so its pid {pid} names no process "
+            f"here; the fallback to the socket transport failed too: {sock_exc}"
+        )
+        if no_server:
+            msg += (
+                f". If the exporter is alive, {path} is not visible from this process (not in "
+                f"a directory both mount namespaces share): {_SHARED_SOCKET_FIX}"
+            )
+        elif err == errno.EACCES:
+            msg += f". Fix: {_SHARED_SOCKET_FIX}"
+    elif pidfd_exc.errno == errno.ESRCH and no_server:
+        err = errno.ESRCH
+        msg = (
+            f"the exporter has exited: no process {pid} with its start time here, and no fd "
+            f"server at {path} ({sock_exc}). If it is alive, it runs in another PID "
+            f"namespace (the descriptor does not say which) and {path} is not shared with "
+            f"this process: {_SHARED_SOCKET_FIX}"
+        )
+    elif pidfd_exc.errno == errno.ESRCH:
+        msg = (
+            f"pidfd_getfd found no exporter process {pid} here (it has exited, or it runs in "
+            "another PID namespace: the descriptor does not say which); the fallback to the "
+            f"socket transport failed too: {sock_exc}"
+        )
+    else:
+        msg = f"{pidfd_exc}; the fallback to the socket transport failed too: {sock_exc}"
+    if isinstance(sock_exc, PeerRefusedError):
+        return PeerRefusedError(msg, err)
+    return TransportError(err, msg)
 
 
 def _fetch_socket(
-    path: str, token: bytes, count: int, pid: int, start_time: int | None, uid: int | None
+    path: str,
+    token: bytes,
+    count: int,
+    pid: int,
+    start_time: int | None,
+    uid: int | None,
+    where: str,
 ) -> list[int]:
+    # a pid of another PID namespace proves nothing about who serves the socket here
+    foreign = where == "other"
     return fetch_fds_over_socket(
-        path, token, count, server_uid=uid, server_pid=pid, server_start_time=start_time
+        path,
+        token,
+        count,
+        server_uid=uid,
+        server_pid=None if foreign else pid,
+        server_start_time=None if foreign else start_time,
     )

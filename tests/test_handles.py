@@ -32,11 +32,12 @@ from cupy_ipcpool._handles import (
     ArrayHandle,
     PoolDescriptor,
     _rebuild_descriptor,
+    own_pid_namespace,
     validate_dtype,
 )
 
 JOIN_TIMEOUT = 30.0
-HEADER_SIZE = 80  # documented layout: the fd array starts at byte 80
+HEADER_SIZE = 88  # documented layout: the fd array starts at byte 88
 
 ALL_DTYPES = [
     "bool",
@@ -169,6 +170,28 @@ def test_descriptor_rejects_bad_fields(overrides: dict[str, Any], match: str) ->
         make_desc(**overrides)
 
 
+def test_descriptor_carries_the_exporters_pid_namespace() -> None:
+    mine = own_pid_namespace()
+    assert mine == os.stat("/proc/self/ns/pid").st_ino > 0
+    # by default: this process's namespace when it is the exporter, else unknown (0)
+    assert make_desc(exporter_pid=os.getpid()).exporter_pid_namespace == mine
+    assert make_desc(exporter_pid=4242).exporter_pid_namespace == 0
+    for ns in (0, 1, mine, 2**64 - 1):
+        desc = make_desc(exporter_pid_namespace=ns)
+        data = desc.to_bytes()
+        assert struct.unpack_from("<Q", data, 80)[0] == ns  # the documented offset
+        back = PoolDescriptor.from_bytes(data)
+        assert back.exporter_pid_namespace == ns and back == desc
+    # the namespace is part of the identity
+    assert make_desc(exporter_pid_namespace=1) != make_desc(exporter_pid_namespace=2)
+
+
+@pytest.mark.parametrize("value", [-1, 2**64, True, "5", 5.0, b"5"])
+def test_descriptor_rejects_bad_pid_namespace(value: Any) -> None:
+    with pytest.raises(DescriptorError, match="exporter_pid_namespace"):
+        make_desc(exporter_pid_namespace=value)
+
+
 # ---------------------------------------------------------------------------
 # PoolDescriptor.from_bytes: rejection of malformed input
 
@@ -189,8 +212,9 @@ def test_from_bytes_rejects_bad_magic() -> None:
 
 
 def test_from_bytes_rejects_other_version_naming_supported() -> None:
-    for version in (0, 2, 0xFFFF):
-        with pytest.raises(DescriptorError, match=r"version 2.*supports version 1|supports"):
+    assert FORMAT_VERSION == 2
+    for version in (0, 1, 3, 0xFFFF):
+        with pytest.raises(DescriptorError, match=rf"version {version}\b.*supports version 2"):
             PoolDescriptor.from_bytes(_with(VALID, 4, "<H", version))
     with pytest.raises(DescriptorError) as info:
         PoolDescriptor.from_bytes(_with(VALID, 4, "<H", 7))
@@ -855,6 +879,37 @@ def test_untaken_fds_closed_in_child(memfds: list[tuple[int, bytes]]) -> None:
         for q in (in_q, out_q):
             q.close()
             q.join_thread()
+
+
+def test_same_pid_in_another_pid_namespace_is_not_the_exporter(
+    memfds: list[tuple[int, bytes]], fd_count: Any
+) -> None:
+    """A process whose pid equals the exporter's in another namespace sends no fds of its own.
+
+    Two containers both have a pid 1, say: the descriptor's fd numbers are the
+    exporter's, and this process's fds of those numbers are something else.
+    """
+    from multiprocessing.reduction import ForkingPickler
+
+    fds = tuple(fd for fd, _ in memfds)
+    mine = own_pid_namespace()
+    foreign = make_desc(
+        exporter_pid=os.getpid(), exporter_pid_namespace=mine + 1, num_slots=3, fds=fds
+    )
+    gc.collect()
+    before = fd_count()
+    back = pickle.loads(ForkingPickler.dumps(foreign))
+    assert back == foreign and back.take_local_fds() is None
+    assert fd_count() == before
+    # the control: the same descriptor in this process's namespace carries the fds
+    ours = make_desc(exporter_pid=os.getpid(), exporter_pid_namespace=mine, num_slots=3, fds=fds)
+    got = pickle.loads(ForkingPickler.dumps(ours)).take_local_fds()
+    assert got is not None
+    try:
+        assert [os.pread(fd, NBYTES, 0) for fd in got] == [c for _, c in memfds]
+    finally:
+        for fd in got:
+            os.close(fd)
 
 
 def test_pickle_without_owned_fds_carries_none() -> None:

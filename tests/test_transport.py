@@ -17,6 +17,7 @@ import pytest
 
 from cupy_ipcpool import _transport
 from cupy_ipcpool._errors import PeerRefusedError, TransportError
+from cupy_ipcpool._handles import own_pid_namespace
 from cupy_ipcpool._transport import (
     FdServer,
     check_peer,
@@ -279,10 +280,83 @@ def test_pidfd_exporter_exited_esrch() -> None:
             pidfd_getfd(pid, fds[0], start_time=st)
         assert ei.value.errno == errno.ESRCH
         assert "exited" in str(ei.value)
-    for socket_path in (None, "/nonexistent/fds.sock"):  # ESRCH never falls back
+    ns = own_pid_namespace()
+    kw: dict[str, Any] = dict(pid=pid, start_time=start_time, fds=fds, token=TOKEN)
+    # the exporter's pid namespace is ours: ESRCH is final, the socket is not tried
+    for socket_path in (None, "/nonexistent/fds.sock"):
         with pytest.raises(TransportError) as ei:
-            fetch_fds(pid=pid, start_time=start_time, fds=fds, socket_path=socket_path, token=TOKEN)
+            fetch_fds(**kw, socket_path=socket_path, pid_namespace=ns)
         assert ei.value.errno == errno.ESRCH
+        assert "the exporter process has exited" in str(ei.value)
+        assert "namespace" not in str(ei.value) and "nonexistent" not in str(ei.value)
+    # the namespace is not known: the socket is tried; no server there either is ESRCH,
+    # and the message says what else it could be
+    with pytest.raises(TransportError) as ei:
+        fetch_fds(**kw, socket_path="/nonexistent/fds.sock")
+    assert ei.value.errno == errno.ESRCH
+    msg = str(ei.value)
+    assert msg.startswith("[ESRCH] the exporter has exited: no process")
+    assert "no fd server at /nonexistent/fds.sock" in msg
+    assert "another PID namespace" in msg and "socket_path=" in msg
+    with pytest.raises(TransportError) as ei:
+        fetch_fds(**kw, socket_path=None)
+    assert ei.value.errno == errno.ESRCH
+    assert "has exited, or it runs in another PID namespace" in str(ei.value)
+
+
+def test_auto_uses_the_socket_for_a_pid_of_another_namespace(memfds: list[int]) -> None:
+    """A pid of another PID namespace is never looked up here, even where it would resolve."""
+    pid, start = os.getpid(), process_start_time(os.getpid())
+    other = own_pid_namespace() + 1
+    with FdServer(memfds, token=TOKEN) as server:
+        kw: dict[str, Any] = dict(
+            pid=pid, start_time=start, fds=memfds, token=TOKEN, exporter_uid=os.geteuid()
+        )
+        # pidfd_getfd on this very pid would work: it is not tried
+        with pytest.raises(TransportError) as ei:
+            fetch_fds(**kw, socket_path=server.path, method="pidfd", pid_namespace=other)
+        assert ei.value.errno == errno.ESRCH
+        assert "another PID namespace" in str(ei.value) and server.path in str(ei.value)
+        with pytest.raises(TransportError) as ei:
+            fetch_fds(**kw, socket_path=None, pid_namespace=other)
+        assert ei.value.errno == errno.ESRCH and "socket_path=" in str(ei.value)
+        before = _fd_count()
+        got = fetch_fds(**kw, socket_path=server.path, pid_namespace=other)
+        try:
+            assert _read_all(got) == [_content(i) for i in range(3)]
+        finally:
+            _close(got)
+        assert _fd_count() == before
+        # the socket failing too: both causes, the socket's errno, the fix
+        with pytest.raises(PeerRefusedError) as pe:
+            fetch_fds(**dict(kw, token=b"wrong"), socket_path=server.path, pid_namespace=other)
+        msg = str(pe.value)
+        assert pe.value.errno == errno.EACCES
+        assert "could not see the exporter: it runs in another PID namespace" in msg
+        assert "refused the token" in msg
+    with pytest.raises(TransportError) as ei:  # the server has gone
+        fetch_fds(**kw, socket_path=server.path, pid_namespace=other)
+    msg = str(ei.value)
+    assert ei.value.errno in (errno.ENOENT, errno.ECONNREFUSED)
+    assert "another PID namespace" in msg and f"no fd server at {server.path}" in msg
+    assert "not visible from this process" in msg and "socket_path=" in msg
+
+
+def test_auto_tells_a_reused_pid_from_a_pid_it_cannot_place(memfds: list[int]) -> None:
+    """A live pid with another start time: reused (same namespace), or maybe foreign."""
+    pid, wrong = os.getpid(), process_start_time(os.getpid()) + 1
+    with FdServer(memfds, token=TOKEN) as server:
+        kw: dict[str, Any] = dict(
+            pid=pid, start_time=wrong, fds=memfds, socket_path=server.path, token=TOKEN
+        )
+        with pytest.raises(TransportError) as ei:
+            fetch_fds(**kw, pid_namespace=own_pid_namespace())
+        assert ei.value.errno == errno.ESRCH and "pid was reused" in str(ei.value)
+        got = fetch_fds(**kw)  # namespace unknown: falls back to the socket
+        try:
+            assert _read_all(got) == [_content(i) for i in range(3)]
+        finally:
+            _close(got)
 
 
 @needs_root
