@@ -1,0 +1,332 @@
+/*
+ * cupy_ipcpool.h -- a C library for consumers of cupy_ipcpool pools and channels.
+ *
+ * A process written in C or C++ attaches a pool exported by cupy_ipcpool
+ * (PoolDescriptor.to_bytes()) and turns ArrayHandle bytes into device pointers,
+ * or subscribes to a cupy_ipcpool Publisher and receives its frames: device
+ * pointers into the producer's slots, with no copy, ordered on the GPU by the
+ * channel's sync page (the caller's stream waits on the frame flag; a release
+ * writes the read flag on the caller's stream).
+ *
+ * Two layers:
+ *
+ *   - the protocol layer (no GPU): cip_sub_open_raw() speaks the channel's
+ *     protocol to any publisher (handshake, uid check, WELCOME with fds,
+ *     frames, releases, block and latest modes, eviction and publisher death
+ *     as status codes) and hands the WELCOME's payload, its fds and each
+ *     frame's payload to the caller as bytes;
+ *   - the GPU layer: cip_sub_open() subscribes to a cupy_ipcpool Publisher,
+ *     checks and parses its WELCOME, maps the pool and the sync page, and
+ *     hands out frames as arrays (cip_frame).  cip_pool_attach() maps a pool
+ *     from its descriptor bytes alone.
+ *
+ * Nothing of CUDA is needed to build it: the driver (libcuda.so.1) is loaded
+ * at run time, on the first call that needs it.  Streams are passed as
+ * `void *` (a CUstream or cudaStream_t); device pointers are uint64_t
+ * (CUdeviceptr).  Every function returns a cip_status; on failure,
+ * cip_last_error() says what happened in words (per thread), and a
+ * subscription also keeps the reason it ended (cip_sub_error()).
+ *
+ * Threads: a cip_sub or cip_pool is used by one thread at a time (the caller
+ * serialises); different handles may be used from different threads.
+ *
+ * C99; usable from C++ (extern "C").  See docs/c.md.
+ */
+#ifndef CUPY_IPCPOOL_H
+#define CUPY_IPCPOOL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define CIP_VERSION_MAJOR 0
+#define CIP_VERSION_MINOR 1
+
+/* Limits of the wire format (the library checks them against cupy_ipcpool_wire.h). */
+#define CIP_MAX_NDIM 16     /* dimensions of one array */
+#define CIP_MAX_ARRAYS 64   /* arrays in one frame */
+#define CIP_MAX_METADATA 16384 /* metadata bytes in one frame */
+
+/* ---- status codes ---------------------------------------------------------- */
+
+typedef enum cip_status {
+    CIP_OK = 0,
+    CIP_ERR_INVALID_ARGUMENT = 1, /* a NULL pointer, an out-of-range value, a closed handle */
+    CIP_ERR_TIMEOUT = 2,          /* nothing arrived within the timeout; try again */
+    CIP_ERR_END_OF_STREAM = 3,    /* the publisher closed cleanly (BYE): no more frames */
+    CIP_ERR_PUBLISHER_GONE = 4,   /* the publisher died or vanished without BYE */
+    CIP_ERR_EVICTED = 5,          /* the publisher dropped this subscriber (lease timeout,
+                                     full socket): held frames may be overwritten */
+    CIP_ERR_REFUSED = 6,          /* the publisher refused us, or runs as a uid not allowed */
+    CIP_ERR_PROTOCOL = 7,         /* a malformed or out-of-protocol message: connection closed */
+    CIP_ERR_TRANSPORT = 8,        /* a socket or fd operation failed (errno in the message) */
+    CIP_ERR_DESCRIPTOR = 9,       /* malformed descriptor or array handle bytes */
+    CIP_ERR_STALE = 10,           /* an array handle of a generation older than one seen */
+    CIP_ERR_NOT_HELD = 11,        /* release of a frame this subscriber does not hold */
+    CIP_ERR_NO_DRIVER = 12,       /* libcuda.so.1 cannot be loaded, or no device */
+    CIP_ERR_CUDA = 13,            /* a driver call failed (its name and error in the message) */
+    CIP_ERR_DEVICE = 14,          /* the pool's GPU is not visible, or no peer access */
+    CIP_ERR_NO_MEMORY = 15,
+    CIP_ERR_RAW_SESSION = 16      /* a GPU call on a subscription opened with cip_sub_open_raw */
+} cip_status;
+
+/* The status code's name ("CIP_ERR_EVICTED"); never NULL. */
+const char *cip_status_name(cip_status status);
+/* A one-line description of the status code; never NULL. */
+const char *cip_strerror(cip_status status);
+/* What the last failing call of this thread said, with details; "" if none. */
+const char *cip_last_error(void);
+
+/* ---- dtypes (codes are part of the wire format) ----------------------------- */
+
+typedef enum cip_dtype {
+    CIP_BOOL = 0,
+    CIP_INT8 = 1,
+    CIP_INT16 = 2,
+    CIP_INT32 = 3,
+    CIP_INT64 = 4,
+    CIP_UINT8 = 5,
+    CIP_UINT16 = 6,
+    CIP_UINT32 = 7,
+    CIP_UINT64 = 8,
+    CIP_FLOAT16 = 9,
+    CIP_FLOAT32 = 10,
+    CIP_FLOAT64 = 11,
+    CIP_COMPLEX64 = 12,
+    CIP_COMPLEX128 = 13
+} cip_dtype;
+
+/* "float32" etc., or NULL for an unknown code. */
+const char *cip_dtype_name(int dtype);
+/* Bytes per element, or 0 for an unknown code. */
+size_t cip_dtype_itemsize(int dtype);
+
+/* ---- arrays ------------------------------------------------------------------ */
+
+/* One array inside one slot: what an ArrayHandle describes, checked against the slot. */
+typedef struct cip_array {
+    uint64_t data;        /* device address of element [0, ..., 0] in this process
+                             (slot base + offset); with cip_parse_frame_payload:
+                             slot_base + offset */
+    uint64_t offset;      /* byte offset of element [0, ..., 0] from the slot's start */
+    uint64_t generation;  /* the slot's generation when the array was published */
+    uint64_t nbytes;      /* number of elements times itemsize */
+    uint32_t slot;
+    int32_t dtype;        /* a cip_dtype */
+    uint32_t itemsize;
+    uint32_t ndim;
+    uint64_t shape[CIP_MAX_NDIM];
+    int64_t strides[CIP_MAX_NDIM]; /* in bytes; may be zero or negative */
+} cip_array;
+
+/* ---- pool descriptors (no GPU) ------------------------------------------------- */
+
+/* The fields of PoolDescriptor.to_bytes(), validated. */
+typedef struct cip_descriptor {
+    uint8_t pool_id[16];
+    uint8_t device_uuid[16];
+    uint32_t exporter_pid;
+    uint32_t exporter_uid;
+    uint64_t exporter_start_time;
+    uint64_t exporter_pid_namespace; /* 0: unknown */
+    uint32_t device_ordinal;         /* the exporter's ordinal: a hint only */
+    uint32_t num_slots;
+    uint64_t slot_nbytes;
+    uint64_t alloc_nbytes;
+    char socket_path[108];           /* the exporter's fd server, "" if none */
+    const uint8_t *fds_le;           /* num_slots little-endian u32 fd numbers in the
+                                        exporter, pointing into the parsed bytes */
+} cip_descriptor;
+
+/* Parse and validate descriptor bytes (every field, no trailing bytes).
+ * `out->fds_le` points into `bytes`, which must outlive its use. */
+cip_status cip_parse_descriptor(const void *bytes, size_t len, cip_descriptor *out);
+
+/* How the slot fds of a pool are fetched from the exporter. */
+typedef enum cip_transport {
+    CIP_TRANSPORT_AUTO = 0,   /* pidfd_getfd; the fd server where the kernel refuses it
+                                 (EPERM, ENOSYS) or the exporter's pid is not visible */
+    CIP_TRANSPORT_PIDFD = 1,  /* pidfd_open + pidfd_getfd only */
+    CIP_TRANSPORT_SOCKET = 2  /* the exporter's fd server (SCM_RIGHTS) only */
+} cip_transport;
+
+/* Fetch the slot fds the descriptor names into this process (close-on-exec,
+ * owned by the caller), in slot order.  `cap` must be at least num_slots.  On
+ * failure nothing is left open.  timeout_ms bounds the fd server exchange. */
+cip_status cip_fetch_fds(const void *desc_bytes, size_t len, int transport, int timeout_ms,
+                         int *fds, size_t cap, size_t *count);
+
+/* ---- frame payloads (no GPU) ---------------------------------------------------- */
+
+typedef struct cip_frame cip_frame;
+
+/* Parse the payload of a FRAME sent by a cupy_ipcpool Publisher (flag index,
+ * generation, packed array handles, metadata), for frame `seq` in `slot`,
+ * against a slot of `slot_nbytes` bytes starting at `slot_base` (a device
+ * address, a host mapping, or 0 for plain offsets).  Every handle must lie in
+ * the frame's slot, inside it and aligned to its item size.  `arrays` receives
+ * up to `cap` arrays (CIP_MAX_ARRAYS always suffice); `out->arrays` points
+ * there and `out->metadata` into `payload`.  For raw sessions whose slots are
+ * mapped by the caller; cip_sub_recv does this itself. */
+cip_status cip_parse_frame_payload(const void *payload, size_t len, uint64_t seq, uint32_t slot,
+                                   uint64_t slot_nbytes, uint64_t slot_base, cip_array *arrays,
+                                   size_t cap, cip_frame *out);
+
+/* ---- pools (GPU) ------------------------------------------------------------------ */
+
+typedef struct cip_pool cip_pool;
+
+/* Map a pool exported by another process: fetch its fds (as cip_fetch_fds),
+ * import each slot (cuMemImportFromShareableHandle), reserve, map and grant
+ * read-write access on `device` (-1: the exporter's GPU, found by UUID), close
+ * the fds.  Nothing is left behind on failure.  Each call maps the slots anew. */
+cip_status cip_pool_attach(const void *desc_bytes, size_t len, int device, int transport,
+                           cip_pool **out);
+/* cip_pool_attach with the slot fds in hand; the fds are taken (closed) in every case. */
+cip_status cip_pool_attach_fds(const void *desc_bytes, size_t len, int *fds, size_t nfds,
+                               int device, cip_pool **out);
+/* Number of slots, usable bytes per slot, the local device. */
+uint32_t cip_pool_num_slots(const cip_pool *pool);
+uint64_t cip_pool_slot_nbytes(const cip_pool *pool);
+int cip_pool_device(const cip_pool *pool);
+/* Device address of a slot in this process. */
+cip_status cip_pool_slot_ptr(const cip_pool *pool, uint32_t slot, uint64_t *ptr);
+/* Decode exactly one packed ArrayHandle, check it fits its slot (bounds,
+ * alignment) and is not older than a generation already seen for that slot. */
+cip_status cip_array_from_handle(cip_pool *pool, const void *bytes, size_t len, cip_array *out);
+/* Unmap and release everything.  NULL is ignored.  Never fails. */
+void cip_pool_close(cip_pool *pool);
+
+/* ---- subscriptions ----------------------------------------------------------------- */
+
+typedef enum cip_mode {
+    CIP_MODE_BLOCK = 0,  /* every frame; the producer waits for this subscriber */
+    CIP_MODE_LATEST = 1  /* the producer never waits; frames are skipped while credit are held */
+} cip_mode;
+
+typedef struct cip_sub_options {
+    int mode;                       /* cip_mode; default CIP_MODE_BLOCK */
+    uint32_t credit;                /* frames held at once; 0: 1 for latest, 64 for block */
+    int timeout_ms;                 /* connect + handshake, and how long a release may wait
+                                       for room in the socket; default 10000 */
+    int device;                     /* GPU layer: the local device, -1 (default): the
+                                       producer's GPU, by UUID */
+    const uint32_t *allowed_uids;   /* uids the publisher may run as; NULL: own euid */
+    size_t n_allowed_uids;
+} cip_sub_options;
+
+/* Fill `opts` with the defaults. */
+void cip_sub_options_init(cip_sub_options *opts);
+
+typedef struct cip_sub cip_sub;
+
+/* What the WELCOME said. */
+typedef struct cip_sub_info {
+    uint32_t sub_id;
+    uint32_t num_slots;
+    uint64_t next_seq;        /* no frame older than this is received */
+    uint32_t credit;          /* the credit granted */
+    uint32_t lease_timeout_ms;/* 0: none */
+    int32_t producer_pid;     /* SO_PEERCRED; 0 where not visible (another pid namespace) */
+    uint32_t producer_uid;
+    int mode;
+} cip_sub_info;
+
+/* Protocol layer: connect, check the publisher's uid (SO_PEERCRED), send HELLO,
+ * receive WELCOME and its fds.  `opts` may be NULL (defaults). */
+cip_status cip_sub_open_raw(const char *path, const cip_sub_options *opts, cip_sub **out);
+
+/* GPU layer: cip_sub_open_raw to a cupy_ipcpool Publisher, then check the
+ * WELCOME payload (descriptor, row, sync page: a memfd sealed against
+ * shrinking and growing, of exactly the layout's size) before anything is
+ * mapped, map the pool and register the sync page for the device. */
+cip_status cip_sub_open(const char *path, const cip_sub_options *opts, cip_sub **out);
+
+cip_status cip_sub_get_info(const cip_sub *sub, cip_sub_info *info);
+
+/* Raw sessions: the WELCOME payload (valid until cip_sub_close). */
+cip_status cip_sub_welcome_payload(const cip_sub *sub, const uint8_t **payload, size_t *len);
+/* Raw sessions: take the fds of the WELCOME (the caller owns and closes them).
+ * Up to `cap` are stored; `*count` says how many there were; taken once. */
+cip_status cip_sub_take_fds(cip_sub *sub, int *fds, size_t cap, size_t *count);
+
+/* One frame as the protocol layer sees it.  `payload` is valid until the next
+ * receive call on this subscription. */
+typedef struct cip_raw_frame {
+    uint64_t seq;
+    uint32_t slot;
+    uint32_t payload_len;
+    const uint8_t *payload;
+} cip_raw_frame;
+
+/* Wait up to timeout_ms (-1: forever, 0: do not wait) for the next frame.
+ * Returns CIP_OK with a frame the caller now holds a lease on, or
+ * CIP_ERR_TIMEOUT, or how the stream ended: CIP_ERR_END_OF_STREAM (BYE;
+ * frames queued before it were handed out first), CIP_ERR_PUBLISHER_GONE,
+ * CIP_ERR_EVICTED (no frame queued behind an eviction notice is ever handed
+ * out), CIP_ERR_PROTOCOL -- and the same on every later call. */
+cip_status cip_sub_recv_raw(cip_sub *sub, int timeout_ms, cip_raw_frame *frame);
+/* Return the lease on a frame.  After a clean end or the publisher's death
+ * this only forgets the frame; after an eviction it forgets it and returns
+ * CIP_ERR_EVICTED.  CIP_ERR_NOT_HELD if the frame is not held. */
+cip_status cip_sub_release_raw(cip_sub *sub, uint64_t seq, uint32_t slot);
+
+/* A received frame of a cupy_ipcpool Publisher.  `arrays` and `metadata` are
+ * owned by the subscription and stay valid until the frame is released (or
+ * the subscription closed). */
+struct cip_frame {
+    uint64_t seq;
+    uint32_t slot;
+    uint32_t generation;    /* the frame flag's value (low 32 bits of the slot's generation) */
+    uint32_t num_arrays;
+    uint32_t metadata_len;
+    const cip_array *arrays;
+    const uint8_t *metadata;
+};
+
+/* GPU layer: receive the next frame, as cip_sub_recv_raw, and check every
+ * array handle against the slot.  The data may not be written yet: call
+ * cip_frame_wait on the stream that reads it first. */
+cip_status cip_sub_recv(cip_sub *sub, int timeout_ms, cip_frame *frame);
+/* Make `stream` wait, on the GPU, until the producer's work that wrote the
+ * frame is done (cuStreamWaitValue32 on the frame flag; nothing is enqueued
+ * when the host already sees the flag set).  The host does not block. */
+cip_status cip_frame_wait(cip_sub *sub, const cip_frame *frame, void *stream);
+/* Return the lease: `stream` writes the frame's generation into this
+ * subscriber's read flag after the work already queued on it
+ * (cuStreamWriteValue32), then RELEASE is sent.  Enqueue the work that reads
+ * the frame on `stream` (or order it before) first.  If the publisher has hung
+ * up, nothing is written (after an eviction the row may be another
+ * subscriber's): as cip_sub_release_raw.  On CIP_ERR_CUDA the frame is still
+ * held. */
+cip_status cip_sub_release(cip_sub *sub, const cip_frame *frame, void *stream);
+
+/* The socket's fd: readable when a frame or the end is waiting (for an event loop). */
+int cip_sub_fileno(const cip_sub *sub);
+/* Why the subscription ended (or the last error on it); "" while it runs. */
+const char *cip_sub_error(const cip_sub *sub);
+
+/* Say BYE and close the socket; wait (up to 5 s) for the flag operations this
+ * subscription enqueued to finish -- after the producer's death, first writing
+ * from the host every frame flag a stream of ours still waits on, which the
+ * producer will never write -- then unregister and unmap the sync page, unmap
+ * the pool and close every fd.  If the operations do not finish, the page is
+ * left mapped (leaked) rather than unmapped under the GPU.  NULL is ignored.
+ * The device pointers of held frames are invalid afterwards. */
+void cip_sub_close(cip_sub *sub);
+
+/* ---- the driver ----------------------------------------------------------------- */
+
+/* A CUDA driver entry point by name ("cuMemcpyDtoH"), resolved with
+ * cuGetProcAddress for the CUDA 12 API (or the driver's, if older); NULL if the
+ * driver or the symbol is missing.  For consumers that build without the toolkit. */
+void *cip_cuda_symbol(const char *name);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* CUPY_IPCPOOL_H */
