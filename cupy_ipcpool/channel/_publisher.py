@@ -24,9 +24,7 @@ See ``docs/protocol.md`` for the sequence diagram.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import select
 import threading
 import time
 import warnings
@@ -53,112 +51,16 @@ from ._payload import (
     hotpath,
 )
 from ._session import PublisherCore, SubscriberInfo
-from ._syncpage import FlagLayout, SharedFlags, SyncPage, raise_driver_error
+from ._settle import DepartedReader, PageStreams, close_pidfd, exited, open_pidfd, settle_page
+from ._syncpage import SyncPage, raise_driver_error
 
 _TEMPLATES = 1024  # most array geometries whose wire form a publisher keeps
-_STREAMS_KEPT = 16  # most streams a publisher tracks before it forgets idle ones
 #: Seconds between two looks at departed subscribers (is one dead? are its flags in?).
 _DEPARTED_EVERY = 0.01
 
 #: Sync pages kept mapped because a live subscriber's read flag was still awaited by
 #: one of the publisher's streams when it closed: never unmapped while registered.
 _KEPT_PAGES: list[SyncPage] = []
-
-
-def _open_pidfd(pid: int) -> int:
-    """A pidfd of ``pid`` (readable once it exits), or -1 where none can be had."""
-    if pid <= 0:
-        return -1
-    try:
-        return os.pidfd_open(pid)
-    except OSError:
-        return -1
-
-
-def _close_pidfd(pidfd: int) -> None:
-    if pidfd >= 0:
-        with contextlib.suppress(OSError):
-            os.close(pidfd)
-
-
-def _exited(pidfd: int) -> bool:
-    """True once the process of ``pidfd`` has exited."""
-    return pidfd >= 0 and bool(select.select([pidfd], [], [], 0)[0])
-
-
-class _Departed:
-    """A subscriber that left while the publisher's streams may still wait on its read flags.
-
-    Its row is kept out of reuse until its flags are seen at ``values`` (the
-    generations the publisher may wait for), or its process has exited (then
-    they are forced: the writes died with its CUDA context), or the row is
-    needed for a newcomer, or the publisher closes.
-    """
-
-    __slots__ = ("index", "pidfd", "values")
-
-    def __init__(self, index: int, pidfd: int, values: list[int]) -> None:
-        self.index = index
-        self.pidfd = pidfd
-        self.values = values
-
-    def settled(self, flags: SharedFlags, layout: FlagLayout) -> bool:
-        """True once every flag of the row is at its value (nothing to wait for)."""
-        return all(
-            flags.reached(layout.read_offset(self.index, slot), value)
-            for slot, value in enumerate(self.values)
-        )
-
-    def force(self, flags: SharedFlags, layout: FlagLayout) -> int:
-        """Write the row's flags from the host; return how many had to be written."""
-        return sum(
-            flags.force(layout.read_offset(self.index, slot), value)
-            for slot, value in enumerate(self.values)
-        )
-
-    def close(self) -> None:
-        _close_pidfd(self.pidfd)
-        self.pidfd = -1
-
-
-class _PageStreams:
-    """Raw streams the publisher queued flag operations on (frame-flag writes, read-flag waits).
-
-    Closing the publisher waits for them before it unmaps the sync page.
-    """
-
-    __slots__ = ("ptrs",)
-
-    def __init__(self) -> None:
-        self.ptrs: dict[int, None] = {}
-
-    def note(self, ptr: int) -> None:
-        ptrs = self.ptrs
-        if ptr in ptrs:
-            return
-        if len(ptrs) >= _STREAMS_KEPT:
-            for known in [p for p in ptrs if self._idle(p)]:
-                del ptrs[known]
-        ptrs[ptr] = None
-
-    @staticmethod
-    def _idle(ptr: int) -> bool:
-        try:
-            return bool(cupy_module().cuda.runtime.streamQuery(ptr) == 0)
-        except Exception:  # not a valid stream any more
-            return True
-
-    def idle(self) -> bool:
-        return all(self._idle(p) for p in self.ptrs)
-
-    def synchronize(self) -> None:
-        if not self.ptrs:
-            return
-        rt = cupy_module().cuda.runtime
-        ptrs, self.ptrs = self.ptrs, {}
-        for ptr in ptrs:
-            with contextlib.suppress(Exception):  # destroyed meanwhile: nothing to wait for
-                rt.streamSynchronize(ptr)
 
 
 class PublishFrame:
@@ -390,9 +292,9 @@ class Publisher:
         # wait on their flags; all under self._lock
         self._pidfds: dict[int, int] = {}
         self._adopted: set[int] = set()
-        self._departed: list[_Departed] = []
+        self._departed: list[DepartedReader] = []
         self._next_settle = 0.0
-        self._streams = _PageStreams()  # streams with flag operations on the page
+        self._streams = PageStreams()  # streams with flag operations on the page
         desc = pool.descriptor(transport="pidfd").to_bytes()  # raises if the pool is closed
         self._sync = sync = SyncPage.create(n, max_subscribers, self._device)
         self._desc_bytes = desc
@@ -462,7 +364,7 @@ class Publisher:
             sync = self._sync
             flags = [sync.read_flag(index, slot) for slot in range(self._pool.num_slots)]
             self._rows[info.sub_id] = (index, flags)
-            self._pidfds[info.sub_id] = _open_pidfd(info.pid)
+            self._pidfds[info.sub_id] = open_pidfd(info.pid)
         head = WELCOME_HEAD.pack(
             len(self._desc_bytes),
             self._pool.num_slots,
@@ -486,10 +388,10 @@ class Publisher:
             adopted = info.sub_id in self._adopted
             self._adopted.discard(info.sub_id)
             if row is None or not adopted or self._sync.flags.closed:
-                _close_pidfd(pidfd)
+                close_pidfd(pidfd)
                 return
-            gone = _Departed(row[0], pidfd, [g & 0xFFFFFFFF for g in self._published])
-            if _exited(pidfd):
+            gone = DepartedReader(row[0], pidfd, [g & 0xFFFFFFFF for g in self._published])
+            if exited(pidfd):
                 gone.force(self._sync.flags, self._sync.layout)
                 gone.close()
             elif gone.settled(self._sync.flags, self._sync.layout):
@@ -506,7 +408,7 @@ class Publisher:
         with self._lock:
             keep = []
             for gone in self._departed:
-                if _exited(gone.pidfd):
+                if exited(gone.pidfd):
                     gone.force(self._sync.flags, self._sync.layout)
                     gone.close()
                 elif gone.settled(self._sync.flags, self._sync.layout):
@@ -770,17 +672,17 @@ def _close_publisher(
         state.departed.clear()
         for sub_id, (index, _flags) in list(state.rows.items()):
             if sub_id in state.adopted:  # one never adopted read nothing: nothing waits on it
-                gone.append(_Departed(index, state.pidfds.pop(sub_id, -1), values))
+                gone.append(DepartedReader(index, state.pidfds.pop(sub_id, -1), values))
         state.rows.clear()
         state.adopted.clear()
         for fd in state.pidfds.values():
-            _close_pidfd(fd)
+            close_pidfd(fd)
         state.pidfds.clear()
     try:
         if os.getpid() != pid or sync.flags.closed:
             return
         try:
-            settled = _settle_page(sync.flags, sync.layout, state.streams, gone, grace)
+            settled = settle_page(sync.flags, sync.layout, state.streams, gone, grace)
         except Exception as exc:
             warnings.warn(
                 f"waiting for the publisher's streams failed: {exc}", TeardownWarning, stacklevel=2
@@ -800,31 +702,3 @@ def _close_publisher(
     finally:
         for d in gone:
             d.close()
-
-
-def _settle_page(
-    flags: SharedFlags,
-    layout: FlagLayout,
-    streams: _PageStreams,
-    gone: list[_Departed],
-    grace: float,
-) -> bool:
-    """Wait until no stream of the publisher has a flag operation left on the page.
-
-    The read flags of subscribers that died are forced (their writes died with
-    them); a live one's are awaited.  False if a stream still waits on a live
-    subscriber's flag after ``grace`` seconds.
-    """
-    deadline = time.monotonic() + grace
-    pause = 0.0005
-    while True:
-        for d in gone:
-            if _exited(d.pidfd):
-                d.force(flags, layout)
-        if streams.idle() or all(d.settled(flags, layout) for d in gone):
-            streams.synchronize()  # every flag they may wait on is in: this ends
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(pause)
-        pause = min(pause * 2, 0.01)

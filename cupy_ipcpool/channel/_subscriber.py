@@ -7,10 +7,8 @@ the sequence diagram.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import select
-import time
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
@@ -30,7 +28,8 @@ from .._peer import PeerPool, attach_fds
 from ._follow import connect_waiting
 from ._payload import FRAME_HEAD, MAX_ARRAYS, MAX_METADATA, WELCOME_HEAD, hotpath
 from ._session import SubscriberCore
-from ._syncpage import FrameWaits, SharedFlags, SyncPage, raise_driver_error
+from ._settle import settle_streams
+from ._syncpage import FrameWaits, SyncPage, raise_driver_error
 
 #: Most streams a subscriber tracks before it forgets those with no work left.
 _STREAMS_KEPT = 8
@@ -604,7 +603,7 @@ def _teardown_subscriber(
     try:
         if sync is not None and waits is not None and not sync.flags.closed:
             try:
-                settled = _settle_streams(sync.flags, streams, waits, pidfd, grace)
+                settled = settle_streams(sync.flags, streams, waits, pidfd, grace)
                 waits.freeze(sync.flags)
             except Exception as exc:
                 settled = False
@@ -633,45 +632,6 @@ def _teardown_subscriber(
                 os.close(pidfd)
         if peer is not None:
             peer.close()
-
-
-def _settle_streams(
-    flags: SharedFlags, streams: _StreamsInUse, waits: FrameWaits, pidfd: int, grace: float
-) -> bool:
-    """Wait until no stream of this subscriber has a flag operation left that may not end.
-
-    While the producer lives, every frame flag our streams wait on gets set.
-    Once it is dead (its pidfd readable, now or while we wait), the flags
-    still awaited are forced (:meth:`FrameWaits.resolve`), so those waits end.
-    A flag is never forced while the producer may still write it: other
-    subscribers' streams wait on the same flag for the producer's data.
-
-    Returns
-    -------
-    bool
-        True when the streams are done with the page; False when a live
-        producer (or one that cannot be watched: no pidfd) left a flag unset
-        for ``grace`` seconds while a stream of ours still waits.
-    """
-    watch = [pidfd] if pidfd >= 0 else []
-    if watch and select.select(watch, [], [], 0)[0]:
-        waits.resolve(flags)
-        streams.synchronize()
-        return True
-    deadline = time.monotonic() + (grace if math.isfinite(grace) else 3600.0)
-    pause = 0.0005
-    while waits.pending(flags) and not streams.idle():
-        if time.monotonic() >= deadline:
-            return False
-        if watch:
-            if select.select(watch, [], [], pause)[0]:  # it died: its flags will never come
-                waits.resolve(flags)
-                break
-        else:
-            time.sleep(pause)
-        pause = min(pause * 2, 0.01)
-    streams.synchronize()  # every flag they wait on is set now: this ends
-    return True
 
 
 def subscribe(
