@@ -51,7 +51,7 @@ import operator
 import os
 import struct
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing import reduction
 from typing import Any, Literal, Protocol
@@ -602,15 +602,22 @@ def _is_exporter(desc: PoolDescriptor) -> bool:
 
 
 def _rebuild_descriptor(data: bytes, carriers: tuple[_FdCarrier, ...] | None) -> PoolDescriptor:
-    """Unpickle a :class:`PoolDescriptor`, receiving the fds its carriers bring."""
+    """Unpickle a :class:`PoolDescriptor`, receiving the fds its carriers bring.
+
+    What unpickling runs, so its arguments are untrusted: anything malformed
+    (``data`` that does not decode, ``carriers`` that are not a tuple of one
+    carrier per slot, a carrier without a working ``detach()`` or whose
+    ``detach()`` gives anything but a distinct open fd) raises
+    :class:`DescriptorError`.  Every carrier is detached even when an earlier
+    one failed, and every fd received is closed on failure: nothing leaks and
+    no finalizer is left holding something that is not an fd.
+    """
     received: list[int] = []
     try:
-        if carriers is not None:
-            if not isinstance(carriers, tuple):
-                raise DescriptorError("fd carriers of a pickled descriptor must be a tuple")
-            for carrier in carriers:
-                received.append(carrier.detach())
+        problem = _detach_all(carriers, received)
         desc = PoolDescriptor.from_bytes(data)
+        if problem is not None:
+            raise DescriptorError(f"pickled descriptor: {problem}")
         if carriers is not None and len(received) != desc.num_slots:
             raise DescriptorError(
                 f"pickled descriptor carries {len(received)} fds for {desc.num_slots} slots"
@@ -621,6 +628,53 @@ def _rebuild_descriptor(data: bytes, carriers: tuple[_FdCarrier, ...] | None) ->
     if carriers is not None:
         object.__setattr__(desc, "_local", _LocalFds(received))
     return desc
+
+
+def _detach_all(carriers: object, received: list[int]) -> str | None:
+    """Detach every carrier into ``received`` (distinct open fds only); return the first problem.
+
+    Only exceptions that are not errors (``KeyboardInterrupt``...) propagate;
+    ``received`` then holds what arrived so far, for the caller to close.
+    """
+    if carriers is None:
+        return None
+    if type(carriers) is not tuple:
+        return f"fd carriers must be a tuple, not {type(carriers).__name__}"
+    if len(carriers) > MAX_SLOTS:
+        return f"{len(carriers)} fd carriers, more than the {MAX_SLOTS} slots a pool may have"
+    problem: str | None = None
+    for i, carrier in enumerate(carriers):
+        try:
+            fd = carrier.detach()
+        except Exception as exc:
+            problem = problem or f"fd carrier {i} failed: {type(exc).__name__}: {_short(exc, str)}"
+            continue
+        if type(fd) is not int or not 0 <= fd <= _I32_MAX:
+            problem = problem or (
+                f"fd carrier {i} gave {type(fd).__name__} {_short(fd, repr)}, not an fd number"
+            )
+            continue  # nothing this process could close: not ours to keep either
+        if fd in received:
+            problem = problem or f"fd carrier {i} gave fd {fd} again"
+            continue
+        try:
+            os.fstat(fd)
+        except OSError:
+            problem = problem or f"fd carrier {i} gave fd {fd}, which is not open"
+            continue
+        received.append(fd)
+    return problem
+
+
+def _short(value: object, show: Callable[[object], str]) -> str:
+    """``show(value)`` cut to 40 characters; never raises (``value`` is untrusted)."""
+    try:
+        text = show(value)
+        if type(text) is not str:
+            return "(unprintable)"
+    except Exception:
+        return "(unprintable)"
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 reduction.ForkingPickler.register(PoolDescriptor, _reduce_with_fds)

@@ -973,3 +973,237 @@ def test_rebuild_closes_fds_on_bad_data(memfds: list[tuple[int, bytes]], fd_coun
     with pytest.raises(DescriptorError, match="carries 2 fds for 3 slots"):
         _rebuild_descriptor(desc.to_bytes(), carriers[:2])
     assert fd_count() == before
+
+
+# ---------------------------------------------------------------------------
+# _rebuild_descriptor: what unpickling a hostile descriptor runs
+
+
+class _Fixed:
+    """A carrier whose detach() returns a fixed value."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def detach(self) -> Any:
+        return self.value
+
+
+class _Raising:
+    """A carrier whose detach() raises."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def detach(self) -> int:
+        raise self.exc
+
+
+class _BadStr(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no str for you")
+
+
+class _NoDetach:
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(name)
+
+
+class _TupleSubclass(tuple):  # type: ignore[type-arg]
+    pass
+
+
+class _ClosedFd:
+    """A carrier whose detach() returns an fd number that is not open."""
+
+    def detach(self) -> int:
+        used = {int(n) for n in os.listdir("/proc/self/fd")}
+        return next(n for n in range(900, 1000) if n not in used)
+
+
+#: Hostile carriers, each standing for one of the three slots (the others are honest).
+HOSTILE_CARRIERS: dict[str, Any] = {
+    "no-detach-object": object(),
+    "no-detach-int": 5,
+    "no-detach-str": "7",
+    "no-detach-none": None,
+    "getattr-raises": _NoDetach(),
+    "detach-not-callable": type("C", (), {"detach": 3})(),
+    "detach-returns-str": _Fixed("3"),
+    "detach-returns-bytes": _Fixed(b"3"),
+    "detach-returns-none": _Fixed(None),
+    "detach-returns-float": _Fixed(3.0),
+    "detach-returns-bool": _Fixed(True),
+    "detach-returns-negative": _Fixed(-1),
+    "detach-returns-huge": _Fixed(2**64),
+    "detach-returns-2**31": _Fixed(2**31),
+    "detach-returns-numpy-int": _Fixed(numpy.int64(3)),
+    "detach-returns-closed-fd": _ClosedFd(),
+    "detach-raises-oserror": _Raising(OSError(9, "Bad file descriptor")),
+    "detach-raises-valueerror": _Raising(ValueError("nope")),
+    "detach-raises-attributeerror": _Raising(AttributeError("detach")),
+    "detach-raises-unprintable": _Raising(_BadStr()),
+    "detach-raises-connection": _Raising(ConnectionRefusedError(111, "refused")),
+}
+
+
+@pytest.fixture
+def unraisable() -> Iterator[list[Any]]:
+    """What reaches ``sys.unraisablehook`` (a finalizer's "Exception ignored") meanwhile."""
+    import sys
+
+    seen: list[Any] = []
+    old = sys.unraisablehook
+    sys.unraisablehook = seen.append
+    try:
+        yield seen
+    finally:
+        gc.collect()
+        sys.unraisablehook = old
+
+
+def _honest(memfds: list[tuple[int, bytes]]) -> list[Any]:
+    return [_DupCarrier(fd) for fd, _ in memfds]
+
+
+def _expect_refused(data: Any, carriers: Any, fd_count: Any, unraisable: list[Any]) -> None:
+    gc.collect()
+    before = fd_count()
+    with pytest.raises(DescriptorError):
+        _rebuild_descriptor(data, carriers)
+    gc.collect()
+    assert fd_count() == before, "the fds that arrived were not all closed"
+    assert unraisable == []
+
+
+@pytest.mark.parametrize("position", [0, 1, 2])
+@pytest.mark.parametrize("name", sorted(HOSTILE_CARRIERS))
+def test_rebuild_refuses_every_hostile_carrier(
+    name: str,
+    position: int,
+    memfds: list[tuple[int, bytes]],
+    fd_count: Any,
+    unraisable: list[Any],
+    capfd: Any,
+) -> None:
+    carriers = _honest(memfds)
+    carriers[position] = HOSTILE_CARRIERS[name]
+    _expect_refused(exporter_desc(memfds).to_bytes(), tuple(carriers), fd_count, unraisable)
+    out, err = capfd.readouterr()
+    assert out == err == ""  # nothing printed ("Exception ignored ...")
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        "list",
+        "tuple-subclass",
+        "dict",
+        "generator",
+        "str",
+        "int",
+        "too-few",
+        "too-many",
+        "empty",
+        "same-fd-twice",
+        "way-too-many",
+    ],
+)
+def test_rebuild_refuses_malformed_carrier_tuples(
+    shape: str, memfds: list[tuple[int, bytes]], fd_count: Any, unraisable: list[Any]
+) -> None:
+    data = exporter_desc(memfds).to_bytes()
+    honest = _honest(memfds)
+    carriers: Any = {
+        "list": honest,
+        "tuple-subclass": _TupleSubclass(honest),
+        "dict": dict(enumerate(honest)),
+        "generator": (c for c in honest),
+        "str": "abc",
+        "int": 3,
+        "too-few": tuple(honest[:2]),
+        "too-many": (*honest, _DupCarrier(memfds[0][0])),
+        "empty": (),
+        "same-fd-twice": (honest[0], _Fixed(None), honest[2]),
+        "way-too-many": (_Fixed(0),) * (MAX_SLOTS + 1),
+    }[shape]
+    if shape == "same-fd-twice":
+        first = os.dup(memfds[0][0])
+        carriers = (_Fixed(first), _Fixed(first), honest[2])
+        # the one fd that arrived (twice) is closed once, with the honest one
+        gc.collect()
+        before = fd_count() - 1  # ``first`` counts as arrived
+        with pytest.raises(DescriptorError, match="again"):
+            _rebuild_descriptor(data, carriers)
+        assert fd_count() == before and unraisable == []
+        with pytest.raises(OSError):
+            os.fstat(first)
+        return
+    _expect_refused(data, carriers, fd_count, unraisable)
+
+
+@pytest.mark.parametrize("data", [b"", b"IPCP", None, "IPCP", 42, VALID])
+def test_rebuild_closes_honest_fds_when_the_data_is_bad(
+    data: Any, memfds: list[tuple[int, bytes]], fd_count: Any, unraisable: list[Any]
+) -> None:
+    # VALID describes 3 slots with other geometry: still 3 fds, so it must pass
+    carriers = tuple(_honest(memfds))
+    if data is VALID:
+        gc.collect()
+        before = fd_count()
+        desc = _rebuild_descriptor(data, carriers)
+        assert fd_count() == before + 3
+        del desc
+        gc.collect()
+        assert fd_count() == before and unraisable == []
+        return
+    _expect_refused(data, carriers, fd_count, unraisable)
+
+
+def test_rebuild_lets_keyboard_interrupt_through_and_closes(
+    memfds: list[tuple[int, bytes]], fd_count: Any, unraisable: list[Any]
+) -> None:
+    carriers = (*_honest(memfds)[:2], _Raising(KeyboardInterrupt()))
+    before = fd_count()
+    with pytest.raises(KeyboardInterrupt):
+        _rebuild_descriptor(exporter_desc(memfds).to_bytes(), carriers)
+    assert fd_count() == before and unraisable == []
+
+
+_carrier_kind = st.sampled_from(["honest", *sorted(HOSTILE_CARRIERS)])
+
+
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(kinds=st.lists(_carrier_kind, min_size=0, max_size=5), as_tuple=st.booleans())
+def test_rebuild_any_mix_of_carriers_either_succeeds_exactly_or_refuses_cleanly(
+    kinds: list[str],
+    as_tuple: bool,
+    memfds: list[tuple[int, bytes]],
+    fd_count: Any,
+    unraisable: list[Any],
+) -> None:
+    data = exporter_desc(memfds).to_bytes()
+    carriers = [
+        _DupCarrier(memfds[i % 3][0]) if k == "honest" else HOSTILE_CARRIERS[k]
+        for i, k in enumerate(kinds)
+    ]
+    ok = as_tuple and kinds == ["honest"] * 3
+    gc.collect()
+    before = fd_count()
+    try:
+        desc = _rebuild_descriptor(data, tuple(carriers) if as_tuple else carriers)
+    except DescriptorError:
+        assert not ok
+    else:
+        assert ok
+        fds = desc.take_local_fds()
+        assert fds is not None
+        assert [os.pread(fd, NBYTES, 0) for fd in fds] == [c for _, c in memfds]
+        for fd in fds:
+            os.close(fd)
+        del desc
+    gc.collect()
+    assert fd_count() == before
+    assert unraisable == []
