@@ -140,7 +140,9 @@ def generate() -> str:
         define("MAX_METADATA", _payload.MAX_METADATA),
         define("MAX_CHANNEL_SLOTS", _payload.MAX_CHANNEL_SLOTS),
         *layout(
-            "WELCOME_HEAD", _payload.WELCOME_HEAD, "desc_len num_slots max_subscribers row sync_nbytes"
+            "WELCOME_HEAD",
+            _payload.WELCOME_HEAD,
+            "desc_len num_slots max_subscribers row sync_nbytes",
         ),
         *layout("FRAME_HEAD", _payload.FRAME_HEAD, "flag generation num_arrays metadata_len"),
         "",

@@ -304,6 +304,9 @@ cip_status cip_frame_wait(cip_sub *sub, const cip_frame *frame, void *stream);
  * held. */
 cip_status cip_sub_release(cip_sub *sub, const cip_frame *frame, void *stream);
 
+/* GPU sessions: the local device the pool is mapped on (-1 for raw sessions). */
+int cip_sub_device(const cip_sub *sub);
+
 /* The socket's fd: readable when a frame or the end is waiting (for an event loop). */
 int cip_sub_fileno(const cip_sub *sub);
 /* Why the subscription ended (or the last error on it); "" while it runs. */
@@ -319,6 +322,10 @@ const char *cip_sub_error(const cip_sub *sub);
 void cip_sub_close(cip_sub *sub);
 
 /* ---- the driver ----------------------------------------------------------------- */
+
+/* Make `device`'s primary context -- the one the CUDA runtime uses -- current on the
+ * calling thread (what cudaSetDevice does), for callers of the driver API. */
+cip_status cip_use_device(int device);
 
 /* A CUDA driver entry point by name ("cuMemcpyDtoH"), resolved with
  * cuGetProcAddress for the CUDA 12 API (or the driver's, if older); NULL if the

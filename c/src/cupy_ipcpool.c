@@ -464,6 +464,25 @@ ctx_push(int device)
     return CIP_OK;
 }
 
+cip_status
+cip_use_device(int device)
+{
+    cip_status st = driver();
+    if (st != CIP_OK)
+        return st;
+    if ((st = ctx_push(device)) != CIP_OK)
+        return st;
+    /* replace what was current with the primary context: pop ours, set it */
+    CUcontext ctx;
+    drv.CtxPopCurrent(&ctx);
+    CUresult (*set)(CUcontext);
+    *(void **)&set = proc("cuCtxSetCurrent");
+    if (set == NULL)
+        return fail(CIP_ERR_NO_DRIVER, "the driver has no cuCtxSetCurrent");
+    CUresult rc = set(ctx);
+    return rc == CIP_CUDA_SUCCESS ? CIP_OK : cuda_fail("cuCtxSetCurrent", rc);
+}
+
 static void
 ctx_pop(void)
 {
@@ -2134,6 +2153,12 @@ cip_sub_take_fds(cip_sub *sub, int *fds, size_t cap, size_t *count)
     close_fds(sub->fds + k, sub->nfds - k);
     sub->nfds = 0;
     return CIP_OK;
+}
+
+int
+cip_sub_device(const cip_sub *sub)
+{
+    return sub && sub->pool ? sub->pool->device : -1;
 }
 
 int

@@ -1,0 +1,959 @@
+"""The C library (c/) for real, without a GPU: built with the system compiler, run as a
+separate process against the CPU publisher core over memfd slots.
+
+``c/tests/cip_probe.c`` drives the library from a line protocol on stdin; the
+publisher runs in a spawned process (:func:`_producer_main`) driven over a
+pipe.  What the C side does is checked from its answers: the frames it hands
+out (and whether their slots still hold each frame's bytes), the status codes
+and messages it reports, and its open fds before and after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import multiprocessing as mp
+import os
+import select
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from cupy_ipcpool._handles import ArrayHandle, PoolDescriptor
+from cupy_ipcpool._transport import process_start_time
+from cupy_ipcpool.channel import _protocol as proto
+from cupy_ipcpool.channel._payload import FRAME_HEAD, WELCOME_HEAD
+from cupy_ipcpool.channel._syncpage import FlagLayout, SharedFlags
+
+ROOT = Path(__file__).resolve().parent.parent
+C_DIR = ROOT / "c"
+SPAWN = mp.get_context("spawn")
+CMD_TIMEOUT = 20.0
+CFLAGS = ["-std=c99", "-O2", "-Wall", "-Wextra", "-Werror", "-pthread"]
+
+
+# ---------------------------------------------------------------- building
+
+
+def compiler() -> str | None:
+    """The system C compiler (``$CC``, ``cc``, ``gcc`` or ``clang``), or None."""
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def build_c_program(out_dir: Path, name: str, sources: list[Path], extra: list[str] = ()) -> Path:
+    """Compile ``sources`` with the library into ``out_dir/name``; skip if no compiler.
+
+    Parameters
+    ----------
+    out_dir:
+        Build directory (never the repository).
+    name:
+        Executable name.
+    sources:
+        The program's own sources; ``c/src/cupy_ipcpool.c`` is added.
+    extra:
+        More compiler flags.
+
+    Returns
+    -------
+    Path
+        The executable.
+    """
+    cc = compiler()
+    if cc is None:
+        pytest.skip(
+            "no C compiler (cc, gcc, clang or $CC) on this machine: the C library is not built"
+        )
+    exe = out_dir / name
+    cmd = [
+        cc,
+        *CFLAGS,
+        *extra,
+        f"-I{C_DIR / 'include'}",
+        *map(str, sources),
+        str(C_DIR / "src" / "cupy_ipcpool.c"),
+        "-o",
+        str(exe),
+        "-ldl",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout}{done.stderr}"
+    return exe
+
+
+@pytest.fixture(scope="module")
+def probe_exe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_c_program(
+        tmp_path_factory.mktemp("cbuild"), "cip_probe", [C_DIR / "tests" / "cip_probe.c"]
+    )
+
+
+class Probe:
+    """The C program, one command and one answer line at a time (each with a timeout)."""
+
+    def __init__(self, exe: Path) -> None:
+        self.proc = subprocess.Popen(
+            [str(exe)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def answer(self, timeout: float = CMD_TIMEOUT) -> str:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError(f"the C probe did not answer within {timeout} s")
+        line = self.proc.stdout.readline()
+        if not line:
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            raise AssertionError(f"the C probe exited ({self.proc.poll()}): {err}")
+        return line.strip()
+
+    def __call__(self, line: str, timeout: float = CMD_TIMEOUT) -> str:
+        self.send(line)
+        return self.answer(timeout)
+
+    def fds(self) -> int:
+        answer = self("fds")
+        assert answer.startswith("ok "), answer
+        return int(answer.split()[1])
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.send("quit")
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if f is not None:
+                f.close()
+
+
+@pytest.fixture
+def probe(probe_exe: Path) -> Iterator[Probe]:
+    p = Probe(probe_exe)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def status(answer: str) -> str:
+    """The status name of an ``err`` answer ("CIP_ERR_EVICTED"), or "ok"/"frame"."""
+    parts = answer.split()
+    return parts[1] if parts[0] == "err" else parts[0]
+
+
+def frame_of(answer: str) -> tuple[int, int, bytes, str]:
+    """``(seq, slot, payload, match)`` of a ``frame`` answer."""
+    parts = answer.split()
+    assert parts[0] == "frame", answer
+    payload = b"" if parts[4] == "-" else bytes.fromhex(parts[4])
+    return int(parts[1]), int(parts[2]), payload, parts[5]
+
+
+@pytest.fixture
+def address() -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="cip-c-")
+    try:
+        yield os.path.join(d, "pub.sock")
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- the publisher process
+
+
+def _geometry_payload(slot: int, generation: int, handles: list[ArrayHandle], meta: bytes) -> bytes:
+    head = FRAME_HEAD.pack(slot, generation & 0xFFFFFFFF, len(handles), len(meta))
+    return head + b"".join(h.pack() for h in handles) + meta
+
+
+def _producer_main(
+    conn: Connection, address: str, num_slots: int, slot_size: int, kw: dict
+) -> None:
+    """A :class:`MemfdProducer` driven by ``(command, *args)`` tuples; answers ``(ok, value)``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _memfd_backend import MemfdProducer
+
+    prod = MemfdProducer(address, num_slots, slot_size, **kw)
+    conn.send(("ready", os.getpid()))
+    rng = np.random.default_rng(7)
+    while True:
+        cmd, *args = conn.recv()
+        try:
+            out: Any = None
+            if cmd == "wait_subs":
+                prod.wait_subscribers(args[0])
+            elif cmd == "publish":
+                count, payload = args
+                out = [prod.publish_next(payload=payload) for _ in range(count)]
+            elif cmd == "publish_raw":  # (slot bytes, payload builder args) -> (seq, slot, bytes)
+                geometry, meta = args
+                slot, _ = prod.core.acquire(5.0)
+                data = rng.integers(0, 256, slot_size, dtype=np.uint8).tobytes()
+                prod.slots.maps[slot][:] = data
+                seq = prod.core.next_seq
+                handles = [
+                    ArrayHandle(slot if g[0] is None else g[0], seq + 1, *g[1:]) for g in geometry
+                ]
+                prod.core.publish(slot, _geometry_payload(slot, seq + 1, handles, meta))
+                out = (seq, slot, data)
+            elif cmd == "poll":
+                out = prod.core.poll(args[0])
+            elif cmd == "poll_for":  # poll repeatedly for args[0] seconds
+                end = time.monotonic() + args[0]
+                while time.monotonic() < end:
+                    prod.core.poll(0.02)
+            elif cmd == "leases":
+                book = prod.core.lease_book
+                out = sum(book.lease_count(s) for s in range(num_slots))
+            elif cmd == "state":
+                out = (prod.core.evictions, len(prod.core.subscribers), prod.core.last_leave_reason)
+            elif cmd == "close":
+                prod.close()
+                conn.send(("ok", None))
+                return
+            conn.send(("ok", out))
+        except Exception as exc:  # sent back as text: the test fails with it
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+class Producer:
+    """The spawned publisher process."""
+
+    def __init__(self, address: str, num_slots: int = 4, slot_size: int = 4096, **kw: Any) -> None:
+        self.conn, child = SPAWN.Pipe()
+        self.proc = SPAWN.Process(
+            target=_producer_main, args=(child, address, num_slots, slot_size, kw), daemon=True
+        )
+        self.proc.start()
+        child.close()
+        if not self.conn.poll(60):
+            raise TimeoutError("the publisher process did not start")
+        tag, self.pid = self.conn.recv()
+        assert tag == "ready"
+
+    def __call__(self, *cmd: Any, timeout: float = 30.0) -> Any:
+        self.conn.send(cmd)
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"the publisher did not answer {cmd[0]!r}")
+        tag, value = self.conn.recv()
+        assert tag == "ok", value
+        return value
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            with contextlib.suppress(Exception):
+                self("close", timeout=10)
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self.conn.close()
+
+
+@pytest.fixture
+def producer(address: str) -> Iterator[Callable[..., Producer]]:
+    made: list[Producer] = []
+
+    def make(**kw: Any) -> Producer:
+        p = Producer(address, **kw)
+        made.append(p)
+        return p
+
+    try:
+        yield make
+    finally:
+        for p in made:
+            p.stop()
+
+
+def subscribe(
+    probe: Probe, pub: Producer, address: str, mode: str = "block", credit: int = 0
+) -> str:
+    """Open a raw subscription in the probe and wait until the publisher adopted it."""
+    answer = probe(f"open_raw {address} {mode} {credit} 5000")
+    assert answer.startswith("ok "), answer
+    pub("wait_subs", 1)
+    return answer
+
+
+# ---------------------------------------------------------------- one source for the wire
+
+
+def test_wire_header_is_generated_from_the_python_constants() -> None:
+    spec = importlib.util.spec_from_file_location("cip_gen_wire", C_DIR / "gen_wire.py")
+    assert spec is not None and spec.loader is not None
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    committed = (C_DIR / "include" / "cupy_ipcpool_wire.h").read_text()
+    assert committed == gen.generate(), "run: python c/gen_wire.py --write"
+    # a few values a reader can check by eye against docs/protocol.md
+    assert f"#define CIP_WIRE_FRAME_SIZE {struct.calcsize('<HBBQII')}" in committed
+    assert f"#define CIP_WIRE_VERSION {proto.VERSION}u" in committed
+
+
+def test_generator_offsets_follow_the_struct_formats() -> None:
+    spec = importlib.util.spec_from_file_location("cip_gen_wire2", C_DIR / "gen_wire.py")
+    assert spec is not None and spec.loader is not None
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert gen.fields("<HBBQII") == [(0, 2), (2, 1), (3, 1), (4, 8), (12, 4), (16, 4)]
+    assert gen.fields("<4sHBB16sI") == [(0, 4), (4, 2), (6, 1), (7, 1), (8, 16), (24, 4)]
+    with pytest.raises(ValueError):
+        gen.fields("@I")  # native alignment: not a wire layout
+
+
+# ---------------------------------------------------------------- sessions
+
+
+def test_handshake_frames_and_release(
+    probe: Probe, producer: Callable[..., Producer], address: str
+) -> None:
+    base = probe.fds()
+    pub = producer(num_slots=4)
+    answer = subscribe(probe, pub, address)
+    _, sub_id, num_slots, next_seq, credit, lease_ms, payload, pid = answer.split()
+    assert (int(num_slots), int(next_seq), int(lease_ms), int(pid)) == (4, 0, 0, pub.pid)
+    assert int(sub_id) >= 1
+    assert int(credit) == 2  # the publisher's max_credit: num_slots - 2
+    assert struct.unpack("<Q", bytes.fromhex(payload)) == (4096,)  # the memfd backend's payload
+    assert probe("map") == "ok 4"
+    seqs = pub("publish", 2, b"meta")
+    for seq in seqs:
+        got_seq, slot, body, match = frame_of(probe("recv 5000"))
+        assert (got_seq, body, match) == (seq, b"meta", "1")
+        assert pub("leases") >= 1
+        assert probe(f"check {got_seq} {slot}") == "ok 1"
+        assert probe(f"release {got_seq} {slot}") == "ok"
+    pub("poll_for", 0.2)
+    assert pub("leases") == 0, "the releases reached the publisher"
+    # a frame released twice, or never received, is refused without a message
+    assert status(probe("release 0 0")) == "CIP_ERR_NOT_HELD"
+    assert status(probe("recv 50")) == "CIP_ERR_TIMEOUT"
+    assert probe("close") == "ok"
+    assert probe.fds() == base
+
+
+def test_block_mode_waits_for_the_subscriber(
+    probe: Probe, producer: Callable[..., Producer], address: str
+) -> None:
+    pub = producer(num_slots=3)
+    subscribe(probe, pub, address)
+    assert probe("map") == "ok 3"
+    pub("publish", 3, b"")
+    frames = [frame_of(probe("recv 5000")) for _ in range(3)]
+    assert [f[0] for f in frames] == [0, 1, 2]
+    assert all(f[3] == "1" for f in frames)
+    # every slot is leased to the C subscriber: the publisher cannot take one
+    pub.conn.send(("publish", 1, b""))
+    assert not pub.conn.poll(0.5), "publish went ahead while every slot was held"
+    assert probe(f"release {frames[0][0]} {frames[0][1]}") == "ok"
+    assert pub.conn.poll(10)
+    tag, value = pub.conn.recv()
+    assert (tag, value) == ("ok", [3])
+    seq, slot, _, match = frame_of(probe("recv 5000"))
+    assert (seq, slot, match) == (3, frames[0][1], "1")
+    for s, sl, _, _ in (*frames[1:], (seq, slot, b"", "")):
+        assert probe(f"release {s} {sl}") == "ok"
+
+
+def test_latest_mode_skips_frames_while_credit_is_held(
+    probe: Probe, producer: Callable[..., Producer], address: str
+) -> None:
+    pub = producer(num_slots=4)
+    subscribe(probe, pub, address, mode="latest", credit=1)
+    assert probe("map") == "ok 4"
+    pub("publish", 1, b"")
+    seq, slot, _, match = frame_of(probe("recv 5000"))
+    assert (seq, match) == (0, "1")
+    pub("publish", 3, b"")  # the C side holds its one frame of credit: all skipped
+    assert status(probe("recv 300")) == "CIP_ERR_TIMEOUT"
+    assert probe(f"release {seq} {slot}") == "ok"
+    pub("poll_for", 0.1)
+    (last,) = pub("publish", 1, b"")
+    seq2, _, _, match = frame_of(probe("recv 5000"))
+    assert (seq2, match) == (last, "1")
+    assert seq2 == 4, "frames 1-3 were skipped: the gap shows in seq"
+
+
+def test_eviction_with_frames_queued_reports_eviction_never_a_frame(
+    probe: Probe, producer: Callable[..., Producer], address: str
+) -> None:
+    base = probe.fds()
+    pub = producer(num_slots=5, lease_timeout=0.3)
+    answer = subscribe(probe, pub, address)
+    assert answer.split()[5] == "300"  # the lease timeout, in ms, from the WELCOME
+    assert probe("map") == "ok 5"
+    pub("publish", 1, b"")
+    seq, slot, _, _ = frame_of(probe("recv 5000"))  # held past the lease timeout
+    pub("publish", 2, b"")  # queued in the C side's socket, not read
+    pub("poll_for", 0.6)
+    evictions, subscribers, reason = pub("state")
+    assert (evictions, subscribers) == (1, 0), reason
+    # two frames are queued before the eviction notice: neither may be handed out
+    first = probe("recv 2000")
+    assert status(first) == "CIP_ERR_EVICTED", first
+    assert "lease_timeout" in first
+    assert status(probe("recv 2000")) == "CIP_ERR_EVICTED"  # and on every later call
+    assert status(probe(f"release {seq} {slot}")) == "CIP_ERR_EVICTED"
+    assert probe("close") == "ok"
+    assert probe.fds() == base
+
+
+def test_frames_queued_before_a_clean_bye_are_delivered(
+    probe: Probe, producer: Callable[..., Producer], address: str
+) -> None:
+    pub = producer(num_slots=5)
+    subscribe(probe, pub, address)
+    assert probe("map") == "ok 5"
+    seqs = pub("publish", 3, b"x")
+    pub.stop()  # BYE, then the process exits
+    got = [frame_of(probe("recv 5000")) for _ in seqs]
+    assert [g[0] for g in got] == seqs
+    assert all(g[2] == b"x" for g in got)
+    end = probe("recv 2000")
+    assert status(end) == "CIP_ERR_END_OF_STREAM", end
+    assert status(probe("recv 0")) == "CIP_ERR_END_OF_STREAM"
+    for s, sl, _, _ in got:  # after a clean end a release only forgets the frame
+        assert probe(f"release {s} {sl}") == "ok"
+
+
+def test_publisher_sigkilled(probe: Probe, producer: Callable[..., Producer], address: str) -> None:
+    base = probe.fds()
+    pub = producer(num_slots=4)
+    subscribe(probe, pub, address)
+    assert probe("map") == "ok 4"
+    pub("publish", 2, b"")
+    seq, slot, _, match = frame_of(probe("recv 5000"))
+    assert match == "1"
+    pub.kill()
+    end = probe("recv 5000")
+    assert status(end) == "CIP_ERR_PUBLISHER_GONE", end  # the queued frame is dropped
+    assert status(probe("recv 0")) == "CIP_ERR_PUBLISHER_GONE"
+    assert probe(f"check {seq} {slot}") == "ok 1", "the held frame's memory stays readable"
+    assert probe(f"release {seq} {slot}") == "ok"
+    assert probe("close") == "ok"
+    assert probe.fds() == base
+
+
+def test_publisher_sigkilled_while_the_subscriber_waits(
+    probe: Probe, producer: Callable[..., Producer], address: str
+) -> None:
+    pub = producer(num_slots=4)
+    subscribe(probe, pub, address)
+    probe.send("recv 20000")
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    pub.kill()
+    end = probe.answer()
+    assert status(end) == "CIP_ERR_PUBLISHER_GONE", end
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_uid_not_allowed_is_refused(
+    probe: Probe, producer: Callable[..., Producer], address: str
+) -> None:
+    base = probe.fds()
+    producer(num_slots=2)
+    answer = probe(f"open_raw {address} block 0 5000 {os.geteuid() + 1}")
+    assert status(answer) == "CIP_ERR_REFUSED"
+    assert f"runs as uid {os.geteuid()}" in answer
+    assert probe.fds() == base
+
+
+def test_refused_by_the_publisher(
+    probe_exe: Path, producer: Callable[..., Producer], address: str
+) -> None:
+    pub = producer(num_slots=4, max_subscribers=1)
+    first, second = Probe(probe_exe), Probe(probe_exe)
+    try:
+        subscribe(first, pub, address)
+        base = second.fds()
+        answer = second(f"open_raw {address} block 0 5000")
+        assert status(answer) == "CIP_ERR_REFUSED", answer
+        assert "max_subscribers" in answer
+        assert second.fds() == base
+    finally:
+        first.close()
+        second.close()
+
+
+def test_no_publisher(probe: Probe, address: str) -> None:
+    answer = probe(f"open_raw {address} block 0 1000")
+    assert status(answer) == "CIP_ERR_TRANSPORT"
+    assert "is the publisher running?" in answer
+
+
+# ---------------------------------------------------------------- frames with arrays
+
+
+def _expected(data: bytes, handle: ArrayHandle) -> tuple[str, int]:
+    """The probe's rendering of ``handle`` over slot bytes ``data``: text and FNV-1a."""
+    arr = np.ndarray(
+        handle.shape, handle.dtype, buffer=data, offset=handle.offset, strides=handle.strides
+    )
+    h = 1469598103934665603
+    for b in arr.tobytes():
+        h = ((h ^ b) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    shape = ",".join(map(str, handle.shape))
+    strides = ",".join(map(str, handle.strides))
+    text = f"{handle.offset}:{handle.dtype.name}:{handle.ndim}:{shape}:{strides}:{handle.nbytes}"
+    return text, h
+
+
+GEOMETRY = [  # (slot: None = the frame's, offset, shape, strides, dtype)
+    (None, 0, (3, 4), (16, 4), "float32"),  # C order
+    (None, 128, (4, 3), (8, 32), "float64"),  # Fortran order
+    (None, 520, (5,), (-2,), "int16"),  # negative stride: touches [512, 522)
+    (None, 1024, (2, 2), (16, 32), "complex128"),  # transposed
+    (None, 2000, (), (), "bool"),  # 0-d
+    (None, 3000, (0, 5), (5, 1), "uint8"),  # empty
+    (None, 4000, (3,), (0,), "float16"),  # broadcast
+]
+
+
+def test_frames_with_several_arrays(
+    probe: Probe, producer: Callable[..., Producer], address: str
+) -> None:
+    pub = producer(num_slots=3)
+    subscribe(probe, pub, address)
+    assert probe("map") == "ok 3"
+    for _ in range(3):
+        seq, slot, data = pub("publish_raw", GEOMETRY, b"metadata!")
+        frame_of(probe("recv 5000"))
+        answer = probe("parse")
+        parts = answer.split()
+        assert parts[:3] == ["ok", str(len(GEOMETRY)), b"metadata!".hex()], answer
+        for got, g in zip(parts[3:], GEOMETRY, strict=True):
+            handle = ArrayHandle(slot, seq + 1, *g[1:])
+            text, fnv = _expected(data, handle)
+            assert got == f"{text}:{fnv:016x}"
+        assert probe(f"release {seq} {slot}") == "ok"
+
+
+@pytest.mark.parametrize(
+    ("geometry", "why"),
+    [
+        ([(None, 4088, (2,), (8,), "float64")], "do not fit"),  # past the slot's end
+        ([(None, 4, (2,), (8,), "float64")], "not a multiple of the item size"),  # misaligned
+        ([(None, 0, (4,), (-8,), "float64")], "do not fit"),  # before the slot's start
+        ([(None, 0, (2, 3), (4, 2), "float32")], "stride 2 of axis 1"),  # misaligned stride
+        ([(5, 0, (2,), (4,), "float32")], "not in the frame's"),  # another slot's memory
+    ],
+)
+def test_frame_payloads_that_do_not_fit_are_refused(
+    probe: Probe, producer: Callable[..., Producer], address: str, geometry: list, why: str
+) -> None:
+    pub = producer(num_slots=3)
+    subscribe(probe, pub, address)
+    assert probe("map") == "ok 3"
+    pub("publish_raw", geometry, b"")
+    frame_of(probe("recv 5000"))
+    answer = probe("parse")
+    assert status(answer) == "CIP_ERR_PROTOCOL", answer
+    assert why in answer
+
+
+# ---------------------------------------------------------------- malformed WELCOMEs
+
+
+class FakePublisher:
+    """A listening socket that answers one HELLO with crafted bytes (and fds)."""
+
+    def __init__(self, address: str, reply: Callable[[bytes], tuple[bytes | None, list[int]]]):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.bind(address)
+        self.sock.listen(4)
+        self.reply = reply
+        self.hello = b""
+        self.conn: socket.socket | None = None
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        self.sock.settimeout(20)
+        conn, _ = self.sock.accept()
+        self.conn = conn
+        conn.settimeout(20)
+        self.hello = conn.recv(1 << 17)
+        data, fds = self.reply(self.hello)
+        if data is None:
+            conn.close()
+            return
+        if len(data) > 100_000:  # beyond the default send buffer; SO_SNDBUFFORCE needs root
+            with contextlib.suppress(OSError):
+                conn.setsockopt(socket.SOL_SOCKET, 32, 2 * len(data))  # SO_SNDBUFFORCE
+        with contextlib.suppress(OSError):
+            if fds:
+                socket.send_fds(conn, [data], fds)
+            else:
+                conn.send(data)
+
+    def close(self) -> None:
+        self.thread.join(20)
+        if self.conn is not None:
+            self.conn.close()
+        self.sock.close()
+
+
+def _welcome(num_slots: int = 2, credit: int = 1, payload: bytes = b"", **over: Any) -> bytes:
+    fields = {
+        "magic": proto.MAGIC,
+        "version": proto.VERSION,
+        "type": proto.WELCOME,
+        "sub_id": 1,
+        "num_slots": num_slots,
+        "next_seq": 0,
+        "credit": credit,
+        "lease_ms": 0,
+        "len": len(payload),
+    }
+    fields.update(over)
+    return proto._WELCOME.pack(*fields.values()) + payload
+
+
+RAW_WELCOMES = {
+    "bad magic": (_welcome(magic=0x1234), "CIP_ERR_PROTOCOL", "bad magic"),
+    "bad version": (_welcome(version=9), "CIP_ERR_PROTOCOL", "unsupported protocol version 9"),
+    "truncated": (_welcome()[:20], "CIP_ERR_PROTOCOL", "truncated WELCOME"),
+    "length field too long": (_welcome(payload=b"ab", len=5), "CIP_ERR_PROTOCOL", "length field"),
+    "length field too short": (_welcome(payload=b"ab", len=1), "CIP_ERR_PROTOCOL", "length field"),
+    "no slots": (_welcome(num_slots=0), "CIP_ERR_PROTOCOL", "num_slots 0"),
+    "too many slots": (_welcome(num_slots=70000), "CIP_ERR_PROTOCOL", "num_slots 70000"),
+    "no credit": (_welcome(credit=0), "CIP_ERR_PROTOCOL", "credit"),
+    "a frame instead": (proto.encode_frame(0, 0, b""), "CIP_ERR_PROTOCOL", "expected WELCOME"),
+    "too large": (
+        _welcome(payload=b"x" * (proto.MAX_WELCOME_PAYLOAD + 16)),
+        "CIP_ERR_PROTOCOL",
+        "larger",
+    ),
+    "refused": (proto.encode_refuse("go away"), "CIP_ERR_REFUSED", "refused: go away"),
+    "malformed refuse": (proto.encode_refuse("go away")[:-2], "CIP_ERR_PROTOCOL", "REFUSE"),
+    "hang-up": (None, "CIP_ERR_PUBLISHER_GONE", "closed during the handshake"),
+}
+
+
+def _memfds(n: int, size: int = 4096) -> list[int]:
+    fds = []
+    for i in range(n):
+        fd = os.memfd_create(f"cip-test-{i}", os.MFD_CLOEXEC)
+        os.ftruncate(fd, size)
+        fds.append(fd)
+    return fds
+
+
+@pytest.mark.parametrize("case", sorted(RAW_WELCOMES))
+def test_malformed_welcome_is_refused_and_nothing_leaks(
+    probe: Probe, address: str, case: str
+) -> None:
+    data, expected, words = RAW_WELCOMES[case]
+    if case == "too large" and os.geteuid() != 0:
+        pytest.skip("sending a datagram over 1 MiB needs SO_SNDBUFFORCE (root)")
+    fds = _memfds(3)  # travel with every reply: the C side must close them
+    fake = FakePublisher(address, lambda _hello: (data, fds))
+    try:
+        base = probe.fds()
+        answer = probe(f"open_raw {address} block 0 5000")
+        assert status(answer) == expected, answer
+        assert words in answer
+        assert probe.fds() == base
+        hello = proto.decode(fake.hello)
+        assert isinstance(hello, proto.Hello)
+        assert (hello.mode, hello.credit) == (proto.MODE_BLOCK, 64)
+    finally:
+        fake.close()
+        for fd in fds:
+            os.close(fd)
+
+
+def _descriptor(fds: list[int], num_slots: int) -> PoolDescriptor:
+    return PoolDescriptor(
+        pool_id=os.urandom(16),
+        exporter_pid=os.getpid(),
+        exporter_start_time=process_start_time(os.getpid()),
+        exporter_uid=os.geteuid(),
+        device_uuid=bytes(range(16)),
+        device_ordinal=0,
+        num_slots=num_slots,
+        slot_nbytes=4096,
+        alloc_nbytes=4096,
+        fds=tuple(fds),
+    )
+
+
+def _gpu_welcome(case: str) -> tuple[bytes, list[int], list[Any]]:
+    """A WELCOME of a cupy_ipcpool Publisher for 2 slots, 4 rows, broken as ``case`` says."""
+    n, rows, row = 2, 4, 1
+    slots = _memfds(n)
+    layout = FlagLayout(n, rows)
+    page_size = layout.nbytes
+    if case == "page not sealed":
+        page_fd = os.memfd_create("cip-page", os.MFD_CLOEXEC)
+        os.ftruncate(page_fd, page_size)
+        page: Any = page_fd
+    elif case == "page of another size":
+        page = SharedFlags.create(page_size + 4096)
+        page_fd = page.fd
+    else:
+        page = SharedFlags.create(page_size)
+        page_fd = page.fd
+    desc = _descriptor(slots, n).to_bytes()
+    sync_nbytes = page_size
+    if case == "descriptor truncated":
+        desc = desc[:-3]
+    if case == "descriptor of other slots":
+        desc = _descriptor(slots + slots, 2 * n).to_bytes()
+    if case == "sync size not the layout's":
+        sync_nbytes = page_size + 4096
+    head = WELCOME_HEAD.pack(
+        len(desc), n, rows, rows if case == "row out of range" else row, sync_nbytes
+    )
+    payload = head + desc
+    if case == "payload too short":
+        payload = head[:10]
+    if case == "descriptor length wrong":
+        payload = WELCOME_HEAD.pack(len(desc) + 1, n, rows, row, sync_nbytes) + desc
+    fds = [*slots, page_fd]
+    if case == "fd missing":
+        fds = slots
+    closers = [*slots, page]
+    return _welcome(num_slots=n, payload=payload), fds, closers
+
+
+GPU_WELCOMES = [
+    "payload too short",
+    "descriptor length wrong",
+    "descriptor truncated",
+    "descriptor of other slots",
+    "row out of range",
+    "fd missing",
+    "page not sealed",
+    "page of another size",
+    "sync size not the layout's",
+]
+
+
+@pytest.mark.parametrize("case", [*GPU_WELCOMES, "valid"])
+def test_gpu_welcome_checked_before_anything_is_mapped(
+    probe: Probe, address: str, case: str
+) -> None:
+    data, fds, closers = _gpu_welcome(case)
+    fake = FakePublisher(address, lambda _hello: (data, fds))
+    try:
+        base = probe.fds()
+        answer = probe(f"open {address} block 0 5000")
+        if case == "valid":
+            # everything checks out; then the GPU is needed (and these memfds are no VMM
+            # allocations, so a machine with a GPU fails at the import)
+            assert status(answer) in ("CIP_ERR_NO_DRIVER", "CIP_ERR_CUDA", "CIP_ERR_DEVICE"), answer
+        else:
+            assert status(answer) == "CIP_ERR_PROTOCOL", answer
+        assert probe.fds() == base
+    finally:
+        fake.close()
+        for c in closers:
+            if isinstance(c, int):
+                os.close(c)
+            else:
+                c.close()
+
+
+# ---------------------------------------------------------------- descriptors and fds
+
+
+def test_descriptor_parse_matches_python(probe: Probe) -> None:
+    fds = _memfds(3)
+    try:
+        desc = _descriptor(fds, 3)
+        raw = desc.to_bytes()
+        assert probe(f"desc {raw.hex()}") == f"ok 3 4096 4096 {os.getpid()} {os.geteuid()} -"
+        cases = {
+            "truncated": raw[:-1],
+            "trailing": raw + b"\x00",
+            "bad magic": b"XXXX" + raw[4:],
+            "future version": raw[:4] + struct.pack("<H", 99) + raw[6:],
+            "reserved": raw[:7] + b"\x01" + raw[8:],
+        }
+        for name, bad in cases.items():
+            answer = probe(f"desc {bad.hex()}")
+            assert status(answer) == "CIP_ERR_DESCRIPTOR", (name, answer)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _exporter_main(conn: Connection, n: int) -> None:
+    """Export ``n`` memfds (each starting with its index) by pid and over an fd server."""
+    from cupy_ipcpool._transport import FdServer
+
+    fds = _memfds(n)
+    for i, fd in enumerate(fds):
+        os.pwrite(fd, struct.pack("<Q", 0xC0DE0000 + i), 0)
+    token = os.urandom(16)
+    server = FdServer(fds, token=token)
+    desc = PoolDescriptor(
+        pool_id=token,
+        exporter_pid=os.getpid(),
+        exporter_start_time=process_start_time(os.getpid()),
+        exporter_uid=os.geteuid(),
+        device_uuid=bytes(16),
+        device_ordinal=0,
+        num_slots=n,
+        slot_nbytes=4096,
+        alloc_nbytes=4096,
+        fds=tuple(fds),
+        socket_path=server.path,
+    )
+    conn.send(desc.to_bytes())
+    conn.recv()  # until told to go
+    server.close()
+
+
+@pytest.mark.parametrize("transport", ["pidfd", "socket", "auto"])
+def test_fetch_fds_from_another_process(probe: Probe, transport: str) -> None:
+    parent, child = SPAWN.Pipe()
+    proc = SPAWN.Process(target=_exporter_main, args=(child, 3), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(60)
+        raw = parent.recv()
+        base = probe.fds()
+        answer = probe(f"fetch {raw.hex()} {transport}")
+        if transport == "pidfd" and "ptrace" in answer:
+            pytest.skip(f"pidfd_getfd is not allowed here: {answer}")
+        heads = [struct.pack("<Q", 0xC0DE0000 + i).hex() for i in range(3)]
+        assert answer == f"ok 3 {' '.join(heads)}"
+        assert probe.fds() == base, "the probe closed what it fetched"
+        # a descriptor of another pool (token) is refused by the fd server
+        wrong = bytearray(raw)
+        wrong[8:24] = os.urandom(16)
+        answer = probe(f"fetch {bytes(wrong).hex()} socket")
+        assert status(answer) == "CIP_ERR_REFUSED" and "token" in answer, answer
+        assert probe.fds() == base
+    finally:
+        parent.send("go")
+        proc.join(10)
+        parent.close()
+
+
+def test_fetch_fds_after_the_exporter_exited(probe: Probe) -> None:
+    parent, child = SPAWN.Pipe()
+    proc = SPAWN.Process(target=_exporter_main, args=(child, 2), daemon=True)
+    proc.start()
+    assert parent.poll(60)
+    raw = parent.recv()
+    parent.send("go")
+    proc.join(10)
+    parent.close()
+    answer = probe(f"fetch {raw.hex()} auto")
+    assert status(answer) == "CIP_ERR_TRANSPORT", answer
+    assert "exited" in answer
+
+
+# ---------------------------------------------------------------- CMake packaging
+
+
+CONSUMER_PROJECT = """
+cmake_minimum_required(VERSION 3.16)
+project(cip_consumer LANGUAGES C CXX)
+find_package(cupy_ipcpool_c 0.1 REQUIRED)
+add_executable(consumer {consumer})
+target_link_libraries(consumer PRIVATE cupy_ipcpool::cupy_ipcpool_c)
+add_executable(check_cxx check.cpp)
+target_link_libraries(check_cxx PRIVATE cupy_ipcpool::cupy_ipcpool_c)
+"""
+
+CHECK_CXX = """
+#include <cupy_ipcpool.h>
+#include <cstdio>
+#include <cstring>
+int main() {
+    unsigned char junk[8] = {0};
+    cip_descriptor d;
+    cip_status st = cip_parse_descriptor(junk, sizeof junk, &d);
+    std::printf("%s|%s\\n", cip_status_name(st), cip_last_error());
+    return st == CIP_ERR_DESCRIPTOR ? 0 : 1;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
+def test_cmake_install_and_find_package(tmp_path: Path) -> None:
+    if compiler() is None:
+        pytest.skip("no C compiler")
+
+    def run(*cmd: str) -> None:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout}\n{done.stderr}"
+
+    build, prefix = tmp_path / "build", tmp_path / "prefix"
+    run(
+        "cmake",
+        "-S",
+        str(C_DIR),
+        "-B",
+        str(build),
+        f"-DCMAKE_INSTALL_PREFIX={prefix}",
+        "-DCMAKE_BUILD_TYPE=Release",
+    )
+    run("cmake", "--build", str(build), "-j2")
+    run("cmake", "--install", str(build))
+    assert (prefix / "include" / "cupy_ipcpool.h").exists()
+    assert (prefix / "include" / "cupy_ipcpool_wire.h").exists()
+    assert list(prefix.glob("lib*/cmake/cupy_ipcpool_c/cupy_ipcpool_cConfig.cmake"))
+    project = tmp_path / "consumer"
+    project.mkdir()
+    shutil.copy(C_DIR / "examples" / "consumer.c", project / "consumer.c")
+    (project / "check.cpp").write_text(CHECK_CXX)
+    (project / "CMakeLists.txt").write_text(CONSUMER_PROJECT.format(consumer="consumer.c"))
+    run("cmake", "-S", str(project), "-B", str(project / "build"), f"-DCMAKE_PREFIX_PATH={prefix}")
+    run("cmake", "--build", str(project / "build"))
+    done = subprocess.run(
+        [str(project / "build" / "check_cxx")], capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("CIP_ERR_DESCRIPTOR|not a cupy_ipcpool pool descriptor")
+    # the example consumer, run with no publisher there, says so and fails
+    done = subprocess.run(
+        [str(project / "build" / "consumer"), str(tmp_path / "none.sock")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode != 0
+    assert "CIP_ERR_TRANSPORT" in done.stderr
+
+
+def test_plain_cc_build_of_the_example(tmp_path: Path) -> None:
+    build_c_program(tmp_path, "consumer", [C_DIR / "examples" / "consumer.c"])
