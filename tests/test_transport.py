@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from cupy_ipcpool import _transport
 from cupy_ipcpool._errors import PeerRefusedError, TransportError
 from cupy_ipcpool._handles import own_pid_namespace
 from cupy_ipcpool._transport import (
     FdServer,
+    _pidfd,
     check_peer,
     fetch_fds,
     fetch_fds_over_socket,
@@ -535,7 +535,7 @@ def test_fetch_fds_pidfd_partial_failure_closes(memfds: list[int]) -> None:
 def test_fetch_fds_pidfd_opens_one_pidfd(memfds: list[int], monkeypatch: Any) -> None:
     """One pidfd_open and one start-time check serve every fd of the list."""
     calls = {"pidfd_open": 0, "process_start_time": 0}
-    real_open, real_start = os.pidfd_open, _transport.process_start_time
+    real_open, real_start = os.pidfd_open, _pidfd.process_start_time
 
     def counting_open(pid: int, flags: int = 0) -> int:
         calls["pidfd_open"] += 1
@@ -548,8 +548,8 @@ def test_fetch_fds_pidfd_opens_one_pidfd(memfds: list[int], monkeypatch: Any) ->
     pid = os.getpid()
     start = real_start(pid)
     gc.collect()  # fds of earlier tests' garbage must not close during the counts below
-    monkeypatch.setattr(_transport.os, "pidfd_open", counting_open)
-    monkeypatch.setattr(_transport, "process_start_time", counting_start)
+    monkeypatch.setattr(os, "pidfd_open", counting_open)
+    monkeypatch.setattr(_pidfd, "process_start_time", counting_start)
     before = _fd_count()
     got = fetch_fds(
         pid=pid, start_time=start, fds=memfds * 4, socket_path=None, token=TOKEN, method="pidfd"
@@ -573,11 +573,11 @@ def test_fetch_fds_pidfd_opens_one_pidfd(memfds: list[int], monkeypatch: Any) ->
 
 
 def test_pidfd_syscall_function_made_once(memfds: list[int]) -> None:
-    first = _transport._getfd_syscall()
-    assert _transport._getfd_syscall() is first
+    first = _pidfd._getfd_syscall()
+    assert _pidfd._getfd_syscall() is first
     fd = pidfd_getfd(os.getpid(), memfds[0])
     os.close(fd)
-    assert _transport._getfd_syscall() is first
+    assert _pidfd._getfd_syscall() is first
 
 
 # -- leaks ---------------------------------------------------------------------

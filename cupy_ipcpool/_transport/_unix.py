@@ -1,0 +1,254 @@
+"""Unix-socket helpers: ``SCM_RIGHTS``, peer credentials, binding and connecting.
+
+Shared by the fd server and its client (:mod:`._fdserver`, :mod:`._fetch`) and
+by the channel's sockets.  Every fd received is close-on-exec and closed on
+every error path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import socket
+import struct
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+
+from cupy_ipcpool._errors import PeerRefusedError, TransportError
+
+__all__ = [
+    "SCM_MAX_FD",
+    "bind_unix",
+    "check_peer",
+    "connect_unix",
+    "peer_credentials",
+    "recv_fds",
+    "send_fds",
+]
+
+#: Kernel limit on fds in one SCM_RIGHTS message.
+SCM_MAX_FD = 253
+
+_CRED = struct.Struct("3i")
+_INT = struct.Struct("i")
+
+
+def _errname(err: int) -> str:
+    return errno.errorcode.get(err, str(err))
+
+
+def _close_all(fds: Iterable[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def send_fds(sock: socket.socket, data: bytes, fds: Sequence[int]) -> None:
+    """Send ``data`` with ``fds`` attached in one ``SCM_RIGHTS`` message.
+
+    Parameters
+    ----------
+    sock:
+        A connected ``AF_UNIX`` socket.
+    data:
+        At least one byte when ``fds`` is not empty (a stream socket carries
+        ancillary data only with data).
+    fds:
+        At most 253 (``SCM_MAX_FD``) fds; the caller keeps ownership.
+
+    Raises
+    ------
+    ValueError
+        Too many fds, or fds without data.
+    OSError
+        From the socket.
+    """
+    fds = [int(fd) for fd in fds]
+    if len(fds) > SCM_MAX_FD:
+        raise ValueError(f"at most {SCM_MAX_FD} fds fit in one SCM_RIGHTS message, got {len(fds)}")
+    if fds and not data:
+        raise ValueError("fds need at least one byte of data to travel with")
+    if not fds:
+        sock.sendall(data)
+        return
+    sent = socket.send_fds(sock, [data], fds)
+    if sent < len(data):
+        sock.sendall(data[sent:])
+
+
+def recv_fds(sock: socket.socket, maxlen: int, maxfds: int) -> tuple[bytes, list[int]]:
+    """Receive up to ``maxlen`` bytes and up to ``maxfds`` fds.
+
+    Received fds are close-on-exec and owned by the caller.  On every error
+    path the fds that arrived are closed.
+
+    Parameters
+    ----------
+    sock:
+        A connected ``AF_UNIX`` socket.
+    maxlen:
+        Most bytes to read.
+    maxfds:
+        Most fds expected.
+
+    Returns
+    -------
+    tuple[bytes, list[int]]
+        The data (empty at end of stream) and the fds.
+
+    Raises
+    ------
+    TransportError
+        ``EMSGSIZE`` when more fds were sent than ``maxfds`` (the control data
+        was truncated).
+    OSError
+        From the socket.
+    """
+    # socket.recv_fds ignores its flags argument before Python 3.12, so call
+    # recvmsg directly to pass MSG_CMSG_CLOEXEC.  CMSG_LEN (not CMSG_SPACE)
+    # makes the kernel install at most ``maxfds`` fds and flag MSG_CTRUNC beyond.
+    data, ancdata, flags, _ = sock.recvmsg(
+        maxlen, socket.CMSG_LEN(maxfds * _INT.size), socket.MSG_CMSG_CLOEXEC
+    )
+    fds: list[int] = []
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            whole = len(payload) - len(payload) % _INT.size
+            fds.extend(struct.unpack(f"{whole // _INT.size}i", payload[:whole]))
+    if flags & socket.MSG_CTRUNC or len(fds) > maxfds:
+        _close_all(fds)
+        raise TransportError(
+            errno.EMSGSIZE,
+            f"received more fds than the {maxfds} expected (control data truncated); "
+            "the peer does not speak this protocol",
+        )
+    return data, fds
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """Return ``(pid, uid, gid)`` of the peer of a connected Unix socket (``SO_PEERCRED``)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
+    pid, uid, gid = _CRED.unpack(raw)
+    return pid, uid, gid
+
+
+def check_peer(sock: socket.socket, allowed_uids: frozenset[int]) -> tuple[int, int, int]:
+    """Return the peer's ``(pid, uid, gid)`` if its uid is in ``allowed_uids``.
+
+    Raises
+    ------
+    PeerRefusedError
+        The peer's uid is not allowed; the message names its pid and uid and
+        the allowed uids.
+    """
+    pid, uid, gid = peer_credentials(sock)
+    if uid not in allowed_uids:
+        raise PeerRefusedError(
+            f"peer process {pid} runs as uid {uid}, which is not allowed "
+            f"(allowed uids: {sorted(allowed_uids)})"
+        )
+    return pid, uid, gid
+
+
+def bind_unix(sock: socket.socket, address: str, mode: int) -> tuple[int, int]:
+    """Bind ``sock`` at ``address`` so that the file never exists with a wider mode than ``mode``.
+
+    The socket is bound inside a fresh 0700 directory (``mkdtemp``) next to
+    ``address``, chmod-ed to ``mode``, then hard-linked into place (renamed
+    where the file system has no hard links); ``EADDRINUSE`` if someone took
+    the path meanwhile.  When that temporary path would not fit ``sun_path``,
+    the socket's mode is set with ``fchmod`` before binding it in place
+    (Linux applies it to the new file).  The process umask is never changed.
+
+    Returns
+    -------
+    tuple[int, int]
+        ``(st_dev, st_ino)`` of the bound file, to recognise it at teardown.
+
+    Raises
+    ------
+    TransportError
+        ``EADDRINUSE`` when the path exists; the errno of a failing call
+        otherwise.
+    """
+    parent = os.path.dirname(os.path.abspath(address))
+    try:
+        tmpdir = tempfile.mkdtemp(prefix=".ipcp", dir=parent)
+    except OSError as exc:
+        raise TransportError(
+            exc.errno or errno.EIO, f"cannot create a directory next to {address}: {exc.strerror}"
+        ) from None
+    try:
+        tmp = os.path.join(tmpdir, "s")
+        if len(os.fsencode(tmp)) >= 108:
+            os.fchmod(sock.fileno(), mode)
+            _bind_or_raise(sock, address)
+            os.chmod(address, mode)
+        else:
+            _bind_or_raise(sock, tmp)
+            os.chmod(tmp, mode)
+            try:
+                os.link(tmp, address)
+            except FileExistsError:
+                raise TransportError(
+                    errno.EADDRINUSE, f"{address} was created by someone else while binding"
+                ) from None
+            except OSError as exc:
+                if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+                    raise TransportError(
+                        exc.errno or errno.EIO, f"cannot create {address}: {exc.strerror}"
+                    ) from None
+                # No hard links on this file system: move it into place instead.
+                if os.path.lexists(address):
+                    raise TransportError(
+                        errno.EADDRINUSE, f"{address} was created by someone else while binding"
+                    ) from None
+                os.rename(tmp, address)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+        st = os.lstat(address)
+        return st.st_dev, st.st_ino
+    finally:
+        with contextlib.suppress(OSError):
+            os.rmdir(tmpdir)
+
+
+def _bind_or_raise(sock: socket.socket, path: str) -> None:
+    try:
+        sock.bind(path)
+    except OSError as exc:
+        err = exc.errno or errno.EIO
+        if err == errno.EADDRINUSE:
+            raise TransportError(err, f"{path} exists; remove it or choose another path") from None
+        raise TransportError(err, f"cannot bind a socket at {path}: {exc.strerror}") from None
+
+
+def connect_unix(sock: socket.socket, path: str, deadline: float) -> None:
+    """Connect ``sock`` to ``path``, retrying while the listen backlog is full (``EAGAIN``).
+
+    Raises
+    ------
+    TimeoutError
+        The backlog stayed full until ``deadline``.
+    OSError
+        Any other failure of ``connect``.
+    """
+    delay = 0.001
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(errno.ETIMEDOUT, "the listen backlog stayed full")
+        sock.settimeout(remaining)
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            pass  # EAGAIN: the backlog is full; try again
+        except OSError as exc:
+            if exc.errno != errno.EAGAIN:
+                raise
+        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 2, 0.05)
