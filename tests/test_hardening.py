@@ -755,6 +755,243 @@ def test_connected_turns_false_on_a_clean_close_and_keeps_queued_frames(
         assert info.value.clean
 
 
+# -- 4a': eviction with frames queued while the subscriber is stopped or not reading --------
+
+
+def _proc_state(pid: int) -> str:
+    """The one-letter state of process ``pid`` (``T``: stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _until_stopped(pid: int) -> None:
+    deadline = time.monotonic() + 5
+    while _proc_state(pid) not in ("T", "t"):
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.001)
+
+
+def _call_result(consumer: MemfdConsumer) -> tuple[str, Any]:
+    """One ``recv``: ("frame", (seq, intact)) where intact says the slot held its data
+    when recv returned, or ("raised", exception type name)."""
+    try:
+        frame = consumer.core.recv(timeout=30)
+    except IpcPoolError as exc:
+        return "raised", type(exc).__name__
+    got = consumer.maps[frame.slot][:8]
+    return "frame", (frame.seq, int.from_bytes(got, "little") == frame.seq)
+
+
+def _child_waiting_in_recv(conn: Connection, address: str, rounds: int, spin_us: float) -> None:
+    """Each round: subscribe, say so, and call recv (it waits for the frame) until evicted."""
+    try:
+        for _ in range(rounds):
+            with MemfdConsumer(address, timeout=10, spin_us=spin_us) as consumer:
+                conn.send(("waiting", consumer.core.sub_id))
+                calls = []
+                for _call in range(3):  # a frame taken before the stop, then EvictedError
+                    calls.append(_call_result(consumer))
+                    if calls[-1][0] == "raised":
+                        break
+                conn.send(("calls", calls))
+        conn.send(("done", 0))
+    except BaseException as exc:
+        conn.send(("err", f"{type(exc).__name__}: {exc}"))
+
+
+def _rewrite_every_slot(core: PublisherCore, slots: MemfdSlots) -> None:
+    """Reuse every slot (nobody subscribed): write and publish a new frame into each."""
+    for _ in range(core.num_slots):
+        slot, _readers = core.acquire(5.0)
+        slots.write(slot, core.next_seq)
+        core.publish(slot)
+
+
+def _check_calls(calls: list[tuple[str, Any]]) -> None:
+    """No frame handed out after the eviction: each one intact, then EvictedError."""
+    assert calls[-1] == ("raised", "EvictedError"), calls
+    frames = [value for kind, value in calls if kind == "frame"]
+    assert all(intact for _seq, intact in frames), f"a revoked frame was handed out: {calls}"
+    assert len(frames) <= 1, calls  # at most the one taken before the stop
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("spin_us", [0, 200], ids=["sleeping", "spinning"])
+def test_stopped_while_a_frame_is_queued_never_gets_it(
+    tmp_path: Any, children: Callable[..., Child], spin_us: float
+) -> None:
+    """SIGSTOP right after a frame was sent to a subscriber waiting in recv; evict; reuse
+    the slot; SIGCONT: its recv raises EvictedError instead of handing out that frame.
+
+    The stop lands while the subscriber's wait has seen the frame arrive and its
+    receive has not run yet: what the wait saw says nothing about the eviction
+    that comes during the stop, so the check must follow the receive.
+    """
+    rounds = 4
+    address = str(tmp_path / "chan.sock")
+    with _memfd_channel(address, 4, lease_timeout=0.2) as (core, slots):
+        child = children(_child_waiting_in_recv, address, rounds, spin_us)
+        pid = child.proc.pid
+        assert pid is not None
+        for n in range(rounds):
+            child.expect("waiting")
+            _until_subscribed(core)
+            time.sleep(0.05)  # the subscriber waits in poll(2) by now (past its spin)
+            slot, _ = core.acquire(5.0)
+            slots.write(slot, core.next_seq)
+            core.publish(slot)
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                _until_stopped(pid)
+                deadline = time.monotonic() + 5
+                while core.evictions == n:
+                    assert time.monotonic() < deadline, "the stopped subscriber was not evicted"
+                    core.poll(0.05)
+                assert core.subscribers == []
+                _rewrite_every_slot(core, slots)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            _check_calls(child.expect("calls"))
+        child.expect("done")
+        assert core.evictions == rounds
+
+
+def _child_not_reading(conn: Connection, address: str, spin_us: float) -> None:
+    """Take one frame, hold it and stop calling recv; when told, call recv again."""
+    try:
+        with MemfdConsumer(address, timeout=10, spin_us=spin_us) as consumer:
+            conn.send(("joined", consumer.core.sub_id))
+            first = consumer.recv(timeout=10)
+            conn.send(("holding", first.seq))
+            assert conn.recv() == "go"
+            calls = [_call_result(consumer)]
+            if calls[0][0] == "frame":
+                calls.append(_call_result(consumer))
+            conn.send(("calls", calls))
+            with contextlib.suppress(IpcPoolError):
+                consumer.core.release(first.seq, first.slot)
+            conn.send(("evicted", consumer.core.evicted))
+    except BaseException as exc:
+        conn.send(("err", f"{type(exc).__name__}: {exc}"))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("spin_us", [0, 200], ids=["sleeping", "spinning"])
+@pytest.mark.parametrize("payload", [0, proto.MAX_FRAME_PAYLOAD], ids=["small", "full-socket"])
+def test_subscriber_that_stops_reading_never_gets_a_revoked_frame(
+    tmp_path: Any, children: Callable[..., Child], spin_us: float, payload: int
+) -> None:
+    """A subscriber holds a frame and stops calling recv while more frames queue up
+    (with 64 KiB payloads, until its socket is full); it is evicted, every slot is
+    reused; its next recv raises EvictedError and hands out none of the queued frames."""
+    address = str(tmp_path / "chan.sock")
+    data = b"p" * payload
+    with _memfd_channel(address, 16, lease_timeout=0.3, send_timeout=0.2) as (core, slots):
+        child = children(_child_not_reading, address, spin_us)
+        child.expect("joined")
+        _until_subscribed(core)
+        slot, _ = core.acquire(5.0)
+        slots.write(slot, core.next_seq)
+        core.publish(slot, data)
+        child.expect("holding")
+        queued = 0
+        deadline = time.monotonic() + 10
+        while core.subscribers:  # frames queue up until the subscriber is evicted
+            assert time.monotonic() < deadline, "the subscriber that stopped reading stayed"
+            slot, _ = core.acquire(5.0)
+            slots.write(slot, core.next_seq)
+            core.publish(slot, data)
+            queued += 1
+            core.poll(0.02)
+        assert queued >= 2 and core.evictions == 1
+        reason = core.last_leave_reason
+        assert "lease_timeout" in reason or "stayed full" in reason
+        _rewrite_every_slot(core, slots)
+        child.conn.send("go")
+        calls = child.expect("calls")
+        assert calls[0] == ("raised", "EvictedError"), calls
+        assert calls == [("raised", "EvictedError")]
+        assert child.expect("evicted") is True
+
+
+@pytest.mark.timeout(60)
+def test_evictions_counts_each_evicted_subscriber(tmp_path: Any) -> None:
+    """``evictions`` counts subscribers evicted (lease timeout, full socket), not others."""
+    address = str(tmp_path / "chan.sock")
+    with _memfd_channel(address, 8, lease_timeout=0.2) as (core, _slots):
+        assert core.evictions == 0
+        with pytest.raises(AttributeError):
+            core.evictions = 5  # type: ignore[misc]
+        subs = [SubscriberCore(address, timeout=5) for _ in range(3)]
+        try:
+            while len(core.subscribers) < 3:
+                core.poll(0.01)
+            subs[2].close()  # leaves by itself: not an eviction
+            slot, _ = core.acquire(1.0)
+            core.publish(slot)
+            frame = subs[1].recv(timeout=5)
+            subs[1].release(frame.seq, frame.slot)
+            time.sleep(0.3)
+            core.poll(0.0)
+            assert core.evictions == 1  # subs[0] held its frame too long; subs[1] released
+            assert len(core.subscribers) == 1
+            with pytest.raises(EvictedError):
+                subs[0].recv(timeout=1)
+        finally:
+            for sub in subs:
+                sub.close()
+        assert core.evictions == 1
+
+
+@pytest.mark.timeout(60)
+def test_eviction_notice_that_does_not_fit_keeps_the_leases_until_it_does(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the notice cannot be queued (full socket, buffer at its limit), the evicted
+    subscriber keeps its leases and gets nothing more until the notice goes; then it hangs
+    up, its leases and row come back, and it hands out none of its queued frames."""
+    from cupy_ipcpool.channel import _session
+
+    address = str(tmp_path / "chan.sock")
+    real = _session._queue_notice
+    full = [True]  # the socket stays full while this holds
+
+    def queue_notice(sock: socket.socket, notice: bytes) -> bool:
+        return False if full[0] else real(sock, notice)
+
+    monkeypatch.setattr(_session, "_queue_notice", queue_notice)
+    left: list[int] = []
+    with (
+        _memfd_channel(
+            address, 4, lease_timeout=0.2, on_leave=lambda info: left.append(info.sub_id)
+        ) as (core, slots),
+        SubscriberCore(address, timeout=5) as sub,
+    ):
+        _until_subscribed(core)
+        slot, _ = core.acquire(1.0)
+        slots.write(slot, core.next_seq)
+        core.publish(slot)
+        _evict_overdue(core)  # the first attempt: refused
+        assert core.subscribers == [] and left == []
+        assert core.lease_book.lease_count(slot) == 1  # not reusable yet
+        assert sub.connected()  # not hung up: its frame is still its own
+        for _ in range(3):  # the producer goes on in the other slots; nothing more goes to it
+            other, _ = core.acquire(1.0)
+            assert other != slot
+            core.publish(other)
+        assert core.lease_book.held_by(sub.sub_id) == {0: slot}
+        assert sub.connected() and left == []
+        full[0] = False
+        deadline = time.monotonic() + 5
+        while core.lease_book.lease_count(slot):
+            assert time.monotonic() < deadline, "the notice was never sent"
+            core.poll(0.01)
+        assert left == [sub.sub_id] and core.evictions == 1
+        with pytest.raises(EvictedError):
+            sub.recv(timeout=1)
+        assert sub.held == {}
+
+
 # -- 4b: the subscriber's compiled release (read-flag write + RELEASE in one call) ----------
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import signal
 import socket
 import struct
 import tempfile
@@ -169,3 +170,104 @@ def test_honest_join_under_attack_with_real_slots():
             for name in os.listdir(public):
                 os.unlink(os.path.join(public, name))
             os.rmdir(public)
+
+
+def _proc_state(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _victim(address, rounds, spin_us, q):
+    """Each round: subscribe, say so, call recv (waiting) until it raises; report each call:
+    ("frame", seq, whether the array held frame seq's value) or ("raised", type name)."""
+    try:
+        import cupy as cp
+
+        (cp.arange(4, dtype=cp.uint32) * 2).get()
+        for _ in range(rounds):
+            with cip.subscribe(address, timeout=10, spin_us=spin_us) as sub:
+                q.put(("waiting", sub.sub_id))
+                calls = []
+                for _call in range(3):
+                    try:
+                        frame = sub.recv(timeout=60)
+                    except cip.EndOfStream as exc:
+                        calls.append(("raised", type(exc).__name__))
+                        break
+                    (seq,) = SEQ.unpack(frame.metadata)
+                    host = cp.asnumpy(frame.array)
+                    calls.append(("frame", seq, bool((host == np.uint32(seq)).all())))
+                q.put(("calls", calls))
+        q.put(("done",))
+    except BaseException:
+        report_exception(q)
+
+
+@pytest.mark.parametrize("spin_us", [0, 200], ids=["sleeping", "spinning"])
+def test_stopped_subscriber_never_gets_a_frame_whose_slot_was_reused(spin_us):
+    """SIGSTOP a subscriber right after a frame was sent to it (it waits in recv), let
+    ``lease_timeout`` evict it, rewrite every slot with new data, SIGCONT: its recv raises
+    EvictedError; no frame it is handed holds another frame's data."""
+    import cupy as cp
+
+    rounds = 3
+    tmp = tempfile.mkdtemp(prefix="ipcpool-evict-gpu-", dir="/tmp")
+    address = os.path.join(tmp, "chan.sock")
+    q = SPAWN.Queue()
+    victim = SPAWN.Process(target=_victim, args=(address, rounds, spin_us, q), daemon=True)
+    try:
+        with (
+            cip.IpcPool(4, 1 << 20) as pool,
+            cip.Publisher(pool, address, lease_timeout=0.3) as pub,
+        ):
+            victim.start()
+            seq = 0
+
+            def publish():
+                nonlocal seq
+                with pub.frame(timeout=30) as f:
+                    a = f.array((1 << 16,), cp.uint32)
+                    a.fill(seq)
+                    f.publish(a, metadata=SEQ.pack(seq))
+                del a
+                cp.cuda.get_current_stream().synchronize()
+                seq += 1
+
+            for n in range(rounds):
+                assert _get(q)[0] == "waiting"
+                deadline = time.monotonic() + 30
+                while not pub.subscribers:
+                    assert time.monotonic() < deadline, "the victim was not adopted"
+                    pub.poll(0.01)
+                time.sleep(0.05)  # it waits in recv by now
+                publish()
+                os.kill(victim.pid, signal.SIGSTOP)
+                try:
+                    deadline = time.monotonic() + 10
+                    while _proc_state(victim.pid) not in ("T", "t"):
+                        assert time.monotonic() < deadline, "the victim did not stop"
+                        time.sleep(0.001)
+                    while pub.evictions == n:
+                        assert time.monotonic() < deadline, "the victim was not evicted"
+                        pub.poll(0.05)
+                    for _ in range(2 * pool.num_slots):  # every slot, new data
+                        publish()
+                finally:
+                    os.kill(victim.pid, signal.SIGCONT)
+                calls = _get(q)[1]
+                assert calls[-1] == ("raised", "EvictedError"), calls
+                frames = [c for c in calls if c[0] == "frame"]
+                assert all(intact for _kind, _seq, intact in frames), f"stale frame: {calls}"
+                assert len(frames) <= 1, calls
+            assert _get(q)[0] == "done"
+            assert pub.evictions == rounds
+            victim.join(30)
+    finally:
+        if victim.is_alive():
+            os.kill(victim.pid, signal.SIGCONT)
+            victim.kill()
+        victim.join(10)
+        with contextlib.suppress(OSError):
+            for name in os.listdir(tmp):
+                os.unlink(os.path.join(tmp, name))
+            os.rmdir(tmp)

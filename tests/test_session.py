@@ -19,6 +19,11 @@ from typing import Any
 
 import pytest
 from _memfd_backend import MemfdConsumer, MemfdProducer
+from _restart_children import (
+    child_hold_until_killed,
+    child_outlive_publishers,
+    child_publish_until_killed,
+)
 
 from cupy_ipcpool._errors import (
     EndOfStream,
@@ -423,6 +428,66 @@ def test_no_fd_growth(address: str, spawn: Callable[..., Child]) -> None:
     mid, end = result["fds"]
     assert len(result["seqs"]) == 5000
     assert end == mid
+
+
+@pytest.mark.timeout(300)
+def test_subscriber_process_outlives_many_publisher_deaths(
+    address: str, spawn: Callable[..., Child]
+) -> None:
+    """50 publishers, each SIGKILLed while one long-lived subscriber process holds frames of it:
+    the subscriber ends each session cleanly and its fds and mappings stay flat; each new
+    publisher binds the same path (over the dead one's socket file) with the same fds."""
+    cycles, hold = 50, 4
+    sub = spawn(child_outlive_publishers, address, cycles, hold)
+    sub_counts: list[tuple[int, int]] = []
+    pub_fds: list[int] = []
+    for _ in range(cycles):
+        pub = Child(child_publish_until_killed, address, hold + 2)
+        try:
+            if not pub.conn.poll(30.0) and sub.conn.poll(0):  # the subscriber failed: say why
+                sub.expect(0)
+            pub_fds.append(pub.expect())
+            assert sub.expect() == "holding"
+            os.kill(pub.pid, signal.SIGKILL)
+            pub.proc.join(10)
+        finally:
+            pub.finish()
+        sub_counts.append(sub.expect())
+    sub.proc.join(10)
+    assert sub.proc.exitcode == 0
+    assert {mappings for _fds, mappings in sub_counts} == {0}
+    assert len({fds for fds, _mappings in sub_counts}) == 1, sub_counts
+    assert len(set(pub_fds)) == 1, pub_fds
+
+
+@pytest.mark.timeout(300)
+def test_publisher_outlives_many_subscriber_deaths(address: str) -> None:
+    """30 subscriber processes, each SIGKILLed holding frames with more queued for it: every
+    lease and every fd of the publisher comes back each time."""
+    left: list[SubscriberInfo] = []
+    with MemfdProducer(address, 8, on_leave=left.append) as producer:
+        before = None
+        for n in range(30):
+            child = Child(child_hold_until_killed, address)
+            try:
+                child.expect()
+                producer.wait_subscribers(1)
+                for _ in range(4):
+                    producer.publish_next(timeout=5.0)
+                assert child.expect() == "holding"
+                os.kill(child.pid, signal.SIGKILL)
+                child.proc.join(10)
+            finally:
+                child.finish()
+            deadline = time.monotonic() + 10
+            while producer.core.subscribers or len(left) <= n:
+                assert time.monotonic() < deadline, "the killed subscriber was not dropped"
+                producer.core.poll(0.05)
+            _wait_all_released(producer.core)
+            if before is None:
+                before = _fd_count()
+            assert _fd_count() == before, n
+        assert len(left) == 30 and producer.core.evictions == 0
 
 
 # -- in-process behaviour -----------------------------------------------------------

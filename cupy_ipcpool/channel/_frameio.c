@@ -187,9 +187,9 @@ PyDoc_STRVAR(recv_frame_doc,
 "length that adds up, payload at ``buf[20:n]``) when no fd of the hang-up\n"
 "set ``hup`` (from ``pollfds``) is ready, else ``seq`` is -1 and the caller\n"
 "decodes ``buf[:n]`` itself; ``waited``: whether it had to wait.  The\n"
-"hang-up set is looked at by the wait that ends when the datagram is there\n"
-"(``poll`` of the socket and the set together), or by a ``poll(0)`` after a\n"
-"receive that did not wait.  A failed receive raises the ``OSError`` of its\n"
+"hang-up set is looked at by a ``poll(0)`` after the receive (unless the wait\n"
+"already saw it fire): a FRAME is only reported as such if nothing had hung\n"
+"up once it was received.  A failed receive raises the ``OSError`` of its\n"
 "errno.  The GIL is released while it waits and receives.");
 
 static PyObject *
@@ -240,7 +240,7 @@ frameio_recv_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
         if (hup[i].fd == fd)
             hup_events = hup[i].events;
     struct pollfd wait[CIP_MAX_POLLFDS + 1];
-    enum { HUP_UNKNOWN, HUP_CLEAR, HUP_FIRED } hup_state = HUP_UNKNOWN;
+    int hup_fired = 0; /* the wait saw something in the hang-up set fire */
     int waited = 0;
     ssize_t n = -1;
     int err = 0;
@@ -273,11 +273,11 @@ frameio_recv_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
                 goto none;
             wait_ms = poll_ms(left);
         }
-        /* The wait watches the hang-up set too: what it reports when it wakes up
-         * stands for the poll(0) after the receive.  Once something in the set has
-         * fired it is left out (it would stay ready), and the caller decodes. */
+        /* The wait watches the hang-up set too, so that a hang-up (or a watched fd)
+         * ends it.  Once something in the set has fired it is left out (it would
+         * stay ready), and the caller decodes. */
         nfds_t nw = 0;
-        if (hup_state != HUP_FIRED) {
+        if (!hup_fired) {
             memcpy(wait, hup, nhup * sizeof wait[0]);
             nw = nhup;
         }
@@ -309,14 +309,13 @@ frameio_recv_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
                 goto fail;
             continue;
         }
-        if (r > 0 && hup_state != HUP_FIRED) {
-            hup_state = HUP_CLEAR;
+        if (r > 0 && !hup_fired) {
             for (nfds_t i = 0; i < nw; i++) {
                 short ev = wait[i].revents;
                 if (i == self) /* the socket: its hang-up events, not its data */
                     ev &= (short)((hup_events & ~POLLIN) | POLLHUP | POLLERR | POLLNVAL);
                 if (ev)
-                    hup_state = HUP_FIRED;
+                    hup_fired = 1;
             }
         }
     }
@@ -328,8 +327,12 @@ frameio_recv_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
         unsigned int length = le32(p + 16);
         if (length <= CIP_MAX_FRAME_PAYLOAD &&
             (size_t)n == CIP_FRAME_MSG_HEAD + (size_t)length) {
-            int ready = hup_state == HUP_FIRED;
-            if (hup_state == HUP_UNKNOWN) {
+            /* The check is made AFTER the receive, always: a wait that saw only
+             * data says nothing about a hang-up that came while this process was
+             * descheduled (or stopped) between the wait and the receive, and an
+             * eviction in that gap revokes the frame just received. */
+            int ready = hup_fired;
+            if (!ready) {
                 ready = any_ready(hup, nhup);
                 if (ready < 0)
                     goto fail;

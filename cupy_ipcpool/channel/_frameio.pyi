@@ -11,7 +11,10 @@ def pollfds(pairs: object, /) -> bytes:
 def recv_frame(
     fd: int, buf: bytearray, timeout_ms: int, poll_first: bool, hup: bytes, /
 ) -> tuple[int, int, int, bool] | None:
-    """Wait for one datagram; ``(n, seq, slot, waited)``, seq -1 when not a FRAME to take."""
+    """Wait for one datagram; ``(n, seq, slot, waited)``, seq -1 when not a FRAME to take.
+
+    A FRAME counts as one to take only if no fd of ``hup`` was ready after it was received.
+    """
 
 def release_frame(
     fd: int,

@@ -42,6 +42,7 @@ class _Subscriber:
     mode: str
     credit: int
     leases: dict[int, int] = field(default_factory=dict)  # seq -> slot, oldest first
+    suspended: bool = False  # keeps its leases, receives nothing, is never overdue
 
 
 class LeaseBook:
@@ -164,6 +165,18 @@ class LeaseBook:
                     freed.append(slot)
         return freed
 
+    def suspend(self, sub_id: int) -> None:
+        """Stop giving subscriber ``sub_id`` frames, keeping the leases it holds.
+
+        For a subscriber that is being dropped while its frames cannot be
+        revoked yet (the publisher could not tell it so): its slots stay
+        leased until :meth:`remove_subscriber`, it receives no further frame,
+        and :meth:`overdue` no longer names it.  An unknown id is ignored.
+        """
+        sub = self._subs.get(sub_id)
+        if sub is not None:
+            sub.suspended = True
+
     def subscribers(self) -> list[int]:
         """Return the registered subscriber ids."""
         return list(self._subs)
@@ -240,6 +253,8 @@ class LeaseBook:
         latest_room = self._latest_slots < self._latest_budget
         n_latest = 0
         for sub_id, sub in self._subs.items():
+            if sub.suspended:
+                continue
             if sub.mode == BLOCK:
                 receivers.append(sub_id)
             elif latest_room and len(sub.leases) < sub.credit:
@@ -407,7 +422,7 @@ class LeaseBook:
         limit = now - timeout
         out = []
         for sub_id, sub in self._subs.items():
-            if sub.leases and since[next(iter(sub.leases.values()))] < limit:
+            if sub.leases and not sub.suspended and since[next(iter(sub.leases.values()))] < limit:
                 out.append(sub_id)
         return sorted(out)
 
@@ -415,7 +430,9 @@ class LeaseBook:
         """Return the earliest time a lease held now becomes overdue (None: no leases)."""
         since = self._since
         starts = [
-            since[next(iter(sub.leases.values()))] for sub in self._subs.values() if sub.leases
+            since[next(iter(sub.leases.values()))]
+            for sub in self._subs.values()
+            if sub.leases and not sub.suspended
         ]
         return min(starts) + timeout if starts else None
 

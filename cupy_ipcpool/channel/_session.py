@@ -80,6 +80,8 @@ _DONTWAIT = socket.MSG_DONTWAIT
 MAX_SPIN_US = 10_000
 _INT_SIZE = struct.calcsize("i")
 _FRAME_HEAD_SIZE = proto.MAX_FRAME_SIZE - proto.MAX_FRAME_PAYLOAD
+#: Seconds between attempts to queue an eviction notice that did not fit (rare: see _drop).
+_NOTICE_RETRY = 0.05
 #: Most fds :meth:`SubscriberCore.watch` takes (the compiled poll set holds 16, the socket too).
 _MAX_WATCHED = 15
 
@@ -564,25 +566,44 @@ def _refuse(conn: socket.socket, reason: str) -> None:
     conn.close()
 
 
-def _notify_and_close(sock: socket.socket, reason: str) -> None:
-    """Tell a dropped subscriber why (a REFUSE after its queued frames), then close."""
-    notice = proto.encode_refuse(reason)
+#: Errors of a send that mean the subscriber can no longer read what is queued for it.
+_PEER_GONE = frozenset({errno.EPIPE, errno.ECONNRESET, errno.ECONNREFUSED, errno.ENOTCONN})
+_SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)  # Linux; CAP_NET_ADMIN
+
+
+def _queue_notice(sock: socket.socket, notice: bytes) -> bool:
+    """Queue ``notice`` (a REFUSE) behind the frames already queued; False if it did not fit.
+
+    True also when the subscriber can no longer read anything (its side is
+    closed): then nothing queued will ever be handed out.  A full socket gets
+    room for one more message by growing its send buffer (the kernel admits a
+    message while the bytes queued are below the buffer size): within
+    ``net.core.wmem_max`` first, then past it where the process may
+    (``SO_SNDBUFFORCE``).
+    """
     with contextlib.suppress(OSError):
         sock.setblocking(False)
         while sock.recv(proto.MAX_FRAME_SIZE, socket.MSG_DONTWAIT):
             pass  # unread data would reset the peer, which would then lose the notice
-    try:
-        sock.send(notice, socket.MSG_DONTWAIT)
-    except BlockingIOError:
-        # Its socket is full of frames: room for one more message (the kernel
-        # admits a message while the queued bytes are below the buffer size).
-        with contextlib.suppress(OSError):
-            size = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size * 2)
-        with contextlib.suppress(OSError):
+    for grow in (0, socket.SO_SNDBUF, _SO_SNDBUFFORCE):
+        if grow:
+            with contextlib.suppress(OSError):
+                size = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+                sock.setsockopt(socket.SOL_SOCKET, grow, size)  # the kernel doubles it
+        try:
             sock.send(notice, socket.MSG_DONTWAIT)
-    except OSError:
-        pass
+            return True
+        except BlockingIOError:
+            continue
+        except OSError as exc:
+            return exc.errno in _PEER_GONE
+    return False
+
+
+def _shut_and_close(sock: socket.socket) -> None:
+    """Hang up at once (``shutdown``: the peer sees it even if the fd lives on), then close."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
     sock.close()
 
 
@@ -638,19 +659,24 @@ def _linger(conns: list[_Conn], linger: float) -> bool:
 
 
 def _close_publisher(
-    acc: _Acceptor, conns: dict[int, _Conn], address: str, ident: tuple[int, int]
+    acc: _Acceptor,
+    conns: dict[int, _Conn],
+    evicting: dict[int, tuple[_Conn, bytes]],
+    address: str,
+    ident: tuple[int, int],
 ) -> None:
     """Tear a publisher down (also its finalizer); warns instead of raising."""
     try:
         acc.stop()
     except Exception as exc:
         _warn(f"stopping the accept thread failed: {exc!r}")
-    for conn in list(conns.values()):
+    for conn in [*conns.values(), *(c for c, _notice in evicting.values())]:
         try:
             _say_bye_and_close(conn.sock)
         except Exception as exc:
             _warn(f"closing subscriber {conn.info.sub_id} failed: {exc!r}")
     conns.clear()
+    evicting.clear()
     try:
         st = os.lstat(address)
         if (st.st_dev, st.st_ino) == ident:
@@ -758,7 +784,7 @@ class PublisherCore:
         self.max_credit = self._book.max_credit
         self.lease_timeout = lease_timeout
         self._next_expiry: float | None = None
-        self.evictions = 0
+        self._evictions = 0
         euid = os.geteuid()
         allowed = frozenset({euid} if allowed_uids is None else (int(u) for u in allowed_uids))
         self.allowed_uids = allowed
@@ -767,6 +793,8 @@ class PublisherCore:
         self._send_timeout = send_timeout
         self._conns: dict[int, _Conn] = {}
         self._by_fd: dict[int, _Conn] = {}
+        #: dropped subscribers whose notice did not fit their socket yet (keep their leases)
+        self._evicting: dict[int, tuple[_Conn, bytes]] = {}
         #: the subscribers' sockets as the compiled wait_releases polls them
         self._poll_set = bytearray()
         self._last_slot = self.num_slots - 1
@@ -806,7 +834,7 @@ class PublisherCore:
             os.unlink(self.address)
             raise
         self._finalizer = weakref.finalize(
-            self, _close_publisher, self._acc, self._conns, self.address, ident
+            self, _close_publisher, self._acc, self._conns, self._evicting, self.address, ident
         )
         self._acc.start()
 
@@ -879,6 +907,15 @@ class PublisherCore:
         """Sequence number the next :meth:`publish` assigns."""
         return self._acc.next_seq
 
+    @property
+    def evictions(self) -> int:
+        """Subscribers evicted so far: held a frame past ``lease_timeout``, or a full socket.
+
+        Each was told why (an eviction notice behind the frames queued for it,
+        none of which it hands out) before its leases came back to the ring.
+        """
+        return self._evictions
+
     def hold(self, slot: int) -> None:
         """Count a local reference (a live producer array) to ``slot``."""
         self._book.hold(slot)
@@ -906,6 +943,8 @@ class PublisherCore:
             self._check_open()  # raises
         if self._acc.pending:
             self._adopt()
+        if self._evicting:
+            timeout = self._retry_notices(timeout)
         if self._spin_ns and timeout != 0.0 and self._by_fd:
             released = self._spin(timeout)
             if released:
@@ -964,6 +1003,8 @@ class PublisherCore:
             self._wait(0.0)
             if self._next_expiry is not None:
                 self._check_leases()
+            if self._evicting:
+                self._retry_notices(None)
             slot = book.pick_free_slot(self._last_slot + 1)
             if slot is not None:
                 return slot, book.readers_to_wait(slot)
@@ -974,6 +1015,8 @@ class PublisherCore:
                     raise SlotBusyError(self._busy_message(timeout))
             if self._next_expiry is not None:
                 remaining = self._until_expiry(remaining)
+            if self._evicting:
+                remaining = _NOTICE_RETRY if remaining is None else min(remaining, _NOTICE_RETRY)
             self._wait(remaining)
 
     def publish(self, slot: int, payload: bytes = b"") -> int:
@@ -1065,7 +1108,7 @@ class PublisherCore:
             conn = self._conns.get(sub_id)
             if conn is not None:
                 seq = min(self._book.held_by(sub_id))
-                self.evictions += 1
+                self._evictions += 1
                 self._drop(
                     conn,
                     f"evicted: held frame {seq} for more than lease_timeout={timeout} s",
@@ -1082,8 +1125,9 @@ class PublisherCore:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0.0:
+                self._evictions += 1
                 self._drop(
-                    conn, f"dropped: its socket stayed full for {self._send_timeout} s", notify=True
+                    conn, f"evicted: its socket stayed full for {self._send_timeout} s", notify=True
                 )
                 return
             poller.poll(_ms(remaining))
@@ -1161,27 +1205,49 @@ class PublisherCore:
             self._drop(conn, f"protocol error: {exc}")
 
     def _drop(self, conn: _Conn, reason: str, notify: bool = False) -> None:
-        """Forget a subscriber, take its leases back, close its socket.
+        """Forget a subscriber: close its socket, then take its leases back.
 
         With ``notify`` (the publisher drops a subscriber that is still there,
-        possibly holding frames), the subscriber is told ``reason`` in a REFUSE
-        after the frames already queued: it reads it as an eviction and stops
-        using those frames.
+        possibly holding frames and with frames queued in its socket), a
+        REFUSE with ``reason`` is queued behind those frames and the
+        connection is shut down before the leases return to the ring: the
+        subscriber, seeing the hang-up, reads everything queued, finds the
+        notice and hands out none of those frames (their slots may be
+        rewritten from then on).  If the notice cannot be queued (the socket
+        is full and its buffer cannot grow), the subscriber keeps its leases
+        and gets no further frame until it fits (:meth:`_retry_notices`).
         """
         info = conn.info
         if self._conns.pop(info.sub_id, None) is None:
             return
         if self._by_fd.pop(conn.fd, None) is not None:
             self._set_poll_set()
-        self._book.remove_subscriber(info.sub_id)
+        self.last_leave_reason = reason
         if notify:
-            _notify_and_close(conn.sock, reason)
-        else:
-            conn.sock.close()
+            notice = proto.encode_refuse(reason)
+            if not _queue_notice(conn.sock, notice):
+                self._book.suspend(info.sub_id)
+                self._evicting[info.sub_id] = (conn, notice)
+                return
+        self._gone(conn)
+
+    def _gone(self, conn: _Conn) -> None:
+        """The connection is over (and told so): hang up, then give back what it held."""
+        _shut_and_close(conn.sock)
+        self._book.remove_subscriber(conn.info.sub_id)
         with self._acc.lock:
             self._acc.count -= 1
-        self.last_leave_reason = reason
-        self._callback(self._on_leave, info, "on_leave")
+        self._callback(self._on_leave, conn.info, "on_leave")
+
+    def _retry_notices(self, timeout: float | None) -> float | None:
+        """Try again to queue the notices that did not fit; ``timeout``, capped while some wait."""
+        for sub_id, (conn, notice) in list(self._evicting.items()):
+            if _queue_notice(conn.sock, notice):
+                del self._evicting[sub_id]
+                self._gone(conn)
+        if self._evicting and (timeout is None or timeout > _NOTICE_RETRY):
+            return _NOTICE_RETRY
+        return timeout
 
     @staticmethod
     def _callback(
@@ -1619,6 +1685,8 @@ class SubscriberCore:
             # Reported once, before what is still queued (a dropped subscriber's
             # notice among it): look there first.
             self._scan_after_hangup()
+            if self._evicted:
+                self._raise_end()
             if self._backlog:
                 return
             self._end("the connection to the publisher was reset")
@@ -1643,9 +1711,7 @@ class SubscriberCore:
                     )
                 if msg.seq in self._held:
                     raise ProtocolError(f"frame {msg.seq} received twice")
-                # The publisher gone: if it dropped us, this frame's lease went
-                # with it, and the notice is queued behind.
-                if not self._backlog and self._hung_up() and self._evicted:
+                if self._revoked():
                     self._raise_end()
                 self._held[msg.seq] = msg.slot
                 return msg
@@ -1656,6 +1722,26 @@ class SubscriberCore:
             raise ProtocolError(f"unexpected {type(msg).__name__} from the publisher")
         except ProtocolError as exc:
             self._protocol_error(exc)
+
+    def _revoked(self) -> bool:
+        """Whether a FRAME just taken from the socket (or the backlog) must not be handed out.
+
+        The one rule for every frame: it is handed out only if, after it was
+        received, the connection had not hung up, or had hung up with no
+        eviction notice queued (a clean BYE or a dead publisher: the frame's
+        lease was not revoked).  The publisher queues the notice and hangs up
+        before it takes an evicted subscriber's leases back, so a hang-up not
+        seen here came after the frame was handed out.  After a hang-up
+        everything still queued is read (:meth:`_scan_after_hangup`); frames
+        in the backlog come from such a complete read that found no notice.
+        (The compiled ``recv_frame`` makes the same check after its receive
+        and hands every frame it cannot vouch for to this one.)
+        """
+        if self._evicted:
+            return True
+        if self._backlog:
+            return False  # read after the hang-up, all of it, and no notice was among it
+        return self._hung_up() and self._evicted
 
     def _scan_after_hangup(self) -> None:
         """Read everything still queued (the publisher has hung up); note an eviction notice."""
