@@ -394,8 +394,10 @@ class Subscriber:
         except ProtocolError:
             self.close()
             raise
-        except EndOfStream:
-            self._settle_if_dead()
+        except EndOfStream as exc:
+            # hung up without a BYE: the producer is dying (its sockets close just
+            # before its pidfd says so); give it a moment, then settle the flags
+            self._settle_if_dead(0.0 if exc.clean or core.evicted else 1.0)
             raise
         if core.alarm and self._alive.poll(0):
             self.close()
@@ -479,11 +481,11 @@ class Subscriber:
 
     # -- the producer's death --
 
-    def _producer_dead(self) -> bool:
-        """True once the producer process has exited (its pidfd is readable)."""
-        return self._pidfd >= 0 and bool(self._alive.poll(0))
+    def _producer_dead(self, wait: float = 0.0) -> bool:
+        """True once the producer process has exited (its pidfd is readable, within ``wait`` s)."""
+        return self._pidfd >= 0 and bool(self._alive.poll(int(wait * 1000)))
 
-    def _settle_if_dead(self) -> None:
+    def _settle_if_dead(self, wait: float = 0.0) -> None:
         """If the producer died, set the frame flags it never wrote that our streams await.
 
         Afterwards no stream of this subscriber waits for the dead producer:
@@ -494,7 +496,7 @@ class Subscriber:
             sync is not None
             and waits is not None
             and not sync.flags.closed
-            and self._producer_dead()
+            and self._producer_dead(wait)
         ):
             waits.resolve(sync.flags)
 
