@@ -24,7 +24,6 @@ import os
 import queue
 import shutil
 import struct
-import sys
 import tempfile
 import time
 from typing import Any
@@ -388,18 +387,3 @@ def run(args: argparse.Namespace) -> int:
     )
     print("\n".join(lines), flush=True)
     return 0 if ok else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the demo from the command line."""
-    from .__main__ import HelpFormatter, program_name
-
-    parser = argparse.ArgumentParser(
-        prog=f"{program_name()} demo", description=DESCRIPTION, formatter_class=HelpFormatter
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
