@@ -1,0 +1,365 @@
+/*
+ * gpu_consumer: a C subscriber of a cupy_ipcpool Publisher, for the GPU tests and the
+ * benchmark (tests/test_c_library_gpu.py, benchmarks/test_bench_c.py).
+ *
+ *   gpu_consumer check SOCKET MODE FULL_EVERY
+ *       Frames are one uint32 array whose element i holds seed * 2654435761 + i
+ *       (mod 2**32), the seed in the metadata (u64).  For every frame the consumer's
+ *       own stream waits on the frame flag, then copies to pinned host memory, on that
+ *       stream, three 4 KiB samples (the first, the last, and one at an offset that
+ *       moves with the seed) and, every FULL_EVERY-th frame (1: every frame), the
+ *       whole frame; it synchronises that stream, checks every copied byte against
+ *       the pattern, and releases the frame on the stream.  No kernel is launched.
+ *   gpu_consumer bench SOCKET
+ *       The round trip's consumer: wait on the frame flag, release, nothing else; the
+ *       metadata (i64) must count 1, 2, 3, ... (negative on the last frame).
+ *   gpu_consumer attach DESC_HEX HANDLE_HEX TRANSPORT
+ *       Attach a pool from its descriptor bytes (TRANSPORT: auto, pidfd or socket), turn
+ *       the handle bytes into an array (a uint32 vector filled with the pattern of seed
+ *       1), copy it to the host and check every element; then check that a handle of an
+ *       older generation of the slot is refused.
+ *   gpu_consumer death SOCKET
+ *       Receive one frame, make the stream wait on it, print "waiting"; then receive
+ *       again (the test kills the producer meanwhile) and synchronise the stream: it
+ *       must return although the producer never wrote the flag.
+ *
+ * Prints "ready" once subscribed, and one JSON line at the end.  Exit status 0 on
+ * success.
+ */
+#define _GNU_SOURCE
+#include "cupy_ipcpool.h"
+
+#include <dirent.h>
+#include <inttypes.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef int (*stream_create_t)(void **, unsigned int);
+typedef int (*stream_destroy_t)(void *);
+typedef int (*copy_t)(void *, uint64_t, size_t, void *);
+typedef int (*sync_t)(void *);
+typedef int (*alloc_host_t)(void **, size_t);
+typedef int (*free_host_t)(void *);
+
+static stream_create_t stream_create;
+static stream_destroy_t stream_destroy;
+static copy_t copy_async;
+static sync_t stream_sync;
+static alloc_host_t alloc_host;
+static free_host_t free_host;
+
+#define SAMPLE 4096u
+
+static int
+count_fds(void)
+{
+    DIR *d = opendir("/proc/self/fd");
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL)
+        if (e->d_name[0] != '.')
+            n++;
+    closedir(d);
+    return n - 1;
+}
+
+static int
+die(const char *what, cip_status st)
+{
+    printf("{\"error\": \"%s: %s: %s\"}\n", what, cip_status_name(st), cip_last_error());
+    return 1;
+}
+
+static int
+load_symbols(void)
+{
+    *(void **)&stream_create = cip_cuda_symbol("cuStreamCreate");
+    *(void **)&stream_destroy = cip_cuda_symbol("cuStreamDestroy");
+    *(void **)&copy_async = cip_cuda_symbol("cuMemcpyDtoHAsync");
+    *(void **)&stream_sync = cip_cuda_symbol("cuStreamSynchronize");
+    *(void **)&alloc_host = cip_cuda_symbol("cuMemAllocHost");
+    *(void **)&free_host = cip_cuda_symbol("cuMemFreeHost");
+    return stream_create && stream_destroy && copy_async && stream_sync && alloc_host && free_host;
+}
+
+/* Elements [first, first + count) of the frame of `seed` that do not hold the pattern. */
+static uint64_t
+mismatches(const uint32_t *got, uint64_t first, uint64_t count, uint64_t seed)
+{
+    uint32_t base = (uint32_t)(seed * 2654435761ull);
+    uint64_t bad = 0;
+    for (uint64_t i = 0; i < count; i++)
+        bad += got[i] != (uint32_t)(base + (uint32_t)(first + i));
+    return bad;
+}
+
+static cip_sub *
+open_sub(const char *path, int mode, cip_status *st)
+{
+    cip_sub_options o;
+    cip_sub_options_init(&o);
+    o.mode = mode;
+    o.timeout_ms = 30000;
+    cip_sub *sub = NULL;
+    *st = cip_sub_open(path, &o, &sub);
+    return sub;
+}
+
+static int
+check(const char *path, int mode, long full_every)
+{
+    cip_status st;
+    cip_sub *sub = open_sub(path, mode, &st);
+    if (sub == NULL)
+        return die("open", st);
+    cip_use_device(cip_sub_device(sub));
+    void *stream = NULL;
+    uint32_t *host = NULL;
+    size_t host_bytes = 0;
+    uint32_t *samples = NULL;
+    if (stream_create(&stream, 0) != 0 || alloc_host((void **)&samples, 3 * SAMPLE) != 0) {
+        printf("{\"error\": \"cannot make a stream or pinned memory\"}\n");
+        return 1;
+    }
+    printf("ready\n");
+    fflush(stdout);
+    uint64_t frames = 0, full = 0, bad = 0, checked = 0, order = 0, last_seq = 0, gaps = 0;
+    int have = 0;
+    for (;;) {
+        cip_frame f;
+        st = cip_sub_recv(sub, 60000, &f);
+        if (st == CIP_ERR_END_OF_STREAM)
+            break;
+        if (st != CIP_OK)
+            return die("recv", st);
+        if (have && f.seq != last_seq + 1)
+            gaps++;
+        if (have && f.seq <= last_seq)
+            order++;
+        have = 1;
+        last_seq = f.seq;
+        uint64_t seed = 0;
+        if (f.metadata_len != 8 || f.num_arrays != 1 || f.arrays[0].dtype != CIP_UINT32 ||
+            f.arrays[0].ndim != 1 || f.arrays[0].strides[0] != 4) {
+            printf("{\"error\": \"frame %" PRIu64 " is not one uint32 vector\"}\n", f.seq);
+            return 1;
+        }
+        memcpy(&seed, f.metadata, 8);
+        const cip_array *a = &f.arrays[0];
+        uint64_t n = a->shape[0];
+        if ((st = cip_frame_wait(sub, &f, stream)) != CIP_OK)
+            return die("wait", st);
+        int whole = full_every > 0 && frames % (uint64_t)full_every == 0;
+        uint64_t k = n * 4 < SAMPLE ? n : SAMPLE / 4; /* elements per sample */
+        uint64_t offs[3] = {0, n - k, (seed * 7919u) % (n - k + 1)};
+        if (whole && host_bytes < n * 4) {
+            if (host)
+                free_host(host);
+            host_bytes = n * 4;
+            if (alloc_host((void **)&host, host_bytes) != 0) {
+                printf("{\"error\": \"cannot allocate %zu pinned bytes\"}\n", host_bytes);
+                return 1;
+            }
+        }
+        for (int s = 0; s < 3; s++)
+            copy_async(samples + s * (SAMPLE / 4), a->data + 4 * offs[s], 4 * k, stream);
+        if (whole)
+            copy_async(host, a->data, 4 * n, stream);
+        if (stream_sync(stream) != 0) {
+            printf("{\"error\": \"the stream failed\"}\n");
+            return 1;
+        }
+        for (int s = 0; s < 3; s++)
+            bad += mismatches(samples + s * (SAMPLE / 4), offs[s], k, seed);
+        checked += 3 * 4 * k;
+        if (whole) {
+            bad += mismatches(host, 0, n, seed);
+            checked += 4 * n;
+            full++;
+        }
+        if ((st = cip_sub_release(sub, &f, stream)) != CIP_OK)
+            return die("release", st);
+        frames++;
+    }
+    stream_sync(stream);
+    cip_sub_close(sub);
+    stream_destroy(stream);
+    free_host(samples);
+    if (host)
+        free_host(host);
+    printf("{\"frames\": %" PRIu64 ", \"full_checks\": %" PRIu64 ", \"mismatches\": %" PRIu64
+           ", \"bytes_checked\": %" PRIu64 ", \"out_of_order\": %" PRIu64 ", \"gaps\": %" PRIu64
+           ", \"last_seq\": %" PRIu64 "}\n",
+           frames, full, bad, checked, order, gaps, last_seq);
+    return 0;
+}
+
+static int
+bench(const char *path)
+{
+    cip_status st;
+    cip_sub *sub = open_sub(path, CIP_MODE_BLOCK, &st);
+    if (sub == NULL)
+        return die("open", st);
+    cip_use_device(cip_sub_device(sub));
+    void *stream = NULL;
+    stream_create(&stream, 0);
+    printf("ready\n");
+    fflush(stdout);
+    int64_t last = 0;
+    uint64_t frames = 0, bad = 0;
+    for (;;) {
+        cip_frame f;
+        st = cip_sub_recv(sub, 60000, &f);
+        if (st == CIP_ERR_END_OF_STREAM)
+            break;
+        if (st != CIP_OK)
+            return die("recv", st);
+        int64_t value = 0;
+        if (f.metadata_len >= 8)
+            memcpy(&value, f.metadata, 8);
+        if (llabs(value) != last + 1)
+            bad++;
+        last = llabs(value);
+        if ((st = cip_frame_wait(sub, &f, stream)) != CIP_OK)
+            return die("wait", st);
+        if ((st = cip_sub_release(sub, &f, stream)) != CIP_OK)
+            return die("release", st);
+        frames++;
+    }
+    stream_sync(stream);
+    cip_sub_close(sub);
+    stream_destroy(stream);
+    printf("{\"frames\": %" PRIu64 ", \"bad_frames\": %" PRIu64 ", \"mismatches\": 0}\n", frames,
+           bad);
+    return 0;
+}
+
+static int
+death(const char *path)
+{
+    /* the context first: its own fds are not the subscription's */
+    cip_status st = cip_use_device(0);
+    if (st != CIP_OK)
+        return die("device 0", st);
+    void *stream = NULL;
+    stream_create(&stream, 0);
+    int before = count_fds();
+    cip_sub *sub = open_sub(path, CIP_MODE_BLOCK, &st);
+    if (sub == NULL)
+        return die("open", st);
+    if (cip_sub_device(sub) != 0) {
+        printf("{\"error\": \"the pool is on device %d, this test uses 0\"}\n",
+               cip_sub_device(sub));
+        return 1;
+    }
+    printf("ready\n");
+    fflush(stdout);
+    cip_frame f;
+    if ((st = cip_sub_recv(sub, 60000, &f)) != CIP_OK)
+        return die("recv", st);
+    if ((st = cip_frame_wait(sub, &f, stream)) != CIP_OK)
+        return die("wait", st);
+    printf("waiting\n");
+    fflush(stdout);
+    cip_frame g;
+    cip_status end = cip_sub_recv(sub, 60000, &g);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    alarm(30); /* a stream that waits forever fails the test instead of hanging it */
+    int rc = stream_sync(stream);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    cip_status released = cip_sub_release(sub, &f, stream);
+    cip_sub_close(sub);
+    stream_destroy(stream);
+    double waited = (double)(t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) / 1e9;
+    printf("{\"end\": \"%s\", \"sync_rc\": %d, \"sync_s\": %.3f, \"release\": \"%s\", "
+           "\"fds_before\": %d, \"fds_after\": %d}\n",
+           cip_status_name(end), rc, waited, cip_status_name(released), before, count_fds());
+    return 0;
+}
+
+static size_t
+unhex(const char *s, uint8_t *out, size_t cap)
+{
+    size_t n = strlen(s) / 2;
+    if (n > cap)
+        n = cap;
+    for (size_t i = 0; i < n; i++) {
+        unsigned v;
+        sscanf(s + 2 * i, "%2x", &v);
+        out[i] = (uint8_t)v;
+    }
+    return n;
+}
+
+static int
+attach(const char *desc_hex, const char *handle_hex, const char *transport_name)
+{
+    static uint8_t desc[1 << 16], handle[1024];
+    size_t dn = unhex(desc_hex, desc, sizeof desc), hn = unhex(handle_hex, handle, sizeof handle);
+    int transport = !strcmp(transport_name, "pidfd")    ? CIP_TRANSPORT_PIDFD
+                    : !strcmp(transport_name, "socket") ? CIP_TRANSPORT_SOCKET
+                                                        : CIP_TRANSPORT_AUTO;
+    cip_pool *pool = NULL;
+    cip_status st = cip_pool_attach(desc, dn, -1, transport, &pool);
+    if (st != CIP_OK)
+        return die("attach", st);
+    cip_array a;
+    if ((st = cip_array_from_handle(pool, handle, hn, &a)) != CIP_OK)
+        return die("array", st);
+    if (a.dtype != CIP_UINT32 || a.ndim != 1 || a.strides[0] != 4)
+        return die("array geometry", CIP_ERR_DESCRIPTOR);
+    cip_use_device(cip_pool_device(pool));
+    void *stream = NULL;
+    uint32_t *host = NULL;
+    stream_create(&stream, 0);
+    alloc_host((void **)&host, a.nbytes ? a.nbytes : 4);
+    copy_async(host, a.data, a.nbytes, stream);
+    stream_sync(stream);
+    uint64_t bad = mismatches(host, 0, a.shape[0], 1);
+    const char *stale = "-";
+    if (a.generation > 0) { /* the same handle, one generation older */
+        uint64_t older = a.generation - 1;
+        for (int i = 0; i < 8; i++)
+            handle[4 + i] = (uint8_t)(older >> (8 * i));
+        cip_array b;
+        stale = cip_status_name(cip_array_from_handle(pool, handle, hn, &b));
+    }
+    printf("{\"num_slots\": %u, \"nbytes\": %" PRIu64 ", \"mismatches\": %" PRIu64
+           ", \"older_generation\": \"%s\"}\n",
+           cip_pool_num_slots(pool), a.nbytes, bad, stale);
+    free_host(host);
+    stream_destroy(stream);
+    cip_pool_close(pool);
+    return 0;
+}
+
+int
+main(int argc, char **argv)
+{
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    if (argc < 3) {
+        fprintf(stderr, "usage: %s check|bench|death SOCKET [MODE FULL_EVERY]\n", argv[0]);
+        return 2;
+    }
+    if (!load_symbols()) {
+        printf("{\"error\": \"no CUDA driver: %s\"}\n", cip_last_error());
+        return 1;
+    }
+    if (!strcmp(argv[1], "check") && argc >= 5)
+        return check(argv[2], !strcmp(argv[3], "latest") ? CIP_MODE_LATEST : CIP_MODE_BLOCK,
+                     atol(argv[4]));
+    if (!strcmp(argv[1], "bench"))
+        return bench(argv[2]);
+    if (!strcmp(argv[1], "attach") && argc >= 5)
+        return attach(argv[2], argv[3], argv[4]);
+    if (!strcmp(argv[1], "death"))
+        return death(argv[2]);
+    fprintf(stderr, "unknown mode %s\n", argv[1]);
+    return 2;
+}
