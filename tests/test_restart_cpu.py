@@ -39,7 +39,7 @@ from cupy_ipcpool._errors import (
     UsageError,
 )
 from cupy_ipcpool.channel._follow import Follower, check_wait, connect_waiting
-from cupy_ipcpool.channel._session import PublisherCore, SubscriberCore
+from cupy_ipcpool.channel._publisher_core import PublisherCore
 from cupy_ipcpool.channel._settle import (
     DepartedReader,
     close_pidfd,
@@ -48,6 +48,7 @@ from cupy_ipcpool.channel._settle import (
     settle_page,
     settle_streams,
 )
+from cupy_ipcpool.channel._subscriber_core import SubscriberCore
 from cupy_ipcpool.channel._syncpage import (
     FORCED,
     FlagLayout,
@@ -673,3 +674,25 @@ def test_a_live_producers_flags_are_never_forced(spawn: Callable[..., Child]) ->
     finally:
         close_pidfd(pidfd)
         page.close()
+
+
+# -- the public entry points' checks (no publisher needed) -----------------------------
+
+
+def test_wait_and_follow_are_for_local_publishers_and_follow_checks_its_options() -> None:
+    import cupy_ipcpool as cip
+
+    with pytest.raises(UsageError, match="local publishers"):
+        cip.subscribe("ucx://127.0.0.1:1", wait=1.0)
+    with pytest.raises(UsageError, match="ucx"):
+        cip.follow("ucx://127.0.0.1:1")
+    with pytest.raises(UsageError, match="unexpected keyword"):
+        cip.follow("/tmp/x.sock", credits=3)  # a typo is reported now, not at the first recv
+    with pytest.raises(UsageError, match="mode"):
+        cip.follow("/tmp/x.sock", mode="newest")
+    with pytest.raises(UsageError, match="seconds"):
+        cip.follow("/tmp/x.sock", wait=-1)
+    follower = cip.follow("/tmp/x.sock", mode="latest", credit=2, wait=5.0)
+    assert follower.subscriber is None and follower.reconnects == 0 and not follower.closed
+    assert "waiting" in repr(follower)
+    follower.close()

@@ -42,6 +42,7 @@ from .._errors import (
 )
 from .._handles import ArrayHandle
 from .._pool import DEFAULT_TIMEOUT, IpcPool, SlotToken
+from ._handshake import SubscriberInfo
 from ._payload import (
     FRAME_HEAD,
     MAX_ARRAYS,
@@ -50,7 +51,7 @@ from ._payload import (
     WELCOME_HEAD,
     hotpath,
 )
-from ._session import PublisherCore, SubscriberInfo
+from ._publisher_core import PublisherCore
 from ._settle import DepartedReader, PageStreams, close_pidfd, exited, open_pidfd, settle_page
 from ._syncpage import SyncPage, raise_driver_error
 
@@ -381,7 +382,9 @@ class Publisher:
     def _on_leave(self, info: SubscriberInfo) -> None:
         # Our streams may wait on the read flags of a subscriber that read frames (it
         # was adopted): if it is dead, those writes died with its CUDA context, so they
-        # are made here; if it lives, its row waits among the departed.
+        # are made here.  No new wait on its row is queued from now on, so once its
+        # flags are in, or our streams have run dry, nothing waits on it; until then
+        # (it lives, its writes will come) its row waits among the departed.
         with self._lock:
             row = self._rows.pop(info.sub_id, None)
             pidfd = self._pidfds.pop(info.sub_id, -1)
@@ -394,24 +397,27 @@ class Publisher:
             if exited(pidfd):
                 gone.force(self._sync.flags, self._sync.layout)
                 gone.close()
-            elif gone.settled(self._sync.flags, self._sync.layout):
+            elif gone.settled(self._sync.flags, self._sync.layout) or self._streams.idle():
                 gone.close()
             else:
                 self._departed.append(gone)
 
     def _settle_departed(self) -> None:
-        """Look (at most every 10 ms) whether departed subscribers died or wrote their flags."""
+        """Look (at most every 10 ms) whether departed subscribers died or wrote their flags,
+        or whether our streams have run past every wait (then none waits on them)."""
         now = time.monotonic()
         if now < self._next_settle:
             return
         self._next_settle = now + _DEPARTED_EVERY
+        flags, layout = self._sync.flags, self._sync.layout
         with self._lock:
+            idle = self._streams.idle()
             keep = []
             for gone in self._departed:
                 if exited(gone.pidfd):
-                    gone.force(self._sync.flags, self._sync.layout)
+                    gone.force(flags, layout)
                     gone.close()
-                elif gone.settled(self._sync.flags, self._sync.layout):
+                elif idle or gone.settled(flags, layout):
                     gone.close()
                 else:
                     keep.append(gone)
