@@ -398,8 +398,11 @@ def test_producer_sigkill_ends_the_stream_and_held_frames_stay_readable(address)
     assert not info.value.clean
     for seq, frame in enumerate(frames):
         np.testing.assert_array_equal(cp.asnumpy(frame.array), expected(1 << 18, seq + 1))
+        assert frame.complete  # its flag was the producer's own
         frame.release()  # no one to return it to: must not raise
+    forced = sub.forced_flags
     sub.close()
+    assert forced == 0 and all(f.complete for f in frames)
 
 
 def test_clean_close_ends_iteration(address):
