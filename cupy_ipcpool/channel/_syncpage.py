@@ -497,9 +497,15 @@ class SyncPage:
                 _driver.call("cuMemHostUnregister", self.flags.address)
             except Exception:
                 # still registered: leave the mapping in place rather than unmap
-                # memory the driver may touch
+                # memory the driver may touch, and keep it from being collected
+                # (collecting the mmap would unmap it under the registration)
+                _STILL_REGISTERED.append(self.flags)
                 return
         self.flags.close()
+
+
+#: Mappings whose unregistration failed: kept for the life of the process.
+_STILL_REGISTERED: list[SharedFlags] = []
 
 
 def raise_driver_error(call: str, rc: int) -> NoReturn:
