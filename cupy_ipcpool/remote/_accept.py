@@ -28,7 +28,7 @@ from .._errors import ProtocolError
 from . import _auth as auth
 from . import _io
 from . import _wire as wire
-from ._admission import WAIT_PROOF, HandshakeBook, address_key
+from ._admission import WAIT_HELLO, WAIT_PROOF, HandshakeBook, address_key
 
 #: Seconds a connecting subscriber has, from accept, to finish the handshake.
 HANDSHAKE_TIMEOUT = 5.0
@@ -51,6 +51,7 @@ class Joined:
 class _Handshake:
     sock: socket.socket
     peer: str
+    address: int
     reader: _io.MessageReader = field(default_factory=_io.MessageReader)
     hello: wire.Hello | None = None
     hello_raw: bytes = b""
@@ -182,17 +183,38 @@ class Acceptor:
             host = str(addr[0])
             peer = f"[{host}]:{addr[1]}" if ":" in host else f"{host}:{addr[1]}"
             fd = conn.fileno()
-            for old in self._book.admit(fd, address_key(host), time.monotonic()):
+            key = address_key(host)
+            self._before_eviction(key, WAIT_HELLO)
+            for old in self._book.admit(fd, key, time.monotonic()):
                 self._end(
                     old,
-                    f"{self._book.per_address} handshakes from {host} were waiting; this one, "
+                    f"{wire.REFUSE_BUSY}{self._book.per_address} handshakes from {host} were "
+                    "waiting; this one, "
                     "the oldest, made room for a newer one",
                     booked=False,
                 )
-            hs = _Handshake(conn, peer)
+            hs = _Handshake(conn, peer, key)
             self._handshakes[fd] = hs
             self._poller.register(fd, select.POLLIN)
             self._on_readable(fd, hs)  # the HELLO is often there already
+
+    def _before_eviction(self, address: int, stage: int) -> None:
+        """Let the handshakes that one more of ``address`` would push out read what they got.
+
+        The oldest of an address and stage goes only if it is still waiting
+        once what it already sent is read: a subscriber whose message arrived
+        moves on, whatever the number of connections behind it.
+        """
+        seen = set()
+        while True:
+            victim = self._book.next_to_go(address, stage)
+            if victim is None or victim in seen:
+                return
+            seen.add(victim)
+            hs = self._handshakes.get(victim)
+            if hs is None:
+                return
+            self._on_readable(victim, hs)
 
     def _on_readable(self, fd: int, hs: _Handshake) -> None:
         try:
@@ -224,11 +246,15 @@ class Acceptor:
             if sent != len(hs.challenge):  # a fresh socket that cannot take 100 bytes
                 self._end(fd, "the peer does not read")
                 return
+            self._before_eviction(hs.address, WAIT_PROOF)
+            if fd not in self._handshakes:
+                return
             for old in self._book.advance(fd, WAIT_PROOF):
                 self._end(
                     old,
-                    f"{self._book.per_address} handshakes from {hs.peer.rsplit(':', 1)[0]} "
-                    "owed their proof; this one, the oldest, made room for a newer one",
+                    f"{wire.REFUSE_BUSY}{self._book.per_address} handshakes from the address of "
+                    f"{hs.peer} owed "
+                    "their proof; this one, the oldest, made room for a newer one",
                     booked=False,
                 )
             return

@@ -128,6 +128,13 @@ class HandshakeBook:
             return entry.deadline
         return None
 
+    def next_to_go(self, address: int, stage: int) -> int | None:
+        """The key that one more handshake of ``address`` in ``stage`` would push out (or None)."""
+        same = self._by_stage.get((address, stage), {})
+        if len(same) < self.per_address:
+            return None
+        return next(iter(same))
+
     def stage(self, key: int) -> int:
         """The stage of ``key``."""
         return self._entries[key].stage

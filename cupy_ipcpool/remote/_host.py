@@ -26,7 +26,9 @@ from typing import Any
 import numpy
 
 from .._errors import EndOfStream, ProtocolError, UsageError
-from ..channel._session import PublisherCore, SubscriberCore, SubscriberInfo
+from ..channel._handshake import SubscriberInfo
+from ..channel._publisher_core import PublisherCore
+from ..channel._subscriber_core import SubscriberCore
 from . import _wire as wire
 from ._memory import HostSlots
 

@@ -338,7 +338,7 @@ class RemoteServer:
 
     def _poll_timeout(self) -> int:
         deadlines = [self._book.next_deadline(self.send_timeout)]
-        if self._source_end is not None or self._orphans:
+        if self._source_end is not None or self._orphans or self._closing_eps:
             deadlines.append(time.monotonic() + 0.1)
         due = [d for d in deadlines if d is not None]
         if not due:
@@ -467,6 +467,10 @@ class RemoteServer:
     def _reap_sends(self) -> None:
         if self._orphans:
             self._orphans = [r for r in self._orphans if ucx.request_state(r) is None]
+        if self._closing_eps:  # an endpoint goes (with its sockets) once it has closed
+            self._closing_eps = [
+                (r, e) for r, e in self._closing_eps if ucx.request_state(r) is None
+            ]
         if not self._sends:
             return
         still = []

@@ -31,6 +31,11 @@ from . import _wire as wire
 from ._credit import ClientBook
 from ._errors import AuthenticationError
 
+#: Start of the message of a refusal that a new attempt may overcome.
+_BUSY = "busy: the server at "
+#: Seconds between attempts after such a refusal.
+_RETRY = 0.02
+
 
 @dataclass
 class Received:
@@ -139,23 +144,34 @@ class ClientSession:
         # follows the CHALLENGE at once: the server admits a handshake per
         # source address for a bounded time, and a quick one is never pushed out.
         self.worker: ucx.Worker | None = ucx.Worker(loopback_only=ucx.is_loopback(host))
-        try:
-            sock = socket.create_connection((host, port), timeout=timeout)
-        except OSError as exc:
-            self.worker.close()
-            raise TransportError(
-                exc.errno or 0,
-                f"cannot connect to the remote server at {address}: {exc.strerror or exc} "
-                "(is it serving, and is its port reachable from here?)",
-            ) from None
-        self.sock = sock
-        try:
-            _io.configure(sock)
-            self._handshake(key, insecure, deadline)
-            sink.setup(self.max_frame)
-        except BaseException:
-            self.close(bye=False)
-            raise
+        while True:
+            try:
+                sock = socket.create_connection((host, port), timeout=timeout)
+            except OSError as exc:
+                self.worker.close()
+                raise TransportError(
+                    exc.errno or 0,
+                    f"cannot connect to the remote server at {address}: {exc.strerror or exc} "
+                    "(is it serving, and is its port reachable from here?)",
+                ) from None
+            self.sock = sock
+            try:
+                _io.configure(sock)
+                self._handshake(key, insecure, deadline)
+                sink.setup(self.max_frame)
+                break
+            except PeerRefusedError as exc:
+                # Pushed out by newer handshakes from this address (a flood, or many
+                # subscribers at once): try again, with a new connection, in time.
+                if _BUSY not in str(exc) or time.monotonic() + _RETRY > deadline:
+                    self.close(bye=False)
+                    raise
+                with contextlib.suppress(OSError):
+                    sock.close()
+                time.sleep(_RETRY)
+            except BaseException:
+                self.close(bye=False)
+                raise
         sock.setblocking(False)
         self.reader = _io.MessageReader()
 
@@ -166,6 +182,8 @@ class ClientSession:
         _io.send_all(sock, hello, max(0.0, deadline - time.monotonic()))
         msg, challenge = _io.recv_message(sock, deadline)
         if isinstance(msg, wire.Refuse):
+            if msg.reason.startswith(wire.REFUSE_BUSY):
+                raise PeerRefusedError(f"{_BUSY}{self.address} refused: {msg.reason}")
             raise PeerRefusedError(f"the server at {self.address} refused: {msg.reason}")
         if not isinstance(msg, wire.Challenge):
             raise ProtocolError(f"expected CHALLENGE, got {type(msg).__name__}")

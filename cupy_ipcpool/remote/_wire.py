@@ -463,6 +463,8 @@ def data_tag(key: int, seq: int, index: int) -> int:
 
 
 DEFAULT_PORT = 13337
+#: Start of a REFUSE reason that means "busy, try again" (a handshake pushed out by newer ones).
+REFUSE_BUSY = "busy: "
 
 
 def parse_address(address: str) -> tuple[str, int]:
