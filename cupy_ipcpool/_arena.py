@@ -67,7 +67,7 @@ class SlotArena:
         Alignment of every block (a power of two, at least 256).
     """
 
-    def __init__(self, capacity: int, slot: int = 0, alignment: int = ALIGNMENT) -> None:
+    def __init__(self, capacity: int, *, slot: int = 0, alignment: int = ALIGNMENT) -> None:
         if alignment < ALIGNMENT or alignment & (alignment - 1):
             raise UsageError(f"alignment must be a power of two >= {ALIGNMENT}, got {alignment}")
         self.capacity = capacity
@@ -378,7 +378,8 @@ class AllocationScope:
             owner = Block(keepalive, refs, slot, arena, offset)
             return memory_pointer(unowned(base + offset, nbytes, owner, device), 0)
 
-        self.allocate = allocate
+        #: The allocator function installed with ``cupy.cuda.using_allocator``.
+        self._allocate = allocate
 
 
 __all__ = [

@@ -183,8 +183,8 @@ class SlotToken:
                 "acquire a new one"
             )
 
-    def array(self, shape: Any, dtype: Any = numpy.float32) -> Any:
-        """A ``cupy.ndarray`` carved out of the slot (uninitialised).
+    def array(self, shape: Any, dtype: Any = numpy.float64) -> Any:
+        """A ``cupy.ndarray`` carved out of the slot (uninitialised), as ``cupy.empty``.
 
         Arrays of one token do not overlap: they come from the slot's arena,
         as allocations under :meth:`allocating` do, ordered on :attr:`stream`.
@@ -195,6 +195,13 @@ class SlotToken:
         array per frame.  While anything refers to it (the array, a slice or
         view of it, a DLPack capsule or tensor made from it) the slot stays
         busy, as with any live array.
+
+        Parameters
+        ----------
+        shape:
+            Array shape (an int or a tuple of ints).
+        dtype:
+            A numeric numpy dtype (default ``float64``, as ``cupy.empty``).
 
         Raises
         ------
@@ -570,7 +577,7 @@ class IpcPool:
     def array(
         self,
         shape: Any = None,
-        dtype: Any = numpy.uint8,
+        dtype: Any = numpy.float64,
         *,
         slot: int | None = None,
         offset: int = 0,
@@ -586,7 +593,7 @@ class IpcPool:
         shape:
             Array shape; default: as many items of ``dtype`` as fit in the slot.
         dtype:
-            A numeric numpy dtype.
+            A numeric numpy dtype (default ``float64``, as ``cupy.empty``).
         slot:
             Slot index (default: the current slot).
         offset:
@@ -622,10 +629,10 @@ class IpcPool:
             with self._lock:
                 arena = arenas[slot]
                 if arena is None:
-                    arena = arenas[slot] = SlotArena(self._slot_nbytes, slot)
+                    arena = arenas[slot] = SlotArena(self._slot_nbytes, slot=slot)
         return arena
 
-    def kept_view(self, slot: int) -> ReusableView | None:
+    def _kept_view(self, slot: int) -> ReusableView | None:
         """``slot``'s reusable view (what ``token.array`` hands out again), or None.
 
         For the channel's publisher, which caches a view's wire form on it.
@@ -891,5 +898,5 @@ class IpcPool:
         scope = AllocationScope(
             self._arena(slot), self._ptrs[slot], self._mem, self._table, self._device, overflow
         )
-        with cp.cuda.Device(self._device), cp.cuda.using_allocator(scope.allocate):
+        with cp.cuda.Device(self._device), cp.cuda.using_allocator(scope._allocate):
             yield scope

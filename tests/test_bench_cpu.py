@@ -1281,17 +1281,17 @@ def test_run_paired_rotates_three_lanes_and_pairs_each_pass(monkeypatch):
         ]
 
     monkeypatch.setattr(bench, "run_lane", fake_run_lane)
-    rows = bench.run_paired(0, (1,), passes=3, progress=lambda line: None)
+    rows = bench.run_paired(0, sizes_mib=(1,), passes=3, progress=lambda line: None)
     a, f, o = "cupy_ipcpool", "socket_gpu_floor", "ordered_floor"
     assert order == [a, f, o, f, o, a, o, a, f]  # each lane first once in three passes
     assert [(r["numerator"], r["denominator"]) for r in rows] == [(a, f), (a, o), (o, f)]
     assert rows[1]["pass_p50_us"] == [[90.0, 75.0], [91.0, 76.0], [92.0, 77.0]]
     # a pair whose lane did not run makes no row
     order.clear()
-    rows = bench.run_paired(0, (1,), passes=2, lanes=(a, f), progress=lambda line: None)
+    rows = bench.run_paired(0, sizes_mib=(1,), passes=2, lanes=(a, f), progress=lambda line: None)
     assert [(r["numerator"], r["denominator"]) for r in rows] == [(a, f)]
     with pytest.raises(ValueError, match="two lanes or more"):
-        bench.run_paired(0, (1,), passes=2, lanes=(a, a))
+        bench.run_paired(0, sizes_mib=(1,), passes=2, lanes=(a, a))
 
 
 def test_run_paired_alternates_the_lanes_and_pairs_each_pass(monkeypatch):
@@ -1308,7 +1308,11 @@ def test_run_paired_alternates_the_lanes_and_pairs_each_pass(monkeypatch):
     monkeypatch.setattr(bench, "run_lane", fake_run_lane)
     lines = []
     rows = bench.run_paired(
-        3, (1, 64), passes=3, lanes=("cupy_ipcpool", "socket_gpu_floor"), progress=lines.append
+        3,
+        sizes_mib=(1, 64),
+        passes=3,
+        lanes=("cupy_ipcpool", "socket_gpu_floor"),
+        progress=lines.append,
     )
     assert order == [
         "cupy_ipcpool",

@@ -68,6 +68,22 @@ def test_views_offsets_strides_and_bounds(cp):
             pool.array(slot=2)
 
 
+@pytest.mark.timeout(60)
+def test_arrays_default_to_the_dtype_of_cupy_empty(cp):
+    with cip.IpcPool(2, MiB + 4) as pool:
+        whole = pool.array(slot=1)  # as many items of the default dtype as fit
+        assert whole.dtype == cp.empty(1).dtype == np.float64
+        assert whole.shape == ((MiB + 4) // 8,) and whole.data.ptr == pool.ptr(1)
+        with pool.acquire(slot=0) as token:
+            a = token.array((16, 4))
+            assert a.dtype == cp.empty((16, 4)).dtype and a.shape == (16, 4)
+            a[...] = 0.5
+            h = token.handle(a)
+            assert h.dtype == np.float64 and h.shape == (16, 4)
+        assert float(pool.array_from_handle(h).sum()) == 32.0
+        del whole, a
+
+
 def test_next_wraps_and_tracks_generation():
     with cip.IpcPool(3, MiB) as pool:
         seen = [pool.current]

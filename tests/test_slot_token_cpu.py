@@ -9,6 +9,7 @@ as in ``test_session.py``; nothing is faked.
 from __future__ import annotations
 
 import gc
+import inspect
 import multiprocessing as mp
 import sys
 import threading
@@ -237,3 +238,25 @@ def test_take_waits_for_peer_leases_and_wakes_when_they_come_back(address: str) 
             parent.close()
         table.remove_source(source)
         assert table.sources == ()
+
+
+# ------------------------------------------------------------- the array calls' defaults
+
+
+@pytest.mark.parametrize("method", ["IpcPool.array", "SlotToken.array"])
+def test_array_calls_default_to_the_dtype_of_cupy_empty(method: str) -> None:
+    """``pool.array()`` and ``token.array(shape)`` make what ``cupy.empty(shape)`` makes
+    (float64); the GPU tests check the arrays themselves."""
+    import cupy  # imports without a GPU
+    import numpy
+
+    import cupy_ipcpool as cip
+
+    cls, name = method.split(".")
+    params = inspect.signature(getattr(getattr(cip, cls), name)).parameters
+    expected = numpy.dtype(inspect.signature(cupy.empty).parameters["dtype"].default)
+    assert numpy.dtype(params["dtype"].default) == expected == numpy.float64
+    # shape and dtype are the obvious first arguments; everything after them is keyword-only
+    kinds = [p.kind for p in params.values()]
+    assert list(params)[1:3] == ["shape", "dtype"]
+    assert all(k is inspect.Parameter.KEYWORD_ONLY for k in kinds[3:])

@@ -400,8 +400,8 @@ def _stderr(line: str) -> None:
 
 def run_attach_scan(
     device: int = 0,
-    slot_counts: Sequence[int] = ATTACH_SLOTS,
     *,
+    slot_counts: Sequence[int] = ATTACH_SLOTS,
     iters: int = ATTACH_ITERS,
     slot_nbytes: int = ATTACH_SLOT_NBYTES,
 ) -> list[dict[str, Any]]:
@@ -448,8 +448,8 @@ def run_attach_scan(
 
 def run_fanout(
     device: int = 0,
-    counts: Sequence[int] = FANOUT,
     *,
+    counts: Sequence[int] = FANOUT,
     nbytes: int = FANOUT_NBYTES,
     schedule: Schedule | None = None,
 ) -> list[dict[str, Any]]:
@@ -473,8 +473,8 @@ def run_fanout(
 
 def run_paired(
     device: int = 0,
-    sizes_mib: Sequence[int] = PAIRED_SIZES_MIB,
     *,
+    sizes_mib: Sequence[int] = PAIRED_SIZES_MIB,
     passes: int = 4,
     lanes: Sequence[str] = PAIRED_LANES,
     pairs: Sequence[tuple[str, str]] = PAIRED_PAIRS,

@@ -94,7 +94,7 @@ extern "C" __global__ void cipbench_check(const int* __restrict__ a, unsigned lo
 """
 
 
-def sample_indices(nelem: int, samples: int = CHECK_SAMPLES) -> list[int]:
+def sample_indices(nelem: int, *, samples: int = CHECK_SAMPLES) -> list[int]:
     """The element indices the check kernel compares (its formula, on the host)."""
     if nelem <= 0:
         raise ValueError(f"nelem must be positive, got {nelem}")

@@ -113,7 +113,7 @@ def fmt_size(nbytes: int) -> str:
     return f"{mib:g} MiB"
 
 
-def fmt_num(x: float | None, digits: int = 1) -> str:
+def fmt_num(x: float | None, *, digits: int = 1) -> str:
     """A number for a table cell: thousands separated, ``-`` for None."""
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "-"
@@ -358,7 +358,7 @@ def scale_markdown(scale: dict[str, Any]) -> str:
                 continue
             parts.append(
                 f"| {row['slots']} | {fmt_size(row['slot_nbytes'])} | {fmt_num(row['p50_us'])} "
-                f"| {fmt_num(row['p99_us'])} | {fmt_num(row['p50_us'] / row['slots'], 2)} |"
+                f"| {fmt_num(row['p99_us'])} | {fmt_num(row['p50_us'] / row['slots'], digits=2)} |"
             )
         parts.append("")
     fanout = scale.get("fanout") or []
