@@ -28,7 +28,8 @@ from typing import Any
 import pytest
 
 from cupy_ipcpool.channel import _protocol as proto
-from cupy_ipcpool.channel._session import PublisherCore, SubscriberInfo
+from cupy_ipcpool.channel._handshake import SubscriberInfo
+from cupy_ipcpool.channel._publisher_core import PublisherCore
 
 SLOTS = 8
 SLOT_BYTES = 1 << 20

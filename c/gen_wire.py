@@ -31,7 +31,8 @@ HEADER = HERE / "include" / "cupy_ipcpool_wire.h"
 sys.path.insert(0, str(HERE.parent))
 
 from cupy_ipcpool import _handles, _transport  # noqa: E402
-from cupy_ipcpool.channel import _payload, _protocol, _session, _syncpage  # noqa: E402
+from cupy_ipcpool.channel import _payload, _protocol, _syncpage  # noqa: E402
+from cupy_ipcpool.channel import _sockets as _session  # noqa: E402
 
 _TOKEN = re.compile(r"(\d*)([xcbB?hHiIlLqQnNefdspP])")
 

@@ -197,7 +197,7 @@ def _channel_consumer(address: str, q: Any, cpu: int | None, spin_us: float, inn
 
     import cupy_ipcpool as cip
     from cupy_ipcpool._bench.lanes import GpuWork
-    from cupy_ipcpool.channel import _session
+    from cupy_ipcpool.channel import _sockets as _session
 
     _session._load_frameio()
     recv1, rel0, rel1 = [0], [0], [0]
@@ -244,7 +244,7 @@ def _channel_round(
 
     import cupy_ipcpool as cip
     from cupy_ipcpool._bench.lanes import GpuWork
-    from cupy_ipcpool.channel import _session
+    from cupy_ipcpool.channel import _sockets as _session
 
     _session._load_frameio()
     send0, send1, back = [0], [0], [0]

@@ -12,8 +12,10 @@ import mmap
 import os
 import struct
 
+from cupy_ipcpool.channel._handshake import SubscriberInfo
 from cupy_ipcpool.channel._protocol import Frame
-from cupy_ipcpool.channel._session import PublisherCore, SubscriberCore, SubscriberInfo
+from cupy_ipcpool.channel._publisher_core import PublisherCore
+from cupy_ipcpool.channel._subscriber_core import SubscriberCore
 
 _SIZE = struct.Struct("<Q")
 

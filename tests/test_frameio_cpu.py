@@ -529,20 +529,20 @@ def test_wait_releases_lets_other_threads_run_and_refuses_bad_arguments(pairs: l
 
 
 def _unloaded(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cupy_ipcpool.channel import _session
+    from cupy_ipcpool.channel import _sockets
 
     for name in ("pollfds", "recv_frame", "release_frame", "send_frame", "wait_releases"):
-        monkeypatch.delattr(_session, name, raising=False)
+        monkeypatch.delattr(_sockets, name, raising=False)
 
 
 def test_a_build_for_another_protocol_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cupy_ipcpool.channel import _frameio, _session
+    from cupy_ipcpool.channel import _frameio, _sockets
 
     _unloaded(monkeypatch)
     monkeypatch.setattr(_frameio, "PROTOCOL", (*PROTOCOL[:1], PROTOCOL[1] + 1, *PROTOCOL[2:]))
     with pytest.raises(ImportError, match="rebuild it"):
-        _session._load_frameio()
-    assert not hasattr(_session, "recv_frame")
+        _sockets._load_frameio()
+    assert not hasattr(_sockets, "recv_frame")
 
 
 def test_a_missing_build_is_reported_not_hidden(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -550,11 +550,11 @@ def test_a_missing_build_is_reported_not_hidden(monkeypatch: pytest.MonkeyPatch)
 
     import cupy_ipcpool.channel
     from cupy_ipcpool import _info
-    from cupy_ipcpool.channel import _session
+    from cupy_ipcpool.channel import _sockets
 
     _unloaded(monkeypatch)
     monkeypatch.delattr(cupy_ipcpool.channel, "_frameio")
     monkeypatch.setitem(sys.modules, "cupy_ipcpool.channel._frameio", None)
     with pytest.raises(ImportError, match="is not built"):
-        _session._load_frameio()
+        _sockets._load_frameio()
     assert "NOT BUILT (_frameio)" in _info.fastpath_summary()

@@ -38,7 +38,9 @@ from cupy_ipcpool._errors import (
 )
 from cupy_ipcpool._transport import FdServer, bind_unix, fetch_fds, fetch_fds_over_socket
 from cupy_ipcpool.channel import _protocol as proto
-from cupy_ipcpool.channel._session import PublisherCore, SubscriberCore, SubscriberInfo
+from cupy_ipcpool.channel._handshake import SubscriberInfo
+from cupy_ipcpool.channel._publisher_core import PublisherCore
+from cupy_ipcpool.channel._subscriber_core import SubscriberCore
 
 CTX = mp.get_context("spawn")
 NOBODY = 65534
@@ -950,16 +952,16 @@ def test_eviction_notice_that_does_not_fit_keeps_the_leases_until_it_does(
     """When the notice cannot be queued (full socket, buffer at its limit), the evicted
     subscriber keeps its leases and gets nothing more until the notice goes; then it hangs
     up, its leases and row come back, and it hands out none of its queued frames."""
-    from cupy_ipcpool.channel import _session
+    from cupy_ipcpool.channel import _publisher_core
 
     address = str(tmp_path / "chan.sock")
-    real = _session._queue_notice
+    real = _publisher_core._queue_notice
     full = [True]  # the socket stays full while this holds
 
     def queue_notice(sock: socket.socket, notice: bytes) -> bool:
         return False if full[0] else real(sock, notice)
 
-    monkeypatch.setattr(_session, "_queue_notice", queue_notice)
+    monkeypatch.setattr(_publisher_core, "_queue_notice", queue_notice)
     left: list[int] = []
     with (
         _memfd_channel(

@@ -52,7 +52,9 @@ from cupy_ipcpool._peer import _KeptView
 from cupy_ipcpool._slots import SlotTable
 from cupy_ipcpool.channel._leases import LeaseBook
 from cupy_ipcpool.channel._payload import FRAME_HEAD
-from cupy_ipcpool.channel._session import MAX_SPIN_US, PublisherCore, SubscriberCore
+from cupy_ipcpool.channel._publisher_core import PublisherCore
+from cupy_ipcpool.channel._sockets import MAX_SPIN_US
+from cupy_ipcpool.channel._subscriber_core import SubscriberCore
 
 CTX = mp.get_context("spawn")
 hp = hotpath()

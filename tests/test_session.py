@@ -34,7 +34,9 @@ from cupy_ipcpool._errors import (
     TransportError,
 )
 from cupy_ipcpool.channel import _protocol as proto
-from cupy_ipcpool.channel._session import PublisherCore, SubscriberCore, SubscriberInfo
+from cupy_ipcpool.channel._handshake import SubscriberInfo
+from cupy_ipcpool.channel._publisher_core import PublisherCore
+from cupy_ipcpool.channel._subscriber_core import SubscriberCore
 from tests.skips import drops_to_uid
 
 CTX = mp.get_context("spawn")

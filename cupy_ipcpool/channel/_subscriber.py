@@ -27,8 +27,8 @@ from .._handles import PoolDescriptor
 from .._peer import PeerPool, attach_fds
 from ._follow import connect_waiting
 from ._payload import FRAME_HEAD, MAX_ARRAYS, MAX_METADATA, WELCOME_HEAD, hotpath
-from ._session import SubscriberCore
 from ._settle import settle_streams
+from ._subscriber_core import SubscriberCore
 from ._syncpage import FrameWaits, SyncPage, raise_driver_error
 
 #: Most streams a subscriber tracks before it forgets those with no work left.

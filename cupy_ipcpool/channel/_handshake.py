@@ -1,0 +1,454 @@
+"""The publisher's listening side: binding, the accept thread, the handshake, admission.
+
+:class:`_Acceptor` owns the listening socket and a daemon thread that welcomes
+subscribers for :class:`~._publisher_core.PublisherCore`.  Limits that keep any
+client, honest or hostile, from locking others out: a connection's uid is
+checked before anything it sent is read; handshakes run concurrently, each
+with one deadline (:data:`HANDSHAKE_TIMEOUT`), at most
+:data:`MAX_PENDING_PER_UID` per uid; every resource the ``welcome`` callback
+took for a subscriber comes back however its connection ends before adoption.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import select
+import socket
+import stat
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .._errors import ProtocolError, TransportError, UsageError
+from .._transport import Admission, peer_credentials
+from . import _protocol as proto
+from ._sockets import _POLLIN, _POLLRDHUP, MAX_FDS, _ms, _say_bye_and_close, _warn
+
+#: Seconds a connecting peer has, from accept, to send its HELLO.
+HANDSHAKE_TIMEOUT = 5.0
+#: Most handshakes of one uid in progress at once; one more makes the oldest go.
+MAX_PENDING_PER_UID = 8
+
+
+@dataclass(frozen=True)
+class SubscriberInfo:
+    """What the producer knows about one subscriber.
+
+    Attributes
+    ----------
+    sub_id:
+        Id assigned by the producer (unique for the publisher's lifetime).
+    pid:
+        The subscriber's pid from ``SO_PEERCRED`` (the pid it claimed in HELLO
+        when the kernel reports 0, e.g. across pid namespaces).
+    uid:
+        The subscriber's uid from ``SO_PEERCRED``.
+    mode:
+        ``"block"`` or ``"latest"``.
+    credit:
+        Most frames it holds at once (enforced for ``"latest"``): the credit
+        it asked for, capped at the publisher's ``max_credit``.
+    hello:
+        The opaque HELLO payload (the GPU layer's event handles).
+    """
+
+    sub_id: int
+    pid: int
+    uid: int
+    mode: str
+    credit: int
+    hello: bytes = b""
+
+
+class _Conn:
+    """Producer-side state of one welcomed subscriber."""
+
+    __slots__ = ("fd", "info", "sock")
+
+    def __init__(self, info: SubscriberInfo, sock: socket.socket) -> None:
+        self.info = info
+        self.sock = sock
+        self.fd = sock.fileno()
+
+
+def _remove_stale(address: str) -> None:
+    """Unlink ``address`` if it is a socket nobody listens on; refuse a live one."""
+    try:
+        st = os.lstat(address)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise TransportError(
+            errno.EEXIST, f"{address} exists and is not a socket; remove it or choose another path"
+        )
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(address)
+    except (ConnectionRefusedError, FileNotFoundError):
+        pass  # stale: nothing listens there
+    except TimeoutError:
+        raise TransportError(
+            errno.EADDRINUSE,
+            f"a publisher is already listening at {address} (its backlog is full); "
+            "close it or choose another address",
+        ) from None
+    except OSError as exc:
+        raise TransportError(
+            exc.errno or errno.EADDRINUSE,
+            f"cannot tell whether {address} is in use ({exc}); remove it or choose another path",
+        ) from None
+    else:
+        raise TransportError(
+            errno.EADDRINUSE,
+            f"a publisher is already listening at {address}; close it or choose another address",
+        )
+    finally:
+        probe.close()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(address)
+
+
+class _Handshake:
+    """A connection accepted and not yet welcomed (owned by the accept thread)."""
+
+    __slots__ = ("fd", "pid", "sock", "uid")
+
+    def __init__(self, sock: socket.socket, pid: int, uid: int) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.pid = pid
+        self.uid = uid
+
+
+class _Acceptor:
+    """The listening socket and the daemon thread that welcomes subscribers.
+
+    One thread drives every handshake without blocking on any: a connection's
+    uid is checked as soon as it is accepted (a refused uid is told so and
+    closed; nothing it sent is looked at), every handshake has one deadline
+    (``handshake_timeout`` from accept), and at most ``max_pending_per_uid``
+    handshakes of one uid are in progress (one more makes the oldest of that
+    uid go).  Welcomed subscribers wait in ``pending`` for the producer to adopt
+    them; one that hangs up meanwhile is reaped here, and ``on_abandon`` gives
+    its resources back.
+
+    Shared with the producer's thread: ``pending`` and ``count`` under ``lock``;
+    ``next_seq`` is written by the producer only.
+    """
+
+    def __init__(
+        self,
+        listener: socket.socket,
+        num_slots: int,
+        welcome: Callable[[SubscriberInfo], tuple[bytes, list[int]]],
+        allowed_uids: frozenset[int],
+        max_subscribers: int,
+        *,
+        on_abandon: Callable[[SubscriberInfo], object] | None = None,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        max_pending_per_uid: int = MAX_PENDING_PER_UID,
+        max_credit: int = proto.MAX_CREDIT,
+        lease_timeout_ms: int = 0,
+    ) -> None:
+        self.listener = listener
+        self.num_slots = num_slots
+        self.welcome = welcome
+        self.allowed_uids = allowed_uids
+        self.max_subscribers = max_subscribers
+        self.on_abandon = on_abandon
+        self.handshake_timeout = handshake_timeout
+        self.max_credit = max_credit
+        self.lease_timeout_ms = lease_timeout_ms
+        self.lock = threading.Lock()
+        self.pending: list[_Conn] = []
+        self.count = 0  # welcomed and not yet dropped (pending + adopted)
+        self.next_seq = 0
+        self.stopping = False
+        self.abandoned = 0  # welcomed subscribers given back before adoption
+        self._next_id = 1
+        self._admission = Admission(max_pending_per_uid, handshake_timeout)
+        self._handshakes: dict[int, _Handshake] = {}
+        self._watch: dict[int, _Conn] = {}  # pending connections watched for a hang-up
+        self._poller = select.poll()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.thread = threading.Thread(target=self._run, name="ipcpool-accept", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Wake and join the thread, close the listener and every pending connection."""
+        self.stopping = True
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(5.0)
+            if self.thread.is_alive():
+                _warn("ipcpool accept thread did not stop in time")
+        self.listener.close()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        with self.lock:
+            pending, self.pending = self.pending, []
+        for conn in pending:
+            _say_bye_and_close(conn.sock)
+
+    def adopted(self) -> None:
+        """The producer took the pending list: stop watching those connections.
+
+        A socket in another thread's ``poll`` set stays open in the kernel
+        until that ``poll`` returns, even once closed: without this wake-up a
+        subscriber the producer drops would not see the end until the accept
+        thread next woke.
+        """
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"a")
+
+    def pending_handshakes(self, uid: int | None = None) -> int:
+        """Handshakes in progress (of ``uid``, or in all); for tests and diagnostics."""
+        return self._admission.count(uid)
+
+    # -- the thread --
+
+    def _run(self) -> None:
+        poller = self._poller
+        poller.register(self.listener, _POLLIN)
+        poller.register(self._wake_r, _POLLIN)
+        listen_fd = self.listener.fileno()
+        admission = self._admission
+        try:
+            while not self.stopping:
+                deadline = admission.next_deadline()
+                timeout = -1 if deadline is None else _ms(deadline - time.monotonic())
+                try:
+                    events = poller.poll(timeout)
+                except OSError:
+                    return
+                if self.stopping:
+                    return
+                for fd, _ev in events:
+                    if fd == listen_fd:
+                        self._accept_all()
+                    elif fd in self._handshakes:
+                        self._on_hello(self._handshakes[fd])
+                    elif fd in self._watch:
+                        self._on_hangup(fd)
+                    elif fd == self._wake_r:
+                        with contextlib.suppress(OSError):
+                            os.read(self._wake_r, 4096)
+                        if self.stopping:
+                            return
+                        self._unwatch_adopted()
+                for fd in admission.expired(time.monotonic()):
+                    hs = self._handshakes.pop(fd)
+                    self._unregister(hs.fd)
+                    _refuse(hs.sock, f"no HELLO within {self.handshake_timeout} s")
+        except Exception as exc:  # pragma: no cover - a bug; say so instead of dying silently
+            with contextlib.suppress(Exception):
+                _warn(f"ipcpool accept thread failed: {exc!r}")
+        finally:
+            for hs in list(self._handshakes.values()):
+                hs.sock.close()
+            self._handshakes.clear()
+            self._watch.clear()
+
+    def _unwatch_adopted(self) -> None:
+        with self.lock:
+            ours = {id(c) for c in self.pending}
+        for fd, c in list(self._watch.items()):
+            if id(c) not in ours:
+                del self._watch[fd]
+                self._unregister(fd)
+
+    def _unregister(self, fd: int) -> None:
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._poller.unregister(fd)
+
+    def _accept_all(self) -> None:
+        for _ in range(64):  # then let the handshakes in progress have a turn
+            try:
+                conn, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:
+                continue
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # Out of fds: back off instead of spinning on the queued connection.
+                    select.select([self._wake_r], [], [], 0.05)
+                return
+            conn.setblocking(False)
+            try:
+                pid, uid, _gid = peer_credentials(conn)
+            except OSError:
+                conn.close()
+                continue
+            if uid not in self.allowed_uids:
+                _refuse(conn, f"uid {uid} is not allowed to subscribe")
+                continue
+            fd = conn.fileno()
+            stale = self._watch.pop(fd, None)  # the fd number of an adopted, closed connection
+            if stale is not None:
+                self._unregister(fd)
+            for old in self._admission.admit(fd, uid, time.monotonic()):
+                hs = self._handshakes.pop(old)
+                self._unregister(hs.fd)
+                _refuse(
+                    hs.sock,
+                    f"{self._admission.per_uid} handshakes of uid {uid} were in progress; "
+                    "this one, the oldest, made room for a newer one",
+                )
+            hs = _Handshake(conn, pid, uid)
+            self._handshakes[fd] = hs
+            self._poller.register(fd, _POLLIN)
+            self._on_hello(hs)  # the HELLO is often there already
+
+    def _on_hello(self, hs: _Handshake) -> None:
+        conn = hs.sock
+        try:
+            data = conn.recv(proto.MAX_HELLO_SIZE + 1)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        self._admission.remove(hs.fd)
+        del self._handshakes[hs.fd]
+        self._unregister(hs.fd)
+        if not data or self.stopping:
+            conn.close()
+            return
+        self._welcome(conn, hs, data)
+
+    def _welcome(self, conn: socket.socket, hs: _Handshake, data: bytes) -> None:
+        with self.lock:
+            full = self.count >= self.max_subscribers
+        if full:
+            _refuse(conn, f"the publisher already has max_subscribers={self.max_subscribers}")
+            return
+        try:
+            hello = proto.decode(data)
+            if not isinstance(hello, proto.Hello):
+                raise ProtocolError(f"expected HELLO, got {type(hello).__name__}")
+        except ProtocolError as exc:
+            _refuse(conn, f"bad HELLO: {exc}")
+            return
+        sub_id = self._next_id
+        self._next_id += 1
+        info = SubscriberInfo(
+            sub_id=sub_id,
+            pid=hs.pid or hello.pid,
+            uid=hs.uid,
+            mode=proto.MODE_NAMES[hello.mode],
+            credit=max(1, min(hello.credit, self.max_credit)),
+            hello=hello.payload,
+        )
+        try:
+            payload, fds = self.welcome(info)
+        except Exception as exc:
+            _refuse(conn, f"the publisher could not welcome this subscriber: {exc}")
+            return
+        # From here on the welcome callback holds resources for this subscriber:
+        # every way out that does not hand it to the producer gives them back.
+        try:
+            if len(fds) > MAX_FDS:
+                raise UsageError(f"{len(fds)} fds do not fit one message (at most {MAX_FDS})")
+            msg = proto.encode_welcome(
+                sub_id,
+                self.num_slots,
+                self.next_seq,
+                payload,
+                credit=info.credit,
+                lease_timeout_ms=self.lease_timeout_ms,
+            )
+        except Exception as exc:
+            _refuse(conn, f"the publisher could not welcome this subscriber: {exc}")
+            self._abandon(info)
+            return
+        need = len(msg) + 4096
+        with contextlib.suppress(OSError):
+            if conn.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) < need:
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, need)
+        with self.lock:
+            self.count += 1
+        try:
+            if fds:
+                socket.send_fds(conn, [msg], list(fds), socket.MSG_DONTWAIT)
+            else:
+                conn.send(msg, socket.MSG_DONTWAIT)
+        except OSError as exc:
+            with self.lock:
+                self.count -= 1
+            if exc.errno == errno.EMSGSIZE:
+                _refuse(
+                    conn,
+                    f"the WELCOME ({len(msg)} bytes) exceeds the socket buffer limit; "
+                    "raise net.core.wmem_max or send a smaller welcome payload",
+                )
+            else:
+                conn.close()  # hung up (or timed out and left) before the WELCOME
+            self._abandon(info)
+            return
+        c = _Conn(info, conn)
+        with self.lock:
+            stop = self.stopping
+            if stop:
+                self.count -= 1
+            else:
+                self.pending.append(c)
+        if stop:
+            _say_bye_and_close(conn)
+            self._abandon(info)
+            return
+        self._watch[c.fd] = c
+        self._poller.register(c.fd, _POLLRDHUP)
+
+    def _on_hangup(self, fd: int) -> None:
+        """A pending connection hung up (or was adopted and then closed): reap it if still ours."""
+        c = self._watch.pop(fd)
+        self._unregister(fd)
+        with self.lock:
+            for i, other in enumerate(self.pending):
+                if other is c:
+                    del self.pending[i]
+                    self.count -= 1
+                    break
+            else:
+                return  # adopted by the producer meanwhile: it sees the hang-up itself
+        c.sock.close()
+        self._abandon(c.info)
+
+    def _abandon(self, info: SubscriberInfo) -> None:
+        """Give back what ``welcome`` took for a subscriber that will never be adopted."""
+        self.abandoned += 1
+        if self.on_abandon is None:
+            return
+        try:
+            self.on_abandon(info)
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                warnings.warn(f"on_leave callback raised {exc!r}", RuntimeWarning, stacklevel=2)
+
+
+def _refuse(conn: socket.socket, reason: str) -> None:
+    """Send REFUSE and close, without waiting.
+
+    What the peer sent so far is read first (without waiting): closing a Unix
+    socket with unread data resets the peer, which would then never see the
+    REFUSE.
+    """
+    with contextlib.suppress(OSError):
+        conn.setblocking(False)
+        while conn.recv(proto.MAX_HELLO_SIZE + 1):
+            pass
+    with contextlib.suppress(OSError):
+        conn.send(proto.encode_refuse(reason), socket.MSG_DONTWAIT)
+    conn.close()
+
+
+__all__ = ["HANDSHAKE_TIMEOUT", "MAX_PENDING_PER_UID", "SubscriberInfo"]

@@ -1,0 +1,682 @@
+"""The producer side of a channel session, without the GPU parts: :class:`PublisherCore`.
+
+It listens on a filesystem path (the accept thread of :mod:`._handshake`
+welcomes subscribers), hands out free slots, publishes frames and collects
+leases back.  The GPU layer (:mod:`._publisher`) wraps it: it fills the opaque
+payloads (pool descriptor, array handles) and provides the slot fds.
+
+A ``"latest"`` subscriber's credit is capped so that it never makes the
+producer wait; an optional lease timeout evicts a subscriber that holds a
+frame too long (its notice is queued and its connection shut down before its
+leases return to the ring).
+
+Hot path (``acquire``/``publish``/``poll``): the caller's thread, one
+``send``/``recv`` per message, fixed layouts, ``poll(2)`` for waiting; the
+socket work of each step is one compiled call (``send_frame``,
+``wait_releases``); everything that is not a well-formed RELEASE is decoded
+and judged here.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import select
+import socket
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Iterable
+from types import TracebackType
+
+from .._errors import PoolClosedError, ProtocolError, SlotBusyError, UsageError
+from .._transport import bind_unix
+from . import _protocol as proto
+from . import _sockets
+from ._handshake import (
+    HANDSHAKE_TIMEOUT,
+    MAX_PENDING_PER_UID,
+    SubscriberInfo,
+    _Acceptor,
+    _Conn,
+    _remove_stale,
+)
+from ._leases import LeaseBook
+from ._sockets import (
+    _POLLIN,
+    _POLLOUT,
+    _linger,
+    _ms,
+    _queue_notice,
+    _say_bye_and_close,
+    _shut_and_close,
+    _spin_ns,
+    _warn,
+)
+
+#: Seconds between attempts to queue an eviction notice that did not fit (rare: see _drop).
+_NOTICE_RETRY = 0.05
+
+
+def _close_publisher(
+    acc: _Acceptor,
+    conns: dict[int, _Conn],
+    evicting: dict[int, tuple[_Conn, bytes]],
+    address: str,
+    ident: tuple[int, int],
+) -> None:
+    """Tear a publisher down (also its finalizer); warns instead of raising."""
+    try:
+        acc.stop()
+    except Exception as exc:
+        _warn(f"stopping the accept thread failed: {exc!r}")
+    for conn in [*conns.values(), *(c for c, _notice in evicting.values())]:
+        try:
+            _say_bye_and_close(conn.sock)
+        except Exception as exc:
+            _warn(f"closing subscriber {conn.info.sub_id} failed: {exc!r}")
+    conns.clear()
+    evicting.clear()
+    try:
+        st = os.lstat(address)
+        if (st.st_dev, st.st_ino) == ident:
+            os.unlink(address)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        _warn(f"could not remove the socket file {address}: {exc}")
+
+
+class PublisherCore:
+    """The producer side of a channel: listen, welcome, lease slots, publish frames.
+
+    Parameters
+    ----------
+    address:
+        Filesystem path of the Unix socket.  A stale socket file (nobody
+        listening) is replaced; a live one is refused.
+    num_slots:
+        Number of slots in the ring.
+    welcome:
+        Called on the accept thread for each new subscriber with its
+        :class:`SubscriberInfo`; returns ``(payload, fds)`` for the WELCOME
+        message.  The fds stay owned by the caller (the kernel duplicates them
+        into the subscriber).  An exception refuses that subscriber.
+    allowed_uids:
+        Uids that may subscribe (``SO_PEERCRED``); default: this process's
+        effective uid only, and the socket file is mode 0600.  When other uids
+        are allowed the file is 0666 and the uid check alone decides.
+    on_join, on_leave:
+        Called in the producer's thread when a subscriber is adopted (at the
+        next ``poll``/``acquire``/``publish``) and when it leaves (BYE, EOF,
+        error, out-of-protocol message, eviction).  ``on_leave`` is also called
+        for a subscriber that ``welcome`` accepted but that is never adopted
+        (the WELCOME could not be sent, or it hung up before adoption): then
+        on the accept thread, without an ``on_join`` before it, so that what
+        ``welcome`` took is given back; it must be thread-safe.  Exceptions
+        become ``RuntimeWarning``.
+    max_subscribers:
+        Further subscribers are refused.
+    send_timeout:
+        How long a ``"block"`` subscriber's full socket may stall ``publish``
+        before that subscriber is dropped.
+    max_credit:
+        Cap on a subscriber's credit (default
+        :func:`~cupy_ipcpool.channel._leases.default_max_credit`: ``num_slots - 2``, at
+        least 1).  Together with the ring's reserve (``"latest"`` subscribers
+        never lease the last two slots) it makes ``"latest"`` never stall the
+        producer, whatever credit a subscriber asks for.
+    lease_timeout:
+        Seconds a subscriber may hold a frame; one that holds a frame longer
+        is evicted (told why, disconnected, its leases taken back).  None (the
+        default): no limit, a ``"block"`` subscriber that never releases
+        stalls the producer until ``acquire`` times out.
+    handshake_timeout:
+        Seconds a connection has, from accept, to send its HELLO.
+    max_pending_per_uid:
+        Most handshakes of one uid in progress at once; one more makes the
+        oldest of that uid go.
+    spin_us:
+        Microseconds :meth:`poll` with a timeout busy-polls the subscribers'
+        sockets before it sleeps (default 0: no spin, no CPU while waiting).
+
+    Notes
+    -----
+    Not thread-safe: call every method from one thread.  The accept thread only
+    appends to a lock-protected pending list (and reaps entries that hang up).
+    """
+
+    def __init__(
+        self,
+        address: str | os.PathLike[str],
+        num_slots: int,
+        *,
+        welcome: Callable[[SubscriberInfo], tuple[bytes, list[int]]],
+        allowed_uids: Iterable[int] | None = None,
+        on_join: Callable[[SubscriberInfo], object] | None = None,
+        on_leave: Callable[[SubscriberInfo], object] | None = None,
+        max_subscribers: int = 64,
+        send_timeout: float = 5.0,
+        max_credit: int | None = None,
+        lease_timeout: float | None = None,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        max_pending_per_uid: int = MAX_PENDING_PER_UID,
+        spin_us: float = 0.0,
+    ) -> None:
+        _sockets._load_frameio()
+        self._spin_ns = _spin_ns(spin_us)
+        self.address = os.fspath(address)
+        self.num_slots = int(num_slots)
+        if not 1 <= self.num_slots <= proto.MAX_SLOTS:
+            raise UsageError(f"num_slots must be in 1..{proto.MAX_SLOTS}, not {num_slots}")
+        if max_credit is not None and not 1 <= max_credit <= proto.MAX_CREDIT:
+            raise UsageError(f"max_credit must be in 1..{proto.MAX_CREDIT}, not {max_credit}")
+        if lease_timeout is not None and not 0 < lease_timeout < (1 << 32) / 1000:
+            raise UsageError(f"lease_timeout must be positive seconds or None, not {lease_timeout}")
+        if not handshake_timeout > 0:
+            raise UsageError(f"handshake_timeout must be positive, not {handshake_timeout}")
+        if max_subscribers < 1:
+            raise UsageError(f"max_subscribers must be at least 1, not {max_subscribers}")
+        self._book = LeaseBook(self.num_slots, max_credit=max_credit)
+        self.max_credit = self._book.max_credit
+        self.lease_timeout = lease_timeout
+        self._next_expiry: float | None = None
+        self._evictions = 0
+        euid = os.geteuid()
+        allowed = frozenset({euid} if allowed_uids is None else (int(u) for u in allowed_uids))
+        self.allowed_uids = allowed
+        self._on_join = on_join
+        self._on_leave = on_leave
+        self._send_timeout = send_timeout
+        self._conns: dict[int, _Conn] = {}
+        self._by_fd: dict[int, _Conn] = {}
+        #: dropped subscribers whose notice did not fit their socket yet (keep their leases)
+        self._evicting: dict[int, tuple[_Conn, bytes]] = {}
+        #: the subscribers' sockets as the compiled wait_releases polls them
+        self._poll_set = bytearray()
+        self._last_slot = self.num_slots - 1
+        self._closed = False
+        self.last_leave_reason = ""
+
+        _remove_stale(self.address)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            ident = bind_unix(listener, self.address, 0o600 if allowed <= {euid} else 0o666)
+            try:
+                # Well above the subscriber limit: the accept thread drains the
+                # queue at once, so only a burst ever sits in it.
+                listener.listen(min(max(4 * max_subscribers, 256), socket.SOMAXCONN))
+                listener.setblocking(False)
+            except BaseException:
+                os.unlink(self.address)
+                raise
+        except BaseException:
+            listener.close()
+            raise
+        try:
+            self._acc = _Acceptor(
+                listener,
+                self.num_slots,
+                welcome,
+                allowed,
+                max_subscribers,
+                on_abandon=on_leave,
+                handshake_timeout=handshake_timeout,
+                max_pending_per_uid=max_pending_per_uid,
+                max_credit=self.max_credit,
+                lease_timeout_ms=0 if lease_timeout is None else math.ceil(lease_timeout * 1000),
+            )
+        except BaseException:
+            listener.close()
+            os.unlink(self.address)
+            raise
+        self._finalizer = weakref.finalize(
+            self, _close_publisher, self._acc, self._conns, self._evicting, self.address, ident
+        )
+        self._acc.start()
+
+    # -- context manager / teardown --
+
+    def __enter__(self) -> PublisherCore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self, linger: float = 0.0) -> bool:
+        """Say BYE to every subscriber, close every socket, stop the accept thread.
+
+        Parameters
+        ----------
+        linger:
+            Seconds to wait, after the BYE, for every subscriber (adopted or
+            still pending) to disconnect before the sockets are closed.
+
+        Returns
+        -------
+        bool
+            True when every subscriber had disconnected (always True with
+            ``linger=0`` and no subscribers; False when some were still
+            connected when the sockets were closed).
+
+        Idempotent; never raises (problems become :class:`TeardownWarning`).
+        """
+        if self._closed:
+            return True
+        self._closed = True
+        self._by_fd.clear()
+        with self._acc.lock:
+            pending, self._acc.pending = self._acc.pending, []
+        for conn in pending:
+            self._conns[conn.info.sub_id] = conn
+        all_gone = _linger([c.sock for c in self._conns.values()], linger)
+        self._finalizer()
+        return all_gone
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PoolClosedError(f"publisher at {self.address} is closed")
+
+    # -- state --
+
+    @property
+    def subscribers(self) -> list[SubscriberInfo]:
+        """The adopted subscribers."""
+        return [conn.info for conn in self._conns.values()]
+
+    @property
+    def lease_book(self) -> LeaseBook:
+        """The lease accounting (read it; mutate only through this class)."""
+        return self._book
+
+    @property
+    def next_seq(self) -> int:
+        """Sequence number the next :meth:`publish` assigns."""
+        return self._acc.next_seq
+
+    @property
+    def evictions(self) -> int:
+        """Subscribers evicted so far: held a frame past ``lease_timeout``, or a full socket.
+
+        Each was told why (an eviction notice behind the frames queued for it,
+        none of which it hands out) before its leases came back to the ring.
+        """
+        return self._evictions
+
+    def hold(self, slot: int) -> None:
+        """Count a local reference (a live producer array) to ``slot``."""
+        self._book.hold(slot)
+
+    def unhold(self, slot: int) -> bool:
+        """Drop a local reference to ``slot``; True when the slot became free."""
+        return self._book.unhold(slot)
+
+    # -- hot path --
+
+    def poll(self, timeout: float | None = 0.0) -> int:
+        """Adopt new subscribers and process their messages.
+
+        Parameters
+        ----------
+        timeout:
+            Seconds to wait for a message (None: until one arrives; 0: do not wait).
+
+        Returns
+        -------
+        int
+            Number of leases returned.
+        """
+        if self._closed:
+            self._check_open()  # raises
+        if self._acc.pending:
+            self._adopt()
+        if self._evicting:
+            timeout = self._retry_notices(timeout)
+        if self._spin_ns and timeout != 0.0 and self._by_fd:
+            released = self._spin(timeout)
+            if released:
+                if self._next_expiry is not None:
+                    self._check_leases()
+                return released
+            if timeout is not None:
+                timeout = max(0.0, timeout - self._spin_ns / 1e9)
+        if self._next_expiry is None:
+            return self._wait(timeout)
+        released = self._wait(self._until_expiry(timeout))
+        self._check_leases()
+        return released
+
+    def _spin(self, timeout: float | None) -> int:
+        """Busy-poll the sockets for up to ``spin_us`` (and ``timeout``); leases returned."""
+        spin = self._spin_ns if timeout is None else min(self._spin_ns, int(timeout * 1e9))
+        end = time.perf_counter_ns() + spin
+        while True:
+            released = self._wait(0.0)
+            if released or time.perf_counter_ns() >= end:
+                return released
+
+    def acquire(self, timeout: float | None = None) -> tuple[int, list[int]]:
+        """Return a free slot to write the next frame into.
+
+        Slots are scanned round-robin after the last published one.  While
+        none is free, waits for subscribers' releases (or departures).
+
+        Parameters
+        ----------
+        timeout:
+            Seconds to wait (None: forever).
+
+        Returns
+        -------
+        slot : int
+            A slot with no leases and no local holds.
+        readers : list[int]
+            Subscribers that read the slot since it was last published: the
+            producer must wait on their read flags before writing it.
+
+        Raises
+        ------
+        SlotBusyError
+            No slot became free in time; the message says who holds what.
+        PoolClosedError
+            The publisher is closed.
+        """
+        self._check_open()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        book = self._book
+        while True:
+            if self._acc.pending:
+                self._adopt()
+            self._wait(0.0)
+            if self._next_expiry is not None:
+                self._check_leases()
+            if self._evicting:
+                self._retry_notices(None)
+            slot = book.pick_free_slot(self._last_slot + 1)
+            if slot is not None:
+                return slot, book.readers_to_wait(slot)
+            remaining = None
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0.0:
+                    raise SlotBusyError(self._busy_message(timeout))
+            if self._next_expiry is not None:
+                remaining = self._until_expiry(remaining)
+            if self._evicting:
+                remaining = _NOTICE_RETRY if remaining is None else min(remaining, _NOTICE_RETRY)
+            self._wait(remaining)
+
+    def publish(self, slot: int, payload: bytes = b"") -> int:
+        """Send frame ``(next seq, slot, payload)`` to the subscribers that take it.
+
+        Every ``"block"`` subscriber receives it (a full socket stalls up to
+        ``send_timeout``, then that subscriber is dropped); a ``"latest"``
+        subscriber receives it while it holds fewer than ``credit`` frames and
+        its socket has room, and otherwise skips it.
+
+        Parameters
+        ----------
+        slot:
+            The slot written (usually from :meth:`acquire`); it must have no leases.
+        payload:
+            Opaque bytes, at most 64 KiB.
+
+        Returns
+        -------
+        int
+            The frame's sequence number.
+
+        Raises
+        ------
+        UsageError
+            The payload is too large.
+        LeaseStateError
+            The slot still has leases.
+        PoolClosedError
+            The publisher is closed.
+        """
+        self._check_open()
+        acc = self._acc
+        if acc.pending:
+            self._adopt()
+        seq = acc.next_seq
+        if type(payload) is not bytes:
+            payload = bytes(payload)
+        if len(payload) > proto.MAX_FRAME_PAYLOAD:
+            proto.encode_frame(seq, slot, payload)  # raises UsageError
+        if self.lease_timeout is None:
+            receivers = self._book.publishing(slot, seq)
+        else:
+            now = time.monotonic()
+            receivers = self._book.publishing(slot, seq, now)
+            if receivers and self._next_expiry is None:
+                self._next_expiry = now + self.lease_timeout
+        acc.next_seq = seq + 1
+        self._last_slot = slot
+        conns = self._conns
+        targets = [conn for sub_id in receivers if (conn := conns.get(sub_id)) is not None]
+        if not targets:
+            return seq
+        failed = _sockets.send_frame(tuple(c.fd for c in targets), seq, slot, payload)
+        if failed:
+            msg = proto.encode_frame(seq, slot, payload)
+            for index, err in failed:
+                conn = targets[index]
+                if conn.info.sub_id not in conns:
+                    continue  # dropped while sending to an earlier receiver
+                if err == errno.EAGAIN:
+                    if conn.info.mode == "latest":
+                        self._book.cancel(conn.info.sub_id, seq, slot)
+                    else:
+                        self._send_stalled(conn, msg)
+                else:
+                    self._drop(conn, f"send failed: {os.strerror(err)}")
+        return seq
+
+    # -- internals --
+
+    def _until_expiry(self, timeout: float | None) -> float | None:
+        """``timeout`` shortened to end when the oldest lease becomes overdue."""
+        if self._next_expiry is None:
+            return timeout
+        left = max(0.0, self._next_expiry - time.monotonic())
+        return left if timeout is None else min(timeout, left)
+
+    def _check_leases(self) -> None:
+        """Evict every subscriber that holds a frame longer than ``lease_timeout``."""
+        timeout = self.lease_timeout
+        if timeout is None or self._next_expiry is None:
+            return
+        now = time.monotonic()
+        if now < self._next_expiry:
+            return
+        self._wait(0.0)  # releases that already arrived are in time
+        for sub_id in self._book.overdue(now, timeout):
+            conn = self._conns.get(sub_id)
+            if conn is not None:
+                seq = min(self._book.held_by(sub_id))
+                self._evictions += 1
+                self._drop(
+                    conn,
+                    f"evicted: held frame {seq} for more than lease_timeout={timeout} s",
+                    notify=True,
+                )
+            else:
+                self._book.remove_subscriber(sub_id)
+        self._next_expiry = self._book.next_expiry(timeout)
+
+    def _send_stalled(self, conn: _Conn, msg: bytes) -> None:
+        deadline = time.monotonic() + self._send_timeout
+        poller = select.poll()
+        poller.register(conn.fd, _POLLOUT)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0.0:
+                self._evictions += 1
+                self._drop(
+                    conn, f"evicted: its socket stayed full for {self._send_timeout} s", notify=True
+                )
+                return
+            poller.poll(_ms(remaining))
+            try:
+                conn.sock.send(msg)
+                return
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                self._drop(conn, f"send failed: {exc}")
+                return
+
+    def _adopt(self) -> None:
+        acc = self._acc
+        with acc.lock:
+            new, acc.pending = acc.pending, []
+        acc.adopted()
+        for conn in new:
+            info = conn.info
+            self._conns[info.sub_id] = conn
+            self._by_fd[conn.fd] = conn
+            self._book.add_subscriber(info.sub_id, info.mode, info.credit)
+            self._callback(self._on_join, info, "on_join")
+        self._set_poll_set()
+
+    def _set_poll_set(self) -> None:
+        self._poll_set = bytearray(_sockets.pollfds([(fd, _POLLIN) for fd in self._by_fd]))
+
+    def _wait(self, timeout: float | None) -> int:
+        """Wait up to ``timeout`` for the subscribers' messages and handle them; leases returned.
+
+        One compiled call (``_frameio.wait_releases``) polls the sockets and
+        receives; a RELEASE comes back decoded, anything else as its bytes.
+        """
+        if not self._by_fd and timeout == 0.0:
+            return 0
+        # A blocking wait takes one message per ready socket (a caller that waits
+        # wants the first one; more are found by the next poll at once), which
+        # spares the failing recv that would end a drain; poll(0) drains all.
+        got = _sockets.wait_releases(self._poll_set, _ms(timeout), 1 << 30 if timeout == 0.0 else 1)
+        if not got:
+            return 0
+        book = self._book
+        by_fd = self._by_fd
+        released = 0
+        for fd, seq, what in got:
+            conn = by_fd.get(fd)
+            if conn is None:
+                continue  # dropped by an earlier message of this batch
+            if seq >= 0:
+                try:
+                    book.release(conn.info.sub_id, seq, what)
+                except ProtocolError as exc:
+                    self._drop(conn, f"protocol error: {exc}")
+                    continue
+                released += 1
+            elif seq == -1:
+                self._other_message(conn, what)
+            else:
+                self._drop(conn, f"receive failed: {os.strerror(what)}")
+        return released
+
+    def _other_message(self, conn: _Conn, data: bytes) -> None:
+        """A subscriber sent something other than a RELEASE (``data``; b"": it hung up)."""
+        if not data:
+            self._drop(conn, "disconnected")
+            return
+        try:
+            msg = proto.decode(data)
+            if type(msg) is proto.Bye:
+                self._drop(conn, "said BYE")
+                return
+            raise ProtocolError(f"unexpected {type(msg).__name__} from a subscriber")
+        except ProtocolError as exc:
+            self._drop(conn, f"protocol error: {exc}")
+
+    def _drop(self, conn: _Conn, reason: str, notify: bool = False) -> None:
+        """Forget a subscriber: close its socket, then take its leases back.
+
+        With ``notify`` (the publisher drops a subscriber that is still there,
+        possibly holding frames and with frames queued in its socket), a
+        REFUSE with ``reason`` is queued behind those frames and the
+        connection is shut down before the leases return to the ring: the
+        subscriber, seeing the hang-up, reads everything queued, finds the
+        notice and hands out none of those frames (their slots may be
+        rewritten from then on).  If the notice cannot be queued (the socket
+        is full and its buffer cannot grow), the subscriber keeps its leases
+        and gets no further frame until it fits (:meth:`_retry_notices`).
+        """
+        info = conn.info
+        if self._conns.pop(info.sub_id, None) is None:
+            return
+        if self._by_fd.pop(conn.fd, None) is not None:
+            self._set_poll_set()
+        self.last_leave_reason = reason
+        if notify:
+            notice = proto.encode_refuse(reason)
+            if not _queue_notice(conn.sock, notice):
+                self._book.suspend(info.sub_id)
+                self._evicting[info.sub_id] = (conn, notice)
+                return
+        self._gone(conn)
+
+    def _gone(self, conn: _Conn) -> None:
+        """The connection is over (and told so): hang up, then give back what it held."""
+        _shut_and_close(conn.sock)
+        self._book.remove_subscriber(conn.info.sub_id)
+        with self._acc.lock:
+            self._acc.count -= 1
+        self._callback(self._on_leave, conn.info, "on_leave")
+
+    def _retry_notices(self, timeout: float | None) -> float | None:
+        """Try again to queue the notices that did not fit; ``timeout``, capped while some wait."""
+        for sub_id, (conn, notice) in list(self._evicting.items()):
+            if _queue_notice(conn.sock, notice):
+                del self._evicting[sub_id]
+                self._gone(conn)
+        if self._evicting and (timeout is None or timeout > _NOTICE_RETRY):
+            return _NOTICE_RETRY
+        return timeout
+
+    @staticmethod
+    def _callback(
+        func: Callable[[SubscriberInfo], object] | None, info: SubscriberInfo, name: str
+    ) -> None:
+        if func is None:
+            return
+        try:
+            func(info)
+        except Exception as exc:
+            warnings.warn(f"{name} callback raised {exc!r}", RuntimeWarning, stacklevel=4)
+
+    def _busy_message(self, timeout: float | None) -> str:
+        book = self._book
+        by_sub: dict[int, list[int]] = {}
+        for slot in range(self.num_slots):
+            for sub_id, _seq in book.leases(slot):
+                by_sub.setdefault(sub_id, []).append(slot)
+        parts = []
+        for sub_id, slots in sorted(by_sub.items()):
+            conn = self._conns.get(sub_id)
+            who = f"pid {conn.info.pid}, {conn.info.mode}" if conn else "gone"
+            parts.append(f"subscriber {sub_id} ({who}) holds slots {slots}")
+        local = [s for s in range(self.num_slots) if book.holds(s)]
+        if local:
+            parts.append(f"local arrays hold slots {local}")
+        return (
+            f"no slot became free within {timeout} s: all {self.num_slots} slots are in use "
+            f"({'; '.join(parts)}); subscribers must release their frames (or use "
+            "mode='latest'), or give the pool more slots"
+        )
+
+
+__all__ = ["PublisherCore"]

@@ -1,0 +1,700 @@
+"""The consumer side of a channel session, without the GPU parts: :class:`SubscriberCore`.
+
+It connects to a publisher's socket, receives frames and releases them.  The
+GPU layer (:mod:`._subscriber`) wraps it: it maps the slots from the WELCOME
+and turns each frame's payload into arrays.
+
+Hot path (``recv``/``release``): the caller's thread, one ``recv``/``send``
+per message, ``poll(2)`` for waiting; the socket work of each step is one
+compiled call (``recv_frame``, ``release_frame``).  One rule decides whether a
+frame taken from the socket is handed out (:meth:`SubscriberCore._revoked`):
+only if, after it was received, the publisher had not hung up with an
+eviction notice queued.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import os
+import select
+import socket
+import struct
+import time
+import weakref
+from collections.abc import Iterable
+from types import TracebackType
+from typing import NoReturn
+
+from .._errors import (
+    ChannelTimeoutError,
+    EndOfStream,
+    EvictedError,
+    PeerRefusedError,
+    PoolClosedError,
+    ProtocolError,
+    TransportError,
+    UsageError,
+)
+from .._transport import connect_unix, peer_credentials
+from . import _protocol as proto
+from . import _sockets
+from ._protocol import Frame
+from ._sockets import (
+    _DONTWAIT,
+    _FRAME_HEAD_SIZE,
+    _POLLOUT,
+    _POLLRDHUP,
+    DEFAULT_BLOCK_CREDIT,
+    MAX_FDS,
+    _ms,
+    _say_bye_and_close,
+    _spin_ns,
+    _warn,
+)
+
+_INT_SIZE = struct.calcsize("i")
+#: Most fds :meth:`SubscriberCore.watch` takes (the compiled poll set holds 16, the socket too).
+_MAX_WATCHED = 15
+
+
+def _close_subscriber(sock: socket.socket, fds: list[int]) -> None:
+    """Tear a subscriber down (also its finalizer); warns instead of raising."""
+    try:
+        if sock.fileno() >= 0:
+            _say_bye_and_close(sock)
+    except Exception as exc:
+        _warn(f"closing the subscriber socket failed: {exc!r}")
+    while fds:
+        fd = fds.pop()
+        try:
+            os.close(fd)
+        except OSError as exc:
+            _warn(f"closing slot fd {fd} failed: {exc}")
+
+
+class SubscriberCore:
+    """The consumer side of a channel: subscribe, receive frames, release them.
+
+    Parameters
+    ----------
+    address:
+        Filesystem path of the publisher's socket.
+    mode:
+        ``"block"``: receive every frame, the producer waits for releases;
+        ``"latest"``: frames are skipped while ``credit`` are held.
+    credit:
+        Most frames held at once; default 1 for ``"latest"``, 64 for ``"block"``.
+        The publisher may grant less (its ``max_credit``): :attr:`credit` is
+        the credit granted.
+    hello:
+        Opaque bytes for the publisher (at most 64 KiB).
+    timeout:
+        Seconds for connect and handshake together (a full listen backlog is
+        retried until then); also how long ``release`` may wait for room in
+        the socket.
+    allowed_uids:
+        Uids the publisher may run as (``SO_PEERCRED``); default: own euid.
+    spin_us:
+        Microseconds :meth:`recv` busy-polls the socket before it sleeps in
+        ``poll(2)`` (default 0: sleep at once, no CPU while idle).  A few tens
+        of microseconds save the scheduler's wake-up latency when frames come
+        at a high rate, at the cost of that much CPU per call.
+
+    Attributes
+    ----------
+    credit:
+        The credit the publisher granted.
+    lease_timeout:
+        Seconds the publisher lets this subscriber hold a frame before it
+        evicts it (None: no limit).
+
+    Raises
+    ------
+    PeerRefusedError
+        The publisher refused (the reason is in the message) or runs as a uid
+        not allowed here.
+    TransportError
+        Connecting failed (no publisher, no permission).
+    ChannelTimeoutError
+        No WELCOME within ``timeout`` (or the backlog stayed full).
+    ProtocolError
+        The publisher's reply is malformed.
+    EndOfStream
+        The publisher closed or reset the connection during the handshake.
+    """
+
+    def __init__(
+        self,
+        address: str | os.PathLike[str],
+        *,
+        mode: str = "block",
+        credit: int | None = None,
+        hello: bytes = b"",
+        timeout: float = 10.0,
+        allowed_uids: Iterable[int] | None = None,
+        spin_us: float = 0.0,
+    ) -> None:
+        _sockets._load_frameio()
+        if mode not in proto.MODE_CODES:
+            raise UsageError(f"mode must be 'block' or 'latest', not {mode!r}")
+        self.spin_ns = _spin_ns(spin_us)
+        if credit is None:
+            credit = 1 if mode == "latest" else DEFAULT_BLOCK_CREDIT
+        self.address = os.fspath(address)
+        self.mode = mode
+        self.credit = int(credit)
+        self.lease_timeout: float | None = None
+        self._timeout = timeout
+        hello_msg = proto.encode_hello(proto.MODE_CODES[mode], self.credit, os.getpid(), hello)
+        allowed = frozenset({os.geteuid()} if allowed_uids is None else allowed_uids)
+        self._held: dict[int, int] = {}
+        self._eos: str | None = None
+        self._eos_clean = False
+        self._evicted = False
+        self._backlog: collections.deque[bytes] = collections.deque()
+        self._closed = False
+        self._fds: list[int] = []
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._finalizer = weakref.finalize(self, _close_subscriber, self._sock, self._fds)
+        try:
+            welcome = self._handshake(hello_msg, allowed)
+        except BaseException:
+            self.close()
+            raise
+        self.sub_id = welcome.sub_id
+        self.num_slots = welcome.num_slots
+        self.next_seq = welcome.next_seq
+        self.credit = welcome.credit
+        if welcome.lease_timeout_ms:
+            self.lease_timeout = welcome.lease_timeout_ms / 1000.0
+        self.welcome_payload = welcome.payload
+        self._buf = bytearray(proto.MAX_FRAME_SIZE + 1)
+        self._view = memoryview(self._buf)
+        self._hangup = select.poll()
+        self._hangup.register(self._sock, _POLLRDHUP)
+        self._sock_fd = self._sock.fileno()
+        # the same check for the compiled per-frame calls (recv_frame, release_frame)
+        self._hup_pairs: list[tuple[int, int]] = [(self._sock_fd, _POLLRDHUP)]
+        self._hup_set = _sockets.pollfds(self._hup_pairs)
+        self._waited = False  # the last recv had to wait for its frame
+        #: True once a hang-up (or a watched fd, :meth:`watch`) was seen: from then on
+        #: the caller should look at its own death signals for every frame.
+        self.alarm = False
+
+    def watch(self, fd: int) -> None:
+        """Add ``fd`` (readable = trouble, e.g. the producer's pidfd) to the hang-up check.
+
+        The check that :meth:`recv` and :meth:`connected` make anyway (one
+        ``poll(0)``) then covers it too: when it fires, :attr:`alarm` is set
+        and :meth:`connected` answers False.  This saves the caller a system
+        call per frame.
+        """
+        pairs = [p for p in self._hup_pairs if p[0] != fd] + [(fd, select.POLLIN)]
+        if len(pairs) > _MAX_WATCHED + 1:
+            raise UsageError(f"at most {_MAX_WATCHED} fds can be watched")
+        self._hangup.register(fd, select.POLLIN)
+        self._hup_pairs = pairs
+        self._hup_set = _sockets.pollfds(pairs)
+
+    def _hung_up(self) -> bool:
+        """One ``poll(0)`` of the socket's hang-up and the watched fds; True if any fired.
+
+        Reads what is still queued when the socket itself hung up (to notice an
+        eviction notice).
+        """
+        ready = self._hangup.poll(0)
+        if not ready:
+            return False
+        self.alarm = True
+        if any(fd == self._sock_fd for fd, _ev in ready):
+            self._scan_after_hangup()
+        return True
+
+    def _handshake(self, hello_msg: bytes, allowed: frozenset[int]) -> proto.Welcome:
+        sock = self._sock
+        deadline = time.monotonic() + self._timeout
+        try:
+            connect_unix(sock, self.address, deadline)
+        except TimeoutError:
+            raise ChannelTimeoutError(
+                f"cannot connect to the publisher at {self.address} within {self._timeout} s: "
+                "its listen backlog stayed full"
+            ) from None
+        except OSError as exc:
+            hint = ""
+            if exc.errno == errno.EACCES:
+                hint = " (the socket is private to the publisher's uid: allow yours there)"
+            elif exc.errno in (errno.ENOENT, errno.ECONNREFUSED):
+                hint = " (is the publisher running?)"
+            raise TransportError(
+                exc.errno or errno.EIO,
+                f"cannot connect to the publisher at {self.address}: {exc.strerror}{hint}",
+            ) from None
+        self.producer_pid, self.producer_uid, _gid = peer_credentials(sock)
+        if self.producer_uid not in allowed:
+            raise PeerRefusedError(
+                f"the publisher at {self.address} runs as uid {self.producer_uid}, "
+                f"which is not in allowed_uids {sorted(allowed)}"
+            )
+        # A publisher that refuses at once (uid, too many handshakes) may close
+        # before the HELLO arrives: the REFUSE is still queued for us.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(hello_msg)
+        data, fds, flags = self._recv_welcome(deadline)
+        try:
+            if flags & socket.MSG_CTRUNC:
+                raise ProtocolError("the WELCOME carried more fds than fit (MSG_CTRUNC)")
+            if flags & socket.MSG_TRUNC:
+                raise ProtocolError("the WELCOME is larger than the protocol allows")
+            if not data:
+                raise EndOfStream(f"the publisher at {self.address} closed during the handshake")
+            msg = proto.decode(data)
+            if isinstance(msg, proto.Refuse):
+                raise PeerRefusedError(f"the publisher at {self.address} refused: {msg.reason}")
+            if not isinstance(msg, proto.Welcome):
+                raise ProtocolError(f"expected WELCOME, got {type(msg).__name__}")
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        self._fds.extend(fds)
+        # Blocking from now on: recv() without a timeout sleeps in recv itself; every
+        # call that must not wait passes MSG_DONTWAIT.
+        sock.setblocking(True)
+        return msg
+
+    def _recv_welcome(self, deadline: float) -> tuple[bytes, list[int], int]:
+        """Receive the publisher's reply, its fds close-on-exec."""
+        sock = self._sock
+        space = socket.CMSG_SPACE(MAX_FDS * _INT_SIZE)
+        reset = False
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ChannelTimeoutError(
+                    f"the publisher at {self.address} did not answer within {self._timeout} s"
+                )
+            sock.settimeout(remaining)
+            try:
+                data, ancdata, flags, _ = sock.recvmsg(
+                    proto.MAX_WELCOME_SIZE + 1, space, socket.MSG_CMSG_CLOEXEC
+                )
+            except TimeoutError:
+                continue
+            except ConnectionResetError:
+                if reset:
+                    raise EndOfStream(
+                        f"the publisher at {self.address} reset the connection during the "
+                        "handshake (it exited or was killed)"
+                    ) from None
+                reset = True  # reported once; a REFUSE may still be queued behind it
+                continue
+            except OSError as exc:
+                raise TransportError(
+                    exc.errno or errno.EIO,
+                    f"the handshake with {self.address} failed: {exc.strerror}",
+                ) from None
+            fds: list[int] = []
+            for level, kind, payload in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    whole = len(payload) - len(payload) % _INT_SIZE
+                    fds.extend(struct.unpack(f"{whole // _INT_SIZE}i", payload[:whole]))
+            return data, fds, flags
+
+    # -- context manager / teardown --
+
+    def __enter__(self) -> SubscriberCore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Say BYE, close the socket and every fd not taken. Idempotent; never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
+    def fileno(self) -> int:
+        """The socket's fd, readable when a frame (or the end) is waiting."""
+        return self._sock.fileno()
+
+    def take_fds(self) -> list[int]:
+        """Return the slot fds from the WELCOME; the caller owns (and closes) them now."""
+        fds = list(self._fds)
+        self._fds.clear()
+        return fds
+
+    @property
+    def held(self) -> dict[int, int]:
+        """Frames received and not yet released, as ``{seq: slot}``."""
+        return dict(self._held)
+
+    # -- hot path --
+
+    def recv(self, timeout: float | None = None) -> Frame:
+        """Wait for the next frame; the caller holds a lease on it until :meth:`release`.
+
+        Parameters
+        ----------
+        timeout:
+            Seconds to wait (None: forever).
+
+        Returns
+        -------
+        Frame
+            ``(seq, slot, payload)``.
+
+        Raises
+        ------
+        EvictedError
+            The publisher dropped this subscriber while it held frames (lease
+            timeout, full socket): the frames it holds may be overwritten and
+            must not be read (and on every later call).
+        EndOfStream
+            The publisher said BYE, closed or died (and on every later call).
+        ChannelTimeoutError
+            No frame within ``timeout`` (also a ``TimeoutError``).
+        ProtocolError
+            The publisher sent something malformed; the connection is closed.
+        PoolClosedError
+            This subscriber is closed.
+        """
+        seq, slot, payload = self.recv_view(timeout)
+        return Frame(seq, slot, bytes(payload))
+
+    def recv_view(self, timeout: float | None = None) -> tuple[int, int, memoryview | bytes]:
+        """:meth:`recv`, answering ``(seq, slot, payload)`` without a :class:`Frame` object.
+
+        ``payload`` may be a view of this subscriber's receive buffer: it is
+        valid until the next ``recv``/``recv_view`` (copy what must last).
+        The per-frame path of the GPU subscriber.  Raises as :meth:`recv`.
+        """
+        if self._closed:
+            raise PoolClosedError("the subscriber is closed")
+        if self._eos is not None:
+            self._raise_end()
+        if self._backlog:
+            return self._from_backlog()
+        # One compiled call: the wait (poll(2) of the socket and the hang-up set),
+        # the receive, the FRAME's header, and the hang-up check if it did not wait;
+        # with spin_us, non-blocking receives of the same call first.
+        try:
+            if self.spin_ns and timeout != 0:
+                got = self._recv_frame_spinning(timeout)
+            else:
+                got = _sockets.recv_frame(
+                    self._sock_fd,
+                    self._buf,
+                    -1 if timeout is None else _ms(timeout),
+                    self._waited,
+                    self._hup_set,
+                )
+        except OSError as exc:
+            self._failed_recv(exc)
+            return self._from_backlog()
+        if got is None:
+            self._waited = True
+            raise ChannelTimeoutError(f"no frame within {timeout} s")
+        n, seq, slot, self._waited = got
+        if seq >= 0:
+            # a well-formed FRAME and no hang-up: what _accept checks besides
+            if slot >= self.num_slots:
+                self._protocol_error(f"frame {seq} names slot {slot} of {self.num_slots}")
+            held = self._held
+            if seq in held:
+                self._protocol_error(f"frame {seq} received twice")
+            held[seq] = slot
+            return seq, slot, self._view[_FRAME_HEAD_SIZE:n]
+        if n == 0:
+            self._end("the publisher closed the connection")
+        msg = self._accept(self._view[:n])
+        return msg.seq, msg.slot, msg.payload
+
+    def _from_backlog(self) -> tuple[int, int, bytes]:
+        msg = self._accept(self._backlog.popleft())
+        return msg.seq, msg.slot, msg.payload
+
+    def _recv_frame_spinning(self, timeout: float | None) -> tuple[int, int, int, bool] | None:
+        """``recv_frame``, busy-polling (non-blocking receives) up to ``spin_us`` first.
+
+        Returns what ``recv_frame`` returns; None when nothing came within
+        ``timeout``.  A frame taken while spinning gets the same compiled header
+        and hang-up checks as one that was waited for.
+        """
+        fd, buf, hup = self._sock_fd, self._buf, self._hup_set
+        clock = time.perf_counter_ns
+        start = clock()
+        spin = self.spin_ns if timeout is None else min(self.spin_ns, int(timeout * 1e9))
+        end = start + spin
+        while True:
+            got = _sockets.recv_frame(fd, buf, 0, False, hup)
+            if got is not None:
+                return got
+            now = clock()
+            if now >= end:
+                break
+        if timeout is None:
+            return _sockets.recv_frame(fd, buf, -1, True, hup)
+        left = timeout - (now - start) / 1e9
+        if left <= 0.0:
+            return None
+        return _sockets.recv_frame(fd, buf, _ms(left), True, hup)
+
+    def _failed_recv(self, exc: OSError) -> None:
+        """A receive failed: return if frames are queued behind a reset (take those), else end."""
+        if isinstance(exc, ConnectionResetError):
+            # Reported once, before what is still queued (a dropped subscriber's
+            # notice among it): look there first.
+            self._scan_after_hangup()
+            if self._evicted:
+                self._raise_end()
+            if self._backlog:
+                return
+            self._end("the connection to the publisher was reset")
+        self._end(f"the connection to the publisher failed: {exc}")
+
+    def _protocol_error(self, exc: ProtocolError | str) -> NoReturn:
+        """Close the connection after a protocol error and raise it."""
+        if isinstance(exc, str):
+            exc = ProtocolError(exc)
+        self._eos = f"the connection was closed after a protocol error: {exc}"
+        _close_subscriber(self._sock, [])
+        raise exc
+
+    def _accept(self, data: bytes | memoryview) -> Frame:
+        """Decode one message from the publisher; return it if it is a frame we may use."""
+        try:
+            msg = proto.decode(data)
+            if type(msg) is Frame:
+                if msg.slot >= self.num_slots:
+                    raise ProtocolError(
+                        f"frame {msg.seq} names slot {msg.slot} of {self.num_slots}"
+                    )
+                if msg.seq in self._held:
+                    raise ProtocolError(f"frame {msg.seq} received twice")
+                if self._revoked():
+                    self._raise_end()
+                self._held[msg.seq] = msg.slot
+                return msg
+            if type(msg) is proto.Bye:
+                self._end("the publisher said BYE", clean=True)
+            if type(msg) is proto.Refuse:
+                self._evict(msg.reason)
+            raise ProtocolError(f"unexpected {type(msg).__name__} from the publisher")
+        except ProtocolError as exc:
+            self._protocol_error(exc)
+
+    def _revoked(self) -> bool:
+        """Whether a FRAME just taken from the socket (or the backlog) must not be handed out.
+
+        The one rule for every frame: it is handed out only if, after it was
+        received, the connection had not hung up, or had hung up with no
+        eviction notice queued (a clean BYE or a dead publisher: the frame's
+        lease was not revoked).  The publisher queues the notice and hangs up
+        before it takes an evicted subscriber's leases back, so a hang-up not
+        seen here came after the frame was handed out.  After a hang-up
+        everything still queued is read (:meth:`_scan_after_hangup`); frames
+        in the backlog come from such a complete read that found no notice.
+        (The compiled ``recv_frame`` makes the same check after its receive
+        and hands every frame it cannot vouch for to this one.)
+        """
+        if self._evicted:
+            return True
+        if self._backlog:
+            return False  # read after the hang-up, all of it, and no notice was among it
+        return self._hung_up() and self._evicted
+
+    def _scan_after_hangup(self) -> None:
+        """Read everything still queued (the publisher has hung up); note an eviction notice."""
+        self.alarm = True
+        reset = False
+        got: list[bytes] = []
+        while True:
+            try:
+                data = self._sock.recv(proto.MAX_FRAME_SIZE + 1, socket.MSG_DONTWAIT)
+            except ConnectionResetError:
+                if reset:
+                    break
+                reset = True
+                continue
+            except OSError:
+                break
+            if not data:
+                break
+            got.append(data)
+        for data in got:
+            try:
+                msg = proto.decode(data)
+            except ProtocolError:
+                continue  # reported when it is reached
+            if type(msg) is proto.Refuse:
+                self._evicted = True
+                self._eos = f"the publisher evicted this subscriber: {msg.reason}"
+                self._backlog.clear()
+                return
+        self._backlog.extend(got)
+
+    def _evict(self, reason: str) -> NoReturn:
+        self._evicted = True
+        self._eos = f"the publisher evicted this subscriber: {reason}"
+        self._backlog.clear()
+        self._raise_end()
+
+    def _raise_end(self) -> NoReturn:
+        assert self._eos is not None
+        if self._evicted:
+            raise EvictedError(self._eos, False)
+        raise EndOfStream(self._eos, self._eos_clean)
+
+    def _end(self, reason: str, clean: bool = False) -> NoReturn:
+        self._eos = reason
+        self._eos_clean = clean
+        raise EndOfStream(reason, clean)
+
+    @property
+    def evicted(self) -> bool:
+        """True once the publisher evicted this subscriber (see :class:`EvictedError`)."""
+        return self._evicted
+
+    def connected(self) -> bool:
+        """False once the publisher has hung up on this subscriber (ended, died or evicted it).
+
+        One ``poll(0)``; after a hang-up it reads what is still queued, to
+        notice an eviction notice (frames queued before a BYE stay for
+        :meth:`recv`).  The GPU subscriber asks before it writes its read flag
+        in the sync page: an evicted subscriber's row may already belong to a
+        newer subscriber, which a late write of an older generation would
+        disturb.  (A publisher that evicts between this call and the write is
+        not caught: the window is one flag write.)
+        """
+        if self._closed or self._eos is not None:
+            return False
+        return not self._hung_up()
+
+    def release(self, seq: int, slot: int) -> None:
+        """Return the lease on frame ``seq`` in ``slot``.
+
+        After the publisher ended, releasing only forgets the frame locally.
+
+        Raises
+        ------
+        EvictedError
+            The publisher evicted this subscriber: the lease had already been
+            taken back, the frame's slot may have been overwritten before this
+            release (the frame is forgotten locally all the same).
+        ProtocolError
+            This subscriber does not hold that frame (never received, released
+            twice, wrong slot); nothing is sent.
+        ChannelTimeoutError
+            The publisher did not drain its socket within ``timeout``.
+        PoolClosedError
+            This subscriber is closed.
+        """
+        self._check_held(seq, slot)
+        del self._held[seq]
+        if self._eos is not None:
+            if self._evicted:
+                self._raise_end()
+            return
+        try:
+            self._sock.send(proto.encode_release(seq, slot), _DONTWAIT)
+        except OSError as exc:
+            self._release_not_sent(exc, seq, slot)
+
+    def release_with_write(
+        self, seq: int, slot: int, fn: int, stream: int, addr: int, value: int, flags: int
+    ) -> int:
+        """:meth:`release`, preceded by a stream memory operation unless the publisher hung up.
+
+        The GPU subscriber's release in one compiled call
+        (``_frameio.release_frame``): the hang-up check of :meth:`connected`;
+        if the publisher is still there, ``fn(stream, addr, value, flags)``
+        (the driver's ``cuStreamWriteValue32`` of the read flag, as
+        ``_fastpath.memop`` calls it); then the RELEASE.  After a hang-up the
+        operation is skipped (an evicted subscriber's row may belong to
+        another subscriber by now) and the frame is released as by
+        :meth:`release`.
+
+        Returns
+        -------
+        int
+            0, or the driver's error code: then nothing was written or sent
+            and the frame is still held.
+
+        Raises
+        ------
+        As :meth:`release`.
+        """
+        self._check_held(seq, slot)
+        if self._eos is not None:
+            self.release(seq, slot)
+            return 0
+        try:
+            rc = _sockets.release_frame(
+                self._sock_fd, self._hup_set, fn, stream, addr, value, flags, seq, slot
+            )
+        except OSError as exc:  # the flag was written; the RELEASE did not go
+            del self._held[seq]
+            self._release_not_sent(exc, seq, slot)
+            return 0
+        if rc < 0:  # hung up: no write (as connected() answers False)
+            self._hung_up()
+            self.release(seq, slot)
+            return 0
+        if rc == 0:
+            del self._held[seq]
+        return rc
+
+    def _check_held(self, seq: int, slot: int) -> None:
+        """Raise unless this open subscriber holds frame ``seq`` in ``slot``."""
+        if self._closed:
+            raise PoolClosedError("the subscriber is closed")
+        held = self._held.get(seq)
+        if held is None or held != slot:
+            raise ProtocolError(f"release of frame {seq} in slot {slot}, which is not held")
+
+    def _release_not_sent(self, exc: OSError, seq: int, slot: int) -> None:
+        """A RELEASE's send failed: wait for room, or find out whether we were dropped."""
+        if isinstance(exc, BlockingIOError):
+            self._send_stalled(proto.encode_release(seq, slot))
+            return
+        # The publisher is gone; was this subscriber dropped?
+        self._scan_after_hangup()
+        if self._evicted:
+            self._raise_end()
+
+    def _send_stalled(self, msg: bytes) -> None:
+        poller = select.poll()
+        poller.register(self._sock, _POLLOUT)
+        deadline = time.monotonic() + self._timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0.0:
+                raise ChannelTimeoutError(
+                    f"the publisher did not take a RELEASE within {self._timeout} s"
+                )
+            poller.poll(_ms(remaining))
+            try:
+                self._sock.send(msg, _DONTWAIT)
+                return
+            except BlockingIOError:
+                continue
+            except OSError:
+                return
+
+
+__all__ = ["SubscriberCore"]
