@@ -56,7 +56,9 @@ def compiler() -> str | None:
     return None
 
 
-def build_c_program(out_dir: Path, name: str, sources: list[Path], extra: list[str] = ()) -> Path:
+def build_c_program(
+    out_dir: Path, name: str, sources: list[Path], extra: tuple[str, ...] = ()
+) -> Path:
     """Compile ``sources`` with the library into ``out_dir/name``; skip if no compiler.
 
     Parameters
@@ -556,7 +558,7 @@ def test_frames_with_several_arrays(
         parts = answer.split()
         assert parts[:3] == ["ok", str(len(GEOMETRY)), b"metadata!".hex()], answer
         for got, g in zip(parts[3:], GEOMETRY, strict=True):
-            handle = ArrayHandle(slot, seq + 1, *g[1:])
+            handle = ArrayHandle(slot, seq + 1, g[1], g[2], g[3], np.dtype(g[4]))
             text, fnv = _expected(data, handle)
             assert got == f"{text}:{fnv:016x}"
         assert probe(f"release {seq} {slot}") == "ok"

@@ -217,6 +217,7 @@ def test_producer_killed_while_the_c_stream_waits(
         assert queue.get(timeout=60) == "published"
         assert _line(proc, 60) == "waiting"  # its stream waits on the unwritten flag
         t0 = time.monotonic()
+        assert producer.pid is not None
         os.kill(producer.pid, signal.SIGKILL)
         report = _report(proc, 60)
         elapsed = time.monotonic() - t0
