@@ -2,11 +2,12 @@
 
 The GPU channel (:class:`cupy_ipcpool.Publisher`) carries device frames; this
 one carries host frames over the same session core
-(:mod:`cupy_ipcpool.channel._session`: Unix socket, leases, ``block``/``latest``), with
-one memfd per slot handed to subscribers once.  The remote layer uses it as
-the GPU-free source and sink of a :class:`~cupy_ipcpool.remote.RemoteServer`
-and a :class:`~cupy_ipcpool.remote.Relay` (``memory="host"``); it needs no GPU
-and is what the CPU tier of the tests runs.
+(:mod:`cupy_ipcpool.channel._publisher_core` and
+:mod:`~cupy_ipcpool.channel._subscriber_core`: Unix socket, leases,
+``block``/``latest``), with one memfd per slot handed to subscribers once.
+The remote layer uses it as the GPU-free source and sink of a
+:class:`~cupy_ipcpool.remote.RemoteServer` and a :class:`~cupy_ipcpool.remote.Relay`
+(``memory="host"``); it needs no GPU and is what the CPU tier of the tests runs.
 
 Conventions: the WELCOME payload is the slot size (``u64``), its fds the
 memfds; a FRAME payload is ``count u16, metadata length u32``, the array specs
@@ -75,7 +76,7 @@ class HostChannelPublisher:
     num_slots, slot_nbytes:
         The ring of memfd slots.
     **kwargs:
-        Passed to :class:`cupy_ipcpool.channel._session.PublisherCore`
+        Passed to :class:`cupy_ipcpool.channel._publisher_core.PublisherCore`
         (``allowed_uids``, ``max_subscribers``, ``send_timeout``, ``on_join``, ``on_leave``).
 
     Notes
@@ -217,7 +218,7 @@ class HostChannelSubscriber:
     address:
         The publisher's socket path.
     mode, credit, timeout, allowed_uids:
-        As for :class:`cupy_ipcpool.channel._session.SubscriberCore`.
+        As for :class:`cupy_ipcpool.channel._subscriber_core.SubscriberCore`.
     writable:
         Map the slots read-write (the remote server's bridge does: UCX
         registers read-only mappings poorly and falls back to copies, about
