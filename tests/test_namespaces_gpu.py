@@ -117,12 +117,24 @@ def shared_dir() -> Iterator[str]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _report(out: str, err: str) -> dict[str, Any]:
+    """The consumer's report; skips where its uid cannot use the GPU here."""
+    lines = out.strip().splitlines()
+    assert lines, f"the consumer printed no report: {err}"
+    report: dict[str, Any] = json.loads(lines[-1])
+    if "no_gpu" in report:
+        pytest.skip(f"uid {report.get('uid')} cannot use the GPU here: {report['no_gpu']}")
+    assert "crash" not in report, report["crash"]
+    return report
+
+
 def _wait_subscribers(pub: Any, n: int, proc: subprocess.Popen[str], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while len(pub.subscribers) < n:
         pub.poll(0.05)
         if proc.poll() is not None:
             out, err = proc.communicate()
+            _report(out, err)  # skips, or names the crash
             pytest.fail(f"the consumer ended before subscribing: {out} {err}")
         assert time.monotonic() < deadline, "the consumer did not subscribe in time"
 
@@ -136,7 +148,7 @@ def test_attach_and_subscribe_from_another_pid_and_mount_namespace(
     reason = _skip_reason(uid)
     if reason is not None:
         pytest.skip(reason)
-    allowed = {NOBODY}
+    allowed = {os.geteuid(), NOBODY}  # the publisher allows exactly these
     pool_path = os.path.join(shared_dir, "pool.sock")
     address = os.path.join(shared_dir, "chan.sock")
     with (
@@ -179,10 +191,7 @@ def test_attach_and_subscribe_from_another_pid_and_mount_namespace(
                 proc.kill()
                 proc.communicate()
     assert proc.returncode == 0, err
-    report: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
-    if "no_gpu" in report:
-        pytest.skip(f"uid {uid} cannot use the GPU here: {report['no_gpu']}")
-    assert "crash" not in report, report["crash"]
+    report = _report(out, err)
     assert report["pid"] == 1 and report["pid_namespace"] != os.stat("/proc/self/ns/pid").st_ino
     if uid is not None:
         assert report["uid"] == uid and int(report["cap_eff"], 16) == 0
