@@ -183,7 +183,7 @@ def test_undo_stack_runs_steps_newest_first_and_warns_on_failures() -> None:
 def _load_at_site(name: str) -> Any:
     """The library's own call that loads the compiled module ``name`` (as a pool or a channel)."""
     from cupy_ipcpool import _compiled
-    from cupy_ipcpool.channel import _payload, _session, _syncpage
+    from cupy_ipcpool.channel import _payload, _sockets, _syncpage
 
     if name == "cupy_ipcpool._hotpath":
         _compiled.hotpath()
@@ -191,14 +191,14 @@ def _load_at_site(name: str) -> Any:
     if name == "cupy_ipcpool._fastpath":
         return _syncpage._memops()
     for attr in ("pollfds", "recv_frame", "release_frame", "send_frame", "wait_releases"):
-        _session.__dict__.pop(attr, None)  # loaded again, as at the first session
-    return _session._load_frameio()
+        _sockets.__dict__.pop(attr, None)  # loaded again, as at the first session
+    return _sockets._load_frameio()
 
 
 #: Each compiled module, the constants it exports, and the Python definitions they must equal.
 def _expected_constants() -> dict[str, dict[str, object]]:
     from cupy_ipcpool import _handles
-    from cupy_ipcpool.channel import _payload, _session, _syncpage
+    from cupy_ipcpool.channel import _payload, _sockets, _syncpage
 
     return {
         "cupy_ipcpool._hotpath": {
@@ -210,7 +210,7 @@ def _expected_constants() -> dict[str, dict[str, object]]:
             ),
             "FRAME_LAYOUT": (_payload.FRAME_HEAD.size, _payload.MAX_ARRAYS, _payload.MAX_METADATA),
         },
-        "cupy_ipcpool.channel._frameio": {"PROTOCOL": _session._PROTOCOL},
+        "cupy_ipcpool.channel._frameio": {"PROTOCOL": _sockets._PROTOCOL},
         "cupy_ipcpool._fastpath": {"MAX_BATCH": _syncpage._MAX_BATCH},
     }
 
@@ -586,7 +586,7 @@ def test_the_graph_holds_the_compiled_parts_and_the_loads_by_name() -> None:
     assert compiled == {"_fastpath", "_hotpath", "channel._frameio"}
     assert compiled <= set(graph)
     assert "_hotpath" in graph["_compiled"]  # load("cupy_ipcpool._hotpath")
-    assert "channel._frameio" in graph["channel._session"]
+    assert "channel._frameio" in graph["channel._sockets"]
     assert "_fastpath" in graph["channel._syncpage"]
 
 
