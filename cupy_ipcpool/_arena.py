@@ -15,6 +15,10 @@ single-stream producer pays nothing.
 installs as this thread's CuPy allocator: every allocation is carved out of
 the slot as ``MemoryPointer(UnownedMemory(ptr, size, owner, device_id), 0)``,
 and its owner (a :class:`Block`) counts as a local reference to the slot.
+
+:class:`SlotArenas` holds a pool's arenas, one per slot, and the array each
+slot keeps for its next frame (:class:`ReusableView`): what ``token.array()``
+carves from.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import threading
 from contextlib import suppress
 from typing import Any
 
-from ._arrays import KeptArray, SlotRef, SlotRefs, cupy_module
+from ._arrays import KeptArray, SlotRef, SlotRefs, cupy_module, normalize_dtype, normalize_shape
 from ._errors import SlotFullError, UsageError
 
 ALIGNMENT = 256
@@ -382,6 +386,165 @@ class AllocationScope:
         self._allocate = allocate
 
 
+class SlotArenas:
+    """The arenas of a pool's slots, and the array each slot keeps for its next frame.
+
+    What ``token.array()`` and ``allocating()`` carve from.  Each slot's
+    :class:`SlotArena` is made on first use; its first array (a
+    :class:`ReusableView`) is kept in ``views`` and handed out again for the
+    slot's next frame of the same shape, dtype and stream.
+
+    Parameters
+    ----------
+    keepalive:
+        What arrays over the slots keep alive (the pool's memory); its
+        ``close_requested`` attribute is true once the pool is closing.
+    refs:
+        The local reference counts of the slots (the pool's slot table).
+    views:
+        Per slot, the kept view or None: the slot table's list, changed here
+        in place only, so that the table sees a view in use as holding the slot.
+    ptrs:
+        Device address of each slot.
+    slot_nbytes:
+        Usable bytes per slot.
+    device:
+        CUDA device ordinal.
+    """
+
+    def __init__(
+        self,
+        keepalive: Any,
+        refs: SlotRefs,
+        views: list[ReusableView | None],
+        ptrs: list[int],
+        slot_nbytes: int,
+        device: int,
+    ) -> None:
+        self.keepalive = keepalive
+        self.refs = refs
+        self.views = views
+        self.ptrs = ptrs
+        self.slot_nbytes = slot_nbytes
+        self.device = device
+        self.arenas: list[SlotArena | None] = [None] * len(ptrs)
+        self._lock = threading.Lock()
+
+    def arena(self, slot: int) -> SlotArena:
+        """``slot``'s arena (made on first use)."""
+        arenas = self.arenas
+        arena = arenas[slot]
+        if arena is None:
+            with self._lock:
+                arena = arenas[slot]
+                if arena is None:
+                    arena = arenas[slot] = SlotArena(self.slot_nbytes, slot=slot)
+        return arena
+
+    def array(self, slot: int, shape: Any, dtype: Any, stream: int, stream_obj: Any) -> Any:
+        """A ``cupy.ndarray`` of ``shape`` and ``dtype`` carved from ``slot`` for ``stream``.
+
+        The slot's kept view when it is free for this call, else a new block
+        (which becomes the kept view when the slot was empty).
+
+        Raises
+        ------
+        SlotFullError
+            It does not fit in what is left of the slot.
+        """
+        view = self.views[slot]
+        if (
+            view is not None
+            and view.given is not None
+            and type(shape) is tuple
+            and view.given[1] is dtype
+            and view.given[0] == shape
+            and view.free_for(stream, self.arenas[slot].top)  # type: ignore[union-attr]
+        ):
+            # the same call as the one that made the view, for the slot's next frame:
+            # no need to normalise shape and dtype
+            return view.array
+        cp = cupy_module()
+        dt = normalize_dtype(dtype)
+        shape_t = normalize_shape(shape)
+        nbytes = dt.itemsize
+        for n in shape_t:
+            nbytes *= n
+        arena = self.arena(slot)
+        views = self.views
+        view = views[slot]
+        if view is not None:
+            if view.key == (shape_t, dt) and view.free_for(stream, arena.top):
+                return view.array  # the slot's last frame had this shape: hand it out again
+            if not view.in_use():
+                self.drop_view(slot)
+                view = views[slot]
+        keepalive = self.keepalive
+        if view is None and arena.top == 0 and not keepalive.close_requested:
+            # the first array of an empty slot: keep it for the slot's next frame
+            # (not once the pool is closing: an uncounted view could outlive the mapping)
+            offset = arena.alloc(nbytes, stream, stream_obj)
+            owner = ViewOwner(keepalive, self.refs, slot)
+            try:
+                view = ReusableView(
+                    cp,
+                    self.ptrs[slot] + offset,
+                    nbytes,
+                    owner,
+                    self.device,
+                    shape_t,
+                    dt,
+                    offset,
+                    stream,
+                )
+            except BaseException:
+                arena.free(offset)
+                raise
+            if type(shape) is tuple and shape == shape_t:
+                view.given = (shape, dtype)  # dtype compared by identity: any object will do
+            with self.refs.lock:
+                if keepalive.close_requested:
+                    view.owner.count()  # closed meanwhile: an ordinary counted array
+                else:
+                    views[slot] = view
+            return view.array
+        memptr = block_pointer(
+            arena,
+            self.ptrs[slot],
+            keepalive,
+            self.refs,
+            self.device,
+            nbytes,
+            stream,
+            stream_obj,
+        )
+        return cp.ndarray(shape_t, dt, memptr)
+
+    def drop_view(self, slot: int) -> None:
+        """Forget ``slot``'s kept view if nothing uses it; its arena block is freed."""
+        refs = self.refs
+        with refs.lock:
+            view = self.views[slot]
+            if view is None or view.in_use():
+                return
+            self.views[slot] = None
+        self.arena(slot).free(view.offset)
+
+    def scope(self, slot: int, overflow: str) -> AllocationScope:
+        """An :class:`AllocationScope` over ``slot`` (its kept view is dropped first:
+        the arena's space goes to the allocations)."""
+        self.drop_view(slot)
+        return AllocationScope(
+            self.arena(slot), self.ptrs[slot], self.keepalive, self.refs, self.device, overflow
+        )
+
+    def close(self) -> None:
+        """Destroy the arenas' events (never raises)."""
+        for arena in self.arenas:
+            if arena is not None:
+                arena.close()
+
+
 __all__ = [
     "ALIGNMENT",
     "OVERFLOW_POLICIES",
@@ -389,5 +552,6 @@ __all__ = [
     "Block",
     "ReusableView",
     "SlotArena",
+    "SlotArenas",
     "ViewOwner",
 ]

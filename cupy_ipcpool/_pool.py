@@ -1,10 +1,12 @@
-"""IpcPool: the ring of shareable slots, slot tokens, arrays over slots, export of descriptors.
+"""IpcPool: the ring of shareable slots, arrays over slots, export of descriptors.
 
 The pool is the one owner of each slot's life: :meth:`IpcPool.acquire` hands
-out a :class:`SlotToken` for a slot that no local array, allocator block,
-writer or peer lease holds (the bookkeeping is :class:`~._slots.SlotTable`),
-and everything that writes a slot — ``pool.next()``, the seed façade, the
-channel's publisher, the allocator hook — goes through it.
+out a :class:`~._slots.SlotToken` for a slot that no local array, allocator
+block, writer or peer lease holds (the bookkeeping is
+:class:`~._slots.SlotTable`), and everything that writes a slot —
+``pool.next()``, the seed façade, the channel's publisher, the allocator hook
+— goes through it.  What ``token.array()`` and ``allocating()`` carve from is
+:class:`~._arena.SlotArenas`.
 """
 
 from __future__ import annotations
@@ -22,11 +24,10 @@ from typing import Any
 import numpy
 
 from . import _driver
-from ._arena import AllocationScope, ReusableView, SlotArena, ViewOwner, block_pointer
+from ._arena import AllocationScope, ReusableView, SlotArenas
 from ._arrays import (
     SlotRef,
     array_info,
-    as_cupy_stream,
     cupy_module,
     make_array,
     normalize_dtype,
@@ -45,7 +46,7 @@ from ._errors import (
     UsageTypeError,
 )
 from ._handles import MAX_SLOT_NBYTES, MAX_SLOTS, ArrayHandle, PoolDescriptor
-from ._slots import LeaseSource, SlotTable
+from ._slots import LeaseSource, SlotTable, SlotToken
 from ._transport import FdServer, process_start_time
 from ._vmm import Allocation, UndoStack, round_up
 
@@ -68,7 +69,8 @@ class _PoolMemory:
         self.allocations: list[Allocation] = []
         self.table = SlotTable(num_slots)
         self.table.on_zero = self._on_slot_unused
-        self.arenas: list[SlotArena | None] = [None] * num_slots
+        #: The slots' arenas and kept arrays (set once the slots are mapped).
+        self.arenas: SlotArenas | None = None
         self.pid = pid
         self.close_requested = False
         self.released = False
@@ -110,153 +112,10 @@ class _PoolMemory:
                     with suppress(OSError):
                         os.close(alloc.fd)
             return
-        for arena in self.arenas:
-            if arena is not None:
-                arena.close()
+        if self.arenas is not None:
+            self.arenas.close()
         for alloc in self.allocations:
             alloc.close()
-
-
-class SlotToken:
-    """The right to write one slot, from :meth:`IpcPool.acquire`.
-
-    While the token is open the slot counts as busy (nobody else acquires
-    it); arrays made from it hold the slot on their own for as long as they
-    live.  Release it with :meth:`release` or by leaving a ``with`` block; a
-    token that is garbage collected is released too.
-
-    Attributes
-    ----------
-    slot:
-        The slot index.
-    generation:
-        The slot's generation for this write (it goes into every
-        :class:`ArrayHandle` made from the token).
-    """
-
-    __slots__ = (
-        "__weakref__",
-        "_pool",
-        "_released",
-        "_stream",
-        "_stream_ptr",
-        "generation",
-        "slot",
-    )
-
-    def __init__(self, pool: IpcPool, slot: int, generation: int, stream: Any, ptr: int) -> None:
-        self._pool = pool
-        self.slot = slot
-        self.generation = generation
-        self._stream = stream
-        self._stream_ptr = ptr
-        self._released = False
-
-    @property
-    def released(self) -> bool:
-        """True once the token was released."""
-        return self._released
-
-    @property
-    def stream(self) -> Any:
-        """The stream the slot was acquired for, as a CuPy stream object."""
-        if self._stream is None or not hasattr(self._stream, "ptr"):
-            self._stream = as_cupy_stream(
-                self._stream_ptr if self._stream is None else self._stream, self._pool.device
-            )
-        return self._stream
-
-    @property
-    def stream_ptr(self) -> int:
-        """The raw ``cudaStream_t`` of :attr:`stream`."""
-        return self._stream_ptr
-
-    @property
-    def ptr(self) -> int:
-        """Device pointer of the slot."""
-        return self._pool.ptr(self.slot)
-
-    def _check(self) -> None:
-        if self._released:
-            raise PoolClosedError(
-                f"the token of slot {self.slot} (generation {self.generation}) was released; "
-                "acquire a new one"
-            )
-
-    def array(self, shape: Any, dtype: Any = numpy.float64) -> Any:
-        """A ``cupy.ndarray`` carved out of the slot (uninitialised), as ``cupy.empty``.
-
-        Arrays of one token do not overlap: they come from the slot's arena,
-        as allocations under :meth:`allocating` do, ordered on :attr:`stream`.
-        The first array of a slot is kept by the pool: when the slot is
-        written again with the same shape, dtype and stream and nothing refers
-        to that array any more, the same ``cupy.ndarray`` object is returned
-        (its contents are what the last frame left), which spares building an
-        array per frame.  While anything refers to it (the array, a slice or
-        view of it, a DLPack capsule or tensor made from it) the slot stays
-        busy, as with any live array.
-
-        Parameters
-        ----------
-        shape:
-            Array shape (an int or a tuple of ints).
-        dtype:
-            A numeric numpy dtype (default ``float64``, as ``cupy.empty``).
-
-        Raises
-        ------
-        SlotFullError
-            It does not fit in what is left of the slot.
-        """
-        if self._released:
-            self._check()
-        return self._pool._arena_array(self.slot, shape, dtype, self._stream_ptr, self._stream)
-
-    @contextmanager
-    def allocating(self, *, overflow: str = "raise") -> Iterator[AllocationScope]:
-        """Place this thread's CuPy allocations inside the slot (see :meth:`IpcPool.allocating`)."""
-        self._check()
-        with self._pool._allocating(self.slot, overflow) as scope:
-            yield scope
-
-    def handle(self, array: Any) -> ArrayHandle:
-        """The :class:`ArrayHandle` of an array in this slot (any device array type).
-
-        Raises
-        ------
-        NotShareableError
-            The array does not lie (entirely) in this token's slot.
-        """
-        self._check()
-        handle = self._pool.handle(array)
-        if handle.slot != self.slot:
-            raise NotShareableError(
-                f"array lies in slot {handle.slot}, but this token writes slot {self.slot}"
-            )
-        return handle
-
-    def release(self) -> None:
-        """Give the slot back (it stays busy while its arrays live).  Idempotent."""
-        if not self._released:
-            self._released = True
-            self._pool._release_writer(self.slot)
-
-    close = release
-
-    def __enter__(self) -> SlotToken:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def __del__(self) -> None:
-        if not self._released:
-            with suppress(Exception):
-                self.release()
-
-    def __repr__(self) -> str:
-        state = "released" if self._released else "open"
-        return f"SlotToken(slot={self.slot}, generation={self.generation}, {state})"
 
 
 class IpcPool:
@@ -363,6 +222,9 @@ class IpcPool:
         self._mem = mem
         self._table = mem.table
         self._ptrs = [a.ptr for a in mem.allocations]
+        self._arenas = mem.arenas = SlotArenas(
+            mem, mem.table, mem.table.views, self._ptrs, slot_nbytes, device
+        )
         self._token: SlotToken | None = None  # the one pool.next() holds
         self._closed = False
         self._finalizer = weakref.finalize(self, mem.request_close)
@@ -622,100 +484,12 @@ class IpcPool:
             strides,
         )
 
-    def _arena(self, slot: int) -> SlotArena:
-        arenas = self._mem.arenas
-        arena = arenas[slot]
-        if arena is None:
-            with self._lock:
-                arena = arenas[slot]
-                if arena is None:
-                    arena = arenas[slot] = SlotArena(self._slot_nbytes, slot=slot)
-        return arena
-
     def _kept_view(self, slot: int) -> ReusableView | None:
         """``slot``'s reusable view (what ``token.array`` hands out again), or None.
 
         For the channel's publisher, which caches a view's wire form on it.
         """
         return self._table.views[slot]
-
-    def _arena_array(self, slot: int, shape: Any, dtype: Any, stream: int, stream_obj: Any) -> Any:
-        view = self._table.views[slot]
-        if (
-            view is not None
-            and view.given is not None
-            and type(shape) is tuple
-            and view.given[1] is dtype
-            and view.given[0] == shape
-            and view.free_for(stream, self._mem.arenas[slot].top)  # type: ignore[union-attr]
-        ):
-            # the same call as the one that made the view, for the slot's next frame:
-            # no need to normalise shape and dtype
-            return view.array
-        cp = cupy_module()
-        dt = normalize_dtype(dtype)
-        shape_t = normalize_shape(shape)
-        nbytes = dt.itemsize
-        for n in shape_t:
-            nbytes *= n
-        arena = self._arena(slot)
-        views = self._table.views
-        view = views[slot]
-        if view is not None:
-            if view.key == (shape_t, dt) and view.free_for(stream, arena.top):
-                return view.array  # the slot's last frame had this shape: hand it out again
-            if not view.in_use():
-                self._drop_view(slot)
-                view = views[slot]
-        if view is None and arena.top == 0 and not self._mem.close_requested:
-            # the first array of an empty slot: keep it for the slot's next frame
-            # (not once the pool is closing: an uncounted view could outlive the mapping)
-            offset = arena.alloc(nbytes, stream, stream_obj)
-            owner = ViewOwner(self._mem, self._table, slot)
-            try:
-                view = ReusableView(
-                    cp,
-                    self._ptrs[slot] + offset,
-                    nbytes,
-                    owner,
-                    self._device,
-                    shape_t,
-                    dt,
-                    offset,
-                    stream,
-                )
-            except BaseException:
-                arena.free(offset)
-                raise
-            if type(shape) is tuple and shape == shape_t:
-                view.given = (shape, dtype)  # dtype compared by identity: any object will do
-            with self._table.lock:
-                if self._mem.close_requested:
-                    view.owner.count()  # closed meanwhile: an ordinary counted array
-                else:
-                    views[slot] = view
-            return view.array
-        memptr = block_pointer(
-            arena,
-            self._ptrs[slot],
-            self._mem,
-            self._table,
-            self._device,
-            nbytes,
-            stream,
-            stream_obj,
-        )
-        return cp.ndarray(shape_t, dt, memptr)
-
-    def _drop_view(self, slot: int) -> None:
-        """Forget ``slot``'s reusable view if nothing uses it; its arena block is freed."""
-        table = self._table
-        with table.lock:
-            view = table.views[slot]
-            if view is None or view.in_use():
-                return
-            table.views[slot] = None
-        self._arena(slot).free(view.offset)
 
     def locate(self, ptr: int) -> tuple[int, int] | None:
         """Return ``(slot, offset)`` of a device pointer inside the pool, or None."""
@@ -893,10 +667,7 @@ class IpcPool:
     @contextmanager
     def _allocating(self, slot: int, overflow: str) -> Iterator[AllocationScope]:
         self._check()
-        self._drop_view(slot)  # the arena's space goes to the allocations, not a kept view
+        scope = self._arenas.scope(slot, overflow)
         cp = cupy_module()
-        scope = AllocationScope(
-            self._arena(slot), self._ptrs[slot], self._mem, self._table, self._device, overflow
-        )
         with cp.cuda.Device(self._device), cp.cuda.using_allocator(scope._allocate):
             yield scope

@@ -1,4 +1,4 @@
-"""Who holds each slot of a ring, and handing out free slots: the pool's state, no GPU.
+"""Who holds each slot of a ring, handing out free slots, and the writer's token.
 
 :class:`SlotTable` is the one owner of a slot's life on the producer side.  A
 slot is *busy* while any of these hold it:
@@ -17,16 +17,28 @@ lease source (``collect``) when only peer leases stand in the way, since in
 the common single-threaded program nothing else could free a slot.  (A
 reusable view, the pool's kept array, frees its slot without a notification:
 while one is in use the wait looks again every 5 ms.)
+
+:class:`SlotToken` is what :meth:`IpcPool.acquire` returns for a slot the
+table handed out: the writer's right to the slot, released back to the table.
+The table needs no GPU; a token only reaches CuPy through its pool.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, suppress
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from ._arrays import SlotRefs
+import numpy
+
+from ._arrays import SlotRefs, as_cupy_stream
 from ._compiled import hotpath
-from ._errors import SlotBusyError
+from ._errors import NotShareableError, PoolClosedError, SlotBusyError
+
+if TYPE_CHECKING:
+    from ._arena import AllocationScope, SlotArenas
+    from ._handles import ArrayHandle
 
 #: While a reusable view is in use, a waiting ``take`` looks again this often (s).
 _VIEW_RECHECK_S = 0.005
@@ -300,4 +312,163 @@ class SlotTable(SlotRefs):
         )
 
 
-__all__ = ["LeaseSource", "SlotTable"]
+class _TokenPool(Protocol):
+    """What a :class:`SlotToken` asks of its pool (an :class:`IpcPool`)."""
+
+    _arenas: SlotArenas
+
+    @property
+    def device(self) -> int: ...
+
+    def ptr(self, slot: int | None = None) -> int: ...
+
+    def handle(self, array: Any) -> ArrayHandle: ...
+
+    def _allocating(self, slot: int, overflow: str) -> AbstractContextManager[AllocationScope]: ...
+
+    def _release_writer(self, slot: int) -> None: ...
+
+
+class SlotToken:
+    """The right to write one slot, from :meth:`IpcPool.acquire`.
+
+    While the token is open the slot counts as busy (nobody else acquires
+    it); arrays made from it hold the slot on their own for as long as they
+    live.  Release it with :meth:`release` or by leaving a ``with`` block; a
+    token that is garbage collected is released too.
+
+    Attributes
+    ----------
+    slot:
+        The slot index.
+    generation:
+        The slot's generation for this write (it goes into every
+        :class:`ArrayHandle` made from the token).
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_pool",
+        "_released",
+        "_stream",
+        "_stream_ptr",
+        "generation",
+        "slot",
+    )
+
+    def __init__(self, pool: _TokenPool, slot: int, generation: int, stream: Any, ptr: int) -> None:
+        self._pool = pool
+        self.slot = slot
+        self.generation = generation
+        self._stream = stream
+        self._stream_ptr = ptr
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        """True once the token was released."""
+        return self._released
+
+    @property
+    def stream(self) -> Any:
+        """The stream the slot was acquired for, as a CuPy stream object."""
+        if self._stream is None or not hasattr(self._stream, "ptr"):
+            self._stream = as_cupy_stream(
+                self._stream_ptr if self._stream is None else self._stream, self._pool.device
+            )
+        return self._stream
+
+    @property
+    def stream_ptr(self) -> int:
+        """The raw ``cudaStream_t`` of :attr:`stream`."""
+        return self._stream_ptr
+
+    @property
+    def ptr(self) -> int:
+        """Device pointer of the slot."""
+        return self._pool.ptr(self.slot)
+
+    def _check(self) -> None:
+        if self._released:
+            raise PoolClosedError(
+                f"the token of slot {self.slot} (generation {self.generation}) was released; "
+                "acquire a new one"
+            )
+
+    def array(self, shape: Any, dtype: Any = numpy.float64) -> Any:
+        """A ``cupy.ndarray`` carved out of the slot (uninitialised), as ``cupy.empty``.
+
+        Arrays of one token do not overlap: they come from the slot's arena,
+        as allocations under :meth:`allocating` do, ordered on :attr:`stream`.
+        The first array of a slot is kept by the pool: when the slot is
+        written again with the same shape, dtype and stream and nothing refers
+        to that array any more, the same ``cupy.ndarray`` object is returned
+        (its contents are what the last frame left), which spares building an
+        array per frame.  While anything refers to it (the array, a slice or
+        view of it, a DLPack capsule or tensor made from it) the slot stays
+        busy, as with any live array.
+
+        Parameters
+        ----------
+        shape:
+            Array shape (an int or a tuple of ints).
+        dtype:
+            A numeric numpy dtype (default ``float64``, as ``cupy.empty``).
+
+        Raises
+        ------
+        SlotFullError
+            It does not fit in what is left of the slot.
+        """
+        if self._released:
+            self._check()
+        return self._pool._arenas.array(self.slot, shape, dtype, self._stream_ptr, self._stream)
+
+    @contextmanager
+    def allocating(self, *, overflow: str = "raise") -> Iterator[AllocationScope]:
+        """Place this thread's CuPy allocations inside the slot (see :meth:`IpcPool.allocating`)."""
+        self._check()
+        with self._pool._allocating(self.slot, overflow) as scope:
+            yield scope
+
+    def handle(self, array: Any) -> ArrayHandle:
+        """The :class:`ArrayHandle` of an array in this slot (any device array type).
+
+        Raises
+        ------
+        NotShareableError
+            The array does not lie (entirely) in this token's slot.
+        """
+        self._check()
+        handle = self._pool.handle(array)
+        if handle.slot != self.slot:
+            raise NotShareableError(
+                f"array lies in slot {handle.slot}, but this token writes slot {self.slot}"
+            )
+        return handle
+
+    def release(self) -> None:
+        """Give the slot back (it stays busy while its arrays live).  Idempotent."""
+        if not self._released:
+            self._released = True
+            self._pool._release_writer(self.slot)
+
+    close = release
+
+    def __enter__(self) -> SlotToken:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        if not self._released:
+            with suppress(Exception):
+                self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else "open"
+        return f"SlotToken(slot={self.slot}, generation={self.generation}, {state})"
+
+
+__all__ = ["LeaseSource", "SlotTable", "SlotToken"]
