@@ -16,7 +16,8 @@ The C side is ``c/tests/gpu_consumer.c``, built here with the system compiler
   busy for 30 s before it would write the frame flag; the C subscriber's
   stream waits on that flag; the producer is SIGKILLed.  The C side must
   report end-of-stream, its stream must finish (the library writes the flag
-  the dead producer never will), and its fds must be back where they were.
+  the dead producer never will; ``cip_frame_complete`` then says 0 and one
+  flag was forced), and its fds must be back where they were.
 * ``test_c_attach_and_array_from_handle``: ``cip_pool_attach`` of an
   ``IpcPool``'s descriptor bytes (pidfd and the fd server) and
   ``cip_array_from_handle`` of an ``ArrayHandle``'s bytes read every element.
@@ -228,6 +229,7 @@ def test_producer_killed_while_the_c_stream_waits(
     assert report["end"] == "CIP_ERR_PUBLISHER_GONE", report
     assert report["sync_rc"] == 0, report
     assert report["sync_s"] < 10.0, report  # not the 30 s kernel, and not forever
+    assert report["complete"] == 0 and report["forced"] == 1, report  # the library set the flag
     assert report["release"] == "CIP_OK", report  # a release after the end only forgets
     assert report["fds_after"] == report["fds_before"], report
     assert elapsed < 30.0

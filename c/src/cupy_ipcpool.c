@@ -1528,8 +1528,9 @@ struct cip_sub {
     int registered;
     int untracked; /* an operation was enqueued without its event: keep the page at close */
     CUevent *ev_wait, *ev_write;
-    uint8_t *wait_recorded, *write_recorded, *wait_pending;
-    uint32_t *wait_value;
+    uint8_t *wait_recorded, *write_recorded, *wait_pending, *forced;
+    uint32_t *wait_value, *forced_value;
+    uint64_t forced_count;
 };
 
 static cip_status
@@ -1634,8 +1635,12 @@ resolve_waits(cip_sub *sub)
     if (sub->page == NULL || !producer_dead(sub))
         return;
     for (uint32_t s = 0; s < sub->info.num_slots; s++) {
-        if (sub->wait_pending[s] && !flag_reached(sub, s, sub->wait_value[s]))
+        if (sub->wait_pending[s] && !flag_reached(sub, s, sub->wait_value[s])) {
             __atomic_store_n(&sub->page[s], sub->wait_value[s], __ATOMIC_SEQ_CST);
+            sub->forced[s] = 1;
+            sub->forced_value[s] = sub->wait_value[s];
+            sub->forced_count++;
+        }
     }
 }
 
@@ -2371,8 +2376,10 @@ gpu_setup(cip_sub *sub, int device)
     sub->write_recorded = (uint8_t *)calloc(n, 1);
     sub->wait_pending = (uint8_t *)calloc(n, 1);
     sub->wait_value = (uint32_t *)calloc(n, sizeof(uint32_t));
+    sub->forced = (uint8_t *)calloc(n, 1);
+    sub->forced_value = (uint32_t *)calloc(n, sizeof(uint32_t));
     if (!sub->ev_wait || !sub->ev_write || !sub->wait_recorded || !sub->write_recorded ||
-        !sub->wait_pending || !sub->wait_value)
+        !sub->wait_pending || !sub->wait_value || !sub->forced || !sub->forced_value)
         return fail(CIP_ERR_NO_MEMORY, "out of memory");
     status = attach_fds(&d, sub->fds, n, device, &sub->pool); /* closes the slot fds */
     sub->nfds = 0;
@@ -2514,6 +2521,29 @@ cip_frame_wait(cip_sub *sub, const cip_frame *frame, void *stream)
     return CIP_OK;
 }
 
+int
+cip_frame_complete(cip_sub *sub, const cip_frame *frame)
+{
+    if (check_held(sub, frame) != CIP_OK || sub->page == NULL)
+        return -1;
+    uint32_t slot = frame->slot, value = sub->held[slot].generation;
+    if (sub->forced[slot] && sub->forced_value[slot] == value)
+        return 0;
+    if (flag_reached(sub, slot, value))
+        return 1;
+    if (producer_dead(sub)) {
+        resolve_waits(sub);
+        return 0; /* it will never be written by the producer */
+    }
+    return -1;
+}
+
+uint64_t
+cip_sub_forced_flags(const cip_sub *sub)
+{
+    return sub ? sub->forced_count : 0;
+}
+
 cip_status
 cip_sub_release(cip_sub *sub, const cip_frame *frame, void *stream)
 {
@@ -2615,6 +2645,8 @@ cip_sub_close(cip_sub *sub)
     free(sub->write_recorded);
     free(sub->wait_pending);
     free(sub->wait_value);
+    free(sub->forced);
+    free(sub->forced_value);
     free(sub);
     memcpy(tls_error, saved, sizeof saved);
 }

@@ -273,13 +273,16 @@ death(const char *path)
     alarm(30); /* a stream that waits forever fails the test instead of hanging it */
     int rc = stream_sync(stream);
     clock_gettime(CLOCK_MONOTONIC, &t1);
+    int complete = cip_frame_complete(sub, &f);
+    uint64_t forced = cip_sub_forced_flags(sub);
     cip_status released = cip_sub_release(sub, &f, stream);
     cip_sub_close(sub);
     stream_destroy(stream);
     double waited = (double)(t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) / 1e9;
     printf("{\"end\": \"%s\", \"sync_rc\": %d, \"sync_s\": %.3f, \"release\": \"%s\", "
-           "\"fds_before\": %d, \"fds_after\": %d}\n",
-           cip_status_name(end), rc, waited, cip_status_name(released), before, count_fds());
+           "\"complete\": %d, \"forced\": %" PRIu64 ", \"fds_before\": %d, \"fds_after\": %d}\n",
+           cip_status_name(end), rc, waited, cip_status_name(released), complete, forced, before,
+           count_fds());
     return 0;
 }
 
