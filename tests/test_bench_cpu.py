@@ -19,20 +19,16 @@ import numpy as np
 import pytest
 
 import cupy_ipcpool._bench as bench
-from cupy_ipcpool._bench import harness, lanes, report
-from cupy_ipcpool._bench.harness import (
-    FAILED,
-    OK,
-    SKIPPED,
+from cupy_ipcpool._bench import harness, interface, lanes, report
+from cupy_ipcpool._bench.harness import FAILED, OK, SKIPPED, Measurement, MiB, PairResult
+from cupy_ipcpool._bench.interface import (
     BenchConfig,
     ConsumerSide,
     LaneUnavailable,
-    Measurement,
-    MiB,
-    PairResult,
     ProducerSide,
     Schedule,
 )
+from cupy_ipcpool._bench.lanes import _common, _floors, _frameworks
 
 SMALL = Schedule(warmup=3, iters=20, tput=10, checks=2)
 
@@ -112,7 +108,7 @@ def test_measurements_from_ok_failed_and_skipped():
 
 
 def test_run_lane_reports_unavailable_lane_without_spawning():
-    class Missing(harness.Lane):
+    class Missing(interface.Lane):
         name = "missing"
 
         def available(self):
@@ -351,7 +347,7 @@ def test_socket_gpu_floor_lane_without_cupy(monkeypatch):
     assert lane.processes == 2 and not lane.pipelined
     assert "+ the same kernels" in lane.title
     assert "no data are shared" in lane.sync_note.lower()
-    monkeypatch.setattr(lanes, "_has_module", lambda name: name != "cupy")
+    monkeypatch.setattr(_floors, "has_module", lambda name: name != "cupy")
     assert lane.available() == "cupy is not installed"
     ms = harness.run_lane(lane, BenchConfig(sizes=(MiB,), schedule=SMALL))
     assert [(m.status, m.reason) for m in ms] == [(SKIPPED, "cupy is not installed")]
@@ -360,7 +356,7 @@ def test_socket_gpu_floor_lane_without_cupy(monkeypatch):
 def test_cupy_import_failure_is_a_skip(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)
     with pytest.raises(LaneUnavailable, match="cupy is not importable"):
-        lanes._cupy_or_skip()
+        _common.cupy_or_skip()
 
 
 def test_notes_describe_every_floor():
@@ -526,12 +522,12 @@ class NumpyGpuFloorLane(lanes.SocketGpuFloorLane):
         return _NumpyFloorConsumer(link, cfg, nbytes)
 
 
-class _NumpyFloorProducer(lanes._SocketGpuFloorProducer):
+class _NumpyFloorProducer(_floors._SocketGpuFloorProducer):
     def open_gpu(self, cfg, nelem):
         return _NumpyWork(), np.empty(nelem, dtype=np.int32)
 
 
-class _NumpyFloorConsumer(lanes._SocketGpuFloorConsumer):
+class _NumpyFloorConsumer(_floors._SocketGpuFloorConsumer):
     zero_fill = 0  # the value the consumer's own array holds
 
     def open_gpu(self, cfg, nelem):
@@ -623,7 +619,7 @@ class NumpyOrderedFloorLane(lanes.OrderedFloorLane):
         return side
 
 
-class _NumpyOrderedProducer(lanes._OrderedFloorProducer):
+class _NumpyOrderedProducer(_floors._OrderedFloorProducer):
     def open_gpu(self, cfg, nelem):
         return _NumpyWork(), np.empty(nelem, dtype=np.int32)
 
@@ -634,7 +630,7 @@ class _NumpyOrderedProducer(lanes._OrderedFloorProducer):
         return 0
 
 
-class _NumpyOrderedConsumer(lanes._OrderedFloorConsumer):
+class _NumpyOrderedConsumer(_floors._OrderedFloorConsumer):
     lag = 0
 
     def open_gpu(self, cfg, nelem):
@@ -746,7 +742,7 @@ class PipelinedFloorLane(lanes.SocketFloorLane):
         return _PipelinedProducer(links, cfg)
 
 
-class _PipelinedProducer(lanes._SocketFloorProducer):
+class _PipelinedProducer(_floors._SocketFloorProducer):
     def __init__(self, links, cfg):
         super().__init__(links, cfg)
         self.outstanding = 0
@@ -781,7 +777,7 @@ class CorruptingLane(lanes.SocketFloorLane):
         return _Corrupting(link, cfg)
 
 
-class _Corrupting(lanes._SocketFloorConsumer):
+class _Corrupting(_floors._SocketFloorConsumer):
     def step(self, *, full):
         value, ok = super().step(full=full)
         return value, ok and value != 5
@@ -795,7 +791,7 @@ def test_bad_data_makes_the_lane_failed():
     assert m.p50_us is None
 
 
-class UnavailableInChildLane(harness.Lane):
+class UnavailableInChildLane(interface.Lane):
     """An optional package turns out to lack the API once imported in the child."""
 
     name = "unavailable"
@@ -823,7 +819,7 @@ class CrashingProducerLane(lanes.SocketFloorLane):
         return _Crashing(links, cfg)
 
 
-class _Crashing(lanes._SocketFloorProducer):
+class _Crashing(_floors._SocketFloorProducer):
     def send(self, value):
         if value == 4:
             raise RuntimeError("the producer broke at frame 4")
@@ -859,10 +855,10 @@ def test_recv_exact_and_raw_socket():
     with a, b:
         a.sendall(b"hel")
         a.sendall(b"lo!")
-        assert harness.recv_exact(b, 5) == b"hello"
+        assert interface.recv_exact(b, 5) == b"hello"
         a.close()
         with pytest.raises(EOFError):
-            harness.recv_exact(b, 2)
+            interface.recv_exact(b, 2)
 
 
 def test_expect_checks_the_message():
@@ -871,17 +867,17 @@ def test_expect_checks_the_message():
     x, y = multiprocessing.Pipe()
     with x, y:
         x.send_bytes(b"ready 1")
-        assert harness.expect(y, b"ready", 1.0) == b"ready 1"
+        assert interface.expect(y, b"ready", 1.0) == b"ready 1"
         x.send_bytes(b"other")
         with pytest.raises(RuntimeError, match="expected"):
-            harness.expect(y, b"ready", 1.0)
+            interface.expect(y, b"ready", 1.0)
         with pytest.raises(TimeoutError):
-            harness.expect(y, b"ready", 0.01)
+            interface.expect(y, b"ready", 0.01)
 
 
 def test_full_check_schedule():
     sched = Schedule(warmup=2, iters=3, tput=2, checks=1)
-    flags = [harness._full_check(i, sched) for i in range(sched.total)]
+    flags = [interface._full_check(i, sched) for i in range(sched.total)]
     assert flags == [True, True, False, False, False, False, False, True]
 
 
@@ -914,7 +910,7 @@ def test_combine_names_the_cause_not_the_consequence():
 
 # ------------------------------------------- device-side check: the GPU-free logic
 def test_check_tally_counts_timed_frames_only_once_flushed():
-    t = harness.CheckTally()
+    t = interface.CheckTally()
     t.frame(0, 1, 1, True, full=True)  # warm-up: verified at once
     t.frame(1, 2, 2, True, full=False)  # timed: enqueued
     t.frame(2, 3, 3, True, full=False)
@@ -931,7 +927,7 @@ def test_check_tally_counts_timed_frames_only_once_flushed():
 
 
 def test_check_tally_host_failures_and_unflushed_frames():
-    t = harness.CheckTally()
+    t = interface.CheckTally()
     t.frame(0, 1, 9, True, full=False)
     t.frame(1, 2, 2, False, full=True)
     t.frame(2, 3, 3, True, full=False)  # never flushed: not verified
@@ -1001,10 +997,10 @@ class _Buf0:
 def test_cuda_core_ipc_api_both_spellings():
     assert lanes.ipc_api_missing(_Mr1, _Buf1) == []
     assert lanes.ipc_api_missing(_Mr0, _Buf0) == []
-    assert lanes._allocation_handle(_Mr1()) == ("h1", False)  # owned by the resource
-    assert lanes._allocation_handle(_Mr0()) == ("h0", True)  # the caller closes it
-    assert lanes._ipc_descriptor(_Buf1()) == "d1"
-    assert lanes._ipc_descriptor(_Buf0()) == "d0"
+    assert _frameworks._allocation_handle(_Mr1()) == ("h1", False)  # owned by the resource
+    assert _frameworks._allocation_handle(_Mr0()) == ("h0", True)  # the caller closes it
+    assert _frameworks._ipc_descriptor(_Buf1()) == "d1"
+    assert _frameworks._ipc_descriptor(_Buf0()) == "d0"
     missing = lanes.ipc_api_missing(object, object)
     assert (
         "DeviceMemoryResource.allocation_handle / DeviceMemoryResource.get_allocation_handle"
@@ -1049,7 +1045,7 @@ class DeviceMismatchLane(lanes.SocketFloorLane):
         return _DeviceMismatch(link, cfg)
 
 
-class _DeviceMismatch(lanes._SocketFloorConsumer):
+class _DeviceMismatch(_floors._SocketFloorConsumer):
     flushes = 0
 
     def flush_checks(self):
@@ -1109,7 +1105,7 @@ class _InProcessFake(ProducerSide):
         return 4 if self.flushes == 1 else 0
 
 
-class InProcessFakeLane(harness.Lane):
+class InProcessFakeLane(interface.Lane):
     name = "inprocess_fake"
     processes = 1
 

@@ -19,18 +19,8 @@ from importlib import metadata
 from typing import Any
 
 from . import report
-from .harness import (
-    FAILED,
-    OK,
-    BenchConfig,
-    Lane,
-    Measurement,
-    MiB,
-    Schedule,
-    percentile,
-    run_lane,
-    run_pair,
-)
+from .harness import FAILED, OK, Measurement, MiB, percentile, run_lane, run_pair
+from .interface import BenchConfig, Lane, Schedule
 from .lanes import CHECK_SAMPLES, LANE_NAMES, AttachScanLane, CupyIpcPoolLane, get_lanes
 
 __all__ = [

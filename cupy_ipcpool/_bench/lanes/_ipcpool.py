@@ -1,0 +1,189 @@
+"""cupy_ipcpool's own lanes: publish/subscribe over a ring of slots, and the attach scan."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ..interface import BenchConfig, ConsumerSide, Lane, ProducerSide, expect
+from ._common import VALUE, GpuWork, check_frame, check_frame_size, has_module
+
+
+class CupyIpcPoolLane(Lane):
+    """Publish/subscribe over a ring of VMM slots: the frame never moves."""
+
+    name = "cupy_ipcpool"
+    title = "cupy_ipcpool publish/subscribe"
+    pipelined = True
+    sync_note = (
+        "none per frame: the library's flags in its shared sync page order both directions "
+        "(the subscriber's stream waits on the slot's frame flag; the publisher's stream "
+        "waits on the read flag written at release, after the check; neither waits when "
+        "the host sees the flag set already), so the consumer enqueues its check and "
+        "calls frame.release() without waiting."
+    )
+
+    def available(self) -> str | None:
+        if not has_module("cupy"):
+            return "cupy is not installed"
+        try:
+            import cupy_ipcpool as cip
+        except ImportError as exc:
+            return f"cupy_ipcpool is not importable: {exc}"
+        missing = [n for n in ("IpcPool", "Publisher", "subscribe") if not hasattr(cip, n)]
+        if missing:
+            return f"cupy_ipcpool has no {', '.join(missing)} (publish/subscribe layer not built)"
+        return None
+
+    def open_producer(
+        self, links: Sequence[Connection], cfg: BenchConfig, nbytes: int
+    ) -> ProducerSide:
+        return _CipProducer(links, cfg, nbytes)
+
+    def open_consumer(self, link: Connection, cfg: BenchConfig, nbytes: int) -> ConsumerSide:
+        return _CipConsumer(link, cfg, nbytes)
+
+
+class _CipProducer(ProducerSide):
+    # Per frame: acquire a slot (its stream waits on the subscribers' read flags
+    # of the slot's previous frame), fill it, publish (writes the frame flag).
+    # No host synchronisation: the sync page's flags order both directions.
+    def __init__(self, links: Sequence[Connection], cfg: BenchConfig, nbytes: int) -> None:
+        super().__init__()
+        import cupy
+
+        import cupy_ipcpool as cip
+
+        self.cp = cupy
+        self.nelem = check_frame_size(nbytes)
+        self.timeout = cfg.frame_timeout
+        self.nsubs = len(links)
+        self.work = GpuWork(cupy, cfg.device)
+        address = os.path.join(cfg.workdir, f"cip-{nbytes}.sock")
+        self.pool = cip.IpcPool(cfg.num_slots, nbytes, device=cfg.device)
+        self.pub: Any = None
+        try:
+            self.pub = cip.Publisher(self.pool, address)
+            for link in links:
+                link.send_bytes(b"listening " + address.encode())
+            for link in links:
+                expect(link, b"subscribed", self.timeout)
+            self.pub.poll(timeout=0.0)  # adopt the subscribers before the first frame
+        except BaseException:
+            self.close()
+            raise
+
+    def send(self, value: int) -> None:
+        with self.pub.frame(timeout=self.timeout, stream=self.work.stream) as frame:
+            a = frame.array((self.nelem,), self.cp.int32)
+            self.work.fill(a, value)
+            frame.publish(a, metadata=VALUE.pack(value))
+            del a  # the slot is free again once the subscribers release it
+
+    def wait_done(self, value: int, *, full: bool) -> None:
+        deadline = time.monotonic() + self.timeout
+        returned = 0
+        while returned < self.nsubs:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"frame {value}: {returned} of {self.nsubs} leases returned "
+                    f"within {self.timeout} s"
+                )
+            returned += int(self.pub.poll(timeout=remaining) or 0)
+
+    def drain(self) -> None:
+        while self.pub.poll(timeout=0.0):
+            pass
+
+    def close(self) -> None:
+        if self.pub is not None:
+            self.pub.close()
+            self.pub = None
+        self.pool.close()
+
+
+class _CipConsumer(ConsumerSide):
+    # Per frame: recv (the stream waits on the frame event), enqueue the check,
+    # release (records the read event after the check). No host synchronisation.
+    def __init__(self, link: Connection, cfg: BenchConfig, nbytes: int) -> None:
+        import cupy
+
+        import cupy_ipcpool as cip
+
+        self.nelem = check_frame_size(nbytes)
+        self.timeout = cfg.frame_timeout
+        self.work = GpuWork(cupy, cfg.device)
+        address = expect(link, b"listening ", self.timeout)[len(b"listening ") :].decode()
+        self.sub = cip.subscribe(address, mode="block")
+        link.send_bytes(b"subscribed")
+
+    def step(self, *, full: bool) -> tuple[int, bool]:
+        stream = self.work.stream
+        f = self.sub.recv(timeout=self.timeout, stream=stream)
+        try:
+            (value,) = VALUE.unpack(bytes(f.metadata)[: VALUE.size])
+            a = f.arrays[0]
+            ok = check_frame(self.work, a, value, self.nelem, full=full)
+            del a
+        finally:
+            f.release(stream=stream)
+        return value, ok
+
+    def flush_checks(self) -> int:
+        return self.work.flush()
+
+    def close(self) -> None:
+        self.work.stream.synchronize()
+        self.sub.close()
+
+
+class AttachScanLane(Lane):
+    """Attach cost against slot count: ``cip.attach(desc)`` + ``close()`` in the consumer.
+
+    ``cfg.extra``: ``slot_counts`` (tuple of int), ``slot_nbytes``, ``attach_iters``.
+    The consumer returns ``{str(slots): [ns, ...]}``.
+    """
+
+    name = "attach_scan"
+    title = "cupy_ipcpool attach + close"
+
+    def available(self) -> str | None:
+        return CupyIpcPoolLane().available() if has_module("cupy") else "cupy is not installed"
+
+    def producer(self, links: Sequence[Connection], cfg: BenchConfig) -> dict[str, Any]:
+        import cupy_ipcpool as cip
+
+        link = links[0]
+        for slots in cfg.extra["slot_counts"]:
+            pool = cip.IpcPool(slots, cfg.extra["slot_nbytes"], device=cfg.device)
+            try:
+                link.send_bytes(b"desc" + pool.descriptor(transport="auto").to_bytes())
+                expect(link, b"attached", 600.0)
+            finally:
+                pool.close()
+        return {}
+
+    def consumer(self, link: Connection, cfg: BenchConfig) -> dict[str, Any]:
+        import cupy_ipcpool as cip
+
+        out: dict[str, Any] = {}
+        for slots in cfg.extra["slot_counts"]:
+            desc = cip.PoolDescriptor.from_bytes(expect(link, b"desc", 600.0)[4:])
+            peer = cip.attach(desc)  # warm-up (and a check that the pool is what was sent)
+            ok = peer.num_slots == slots
+            peer.close()
+            if not ok:
+                raise RuntimeError(f"attached {peer.num_slots} slots, expected {slots}")
+            times = []
+            for _ in range(cfg.extra["attach_iters"]):
+                t0 = time.perf_counter_ns()
+                peer = cip.attach(desc)
+                peer.close()
+                times.append(time.perf_counter_ns() - t0)
+            out[str(slots)] = times
+            link.send_bytes(b"attached")
+        return out
