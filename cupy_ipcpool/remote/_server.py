@@ -30,7 +30,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from .._errors import (
     ChannelTimeoutError,
@@ -46,11 +46,31 @@ from . import _ucx as ucx
 from . import _wire as wire
 from ._accept import HANDSHAKE_TIMEOUT, MAX_PENDING_PER_ADDRESS, Acceptor, Joined, refuse
 from ._credit import ServerBook
-from ._source import FrameSource
 
 #: Bytes of control messages a subscriber may leave unread before it is dropped.
 MAX_OUTBOX = 1 << 20
 _SEND_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
+
+
+class SourceFrame(Protocol):
+    """A frame the server forwards: C-contiguous arrays (NumPy or CuPy), metadata, a lease."""
+
+    seq: int
+    arrays: tuple[Any, ...]
+    metadata: bytes
+
+    def release(self) -> None: ...
+
+
+class FrameSource(Protocol):
+    """Where the server takes frames from (the bridge subscriber)."""
+
+    slot_nbytes: int
+    num_slots: int
+
+    def recv(self, timeout: float | None = None) -> Any: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -635,4 +655,4 @@ class RemoteServer:
         self.close()
 
 
-__all__ = ["RemoteInfo", "RemoteServer"]
+__all__ = ["FrameSource", "RemoteInfo", "RemoteServer", "SourceFrame"]

@@ -9,35 +9,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 from .._errors import UsageError
 from . import _wire as wire
 from ._accept import HANDSHAKE_TIMEOUT, MAX_PENDING_PER_ADDRESS
-
-if TYPE_CHECKING:
-    from ._server import RemoteServer
-
-
-class SourceFrame(Protocol):
-    """A frame the server forwards: C-contiguous arrays (NumPy or CuPy), metadata, a lease."""
-
-    seq: int
-    arrays: tuple[Any, ...]
-    metadata: bytes
-
-    def release(self) -> None: ...
-
-
-class FrameSource(Protocol):
-    """Where the server takes frames from (the bridge subscriber)."""
-
-    slot_nbytes: int
-    num_slots: int
-
-    def recv(self, timeout: float | None = None) -> Any: ...
-
-    def close(self) -> None: ...
+from ._server import RemoteServer
 
 
 class _DeviceFrame:
@@ -156,8 +133,6 @@ def serve(
     RemoteServer
         Already serving; close it (or use it as a context manager) when done.
     """
-    from ._server import RemoteServer
-
     source: Any
     if memory == "device":
         source = DeviceSource(address, mode=mode, credit=credit, device=device, timeout=timeout)
@@ -187,4 +162,4 @@ def serve(
         raise
 
 
-__all__ = ["DeviceSource", "FrameSource", "SourceFrame", "serve"]
+__all__ = ["DeviceSource", "serve"]
