@@ -35,7 +35,7 @@ RELAY_DESCRIPTION = (
 )
 SERVE_DESCRIPTION = (
     "Serve the local channel published at PATH to subscribers on other machines over "
-    "UCX. The shared secret comes from $CUPY_IPCPOOL_TOKEN or --token-file. Needs the "
+    "UCX. The shared secret comes from $CUPY_IPCPOOL_SECRET or --secret-file. Needs the "
     "remote extra."
 )
 

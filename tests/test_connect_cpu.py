@@ -21,9 +21,9 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-def test_token_is_refused_for_a_local_path(tmp_path) -> None:
+def test_secret_is_refused_for_a_local_path(tmp_path) -> None:
     with pytest.raises(cip.UsageError, match="ucx://"):
-        cip.subscribe(str(tmp_path / "pub.sock"), token=b"s" * 16)
+        cip.subscribe(str(tmp_path / "pub.sock"), secret=b"s" * 16)
 
 
 def test_allowed_uids_is_refused_for_a_remote_address() -> None:
@@ -32,7 +32,7 @@ def test_allowed_uids_is_refused_for_a_remote_address() -> None:
 
 
 def test_remote_address_needs_a_secret(monkeypatch) -> None:
-    monkeypatch.delenv("CUPY_IPCPOOL_TOKEN", raising=False)
+    monkeypatch.delenv("CUPY_IPCPOOL_SECRET", raising=False)
     with pytest.raises(cip.UsageError, match="secret"):
         cip.subscribe("ucx://127.0.0.1:9")
 
@@ -41,7 +41,7 @@ def test_remote_address_needs_a_secret(monkeypatch) -> None:
 def test_remote_address_reaches_the_remote_client() -> None:
     port = _closed_port()
     with pytest.raises(cip.TransportError, match=f"ucx://127.0.0.1:{port}") as info:
-        cip.subscribe(f"ucx://127.0.0.1:{port}", token=b"s" * 16, timeout=5)
+        cip.subscribe(f"ucx://127.0.0.1:{port}", secret=b"s" * 16, timeout=5)
     assert isinstance(info.value, cip.IpcPoolError)
 
 
