@@ -87,8 +87,8 @@ class PublishFrame:
         self.generation = token.generation
         self.seq: int | None = None
 
-    def array(self, shape: Any, dtype: Any = "float32") -> Any:
-        """A new ``cupy.ndarray`` carved out of this frame's slot (uninitialised).
+    def array(self, shape: Any, dtype: Any = "float64") -> Any:
+        """A new ``cupy.ndarray`` carved out of this frame's slot (uninitialised), as ``cupy.empty``.
 
         Several arrays of one frame do not overlap (they share the slot's arena
         with ``allocating()``).
@@ -551,7 +551,8 @@ class Publisher:
         parts = [FRAME_HEAD.pack(slot, generation & 0xFFFFFFFF, len(arrays), len(metadata))]
         ndarray = self._cp.ndarray
         templates = self._templates
-        view = self._pool.kept_view(slot) if arrays else None
+        # the pool keeps each slot's reusable view for the publisher (IpcPool._kept_view)
+        view = self._pool._kept_view(slot) if arrays else None
         for a in arrays:
             if view is not None and a is view.array:
                 # the slot's reusable view (token.array's usual answer): its wire form
