@@ -88,7 +88,7 @@ class PublishFrame:
         self.seq: int | None = None
 
     def array(self, shape: Any, dtype: Any = "float64") -> Any:
-        """A new ``cupy.ndarray`` carved out of this frame's slot (uninitialised), as ``cupy.empty``.
+        """A new ``cupy.ndarray`` in this frame's slot (uninitialised), as ``cupy.empty``.
 
         Several arrays of one frame do not overlap (they share the slot's arena
         with ``allocating()``).
