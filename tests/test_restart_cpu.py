@@ -38,7 +38,7 @@ from cupy_ipcpool._errors import (
     TransportError,
     UsageError,
 )
-from cupy_ipcpool.channel._follow import Follower, check_wait, connect_waiting
+from cupy_ipcpool.channel._follow import Follower
 from cupy_ipcpool.channel._publisher_core import PublisherCore
 from cupy_ipcpool.channel._settle import (
     DepartedReader,
@@ -56,6 +56,7 @@ from cupy_ipcpool.channel._syncpage import (
     SharedFlags,
     frame_state,
 )
+from cupy_ipcpool.channel._waiting import check_wait, connect_waiting
 from tests._memfd_backend import MemfdSlots, pattern
 
 CTX = mp.get_context("spawn")

@@ -1,12 +1,15 @@
 """The channel layer: publish / subscribe frames between processes.
 
 Modules, bottom first: :mod:`._protocol` (the wire format, pure),
-:mod:`._leases` (the lease book, pure), :mod:`._session` (sockets,
-handshakes, credit; no GPU) with its compiled per-frame socket calls
-(``_frameio``, from ``_frameio.c``), :mod:`._syncpage` (the GPU flags),
-:mod:`._payload` (limits and payload heads), :mod:`._publisher` and
-:mod:`._subscriber` (the GPU-level API re-exported by :mod:`cupy_ipcpool`), and
-:mod:`._follow` (waiting for a publisher and following it across restarts).
+:mod:`._leases` (the lease book, pure), the GPU-free session core --
+:mod:`._sockets` (the compiled per-frame socket calls from ``_frameio.c``,
+limits, how a connection ends), :mod:`._handshake` (the accept thread and
+admission), :mod:`._publisher_core` and :mod:`._subscriber_core` --, then
+:mod:`._syncpage` (the GPU flags), :mod:`._payload` (limits and payload
+heads), :mod:`._settle` (ending a session with nothing left waiting),
+:mod:`._publisher` and :mod:`._subscriber` (the GPU-level API re-exported by
+:mod:`cupy_ipcpool`), :mod:`._waiting` (waiting for a publisher) and
+:mod:`._follow` (following one across restarts).
 """
 
 from ._follow import Follower, follow

@@ -1,21 +1,17 @@
-"""Waiting for a publisher, and following one across restarts (no GPU here).
+"""Following a publisher across restarts (no GPU here).
 
-:func:`connect_waiting` retries a subscription while nobody listens at the
-address yet (the socket file is missing, or left behind by a publisher that
-exited: ``ENOENT`` / ``ECONNREFUSED``), or while the publisher there goes away
-during the handshake; ``subscribe(..., wait=seconds)`` uses it.
 :class:`Follower` receives frames across publisher restarts: when a
 subscription ends other than by a clean close, it closes the old subscriber
 and subscribes again, to whichever publisher comes up at the address next.
 
-Both are written against a ``connect`` callable and a subscriber with
+It is written against a ``connect`` callable and a subscriber with
 ``recv`` and ``close``, so the same code serves the GPU :class:`Subscriber`
 (:func:`follow`) and the GPU-free session core (the CPU tests).
 """
 
 from __future__ import annotations
 
-import errno
+import inspect
 import math
 import os
 import time
@@ -23,13 +19,9 @@ from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any, Generic, Protocol, TypeVar
 
-from .._errors import ChannelTimeoutError, EndOfStream, PoolClosedError, TransportError, UsageError
-
-#: errno values of a connect that found nobody listening (yet) at the address.
-NOT_UP = frozenset({errno.ENOENT, errno.ECONNREFUSED})
-#: First and longest pause between two attempts to connect, in seconds.
-_FIRST_PAUSE = 0.002
-_LONGEST_PAUSE = 0.05
+from .._errors import ChannelTimeoutError, EndOfStream, PoolClosedError, UsageError
+from ._subscriber import subscribe
+from ._waiting import check_wait, connect_waiting
 
 
 class _Receiver(Protocol):
@@ -39,55 +31,6 @@ class _Receiver(Protocol):
 
 
 S = TypeVar("S", bound=_Receiver)
-T = TypeVar("T")
-
-
-def check_wait(wait: float, name: str = "wait") -> float:
-    """``wait`` as seconds (``math.inf``: no limit); a negative or NaN value is a UsageError."""
-    try:
-        seconds = float(wait)
-    except (TypeError, ValueError):
-        raise UsageError(f"{name} must be seconds (a number, or math.inf), not {wait!r}") from None
-    if not seconds >= 0.0:
-        raise UsageError(f"{name} must be 0 or more seconds (math.inf: no limit), not {wait!r}")
-    return seconds
-
-
-def connect_waiting(connect: Callable[[], T], address: str, wait: float) -> T:
-    """Call ``connect()`` until a publisher answers at ``address``, for up to ``wait`` seconds.
-
-    Retried: a connect that finds nobody listening (:data:`NOT_UP`) and an
-    :class:`EndOfStream` during the handshake (the publisher closed or died
-    just then).  Everything else (a refusal, a uid not allowed, a malformed
-    WELCOME) is raised at once.  With ``wait=0``, ``connect()`` is called once.
-
-    Raises
-    ------
-    ChannelTimeoutError
-        No publisher answered within ``wait`` seconds (the message has the
-        last attempt's error).
-    """
-    wait = check_wait(wait)
-    if wait == 0.0:
-        return connect()
-    deadline = time.monotonic() + wait
-    pause = _FIRST_PAUSE
-    while True:
-        try:
-            return connect()
-        except TransportError as exc:
-            if exc.errno not in NOT_UP:
-                raise
-            last: Exception = exc
-        except EndOfStream as exc:  # it went away during the handshake: the next one may come
-            last = exc
-        left = deadline - time.monotonic()
-        if left <= 0.0:
-            raise ChannelTimeoutError(
-                f"no publisher answered at {address} within {wait} s (last attempt: {last})"
-            ) from None
-        time.sleep(min(pause, left))
-        pause = min(pause * 2, _LONGEST_PAUSE)
 
 
 class Follower(Generic[S]):
@@ -275,10 +218,6 @@ def follow(
     **options: Any,
 ) -> Follower[Any]:
     """A :class:`Follower` over :func:`~cupy_ipcpool.channel.subscribe` (``options``: its own)."""
-    import inspect
-
-    from ._subscriber import subscribe
-
     text = os.fspath(address)
     try:  # the options are checked now, not at the first recv
         inspect.signature(subscribe).bind(text, **options)

@@ -25,7 +25,7 @@ from .._errors import (
 )
 from .._handles import PoolDescriptor
 from .._peer import PeerPool, attach_fds
-from ._follow import connect_waiting
+from ._waiting import connect_waiting
 from ._payload import FRAME_HEAD, MAX_ARRAYS, MAX_METADATA, WELCOME_HEAD, hotpath
 from ._settle import settle_streams
 from ._subscriber_core import SubscriberCore
