@@ -186,7 +186,7 @@ def _victim(address, rounds, spin_us, q):
         (cp.arange(4, dtype=cp.uint32) * 2).get()
         for _ in range(rounds):
             with cip.subscribe(address, timeout=10, spin_us=spin_us) as sub:
-                q.put(("waiting", sub.sub_id))
+                q.put(("waiting", sub.producer_pid))
                 calls = []
                 for _call in range(3):
                     try:

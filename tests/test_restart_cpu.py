@@ -498,6 +498,7 @@ def test_follow_stays_usable_after_wait_runs_out(address: str) -> None:
 def _subscribe_early(conn: Connection, address: str, wait: float) -> None:
     def body() -> list[int]:
         t0 = time.monotonic()
+        conn.send(("msg", "waiting"))  # the clock runs before the publisher is started
         sub = connect_waiting(lambda: PageConsumer(address), address, wait)
         conn.send(("msg", time.monotonic() - t0))
         seqs = [sub.recv(timeout=30.0).seq for _ in range(3)]
@@ -522,6 +523,7 @@ def test_wait_subscribes_to_a_publisher_that_comes_up_later(
             PageConsumer(address)
         assert info.value.errno == 111  # ECONNREFUSED
     sub = spawn(_subscribe_early, address, 60.0)
+    assert sub.expect() == "waiting"
     time.sleep(1.0)
     pub = Producer(address, 3, 3)
     waited = sub.expect()
