@@ -132,7 +132,7 @@ class IpcPool:
         another process, the slots the producer can run ahead by (the ring
         less what consumers hold) bound how many frames the GPU carries per
         switch between the two processes' contexts: give it at least 8 (see
-        the README, "Sizing the ring").
+        docs/performance.md, "Sizing the ring").
     slot_nbytes:
         Usable bytes per slot; each slot's allocation is rounded up to the
         device's allocation granularity (an aligned size is kept as is).

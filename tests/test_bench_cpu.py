@@ -1262,7 +1262,7 @@ def test_ordered_floor_pair_makes_the_proposed_target_and_its_own_table():
     ):
         assert md.count(heading) == 1
     assert "| 64 MiB | 3 | 60.0 | 40.0 | 1.50x | 1.50, 1.40, 1.50 |" in md  # pooled p50s
-    assert "proposed restatement, not the issue's target" in md
+    assert "within 1.3x of the ordered floor, interleaved passes" in md
 
 
 def test_run_paired_rotates_three_lanes_and_pairs_each_pass(monkeypatch):

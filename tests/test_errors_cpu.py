@@ -377,7 +377,7 @@ def _layer_of(module: str) -> int:
                 return index
     raise AssertionError(
         f"module {module} is in no layer: add it to LAYERS in tests/test_errors_cpu.py "
-        "(and to the layer table of the README)"
+        "(and to the layer table in docs/index.md)"
     )
 
 

@@ -54,8 +54,8 @@ ATTACH_SLOT_NBYTES = 2 * MiB
 ATTACH_ITERS = 20
 FANOUT = (1, 2, 4, 8)
 FANOUT_NBYTES = 64 * MiB
-#: The interleaved passes (:func:`run_paired`): the lanes of the 1.3x target and of its
-#: proposed restatement (the ordered floor), at the sizes the target is stated for, a
+#: The interleaved passes (:func:`run_paired`): the lanes of the 1.3x targets against the
+#: socket + GPU floor and against the ordered floor, at the sizes the target is stated for, a
 #: latency phase per pass.  The first two are needed; the others join when selected.
 PAIRED_LANES = (report.BASELINE, "socket_gpu_floor", "ordered_floor")
 #: The pairs the interleaved passes compare (numerator, denominator).

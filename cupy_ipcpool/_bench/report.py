@@ -65,13 +65,13 @@ PAIRED_TARGET = Target(
 )
 #: The same bound against the ordered floor (the socket + GPU floor plus the
 #: channel's four flag operations, nothing else): what is above it is the
-#: library's own per-frame cost.  Proposed in docs/performance.md (sections 9
-#: and 10) as the restatement of the 1.3x target, whose bound against the bare
-#: floor is below what the GPU ordering alone costs; reported beside it, not
+#: library's own per-frame cost (docs/performance.md, "The floors": the bound
+#: against the bare floor is below what the GPU ordering alone costs); reported
+#: beside it, not
 #: instead of it.
 ORDERED_PAIRED_TARGET = Target(
     "cupy_ipcpool within 1.3x of the ordered floor, interleaved passes "
-    "(median of the per-pass ratios; proposed restatement, not the issue's target)",
+    "(median of the per-pass ratios)",
     BASELINE,
     "ordered_floor",
     "<=",
@@ -423,7 +423,7 @@ def render_markdown(
             "These lanes again, in passes that run each of them one after the other, "
             "the order rotating from pass to pass so that each lane runs first as often "
             "as the others; each pass is a latency phase of every size. The machine's "
-            "speed drifts over seconds (docs/performance.md, section 6), so one pass of "
+            "speed drifts over seconds (docs/performance.md, 'A noisy host'), so one pass of "
             "each lane, measured apart, compares two machine states as much as two "
             "lanes; the median of the per-pass ratios (pass *i* of one lane against "
             "pass *i* of the other) does not.",
