@@ -150,6 +150,16 @@ def generate() -> str:
         define("SYNC_FLAG_BYTES", _syncpage._FLAG),
         define("SYNC_READS_ALIGN", page_align, "read-flag rows start at this alignment"),
         define("SYNC_SEALS", seals, "F_SEAL_SHRINK | F_SEAL_GROW, required on the memfd"),
+        define(
+            "SYNC_FORCED",
+            _syncpage.FORCED,
+            "added to the generation when a survivor forces a dead producer's frame flag",
+        ),
+        define(
+            "SYNC_SET_WINDOW",
+            _syncpage._SET_WINDOW,
+            "flag - generation below this: the producer set it; up to 2**31: forced",
+        ),
         "",
         "/* ---- pool descriptors and array handles (_handles.py) ---- */",
         define("DESC_MAGIC", h._MAGIC),

@@ -766,24 +766,90 @@ GPU_WELCOMES = [
 ]
 
 
+def _fd_table(pid: int) -> dict[int, tuple[str, tuple[int, int]]]:
+    """``fd -> (link target, (st_dev, st_ino))`` of process ``pid``'s open fds."""
+    table = {}
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        path = f"/proc/{pid}/fd/{name}"
+        with contextlib.suppress(FileNotFoundError):
+            st = os.stat(path)
+            table[int(name)] = (os.readlink(path), (st.st_dev, st.st_ino))
+    return table
+
+
+def _mapped_inodes(pid: int) -> set[int]:
+    """Inodes of the files process ``pid`` has mapped."""
+    with open(f"/proc/{pid}/maps") as f:
+        return {int(line.split()[4]) for line in f if len(line.split()) >= 6}
+
+
+def _library_fds(
+    table: dict[int, tuple[str, tuple[int, int]]], sent: set[tuple[int, int]]
+) -> list[str]:
+    """The fds of ``table`` that only the library opens: fds it received (by inode), pidfds,
+    sockets, /proc files (the CUDA driver keeps device files, eventfds and pipes)."""
+    return [
+        f"{fd}={target}"
+        for fd, (target, key) in table.items()
+        if key in sent or "pidfd" in target or target.startswith(("socket:", "/proc/"))
+    ]
+
+
+def _peer_hung_up(fake: FakePublisher) -> bool:
+    """True once the C side closed its end of the fake publisher's connection."""
+    fake.thread.join(20)
+    conn = fake.conn
+    if conn is None:
+        return False
+    conn.settimeout(10)
+    try:
+        while conn.recv(1 << 17):  # a BYE may come first
+            pass
+    except (TimeoutError, OSError):
+        return False
+    return True
+
+
 @pytest.mark.parametrize("case", [*GPU_WELCOMES, "valid"])
 def test_gpu_welcome_checked_before_anything_is_mapped(
     probe: Probe, address: str, case: str
 ) -> None:
     data, fds, closers = _gpu_welcome(case)
-    fake = FakePublisher(address, lambda _hello: (data, fds))
+    sent = {(st.st_dev, st.st_ino) for st in map(os.fstat, fds)}
+    pid = probe.proc.pid
+    base = _fd_table(pid)
+    opens = 2 if case == "valid" else 1
+    tables = []
     try:
-        base = probe.fds()
-        answer = probe(f"open {address} block 0 5000")
+        for i in range(opens):
+            fake = FakePublisher(f"{address}.{i}", lambda _hello: (data, fds))
+            try:
+                answer = probe(f"open {address}.{i} block 0 5000")
+                if case == "valid":
+                    # everything checks out; then the GPU is needed (and these memfds are
+                    # no VMM allocations, so a machine with a GPU fails at the import)
+                    assert status(answer) in (
+                        "CIP_ERR_NO_DRIVER",
+                        "CIP_ERR_CUDA",
+                        "CIP_ERR_DEVICE",
+                    ), answer
+                else:
+                    assert status(answer) == "CIP_ERR_PROTOCOL", answer
+                assert _peer_hung_up(fake), "the C side kept its socket open"
+            finally:
+                fake.close()
+            tables.append(_fd_table(pid))
+            assert not {ino for _, ino in sent} & _mapped_inodes(pid), "a page is left mapped"
+        after = tables[0]
+        left = {fd: after[fd] for fd in after.keys() - base.keys()}
+        assert not _library_fds(left, sent), (_library_fds(left, sent), answer)
         if case == "valid":
-            # everything checks out; then the GPU is needed (and these memfds are no VMM
-            # allocations, so a machine with a GPU fails at the import)
-            assert status(answer) in ("CIP_ERR_NO_DRIVER", "CIP_ERR_CUDA", "CIP_ERR_DEVICE"), answer
+            # where a driver is present, the first open initialised it (and it keeps its
+            # own fds for the life of the process); a second open must leave none behind
+            assert tables[1] == tables[0], (sorted(tables[0].items()), sorted(tables[1].items()))
         else:
-            assert status(answer) == "CIP_ERR_PROTOCOL", answer
-        assert probe.fds() == base
+            assert after == base, "a malformed WELCOME touched something before the checks"
     finally:
-        fake.close()
         for c in closers:
             if isinstance(c, int):
                 os.close(c)

@@ -306,8 +306,8 @@ cip_status cip_sub_release(cip_sub *sub, const cip_frame *frame, void *stream);
 
 /* Whether the producer finished writing a held frame: 1 (its stream set the frame
  * flag: the arrays hold what it wrote before publishing), 0 (it died before its
- * stream got there, and this library set the flag itself so that no stream of
- * yours waits forever: the arrays hold whatever its kernels had written by then),
+ * stream got there, and this library, or another survivor, set the flag itself so
+ * that no stream waits forever: the arrays hold whatever its kernels had written),
  * -1 (not known yet: the producer is alive and has not set the flag; work ordered
  * after cip_frame_wait waits for it on the GPU).  -1 also for a frame not held. */
 int cip_frame_complete(cip_sub *sub, const cip_frame *frame);

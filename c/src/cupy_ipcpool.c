@@ -85,6 +85,11 @@ CIP_ASSERT(SYS_pidfd_getfd == CIP_WIRE_SYS_PIDFD_GETFD_X86_64, pidfd_getfd_nr);
 #define CIP_I32_MAX 0x7FFFFFFFull
 #define CIP_I64_MAX 0x7FFFFFFFFFFFFFFFull
 #define CIP_CLOSE_WAIT_MS 5000
+/* After a hang-up without BYE while a stream of ours waits on a frame flag: how long
+ * to wait for the producer's pidfd.  Its sockets close while it exits, before its
+ * pidfd says so (a CUDA process's exit takes seconds while the driver tears down its
+ * context), and the stream must not be left waiting on a flag nobody will write. */
+#define CIP_DEATH_WAIT_MS 5000
 
 /* ---- errors ------------------------------------------------------------------------ */
 
@@ -1620,6 +1625,23 @@ producer_dead(cip_sub *sub)
     return poll(&p, 1, 0) > 0;
 }
 
+/* Whether the producer's pidfd becomes readable (it exited) within `ms`. */
+static int
+producer_dies_within(cip_sub *sub, int ms)
+{
+    if (sub->pidfd < 0)
+        return 0;
+    long long deadline = now_ms() + ms;
+    for (;;) {
+        struct pollfd p = {sub->pidfd, POLLIN, 0};
+        int r = poll(&p, 1, left_ms(deadline));
+        if (r > 0)
+            return 1;
+        if (r == 0 || errno != EINTR)
+            return 0;
+    }
+}
+
 static int
 flag_reached(const cip_sub *sub, uint32_t slot, uint32_t value)
 {
@@ -1627,8 +1649,23 @@ flag_reached(const cip_sub *sub, uint32_t slot, uint32_t value)
     return (int32_t)(now - value) >= 0;
 }
 
+/* Whether a stream of ours waits (or may wait) on a frame flag that is not set. */
+static int
+waits_pending(const cip_sub *sub)
+{
+    if (sub->page == NULL)
+        return 0;
+    for (uint32_t s = 0; s < sub->info.num_slots; s++)
+        if (sub->wait_pending[s] && !flag_reached(sub, s, sub->wait_value[s]))
+            return 1;
+    return 0;
+}
+
 /* The producer is dead: write, from the host, every frame flag a stream of ours waits
- * on and that it will never write, so that no stream waits forever. */
+ * on and that it will never write, so that no stream waits forever.  As the Python
+ * subscriber does, the flag gets the awaited generation plus CIP_WIRE_SYNC_FORCED:
+ * it satisfies the stream's wait (GEQ, cyclic) and tells every process that maps
+ * the page that the producer did not set it (frame_state). */
 static void
 resolve_waits(cip_sub *sub)
 {
@@ -1636,12 +1673,24 @@ resolve_waits(cip_sub *sub)
         return;
     for (uint32_t s = 0; s < sub->info.num_slots; s++) {
         if (sub->wait_pending[s] && !flag_reached(sub, s, sub->wait_value[s])) {
-            __atomic_store_n(&sub->page[s], sub->wait_value[s], __ATOMIC_SEQ_CST);
+            uint32_t value = sub->wait_value[s] + CIP_WIRE_SYNC_FORCED;
+            __atomic_store_n(&sub->page[s], value, __ATOMIC_SEQ_CST);
             sub->forced[s] = 1;
             sub->forced_value[s] = sub->wait_value[s];
             sub->forced_count++;
         }
     }
+}
+
+/* What slot's frame flag says about the frame of `generation` (as the Python
+ * frame_state): 1 the producer's stream set it, 0 a survivor forced it, -1 not set. */
+static int
+frame_state(const cip_sub *sub, uint32_t slot, uint32_t generation)
+{
+    uint32_t distance = __atomic_load_n(&sub->page[slot], __ATOMIC_ACQUIRE) - generation;
+    if (distance >= 0x80000000u)
+        return -1;
+    return distance < CIP_WIRE_SYNC_SET_WINDOW ? 1 : 0;
 }
 
 /* The publisher hung up (or died): read everything still queued.  An eviction notice
@@ -1683,7 +1732,10 @@ scan_after_hangup(cip_sub *sub)
     }
     if (bye == sub->bl_len) {
         backlog_clear(sub);
-        if (producer_dead(sub)) {
+        /* its sockets close before its pidfd says it exited: while a stream of ours
+         * waits on a flag, give its exit a moment to show, then set that flag */
+        if (producer_dead(sub) ||
+            (waits_pending(sub) && producer_dies_within(sub, CIP_DEATH_WAIT_MS))) {
             resolve_waits(sub);
             sub_end(sub, CIP_ERR_PUBLISHER_GONE,
                     "the publisher (pid %d) exited; frames still queued are dropped (their flags "
@@ -2529,8 +2581,9 @@ cip_frame_complete(cip_sub *sub, const cip_frame *frame)
     uint32_t slot = frame->slot, value = sub->held[slot].generation;
     if (sub->forced[slot] && sub->forced_value[slot] == value)
         return 0;
-    if (flag_reached(sub, slot, value))
-        return 1;
+    int state = frame_state(sub, slot, value);
+    if (state >= 0)
+        return state; /* set by the producer's stream, or forced (by us or another survivor) */
     if (producer_dead(sub)) {
         resolve_waits(sub);
         return 0; /* it will never be written by the producer */

@@ -67,6 +67,40 @@ count_fds(void)
     return n - 1;
 }
 
+/* The targets of this process's fds, "fd=target" each, into fds (at most cap). */
+static int
+list_fds(char (*fds)[160], int cap)
+{
+    DIR *d = opendir("/proc/self/fd");
+    int n = 0, self = dirfd(d);
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL && n < cap) {
+        if (e->d_name[0] == '.' || atoi(e->d_name) == self)
+            continue;
+        int fd = atoi(e->d_name);
+        char path[64], target[128];
+        snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+        ssize_t k = readlink(path, target, sizeof target - 1);
+        target[k > 0 ? k : 0] = '\0';
+        snprintf(fds[n++], sizeof fds[0], "%d=%.127s", fd, target);
+    }
+    closedir(d);
+    return n;
+}
+
+static const char *stage = "start";
+
+/* A stream that waits forever fails the test with a report instead of hanging it. */
+static void
+on_alarm(int sig)
+{
+    (void)sig;
+    char msg[256];
+    int n = snprintf(msg, sizeof msg, "{\"error\": \"watchdog: stuck in %s for 30 s\"}\n", stage);
+    (void)!write(1, msg, n > 0 ? (size_t)n : 0);
+    _exit(3);
+}
+
 static int
 die(const char *what, cip_status st)
 {
@@ -248,7 +282,10 @@ death(const char *path)
         return die("device 0", st);
     void *stream = NULL;
     stream_create(&stream, 0);
+    static char before_fds[256][160], after_fds[256][160];
+    int nbefore = list_fds(before_fds, 256);
     int before = count_fds();
+    signal(SIGALRM, on_alarm);
     cip_sub *sub = open_sub(path, CIP_MODE_BLOCK, &st);
     if (sub == NULL)
         return die("open", st);
@@ -267,22 +304,49 @@ death(const char *path)
     printf("waiting\n");
     fflush(stdout);
     cip_frame g;
-    cip_status end = cip_sub_recv(sub, 60000, &g);
-    struct timespec t0, t1;
+    struct timespec t0, t1, t2;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    alarm(30); /* a stream that waits forever fails the test instead of hanging it */
-    int rc = stream_sync(stream);
+    stage = "cip_sub_recv after the kill";
+    alarm(30);
+    cip_status end = cip_sub_recv(sub, 60000, &g);
     clock_gettime(CLOCK_MONOTONIC, &t1);
+    /* what the library did at the end, before the stream is synchronised: it must have
+     * set the flag already, or this synchronisation waits for ever */
+    uint64_t forced_at_end = cip_sub_forced_flags(sub);
+    printf("end %s (%s); forced %" PRIu64 "\n", cip_status_name(end), cip_last_error(),
+           forced_at_end);
+    stage = "cuStreamSynchronize (the stream waits on the frame flag)";
+    alarm(30);
+    int rc = stream_sync(stream);
+    clock_gettime(CLOCK_MONOTONIC, &t2);
+    printf("synchronised: %d\n", rc);
+    stage = "cip_frame_complete, cip_sub_release, cip_sub_close";
+    alarm(30);
     int complete = cip_frame_complete(sub, &f);
     uint64_t forced = cip_sub_forced_flags(sub);
     cip_status released = cip_sub_release(sub, &f, stream);
     cip_sub_close(sub);
     stream_destroy(stream);
-    double waited = (double)(t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) / 1e9;
-    printf("{\"end\": \"%s\", \"sync_rc\": %d, \"sync_s\": %.3f, \"release\": \"%s\", "
-           "\"complete\": %d, \"forced\": %" PRIu64 ", \"fds_before\": %d, \"fds_after\": %d}\n",
-           cip_status_name(end), rc, waited, cip_status_name(released), complete, forced, before,
-           count_fds());
+    alarm(0);
+    double recv_s = (double)(t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) / 1e9;
+    double waited = (double)(t2.tv_sec - t1.tv_sec) + (t2.tv_nsec - t1.tv_nsec) / 1e9;
+    int nafter = list_fds(after_fds, 256);
+    printf("{\"end\": \"%s\", \"recv_s\": %.3f, \"sync_rc\": %d, \"sync_s\": %.3f, "
+           "\"release\": \"%s\", \"complete\": %d, \"forced_at_end\": %" PRIu64
+           ", \"forced\": %" PRIu64 ", \"fds_before\": %d, \"fds_after\": %d, \"new_fds\": [",
+           cip_status_name(end), recv_s, rc, waited, cip_status_name(released), complete,
+           forced_at_end, forced, before, count_fds());
+    int first = 1;
+    for (int i = 0; i < nafter; i++) {
+        int old = 0;
+        for (int j = 0; j < nbefore && !old; j++)
+            old = !strcmp(after_fds[i], before_fds[j]);
+        if (!old) {
+            printf("%s\"%s\"", first ? "" : ", ", after_fds[i]);
+            first = 0;
+        }
+    }
+    printf("]}\n");
     return 0;
 }
 
