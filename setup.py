@@ -1,11 +1,10 @@
 """The compiled parts of cupy_ipcpool (everything else is in pyproject.toml).
 
-Three small C extensions with no dependency beyond Python's headers, built by
+Two small C extensions with no dependency beyond Python's headers, built by
 ``pip install .`` (or ``-e .``) with the system's C compiler:
 ``cupy_ipcpool._fastpath`` (the per-frame stream memory operations, driver
-layer), ``cupy_ipcpool._hotpath`` (the per-frame bookkeeping of the pool, peer
-and channel layers: slot pick, frame assembly, write ordering) and
-``cupy_ipcpool.channel._frameio`` (the channel's per-frame socket calls).
+layer) and ``cupy_ipcpool.channel._frameio`` (the channel's per-frame socket
+calls).
 docs/install.md ("The compiled parts") says what each saves per frame and why
 it is plain C; ``cupy_ipcpool._compiled.load`` loads them and checks each
 build's layout constants against the Python definitions.
@@ -21,12 +20,6 @@ setup(
         Extension(
             "cupy_ipcpool._fastpath",
             sources=["cupy_ipcpool/_fastpath.c"],
-            depends=_SHARED,
-            extra_compile_args=_FLAGS,
-        ),
-        Extension(
-            "cupy_ipcpool._hotpath",
-            sources=["cupy_ipcpool/_hotpath.c"],
             depends=_SHARED,
             extra_compile_args=_FLAGS,
         ),

@@ -29,15 +29,6 @@ RATIOS: list[tuple[str, str, str, str, float]] = [
     ("legacy IPC per frame / ours", "frame_legacy_ipc", "frame_ours", ">=", 20.0),
     ("small ops hook/default", "small_ops_hook", "small_ops_default", "<=", 1.5),
     ("alloc+free hook/default (info)", "alloc_free_hook", "alloc_free_default", "<=", 99.0),
-    # issue 11 part 8: the compiled per-frame bookkeeping, hot, against the Python paths
-    ("slot pick python/compiled (hot)", "slot_pick_python", "slot_pick_compiled", ">=", 1.0),
-    (
-        "frame assembly python/compiled (hot)",
-        "frame_assembly_python",
-        "frame_assembly_compiled",
-        ">=",
-        1.0,
-    ),
     ("matmul 8192^2 default/hook", "matmul_default", "matmul_hook", ">=", 0.98),
     ("elementwise 1 GiB default/hook", "ew1g_default", "ew1g_hook", ">=", 0.98),
     ("fan-out p50 4 subs / 1 sub", "fanout_p50_4", "fanout_p50_1", "<=", 2.0),

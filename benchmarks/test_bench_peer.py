@@ -92,7 +92,7 @@ def test_frame_handle_to_array(benchmark, record, exporter):
         owner = object()
 
         def run():
-            return peer.arrays_from_wire(wire, 0, 1, owner)
+            return peer._arrays_from_wire(wire, 0, 1, owner)
 
         benchmark(run)
         record("frame_handle_to_array")
@@ -108,7 +108,7 @@ def test_frame_ours_both_sides(benchmark, record, exporter):
 
         def run():
             wire = local.handle(frame).pack()
-            return peer.arrays_from_wire(wire, 0, 1, owner)
+            return peer._arrays_from_wire(wire, 0, 1, owner)
 
         benchmark(run)
         record("frame_ours")

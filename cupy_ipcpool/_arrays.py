@@ -145,11 +145,7 @@ class KeptArray:
         self._n_mem = _refcount(self._mem)
 
     def in_use(self) -> bool:
-        """True while anything besides this object refers to the array or its memory.
-
-        The compiled per-frame calls (``cupy_ipcpool._hotpath``) evaluate this
-        same rule on a ``KeptArray`` themselves: subclasses must not override it.
-        """
+        """True while anything besides this object refers to the array or its memory."""
         return (
             _refcount(self.array) != self._n_array
             or _refcount(self._memptr) != self._n_memptr

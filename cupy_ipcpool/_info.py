@@ -76,15 +76,11 @@ def remote_summary() -> str:
 
 
 def fastpath_summary() -> str:
-    """One line on the compiled parts (``_fastpath``, ``_hotpath``, ``channel._frameio``)."""
+    """One line on the compiled parts (``_fastpath``, ``channel._frameio``)."""
     import importlib
 
     built, missing = [], []
-    for name in (
-        "cupy_ipcpool._fastpath",
-        "cupy_ipcpool._hotpath",
-        "cupy_ipcpool.channel._frameio",
-    ):
+    for name in ("cupy_ipcpool._fastpath", "cupy_ipcpool.channel._frameio"):
         try:
             module = importlib.import_module(name)
         except ImportError:
@@ -93,9 +89,9 @@ def fastpath_summary() -> str:
             built.append(os.path.basename(module.__file__ or name))
     if missing:
         return (
-            f"compiled parts: NOT BUILT ({', '.join(missing)}); pools and channels cannot run: "
-            "reinstall "
-            "with pip, or 'python3 setup.py build_ext --inplace' in a source tree"
+            f"compiled parts: NOT BUILT ({', '.join(missing)}); publishers and subscribers "
+            "cannot run: reinstall with pip, or 'python3 setup.py build_ext --inplace' in a "
+            "source tree"
         )
     return f"compiled parts: built ({', '.join(built)})"
 

@@ -1,7 +1,7 @@
 /*
- * Little-endian reads of the wire formats' fields, shared by cupy_ipcpool's
- * compiled modules (cupy_ipcpool._hotpath and cupy_ipcpool.channel._frameio):
- * every field of the handle and message layouts is little-endian ("<" in
+ * Little-endian reads of the wire formats' fields, for cupy_ipcpool's
+ * compiled code (cupy_ipcpool.channel._frameio):
+ * every field of the message layouts is little-endian ("<" in
  * their struct formats), whatever the machine.
  */
 #ifndef CUPY_IPCPOOL_LE_H

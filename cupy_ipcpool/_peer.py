@@ -175,7 +175,7 @@ class PeerPool:
         self._seen_generation = [0] * desc.num_slots
         self._geometry: dict[bytes, tuple[Any, ...]] = {}
         self._views: dict[bytes, _KeptView] = {}  # by geometry: arrays to hand out again
-        self._lent: list[_KeptView] = []  # views handed out since the last drop_idle_owners
+        self._lent: list[_KeptView] = []  # views handed out since the last _drop_idle_owners
         self._closed = False
         self._cp = cupy_module()
         self._finalizer = weakref.finalize(self, slots.detach)
@@ -220,7 +220,7 @@ class PeerPool:
             raise SlotIndexError(f"slot {slot} out of range for {self._desc.num_slots} slots")
         return self._slots.ptrs[slot]
 
-    def pin(self, slot: int) -> SlotRef:
+    def _pin(self, slot: int) -> SlotRef:
         """An owner object that keeps ``slot`` mapped while it lives.
 
         It counts as a local reference to the slot (:meth:`local_refs`), and
@@ -260,7 +260,7 @@ class PeerPool:
             self._cp, self._slots.ptrs[slot], self._desc.slot_nbytes, owner, self._device, handle
         )
 
-    def arrays_from_wire(
+    def _arrays_from_wire(
         self, data: bytes | memoryview, pos: int, count: int, owner: Any
     ) -> tuple[list[Any], int]:
         """Decode ``count`` packed handles at ``pos`` into arrays (the per-frame hot path).
@@ -271,7 +271,7 @@ class PeerPool:
         the generation is checked on every call.  The array built for a
         geometry is kept and handed out again the next time that geometry
         arrives, when nothing refers to it any more (no new ``cupy.ndarray``
-        per frame); call :meth:`drop_idle_owners` before waiting for the next
+        per frame); call :meth:`_drop_idle_owners` before waiting for the next
         frame, so that an owner is not kept alive by the cache.
 
         Returns
@@ -328,17 +328,7 @@ class PeerPool:
             pos = end
         return out, pos
 
-    def wire_state(self) -> tuple[dict[bytes, Any], dict[bytes, Any], list[int], list[Any]]:
-        """``(geometry cache, kept arrays, seen generations, lent list)``: the state
-        :meth:`arrays_from_wire` works on, for the compiled frame assembly
-        (``_hotpath.take_frame``), which hands kept arrays out again exactly as
-        :meth:`arrays_from_wire` does and leaves every other case to it.
-
-        The containers are this pool's own, only ever changed in place.
-        """
-        return self._geometry, self._views, self._seen_generation, self._lent
-
-    def drop_idle_owners(self) -> None:
+    def _drop_idle_owners(self) -> None:
         """Let go of the owners of handed-out arrays that nothing uses any more.
 
         A kept array's memory refers to the owner it was last handed out with
@@ -357,7 +347,7 @@ class PeerPool:
                     view.holder.owner = None
                 else:
                     keep.append(view)
-            lent[:] = keep  # in place: wire_state() hands this very list out
+            lent[:] = keep
 
     def local_refs(self, slot: int) -> int:
         """Number of live arrays over ``slot`` in this process."""

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy
 
 from ._arrays import SlotRefs, as_cupy_stream
-from ._compiled import hotpath
 from ._errors import NotShareableError, PoolClosedError, SlotBusyError
 
 if TYPE_CHECKING:
@@ -76,11 +75,7 @@ class LeaseSource(Protocol):
 
 
 # A source may also offer ``describe(slot) -> str`` naming the peers that hold
-# ``slot``; SlotBusyError messages then say who they are.  And it may offer
-# ``holder_sets``: a list whose item ``s`` is a set (or any sized container)
-# of the holders of slot ``s``, so that ``len(holder_sets[s]) == leases(s)``
-# always; the compiled slot pick then reads it instead of calling ``leases``
-# for every slot (without it, every take runs the Python pick).
+# ``slot``; SlotBusyError messages then say who they are.
 
 
 class SlotTable(SlotRefs):
@@ -110,10 +105,6 @@ class SlotTable(SlotRefs):
         #: The registered lease sources (a tuple, replaced whole under the lock).
         self.sources: tuple[LeaseSource, ...] = ()
         self._collecting = False
-        # The compiled first look of take() (_hotpath.take_slot), on these very lists
-        # (they are only ever changed in place).
-        self._take_slot = hotpath().take_slot
-        self._fast = (self, self.lock, self.counts, self.writing, self.generation, self.views)
 
     # -- lease sources -------------------------------------------------------
 
@@ -193,12 +184,6 @@ class SlotTable(SlotRefs):
         SlotBusyError
             Nothing became free in time; the message says who holds what.
         """
-        if slot is None:
-            # the steady state in one compiled call: the first free slot after the
-            # current one, when the lock is free and every source offers holder_sets
-            got = self._take_slot(self._fast, self.sources, self.current + 1)
-            if got is not None:
-                return got
         deadline: float | None = None
         collected = False
         while True:

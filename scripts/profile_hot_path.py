@@ -29,8 +29,6 @@ import sys
 import tempfile
 import time
 
-from timeline_hot_path import _counting  # the wait counter of the compiled calls too
-
 MiB = 1 << 20
 SPAWN = mp.get_context("spawn")
 
@@ -93,7 +91,6 @@ def _consumer(address: str, frames: int, profile: bool, q, spin: float) -> None:
     steps: dict[str, list[int]] = {"recv": [], "kernel": [], "release": []}
     with cip.subscribe(address, spin_us=spin) as sub:
         waits = _count_waits(sub, "_order")
-        sub._take_frame = _counting(sub._take_frame, waits, 3)
         q.put("ready")
         if prof is not None:
             prof.enable()
@@ -144,7 +141,6 @@ def _run(
     slots = 4 if mode == "rt" else 8
     with cip.IpcPool(slots, mib * MiB) as pool, cip.Publisher(pool, address, spin_us=spin) as pub:
         waits = _count_waits(pub._leases, "_order_all")  # what order_write calls
-        pub._leases._order_slot = _counting(pub._leases._order_slot, waits, 0)
         procs = [
             SPAWN.Process(target=_consumer, args=(address, frames, profile, q, spin))
             for _ in range(consumers)

@@ -133,9 +133,11 @@ def _inner_consumer(inner: _Inner, sub: Any) -> None:
     from cupy_ipcpool.channel import _subscriber
 
     inner.wrap(sub._core, "recv_view", "C recv_view (incl. the receive)")
-    inner.wrap(sub._peer, "pin", "C peer.pin")
+    inner.wrap(_subscriber, "_frame_head", "C _frame_head")
+    inner.wrap(sub._peer, "_pin", "C peer._pin")
+    inner.wrap(sub._peer, "_arrays_from_wire", "C peer._arrays_from_wire")
     inner.wrap(sub, "_stream_ptr", "C _stream_ptr")
-    inner.wrap(sub, "_take_frame", "C take_frame (compiled, incl. flag wait)")
+    inner.wrap(sub, "_order", "C order (the frame flag's wait)")
     inner.wrap(_subscriber, "_Lease", "C _Lease()")
     inner.wrap(_subscriber, "Frame", "C Frame()")
     inner.wrap(sub._core, "release_with_write", "C core.release_with_write")
@@ -148,10 +150,10 @@ def _inner_producer(inner: _Inner, pub: Any) -> None:
     pool = pub._pool
     inner.wrap(pool, "acquire", "P pool.acquire")
     inner.wrap(_pool, "stream_ptr", "P stream_ptr")
-    inner.wrap(pool._table, "_take_slot", "P take_slot (compiled)")
+    inner.wrap(pool._table, "_pick", "P table._pick (the slot pick)")
     inner.wrap(_pool, "SlotToken", "P SlotToken()")
     inner.wrap(pub._leases, "order_write", "P order_write")
-    inner.wrap(pub._leases, "_order_slot", "P order_slot (compiled, incl. flag wait)")
+    inner.wrap(pub._leases, "_order_all", "P order_all (the read flags' waits)")
     inner.wrap(_publisher, "PublishFrame", "P PublishFrame()")
     inner.wrap(pub, "_write_flag", "P frame-flag write")
     inner.wrap(pub._core, "publish", "P core.publish (incl. send)")
@@ -173,19 +175,13 @@ def _recv_spin(s: socket.socket, n: int, spin_ns: int) -> bytes:
     return s.recv(n)
 
 
-def _counting(order: Any, counts: list[int], waits_at: int | None = None) -> Any:
-    """``order``/``order_all`` that counts its calls and the GPU waits it enqueued.
-
-    ``waits_at``: the compiled calls (``order_slot``, ``take_frame``) answer a
-    tuple holding the waits at that index, or None (then the Python path runs,
-    which is counted through its own wrapper).
-    """
+def _counting(order: Any, counts: list[int]) -> Any:
+    """``order``/``order_all`` that counts its calls and the GPU waits it enqueued."""
 
     def counted(*args: Any) -> Any:
         got = order(*args)
-        if waits_at is None or got is not None:
-            counts[0] += 1
-            counts[1] += int(got if waits_at is None else got[waits_at])
+        counts[0] += 1
+        counts[1] += int(got)
         return got
 
     return counted
@@ -209,7 +205,6 @@ def _channel_consumer(address: str, q: Any, cpu: int | None, spin_us: float, inn
     waits = [0, 0]
     with cip.subscribe(address, spin_us=spin_us) as sub:
         sub._order = _counting(sub._order, waits)  # type: ignore[union-attr]
-        sub._take_frame = _counting(sub._take_frame, waits, 3)  # type: ignore[union-attr]
         timers = _Inner()
         if inner:
             _inner_consumer(timers, sub)
@@ -262,7 +257,6 @@ def _channel_round(
         cip.Publisher(pool, address, spin_us=spin_us) as pub,
     ):
         pub._leases._order_all = _counting(pub._leases._order_all, waits)
-        pub._leases._order_slot = _counting(pub._leases._order_slot, waits, 0)
         timers = _Inner()
         if inner:
             _inner_producer(timers, pub)

@@ -182,12 +182,8 @@ def test_undo_stack_runs_steps_newest_first_and_warns_on_failures() -> None:
 
 def _load_at_site(name: str) -> Any:
     """The library's own call that loads the compiled module ``name`` (as a pool or a channel)."""
-    from cupy_ipcpool import _compiled
-    from cupy_ipcpool.channel import _payload, _sockets, _syncpage
+    from cupy_ipcpool.channel import _sockets, _syncpage
 
-    if name == "cupy_ipcpool._hotpath":
-        _compiled.hotpath()
-        return _payload.hotpath()
     if name == "cupy_ipcpool._fastpath":
         return _syncpage._memops()
     for attr in ("pollfds", "recv_frame", "release_frame", "send_frame", "wait_releases"):
@@ -197,25 +193,15 @@ def _load_at_site(name: str) -> Any:
 
 #: Each compiled module, the constants it exports, and the Python definitions they must equal.
 def _expected_constants() -> dict[str, dict[str, object]]:
-    from cupy_ipcpool import _handles
-    from cupy_ipcpool.channel import _payload, _sockets, _syncpage
+    from cupy_ipcpool.channel import _sockets, _syncpage
 
     return {
-        "cupy_ipcpool._hotpath": {
-            "HANDLE_LAYOUT": (
-                _handles._HANDLE_HEADER.size,
-                _handles._GENERATION_AT,
-                _handles._OFFSET_AT,
-                _handles._NDIM_AT,
-            ),
-            "FRAME_LAYOUT": (_payload.FRAME_HEAD.size, _payload.MAX_ARRAYS, _payload.MAX_METADATA),
-        },
         "cupy_ipcpool.channel._frameio": {"PROTOCOL": _sockets._PROTOCOL},
         "cupy_ipcpool._fastpath": {"MAX_BATCH": _syncpage._MAX_BATCH},
     }
 
 
-COMPILED = ("cupy_ipcpool._fastpath", "cupy_ipcpool._hotpath", "cupy_ipcpool.channel._frameio")
+COMPILED = ("cupy_ipcpool._fastpath", "cupy_ipcpool.channel._frameio")
 
 
 def test_each_build_exports_the_layouts_of_the_python_definitions() -> None:
@@ -227,12 +213,10 @@ def test_each_build_exports_the_layouts_of_the_python_definitions() -> None:
         module = importlib.import_module(name)
         for attr, want in constants.items():
             assert getattr(module, attr) == want, (name, attr)
-    # the two FRAME heads are different things with different sizes: the message's
-    # header before its payload (_frameio), and the payload's own head (_hotpath)
+    # the FRAME message's header before its payload (_frameio); the payload's own
+    # head (FRAME_HEAD) is read in Python only
     frameio = importlib.import_module("cupy_ipcpool.channel._frameio")
-    hotpath = importlib.import_module("cupy_ipcpool._hotpath")
     assert frameio.PROTOCOL[4] == proto.MAX_FRAME_SIZE - proto.MAX_FRAME_PAYLOAD == 20
-    assert hotpath.FRAME_LAYOUT[0] == 12
     for name in COMPILED:  # and the sites accept this build
         try:
             _load_at_site(name)
@@ -258,9 +242,7 @@ def test_a_missing_build_is_one_error_naming_the_fix(
     assert text.startswith(f"{name}, a compiled part of cupy_ipcpool, is not built")
     assert "python setup.py build_ext --inplace" in text and "pip install ." in text
     assert f"NOT BUILT ({leaf})" in _info.fastpath_summary()
-    if name == "cupy_ipcpool._hotpath":
-        with pytest.raises(ImportError, match="is not built"):
-            SlotTable(2)  # a pool cannot be made without it
+    assert SlotTable(2).take(0) == (1, 1)  # a pool's bookkeeping needs no compiled part
 
 
 def test_the_missing_build_text_is_the_same_for_every_part(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -280,8 +262,6 @@ def test_the_missing_build_text_is_the_same_for_every_part(monkeypatch: pytest.M
 @pytest.mark.parametrize(
     ("name", "attr"),
     [
-        ("cupy_ipcpool._hotpath", "HANDLE_LAYOUT"),
-        ("cupy_ipcpool._hotpath", "FRAME_LAYOUT"),
         ("cupy_ipcpool.channel._frameio", "PROTOCOL"),
         ("cupy_ipcpool._fastpath", "MAX_BATCH"),
     ],
@@ -305,18 +285,6 @@ def test_a_build_of_other_layouts_is_refused_naming_the_constant(
     text = str(info.value)
     assert text.startswith(f"{name} was built from other sources than this code ({attr}: ")
     assert "rebuild it" in text and "python setup.py build_ext --inplace" in text
-
-
-def test_the_pool_layer_checks_only_the_handle_layout(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cupy_ipcpool import _compiled
-    from cupy_ipcpool.channel import _payload
-
-    hp = _compiled.hotpath()
-    monkeypatch.setattr(hp, "FRAME_LAYOUT", (16, *hp.FRAME_LAYOUT[1:]))
-    assert _compiled.hotpath() is hp  # the pool's own layout is this code's
-    SlotTable(2)
-    with pytest.raises(ImportError, match="FRAME_LAYOUT"):
-        _payload.hotpath()  # the channel's is not
 
 
 def test_compiled_parts_are_loaded_only_through_the_loader() -> None:
@@ -354,7 +322,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("driver", ("_driver", "_fastpath")),
     ("vmm", ("_vmm",)),
     ("transport", ("_transport", "_transport.*", "transport.*")),
-    ("pool", ("_arrays", "_compiled", "_hotpath", "_slots", "_arena", "_pool")),
+    ("pool", ("_arrays", "_compiled", "_slots", "_arena", "_pool")),
     ("peer", ("_peer", "_seedpeer")),
     ("allocator", ("_allocator", "_compat")),
     (
@@ -525,15 +493,6 @@ def _c_attribute_violations(
     return found
 
 
-#: What _hotpath.c touches today against the rules (it goes with it, and this with it):
-#: the peer layer's kept views (``holder``, whose ``owner`` it sets) and the channel's
-#: lease sources (``holder_sets``, named only in a comment of the pool's LeaseSource).
-KNOWN_C_VIOLATIONS = {
-    "_hotpath (pool) touches .holder, defined only above",
-    "_hotpath (pool) touches .holder_sets, defined only above",
-}
-
-
 def _graph() -> dict[str, set[str]]:
     graph = {}
     for path in PACKAGE.rglob("*.py"):
@@ -583,9 +542,8 @@ def test_no_import_cycle() -> None:
 def test_the_graph_holds_the_compiled_parts_and_the_loads_by_name() -> None:
     graph = _graph()
     compiled = set(_c_sources())
-    assert compiled == {"_fastpath", "_hotpath", "channel._frameio"}
+    assert compiled == {"_fastpath", "channel._frameio"}
     assert compiled <= set(graph)
-    assert "_hotpath" in graph["_compiled"]  # load("cupy_ipcpool._hotpath")
     assert "channel._frameio" in graph["channel._sockets"]
     assert "_fastpath" in graph["channel._syncpage"]
 
@@ -597,17 +555,20 @@ def test_the_c_scanner_finds_imports_and_attributes() -> None:
         PyObject *v = PyObject_GetAttrString(obj, "_book");
         PyObject_SetAttrString(obj, "holder", x);
         PyObject_CallMethod(lock, "acquire", "O", Py_False);
-        intern(&S_sets, "holder_sets");
+        intern(&S_mem, "_memptr");
     """
+    owners = _attribute_owners()
     assert _c_imports(text) == {"channel._session"}
-    assert _c_attributes(text) == {"_book", "holder", "acquire", "holder_sets"}
-    found = _c_attribute_violations("_hotpath", _c_attributes(text), _attribute_owners())
-    assert "_hotpath (pool) touches .holder_sets, defined only above" in found
-    assert "_hotpath (pool) touches ._book, defined only above" in found
+    assert _c_attributes(text) == {"_book", "holder", "acquire", "_memptr"}
+    found = _c_attribute_violations("_fastpath", _c_attributes(text), owners)
+    assert "_fastpath (driver) touches .holder, defined only above" in found  # the peer's
+    assert "_fastpath (driver) touches ._book, defined only above" in found  # the channel's
+    # a real source with these lines added: the channel's code reads the pool's private
+    real = _c_sources()["channel._frameio"].read_text() + text
+    found = _c_attribute_violations("channel._frameio", _c_attributes(real), owners)
+    assert "channel._frameio (channel) touches the private ._memptr of another layer" in found
+    assert "channel._frameio (channel) touches ._book, defined only above" not in found  # its own
     assert not any(".acquire" in f for f in found)  # the pool's own acquire, and a lock's
-    # the real sources are read: _hotpath.c's attribute names are found
-    hotpath = _c_attributes(_c_sources()["_hotpath"].read_text())
-    assert {"_n_array", "_memptr", "holder_sets", "in_use"} <= hotpath
 
 
 def test_compiled_code_touches_no_attribute_of_a_higher_layer() -> None:
@@ -618,8 +579,7 @@ def test_compiled_code_touches_no_attribute_of_a_higher_layer() -> None:
     found = set()
     for module, source in _c_sources().items():
         found |= _c_attribute_violations(module, _c_attributes(source.read_text()), owners)
-    assert found - KNOWN_C_VIOLATIONS == set(), "compiled code breaks the layers"
-    assert KNOWN_C_VIOLATIONS - found == set(), "fixed: remove from KNOWN_C_VIOLATIONS"
+    assert found == set(), "compiled code breaks the layers"
 
 
 # ----------------------------------------------------------- descriptor pickles

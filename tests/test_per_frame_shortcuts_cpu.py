@@ -1,9 +1,9 @@
-"""The per-frame path's shortcuts do what the general path does, and nothing else.
+"""The per-frame path's shortcuts do what the general path does, and its rules hold.
 
 Every frame takes a few shortcuts past the general code: options that change
-how an end waits, cheap questions asked instead of general ones, and compiled
-calls that do a Python path's steady state.  Each is tested here against the
-path it stands for, for real (processes, sockets, memfd slots; on CPU):
+how an end waits, and cheap questions asked instead of general ones.  Each is
+tested here against the path it stands for, for real (processes, sockets,
+memfd slots; on CPU):
 
 * ``spin_us``: a short busy-poll before sleeping, on the subscriber's ``recv``
   and the publisher's ``poll`` (off by default: an idle end uses no CPU);
@@ -11,24 +11,21 @@ path it stands for, for real (processes, sockets, memfd slots; on CPU):
 * ``SubscriberCore.watch``: one ``poll(0)`` per frame covers the socket's
   hang-up and the watched fds (the producer's pidfd);
 * ``LeaseBook.lease_count`` / ``any_leased``: the cheap questions the pool asks
-  for every acquire, against ``leases``;
-* the compiled per-frame bookkeeping (``cupy_ipcpool._hotpath``): each call
-  does the steady state of a Python path and answers None, having changed
-  nothing, in every other case.  What the call does in the steady state is
-  what the Python path does (the slot pick against ``SlotTable._pick``, the
-  kept-array rule against ``KeptArray.in_use``), and every case it leaves to
-  Python leaves the state as it was.  The driver's wait is a ctypes recorder
-  (``tests/_memop_recorder``); CuPy's objects are plain stand-ins
-  (``tests/test_kept_array_cpu``).  The GPU suite runs the same calls under
-  the real channel.
+  for every acquire, against ``leases``.
 
-How a missing or mismatched build of the compiled parts is reported is in
-``tests/test_errors_cpu.py``.
+And the per-frame bookkeeping's rules, each with one implementation (Python):
+the slot pick (``SlotTable.take``: the first free slot after the current one,
+round-robin) and the subscriber's frame assembly (the FRAME payload's head,
+then ``PeerPool._arrays_from_wire``, which hands a kept array out again only
+while nothing else uses it).  CuPy's objects are plain stand-ins
+(``tests/test_kept_array_cpu``); the kept-array rule itself is tested there,
+the publisher's write ordering (``SyncPage.order_all``) in
+``tests/test_syncpage_cpu.py``.  The GPU suite runs the same code under the
+real channel.
 """
 
 from __future__ import annotations
 
-import copy
 import multiprocessing as mp
 import os
 import resource
@@ -36,31 +33,37 @@ import threading
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from _memfd_backend import MemfdConsumer, MemfdProducer
-from _memop_recorder import MemopRecorder
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_kept_array_cpu import _CP, _kept
+from test_kept_array_cpu import _CP
 
-from cupy_ipcpool._compiled import hotpath
-from cupy_ipcpool._errors import ChannelTimeoutError, EndOfStream, UsageError
+from cupy_ipcpool import _driver
+from cupy_ipcpool._arrays import SlotRefs
+from cupy_ipcpool._errors import (
+    ChannelTimeoutError,
+    DescriptorError,
+    EndOfStream,
+    ProtocolError,
+    SlotBusyError,
+    StaleHandleError,
+    UsageError,
+)
 from cupy_ipcpool._handles import ArrayHandle
-from cupy_ipcpool._peer import _KeptView
+from cupy_ipcpool._peer import PeerPool
 from cupy_ipcpool._slots import SlotTable
 from cupy_ipcpool.channel._leases import LeaseBook
 from cupy_ipcpool.channel._payload import FRAME_HEAD
 from cupy_ipcpool.channel._publisher_core import PublisherCore
 from cupy_ipcpool.channel._sockets import MAX_SPIN_US
+from cupy_ipcpool.channel._subscriber import _frame_head
 from cupy_ipcpool.channel._subscriber_core import SubscriberCore
 
 CTX = mp.get_context("spawn")
-hp = hotpath()
-GEQ = 7  # any flags value: passed through to the driver call
-BASE = 0x7000_0000  # the sync page's device address in these tests
-STREAM = 0x1234
 
 
 @pytest.fixture
@@ -292,67 +295,18 @@ def test_lease_count_and_any_leased() -> None:
     assert not book.any_leased()
 
 
-# ================================================ the compiled per-frame bookkeeping
-
-
-def _page(words: int = 64) -> memoryview:
-    return memoryview(bytearray(4 * words)).cast("I")
-
-
-def _held_elsewhere(lock: Any) -> tuple[threading.Event, threading.Event, threading.Thread]:
-    """Hold ``lock`` on another thread until the returned ``release`` event is set."""
-    taken, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with lock:
-            taken.set()
-            release.wait(10)
-
-    t = threading.Thread(target=hold)
-    t.start()
-    assert taken.wait(10)
-    return taken, release, t
-
-
-# ------------------------------------------------------------------ kept arrays
-def test_the_compiled_in_use_rule_is_keptarrays() -> None:
-    kept = _kept()
-    assert hp.in_use(kept) is kept.in_use() is False
-    held = kept.array
-    assert hp.in_use(kept) is kept.in_use() is True
-    del held
-    memptr = kept.array.data
-    assert hp.in_use(kept) is kept.in_use() is True
-    del memptr
-    mem = kept.array.data.mem
-    assert hp.in_use(kept) is kept.in_use() is True
-    del mem
-    assert hp.in_use(kept) is kept.in_use() is False
-
-
-def test_other_objects_are_asked_their_in_use() -> None:
-    class Busy:
-        def in_use(self) -> bool:
-            return True
-
-    class Failing:
-        def in_use(self) -> bool:
-            raise RuntimeError("asked")
-
-    assert hp.in_use(Busy()) is True
-    with pytest.raises(RuntimeError, match="asked"):
-        hp.in_use(Failing())
+# ================================================ the per-frame bookkeeping's rules
 
 
 # ------------------------------------------------------------------ the slot pick
 class _Source:
-    """A lease source with ``holder_sets`` (as the channel's publisher has)."""
+    """A lease source whose per-slot holders are given."""
 
     def __init__(self, holders: list[set[int]]) -> None:
-        self.holder_sets = holders
+        self.holders = holders
 
     def leases(self, slot: int) -> int:
-        return len(self.holder_sets[slot])
+        return len(self.holders[slot])
 
     def collect(self, timeout: float | None) -> int:
         return 0
@@ -385,7 +339,8 @@ def _state(table: SlotTable) -> tuple[Any, ...]:
 
 @settings(max_examples=300, deadline=None)
 @given(st.data())
-def test_take_slot_picks_what_the_python_pick_picks(data: st.DataObject) -> None:
+def test_take_picks_the_first_free_slot_after_the_current_one(data: st.DataObject) -> None:
+    """Free: no local reference, no writer, no view in use, no peer lease."""
     n = data.draw(st.integers(1, 8))
     flags = st.lists(st.booleans(), min_size=n, max_size=n)
     counts = [int(c) for c in data.draw(flags)]
@@ -396,25 +351,37 @@ def test_take_slot_picks_what_the_python_pick_picks(data: st.DataObject) -> None
     ]
     held = [int(h) for h in data.draw(flags)]
     current = data.draw(st.integers(0, n - 1))
-    fast = _table(n, counts, writing, views, held)
-    slow = _table(n, counts, writing, views, held)
-    fast.current = slow.current = current
+    table = _table(n, counts, writing, views, held)
+    table.current = current
     for s in range(n):
-        fast.generation[s] = slow.generation[s] = 10 * s
-    got = hp.take_slot(fast._fast, fast.sources, current + 1)
-    want = slow._pick(None)
-    if want is None:
-        assert got is None
-        assert _state(fast) == _state(slow)
+        table.generation[s] = 10 * s
+    before = _state(table)
+    free = [
+        s % n
+        for s in range(current + 1, current + 1 + n)
+        if not (counts[s % n] or writing[s % n] or held[s % n])
+        and not (views[s % n] is not None and views[s % n].busy)
+    ]
+    if not free:
+        with pytest.raises(SlotBusyError):
+            table.take(0)
+        assert _state(table) == before  # nothing taken
         return
-    assert got == (want, 10 * want + 1)
-    assert fast.writing[want] is True and fast.generation[want] == 10 * want + 1
-    assert fast.current == want
-    slow.writing[want], slow.generation[want], slow.current = True, 10 * want + 1, want
-    assert _state(fast) == _state(slow)
+    want = free[0]
+    assert table.take(0) == (want, 10 * want + 1)
+    assert table.writing[want] is True and table.generation[want] == 10 * want + 1
+    assert table.current == want
+    counts_after, writing_after, generation_after, _ = _state(table)
+    assert counts_after == counts
+    assert [w for s, w in enumerate(writing_after) if s != want] == [
+        w for s, w in enumerate(writing) if s != want
+    ]
+    assert [g for s, g in enumerate(generation_after) if s != want] == [
+        10 * s for s in range(n) if s != want
+    ]
 
 
-def test_take_is_round_robin_through_the_compiled_pick() -> None:
+def test_take_is_round_robin() -> None:
     table = _table(3, [0, 0, 0], [False] * 3, [None] * 3, [0, 0, 0])
     taken = []
     for _ in range(4):
@@ -424,91 +391,18 @@ def test_take_is_round_robin_through_the_compiled_pick() -> None:
     assert taken == [(1, 1), (2, 1), (0, 1), (1, 2)]
 
 
-def test_take_slot_leaves_a_table_locked_elsewhere_alone() -> None:
-    table = _table(2, [0, 0], [False, False], [None, None], [0, 0])
-    before = _state(table)
-    _, release, t = _held_elsewhere(table.lock)
-    try:
-        assert hp.take_slot(table._fast, table.sources, 0) is None
-        assert _state(table) == before
-    finally:
-        release.set()
-        t.join()
-    assert hp.take_slot(table._fast, table.sources, 0) == (0, 1)
+def test_take_asks_each_view_and_passes_on_what_it_raises() -> None:
+    class Failing:
+        def in_use(self) -> bool:
+            raise RuntimeError("asked")
 
-
-def test_take_slot_leaves_sources_without_holder_sets_to_python() -> None:
-    class Plain:
-        def leases(self, slot: int) -> int:
-            return 0
-
-        def collect(self, timeout: float | None) -> int:
-            return 0
-
-        def order_write(self, slot: int, stream: int) -> None:
-            pass
-
-    table = SlotTable(2)
-    table.add_source(Plain())
-    assert hp.take_slot(table._fast, table.sources, 0) is None
-    assert table.writing == [False, False] and table.generation == [0, 0]
-    assert table.take(0) == (1, 1)  # the Python pick
-
-
-# ------------------------------------------------------------------ write ordering
-def _order_ctx(rec: MemopRecorder, words: memoryview, readers: list[list[int]], **kw: Any):
-    lock = kw.get("lock", threading.RLock())
-    rows = {sub: (sub, [BASE + 4 * (8 * sub + s) for s in range(4)]) for sub in (1, 2, 3)}
-    published = kw.get("published", [5, 6, 7, 8])
-    return (lock, readers, rows, published, words, BASE, rec.address, GEQ)
-
-
-def _read_flag(sub: int, slot: int) -> int:
-    return 8 * sub + slot  # the word index of subscriber sub's read flag for slot
-
-
-def test_order_slot_waits_only_on_flags_the_host_does_not_see_set() -> None:
-    rec, words = MemopRecorder(), _page()
-    readers: list[list[int]] = [[], [1], [], [1, 2]]
-    ctx = _order_ctx(rec, words, readers)
-    assert hp.order_slot(ctx, 0, STREAM) == (0, 0)  # nobody read slot 0
-    assert hp.order_slot(ctx, 1, STREAM) == (1, 0)  # subscriber 1's flag is not at 6
-    assert rec.calls == [(STREAM, BASE + 4 * _read_flag(1, 1), 6, GEQ)]
-    words[_read_flag(1, 1)] = 6
-    assert hp.order_slot(ctx, 1, STREAM) == (0, 0)
-    words[_read_flag(1, 3)] = 9  # past 8: reached (cyclic comparison)
-    assert hp.order_slot(ctx, 3, STREAM) == (1, 0)  # subscriber 2's only
-    assert rec.calls[-1] == (STREAM, BASE + 4 * _read_flag(2, 3), 8, GEQ)
-    assert len(rec.calls) == 2
-
-
-def test_order_slot_leaves_several_waits_and_a_held_lock_to_python() -> None:
-    rec, words = MemopRecorder(), _page()
-    ctx = _order_ctx(rec, words, [[1, 2], [], [], []])
-    assert hp.order_slot(ctx, 0, STREAM) is None  # two flags: the Python path batches
-    _, release, t = _held_elsewhere(ctx[0])
-    try:
-        assert hp.order_slot(_order_ctx(rec, words, [[1], [], [], []], lock=ctx[0]), 0, 1) is None
-    finally:
-        release.set()
-        t.join()
-    assert rec.calls == []
-
-
-def test_order_slot_skips_departed_readers_and_reports_driver_errors() -> None:
-    rec, words = MemopRecorder(result=201), _page()
-    ctx = _order_ctx(rec, words, [[9, 1], [], [], []])  # subscriber 9 has left (no row)
-    assert hp.order_slot(ctx, 0, STREAM) == (1, 201)
-    assert rec.calls == [(STREAM, BASE + 4 * _read_flag(1, 0), 5, GEQ)]
-
-
-def test_order_slot_refuses_a_flag_outside_the_page() -> None:
-    rec = MemopRecorder()
-    ctx = _order_ctx(rec, _page(words=8), [[3], [], [], []])  # row 3 lies past 8 words
-    with pytest.raises(ValueError, match="not in the page"):
-        hp.order_slot(ctx, 0, STREAM)
-    assert ctx[0].acquire(blocking=False)  # the lock was let go
-    ctx[0].release()
+    table = _table(2, [0, 0], [False, False], [_View(True), None], [0, 0])
+    assert table.take(0) == (1, 1)  # slot 0's view is in use
+    table.release_writer(1)
+    table.views[0] = Failing()
+    with pytest.raises(RuntimeError, match="asked"):
+        table.take(0)
+    assert table.writing == [False, False] and table.generation == [0, 1]
 
 
 # ------------------------------------------------------------------ frame assembly
@@ -521,98 +415,113 @@ def _payload(slot: int, generation: int, handles: list[ArrayHandle], meta: bytes
     return head + b"".join(h.pack() for h in handles) + meta
 
 
-class _Receiver:
-    """What a subscriber's peer pool holds for the compiled assembly, for 4 slots."""
-
-    def __init__(self, geometries: list[ArrayHandle], rc: int = 0) -> None:
-        self.cache: dict[bytes, Any] = {}
-        self.views: dict[bytes, _KeptView] = {}
-        self.seen = [0] * 4
-        self.lent: list[Any] = []
-        self.words = _page()
-        self.flags = [BASE + 4 * s for s in range(4)]
-        self.rec = MemopRecorder(rc)
-        for h in geometries:
-            key, _gen, _end = ArrayHandle.peek(h.pack())
-            self.cache[key] = (h.slot, h.offset, h.shape, h.strides, h.dtype)
-            self.views[key] = _KeptView(_CP, 0x1000, 1 << 20, 0, key, self.cache[key], None)
-        self.ctx = (
-            self.cache, self.views, self.seen, self.lent,
-            self.words, BASE, self.flags, self.rec.address, GEQ,
-        )  # fmt: skip
-
-    def state(self) -> tuple[Any, ...]:
-        owners = [v.holder.owner for v in self.views.values()]
-        return (list(self.seen), list(self.lent), owners, list(self.rec.calls))
+def _wire(*handles: ArrayHandle) -> bytes:
+    return b"".join(h.pack() for h in handles)
 
 
-def test_take_frame_hands_the_kept_arrays_to_the_new_frame() -> None:
-    r = _Receiver([_handle(2, 0), _handle(2, 0, offset=64, shape=(2, 2))])
-    owner = object()
-    payload = _payload(2, 9, [_handle(2, 9), _handle(2, 9, 64, (2, 2))], b"meta")
-    got = hp.take_frame(r.ctx, memoryview(payload), 2, owner, STREAM)
-    assert got is not None
-    generation, arrays, metadata, waited, rc = got
-    views = list(r.views.values())
-    assert (generation, metadata, waited, rc) == (9, b"meta", True, 0)
-    assert arrays == (views[0].array, views[1].array)
-    assert [v.holder.owner for v in views] == [owner, owner]
-    assert r.seen == [0, 0, 9, 0] and r.lent == views
-    assert r.rec.calls == [(STREAM, r.flags[2], 9, GEQ)]  # the flag is not set yet
-    del arrays, got
-    r.lent.clear()
-    r.words[2] = 10  # the host sees the next frame's flag set: no wait
-    got = hp.take_frame(r.ctx, _payload(2, 10, [_handle(2, 10)]), 2, owner, STREAM)
-    assert got is not None and got[3] is False and len(r.rec.calls) == 1
+def _peer(num_slots: int = 4, slot_nbytes: int = 1 << 20) -> PeerPool:
+    """A peer pool over stand-in slots and CuPy stand-ins: what the frame assembly reads."""
+    peer = PeerPool.__new__(PeerPool)
+    peer._desc = SimpleNamespace(num_slots=num_slots, slot_nbytes=slot_nbytes)  # type: ignore[assignment]
+    peer._slots = SimpleNamespace(  # type: ignore[assignment]
+        ptrs=[0x1000_0000 * (s + 1) for s in range(num_slots)], refs=SlotRefs(num_slots)
+    )
+    peer._device = 0
+    peer._epoch = _driver.fork_epoch()
+    peer._seen_generation = [0] * num_slots
+    peer._geometry = {}
+    peer._views = {}
+    peer._lent = []
+    peer._closed = False
+    peer._cp = _CP
+    return peer
 
 
-def test_take_frame_reports_the_drivers_error() -> None:
-    r = _Receiver([_handle(1, 0)], rc=700)
-    got = hp.take_frame(r.ctx, _payload(1, 3, [_handle(1, 3)]), 1, object(), STREAM)
-    assert got is not None and got[4] == 700
+def _owners(peer: PeerPool) -> list[Any]:
+    return [v.holder.owner for v in peer._views.values()]
 
 
-def _unusual_frames() -> dict[str, tuple[bytes, int]]:
+def test_a_frame_of_known_geometries_gets_the_kept_arrays_again() -> None:
+    peer = _peer()
+    first, second = object(), object()
+    wire = _wire(_handle(2, 8), _handle(2, 8, offset=64, shape=(2, 2)))
+    arrays, pos = peer._arrays_from_wire(wire, 0, 2, first)
+    assert pos == len(wire)
+    assert [a.data.ptr for a in arrays] == [0x3000_0000, 0x3000_0000 + 64]
+    assert [a.shape for a in arrays] == [(4,), (2, 2)]
+    views = list(peer._views.values())
+    assert [v.array for v in views] == arrays and _owners(peer) == [first, first]
+    del arrays
+    peer._drop_idle_owners()
+    assert _owners(peer) == [None, None]  # nothing holds the first frame's owner now
+    wire = _wire(_handle(2, 9), _handle(2, 9, offset=64, shape=(2, 2)))
+    again, _ = peer._arrays_from_wire(wire, 0, 2, second)
+    assert again == [v.array for v in views]  # the same arrays, no new ones
+    assert list(peer._views.values()) == views and _owners(peer) == [second, second]
+    assert peer._seen_generation == [0, 0, 9, 0] and peer._lent == views
+
+
+def test_an_array_still_in_use_is_not_handed_out_again() -> None:
+    peer = _peer()
+    first, second = object(), object()
+    (in_hand,), _ = peer._arrays_from_wire(_wire(_handle(1, 5)), 0, 1, first)
+    (fresh,), _ = peer._arrays_from_wire(_wire(_handle(1, 6)), 0, 1, second)
+    assert fresh is not in_hand
+    assert in_hand.data.mem.owner.owner is first  # the old frame keeps its owner
+    assert fresh.data.mem.owner.owner is second
+    peer._drop_idle_owners()  # both still in use: both owners kept
+    assert in_hand.data.mem.owner.owner is first and fresh.data.mem.owner.owner is second
+
+
+def test_the_same_geometry_twice_in_one_frame_is_two_arrays() -> None:
+    peer = _peer()
     h = _handle(1, 5)
-    payload = _payload(1, 5, [h], b"xy")
+    arrays, _ = peer._arrays_from_wire(_wire(h, h), 0, 2, object())
+    assert arrays[0] is not arrays[1] and arrays[0].data.ptr == arrays[1].data.ptr
+
+
+def test_a_handle_older_than_one_seen_is_refused() -> None:
+    peer = _peer()
+    peer._arrays_from_wire(_wire(_handle(1, 5)), 0, 1, object())
+    with pytest.raises(StaleHandleError, match="generation 3"):
+        peer._arrays_from_wire(_wire(_handle(1, 3)), 0, 1, object())
+    assert peer._seen_generation[1] == 5
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        _wire(_handle(1, 5))[:10],  # truncated
+        _wire(_handle(4, 5)),  # a slot the pool does not have
+        _wire(_handle(1, 5, offset=(1 << 20) - 8)),  # past the slot's end
+    ],
+    ids=["truncated", "no such slot", "past the slot"],
+)
+def test_a_handle_that_does_not_fit_is_refused_and_not_cached(wire: bytes) -> None:
+    peer = _peer()
+    with pytest.raises(DescriptorError):
+        peer._arrays_from_wire(wire, 0, 1, object())
+    assert peer._geometry == {} and peer._views == {} and peer._lent == []
+
+
+def _bad_heads() -> dict[str, tuple[bytes, int, str]]:
+    payload = _payload(1, 5, [_handle(1, 5)], b"xy")
+    rest = payload[FRAME_HEAD.size :]
     return {
-        "unknown geometry": (_payload(1, 5, [_handle(1, 5, offset=128)]), 1),
-        "older generation than seen": (_payload(1, 2, [_handle(1, 2)]), 1),
-        "the same geometry twice": (_payload(1, 5, [h, h]), 1),
-        "metadata length off": (payload[:-1], 1),
-        "truncated handle": (payload[: FRAME_HEAD.size + 10], 1),
-        "head shorter than FRAME_HEAD": (payload[:5], 1),
-        "flag names another slot": (payload, 2),
-        "too many arrays": (FRAME_HEAD.pack(1, 5, 65, 0) + payload[FRAME_HEAD.size :], 1),
-        "too much metadata": (FRAME_HEAD.pack(1, 5, 1, 16385) + payload[FRAME_HEAD.size :], 1),
+        "head shorter than FRAME_HEAD": (payload[:5], 1, "payload too short"),
+        "flag names another slot": (payload, 2, "names flag 1"),
+        "too many arrays": (FRAME_HEAD.pack(1, 5, 65, 0) + rest, 1, "65 arrays"),
+        "too much metadata": (FRAME_HEAD.pack(1, 5, 1, 16385) + rest, 1, "16385 metadata"),
     }
 
 
-@pytest.mark.parametrize("case", sorted(_unusual_frames()))
-def test_take_frame_changes_nothing_in_a_case_it_leaves_to_python(case: str) -> None:
-    payload, slot = _unusual_frames()[case]
-    r = _Receiver([_handle(1, 0)])
-    r.seen[1] = 3
-    before = copy.copy(r.state())
-    assert hp.take_frame(r.ctx, payload, slot, object(), STREAM) is None
-    assert r.state() == before
+def test_a_frame_head_is_read_as_written() -> None:
+    payload = _payload(1, (1 << 32) + 5, [_handle(1, 5), _handle(1, 5)], b"xy")
+    assert _frame_head(7, 1, memoryview(payload)) == (5, 2, 2)  # the generation's low bits
 
 
-def test_take_frame_leaves_a_kept_array_in_use_to_python() -> None:
-    r = _Receiver([_handle(1, 0)])
-    (view,) = r.views.values()
-    in_hand = view.array  # the last frame's array is still used
-    before = r.state()
-    assert hp.take_frame(r.ctx, _payload(1, 5, [_handle(1, 5)]), 1, object(), STREAM) is None
-    assert r.state() == before
-    del in_hand
-    assert hp.take_frame(r.ctx, _payload(1, 5, [_handle(1, 5)]), 1, object(), STREAM) is not None
-
-
-def test_take_frame_refuses_a_flag_outside_the_page_before_handing_anything_out() -> None:
-    r = _Receiver([_handle(1, 0)])
-    r.flags[1] = BASE + 4 * 4096  # past the page
-    before = r.state()
-    with pytest.raises(ValueError, match="not in the page"):
-        hp.take_frame(r.ctx, _payload(1, 5, [_handle(1, 5)]), 1, object(), STREAM)
-    assert r.state() == before
+@pytest.mark.parametrize("case", sorted(_bad_heads()))
+def test_a_malformed_frame_head_is_a_protocol_error(case: str) -> None:
+    payload, slot, message = _bad_heads()[case]
+    with pytest.raises(ProtocolError, match=message):
+        _frame_head(7, slot, payload)

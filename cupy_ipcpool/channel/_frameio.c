@@ -31,7 +31,7 @@
 /* cupy_ipcpool.channel._protocol: header "<HBB" (magic, version, type), FRAME
  * "<HBBQII" (+ seq, slot, payload length, then the payload), RELEASE "<HBBQI".
  * CIP_FRAME_MSG_HEAD is the FRAME message's header before its payload (the
- * payload's own head, "<IIHH", is _hotpath.c's CIP_FRAME_PAYLOAD_HEAD).  Exported
+ * payload's own head, "<IIHH", is _payload.py's FRAME_HEAD, read in Python).  Exported
  * as PROTOCOL; cupy_ipcpool._compiled refuses a build that differs from
  * _protocol.py at import. */
 #define CIP_MAGIC 0x4950u

@@ -436,20 +436,6 @@ class LeaseBook:
         ]
         return min(starts) + timeout if starts else None
 
-    @property
-    def holder_sets(self) -> list[set[int]]:
-        """Per slot, the set of subscribers holding a lease on it (the book's own; read only).
-
-        Its length is :meth:`lease_count`; the compiled slot pick
-        (``_hotpath.take_slot``) reads it as a lease source's ``holder_sets``.
-        """
-        return self._holders
-
-    @property
-    def reader_lists(self) -> list[list[int]]:
-        """Per slot, :meth:`readers_to_wait` (the book's own lists; read only)."""
-        return self._readers
-
     def readers_to_wait(self, slot: int) -> list[int]:
         """Return subscribers that released ``slot`` since it was last published.
 

@@ -7,9 +7,7 @@ Shared by :mod:`._publisher` and :mod:`._subscriber`; the framing around them
 from __future__ import annotations
 
 import struct
-from types import ModuleType
 
-from .._compiled import hotpath as _load_hotpath
 from .._transport import SCM_MAX_FD
 
 #: Most bytes of user metadata per frame.
@@ -27,15 +25,3 @@ WELCOME_HEAD = struct.Struct("<IIIIQ")
 # FRAME payload: flag index u32 (the slot), generation u32 (low bits), number of
 # arrays u16, metadata length u16, then the packed array handles, then the metadata.
 FRAME_HEAD = struct.Struct("<IIHH")
-
-
-def hotpath() -> ModuleType:
-    """:func:`cupy_ipcpool._compiled.hotpath`, also checked against this module's FRAME layout.
-
-    Raises
-    ------
-    ImportError
-        As :func:`~cupy_ipcpool._compiled.hotpath`, or the module was built for
-        another FRAME payload head or other limits (``_hotpath.FRAME_LAYOUT``).
-    """
-    return _load_hotpath(FRAME_LAYOUT=(FRAME_HEAD.size, MAX_ARRAYS, MAX_METADATA))

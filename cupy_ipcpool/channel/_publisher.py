@@ -49,11 +49,10 @@ from ._payload import (
     MAX_CHANNEL_SLOTS,
     MAX_METADATA,
     WELCOME_HEAD,
-    hotpath,
 )
 from ._publisher_core import PublisherCore
 from ._settle import DepartedReader, PageStreams, close_pidfd, exited, open_pidfd, settle_page
-from ._syncpage import SyncPage, raise_driver_error
+from ._syncpage import SyncPage
 
 _TEMPLATES = 1024  # most array geometries whose wire form a publisher keeps
 #: Seconds between two looks at departed subscribers (is one dead? are its flags in?).
@@ -151,18 +150,6 @@ class _PublisherLeases:
         self._streams = publisher._streams
         self.closed = False  # set by the publisher's close
         self.lock = threading.RLock()  # serialises the (single-threaded) session core
-        #: The lease book's per-slot holder sets: the compiled slot pick counts
-        #: leases from them (see LeaseSource).
-        self.holder_sets = self._book.holder_sets
-        # order_write's usual case in one compiled call (_hotpath.order_slot)
-        self._order_slot = hotpath().order_slot
-        self._order_ctx = (
-            self.lock,
-            self._book.reader_lists,
-            self._rows,
-            self._published,
-            *publisher._sync.wait_op,
-        )
 
     def leases(self, slot: int) -> int:
         return 0 if self.closed else self._book.lease_count(slot)
@@ -186,14 +173,6 @@ class _PublisherLeases:
             settle = self._settle()
             if settle is not None:
                 settle()
-        got = self._order_slot(self._order_ctx, slot, stream)
-        if got is not None:
-            if got[1]:
-                raise_driver_error("cuStreamWaitValue32", got[1])
-            if got[0]:
-                self._streams.note(stream)
-            return
-        # the lock was held elsewhere, or several flags need a wait: one batch
         with self.lock:
             readers = self._book.readers_to_wait(slot)
         if not readers:

@@ -25,11 +25,11 @@ from .._errors import (
 )
 from .._handles import PoolDescriptor
 from .._peer import PeerPool, attach_fds
-from ._waiting import connect_waiting
-from ._payload import FRAME_HEAD, MAX_ARRAYS, MAX_METADATA, WELCOME_HEAD, hotpath
+from ._payload import FRAME_HEAD, MAX_ARRAYS, MAX_METADATA, WELCOME_HEAD
 from ._settle import settle_streams
 from ._subscriber_core import SubscriberCore
 from ._syncpage import FrameWaits, SyncPage, raise_driver_error
+from ._waiting import connect_waiting
 
 #: Most streams a subscriber tracks before it forgets those with no work left.
 _STREAMS_KEPT = 8
@@ -100,10 +100,33 @@ class FrameLease(Protocol):
     def release(self, stream: Any = None) -> None: ...
 
 
+def _frame_head(seq: int, slot: int, payload: bytes | memoryview) -> tuple[int, int, int]:
+    """Read and check the head of FRAME ``seq``'s payload, received for ``slot``.
+
+    Returns
+    -------
+    (generation, number of arrays, metadata length)
+
+    Raises
+    ------
+    ProtocolError
+        The payload is shorter than its head, its flag is not ``slot``'s, or
+        it declares more arrays or metadata than a frame may carry.
+    """
+    if len(payload) < FRAME_HEAD.size:
+        raise ProtocolError(f"frame {seq}: payload too short")
+    flag, generation, count, meta_len = FRAME_HEAD.unpack_from(payload, 0)
+    if flag != slot:
+        raise ProtocolError(f"frame {seq} in slot {slot} names flag {flag}")
+    if count > MAX_ARRAYS or meta_len > MAX_METADATA:
+        raise ProtocolError(f"frame {seq}: {count} arrays, {meta_len} metadata bytes")
+    return generation, count, meta_len
+
+
 class _Lease:
     """Owner of a received frame's arrays: returns the lease when released or collected.
 
-    It also pins the mapped slot (``pin``), so closing the subscriber never
+    It also pins the mapped slot (``PeerPool._pin``), so closing the subscriber never
     unmaps memory that a frame's arrays still use.
     """
 
@@ -326,14 +349,6 @@ class Subscriber:
         self._read_flags = [sync.read_flag(index, i) for i in range(n)]
         self._order = sync.order  # waits on the GPU only if the host does not see the flag set
         self._write_fn, self._wflags = sync.write_op
-        # recv's steady state in one compiled call (_hotpath.take_frame)
-        self._take_frame = hotpath().take_frame
-        self._frame_ctx = (
-            *peer.wire_state(),
-            *sync.wait_op[:2],
-            self._frame_flags,
-            *sync.wait_op[2:],
-        )
 
     # -- state --
 
@@ -388,7 +403,7 @@ class Subscriber:
         core = self._core
         peer = self._peer
         assert peer is not None
-        peer.drop_idle_owners()  # frames dropped without release() go back now, as collected
+        peer._drop_idle_owners()  # frames dropped without release() go back now, as collected
         try:
             seq, slot, payload = core.recv_view(timeout)  # payload: valid until the next recv
         except ProtocolError:
@@ -406,32 +421,11 @@ class Subscriber:
                 "are dropped (their flags will never be set)",
                 False,
             )
-        # The steady state: every array's geometry seen before and its kept array
-        # free (else nothing is changed and the Python path below decides).
-        lease = _Lease(self, seq, slot, 0, peer.pin(slot))
-        sptr = self._stream_ptr(stream)
-        got = self._take_frame(self._frame_ctx, payload, slot, lease, sptr)
-        if got is not None:
-            lease.generation, arrays_t, metadata, waited, rc = got
-            if rc:
-                raise_driver_error("cuStreamWaitValue32", rc)
-            if waited:  # the stream waits on the flag: noted, in case the producer dies
-                self._waited_for[slot] = lease.generation & 0xFFFFFFFF
-            return Frame(seq, slot, arrays_t, metadata, lease)
-        lease.released = True  # not handed out: the Python path makes the frame's lease
-        del lease
         try:
-            if len(payload) < FRAME_HEAD.size:
-                raise ProtocolError(f"frame {seq}: payload too short")
-            flag, generation, count, meta_len = FRAME_HEAD.unpack_from(payload, 0)
-            if flag != slot:
-                raise ProtocolError(f"frame {seq} in slot {slot} names flag {flag}")
-            if count > MAX_ARRAYS or meta_len > MAX_METADATA:
-                raise ProtocolError(f"frame {seq}: {count} arrays, {meta_len} metadata bytes")
-            assert self._peer is not None
-            lease = _Lease(self, seq, slot, generation, self._peer.pin(slot))
+            generation, count, meta_len = _frame_head(seq, slot, payload)
+            lease = _Lease(self, seq, slot, generation, peer._pin(slot))
             try:
-                arrays, pos = self._peer.arrays_from_wire(payload, FRAME_HEAD.size, count, lease)
+                arrays, pos = peer._arrays_from_wire(payload, FRAME_HEAD.size, count, lease)
             except DescriptorError as exc:
                 lease.released = True
                 raise ProtocolError(f"frame {seq}: {exc}") from None

@@ -427,16 +427,6 @@ class SyncPage:
         """
         return self._write_fn, self._plain
 
-    @property
-    def wait_op(self) -> tuple[memoryview, int, int, int]:
-        """``(host words, device address, function pointer, flags)`` of :meth:`order`,
-        for a compiled caller (``_hotpath.take_frame``, ``_hotpath.order_slot``).
-
-        The words are this process's view of the page; a flag at device address
-        ``a`` is word ``(a - address) // 4``.
-        """
-        return self._words, self._base, self._wait_fn, self._geq
-
     def write(self, stream: int, addr: int, value: int) -> None:
         """Enqueue on ``stream``: after prior work and a memory barrier, store ``value``."""
         rc = self._memop(self._write_fn, stream, addr, value, self._plain)  # type: ignore[operator]
