@@ -144,11 +144,14 @@ def publish(pub: Any, timeout: float = 5.0) -> int:
     return int(seq)
 
 
-def wait_for(cond: Any, timeout: float = 10.0, poll: Any = None) -> None:
+def wait_for(cond: Any, timeout: float = 10.0, poll: Any = None, what: Any = None) -> None:
+    """Wait for ``cond()``; on a timeout the error says ``what()`` (the state), if given."""
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
-            raise TimeoutError("condition not met in time")
+            raise TimeoutError(
+                f"condition not met in {timeout} s" + ("" if what is None else f": {what()}")
+            )
         if poll is not None:
             poll()
         time.sleep(0.005)
@@ -410,9 +413,10 @@ def test_send_timeout_evicts_a_stopped_subscriber_and_gives_back(child: Any) -> 
     with producer(num_slots=4) as (pub, server):  # the default send_timeout: 5 s
         timeout = getattr(server, "send_timeout", 5.0)
         with _child(child, server.address, 2) as (proc, conn):
-            wait_for(lambda: server.subscribers)
+            wait_for(lambda: server.subscribers, what=lambda: _state(pub, server))
             sub_id = server.subscribers[0].sub_id
-            wait_for(lambda: server._book.granted(sub_id) == 2)  # its whole ring is offered
+            # its whole ring is offered
+            wait_for(lambda: server._book.granted(sub_id) == 2, what=lambda: _state(pub, server))
             os.kill(proc.pid, signal.SIGSTOP)  # the frames sent into it never complete
             t0 = time.monotonic()
             while server.subscribers:  # the producer goes on publishing meanwhile
@@ -496,10 +500,13 @@ def _end_every_way(pub: Any, server: Any) -> None:
             publish(pub, timeout=1.0)  # queued in the bridge for it
         proc.kill()
         proc.join(10)
-    wait_for(lambda: not server.subscribers, timeout=20)
-    wait_for(lambda: leases_back(pub), timeout=20)
-    pending = getattr(server, "pending_handshakes", 0)
-    wait_for(lambda: getattr(server, "pending_handshakes", pending) == 0, timeout=10)
+
+    def state() -> str:
+        return _state(pub, server)
+
+    wait_for(lambda: not server.subscribers, timeout=20, what=state)
+    wait_for(lambda: leases_back(pub), timeout=20, what=state)
+    wait_for(lambda: server.pending_handshakes == 0, timeout=10, what=state)
 
 
 @needs_ucx
