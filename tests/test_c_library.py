@@ -842,7 +842,13 @@ def test_gpu_welcome_checked_before_anything_is_mapped(
             assert not {ino for _, ino in sent} & _mapped_inodes(pid), "a page is left mapped"
         after = tables[0]
         left = {fd: after[fd] for fd in after.keys() - base.keys()}
-        assert not _library_fds(left, sent), (_library_fds(left, sent), answer)
+        kept = _library_fds(left, sent)
+        if case == "valid":
+            # cuInit may open a socket of the driver's own (seen on the H200): the library's
+            # socket is shown closed by the publisher's hang-up above, and the second open
+            # below must add nothing at all
+            kept = [fd for fd in kept if "=socket:" not in fd]
+        assert not kept, (kept, answer)
         if case == "valid":
             # where a driver is present, the first open initialised it (and it keeps its
             # own fds for the life of the process); a second open must leave none behind

@@ -500,7 +500,19 @@ def test_a_consumer_killed_before_its_read_flag_landed_does_not_stall_the_produc
                 fill(a, 3)
                 f.publish(a)
                 del a
-            assert not stream.done  # the wait is queued on the GPU
+            if stream.done:  # the wait should be queued on the GPU: say what the producer saw
+                sync = pub._sync
+                readers = pub._book.readers_to_wait(first)
+                rows = {r: pub._rows.get(r) for r in readers}
+                seen = {
+                    r: int(sync._words[(row[1][first] - sync._base) >> 2])
+                    for r, row in rows.items()
+                    if row is not None
+                }
+                pytest.fail(
+                    f"no GPU wait for slot {first}: readers {readers}, rows {rows}, "
+                    f"published {pub._published[first]}, read flags seen {seen}"
+                )
             _kill(consumer)
             t0 = time.monotonic()
             while not stream.done:
