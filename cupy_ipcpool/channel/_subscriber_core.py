@@ -390,7 +390,7 @@ class SubscriberCore:
         if self._backlog:
             return self._from_backlog()
         # One compiled call: the wait (poll(2) of the socket and the hang-up set),
-        # the receive, the FRAME's header, and the hang-up check if it did not wait;
+        # the receive, the FRAME's header, and the hang-up check after the receive;
         # with spin_us, non-blocking receives of the same call first.
         try:
             if self.spin_ns and timeout != 0:

@@ -15,14 +15,15 @@ all.  Every handshake has one deadline, from accept, whatever its stage.
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
 
 from .._errors import UsageError
+from .._transport import Admission
 
 #: Stage of a connection accepted and waiting for its HELLO.
 WAIT_HELLO = 0
 #: Stage of a connection that sent HELLO, was challenged and owes its PROOF.
 WAIT_PROOF = 1
+_STAGES = (WAIT_HELLO, WAIT_PROOF)
 
 
 def address_key(host: str) -> int:
@@ -36,15 +37,12 @@ def address_key(host: str) -> int:
     return int(ip)
 
 
-@dataclass
-class _Entry:
-    address: int
-    stage: int
-    deadline: float
-
-
 class HandshakeBook:
     """Handshakes in progress, keyed by an opaque id (the caller's fd), oldest first.
+
+    The local channel's :class:`~cupy_ipcpool._transport.Admission` with a
+    handshake's ``(address, stage)`` as its group: what this adds is the
+    stage order (a handshake only moves on) and counts per address.
 
     Parameters
     ----------
@@ -66,8 +64,7 @@ class HandshakeBook:
             raise UsageError(f"timeout must be positive, not {timeout}")
         self.per_address = int(per_address)
         self.timeout = float(timeout)
-        self._entries: dict[int, _Entry] = {}  # in admission order: deadlines increase
-        self._by_stage: dict[tuple[int, int], dict[int, None]] = {}
+        self._admission = Admission(per_address, timeout)
 
     def admit(self, key: int, address: int, now: float) -> list[int]:
         """Admit ``key`` from ``address`` (stage :data:`WAIT_HELLO`); return the keys that go.
@@ -77,12 +74,9 @@ class HandshakeBook:
         UsageError
             ``key`` is already admitted.
         """
-        if key in self._entries:
+        if key in self._admission:
             raise UsageError(f"handshake {key} is already admitted")
-        evicted = self._make_room(address, WAIT_HELLO)
-        self._entries[key] = _Entry(address, WAIT_HELLO, now + self.timeout)
-        self._by_stage.setdefault((address, WAIT_HELLO), {})[key] = None
-        return evicted
+        return self._admission.admit(key, (address, WAIT_HELLO), now)
 
     def advance(self, key: int, stage: int) -> list[int]:
         """``key`` reached ``stage`` (its deadline stays); return the keys that go to make room.
@@ -94,80 +88,44 @@ class HandshakeBook:
         UsageError
             ``stage`` is not after the current one.
         """
-        entry = self._entries[key]
-        if stage <= entry.stage:
-            raise UsageError(f"handshake {key} is at stage {entry.stage}, cannot go to {stage}")
-        self._unindex(key, entry)
-        evicted = self._make_room(entry.address, stage)
-        entry.stage = stage
-        self._by_stage.setdefault((entry.address, stage), {})[key] = None
-        return evicted
+        address, current = self._group(key)
+        if stage <= current:
+            raise UsageError(f"handshake {key} is at stage {current}, cannot go to {stage}")
+        return self._admission.move(key, (address, stage))
 
     def remove(self, key: int) -> bool:
         """Forget ``key`` (finished, failed or closed); True if it was admitted."""
-        entry = self._entries.pop(key, None)
-        if entry is None:
-            return False
-        self._unindex(key, entry)
-        return True
+        return self._admission.remove(key)
 
     def expired(self, now: float) -> list[int]:
         """Remove and return the keys whose deadline has passed (oldest first)."""
-        out = []
-        for key, entry in self._entries.items():
-            if entry.deadline > now:
-                break
-            out.append(key)
-        for key in out:
-            self.remove(key)
-        return out
+        return self._admission.expired(now)
 
     def next_deadline(self) -> float | None:
         """The earliest deadline (None when nothing waits)."""
-        for entry in self._entries.values():
-            return entry.deadline
-        return None
+        return self._admission.next_deadline()
 
     def next_to_go(self, address: int, stage: int) -> int | None:
         """The key that one more handshake of ``address`` in ``stage`` would push out (or None)."""
-        same = self._by_stage.get((address, stage), {})
-        if len(same) < self.per_address:
-            return None
-        return next(iter(same))
+        return self._admission.next_to_go((address, stage))
 
     def stage(self, key: int) -> int:
         """The stage of ``key``."""
-        return self._entries[key].stage
+        return self._group(key)[1]
 
-    def count(self, address: int | None = None, stage: int | None = None) -> int:
-        """Handshakes in progress (of ``address`` and ``stage``, or in all)."""
-        return sum(
-            1
-            for e in self._entries.values()
-            if (address is None or e.address == address) and (stage is None or e.stage == stage)
-        )
+    def count(self, address: int | None = None) -> int:
+        """Handshakes in progress (of ``address``, in any stage, or in all)."""
+        if address is None:
+            return len(self._admission)
+        return sum(self._admission.count((address, stage)) for stage in _STAGES)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._entries
+        return key in self._admission
 
-    # -- internals --
-
-    def _make_room(self, address: int, stage: int) -> list[int]:
-        same = self._by_stage.get((address, stage), {})
-        evicted: list[int] = []
-        while len(same) >= self.per_address:
-            oldest = next(iter(same))
-            self.remove(oldest)
-            evicted.append(oldest)
-        return evicted
-
-    def _unindex(self, key: int, entry: _Entry) -> None:
-        index = (entry.address, entry.stage)
-        same = self._by_stage.get(index)
-        if same is not None:
-            same.pop(key, None)
-            if not same:
-                del self._by_stage[index]
+    def _group(self, key: int) -> tuple[int, int]:
+        group = self._admission.group(key)
+        assert isinstance(group, tuple)
+        return group
 
 
 __all__ = ["WAIT_HELLO", "WAIT_PROOF", "HandshakeBook", "address_key"]
