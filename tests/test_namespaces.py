@@ -353,3 +353,50 @@ desc = PoolDescriptor(pool_id=tok, exporter_pid=os.getpid(),
 print(desc.to_bytes().hex(), flush=True)
 time.sleep(120)
 """
+
+
+#: A publisher core in a PID namespace of its own: a subscriber from outside is a process
+#: its kernel cannot name (SO_PEERCRED pid 0); report what it knows of it.
+_PUBLISH_AND_REPORT = r"""
+import json, sys, time
+from cupy_ipcpool.channel._publisher_core import PublisherCore
+joined = []
+core = PublisherCore(sys.argv[1], 2, welcome=lambda info: (b"", []), on_join=joined.append)
+print("ready", flush=True)
+deadline = time.monotonic() + 30
+while not joined and time.monotonic() < deadline:
+    core.poll(0.05)
+print(json.dumps({"pid": joined[0].pid, "peer_pid": joined[0].peer_pid}), flush=True)
+core.close()
+"""
+
+
+def test_a_subscriber_the_kernel_cannot_name_is_never_watched_by_its_claimed_pid(
+    namespaces: None, shared_dir: str
+) -> None:
+    """The pid a subscriber claims in HELLO is a number of its own namespace: the publisher
+    must not watch that number for the subscriber's death (it would name some other process
+    there, whose exit would make the publisher write a live reader's flags)."""
+    from cupy_ipcpool.channel._subscriber_core import SubscriberCore
+
+    address = os.path.join(shared_dir, "pub.sock")
+    env = {**os.environ, "PYTHONPATH": CHECKOUT}
+    with subprocess.Popen(
+        [*UNSHARE, sys.executable, "-c", _PUBLISH_AND_REPORT, address],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd="/",
+    ) as pub:
+        try:
+            assert pub.stdout is not None and pub.stderr is not None
+            assert pub.stdout.readline().strip() == "ready", pub.stderr.read()
+            with SubscriberCore(address, timeout=20):
+                line = pub.stdout.readline()
+            report = json.loads(line)
+            assert report["pid"] == os.getpid()  # the claim, shown for the user
+            assert report["peer_pid"] == 0  # the kernel's: nobody to watch
+        finally:
+            pub.kill()
+            pub.wait(10)

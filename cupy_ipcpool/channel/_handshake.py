@@ -54,6 +54,11 @@ class SubscriberInfo:
         it asked for, capped at the publisher's ``max_credit``.
     hello:
         The opaque HELLO payload (the GPU layer's event handles).
+    peer_pid:
+        The pid from ``SO_PEERCRED`` alone: 0 where the kernel cannot name the
+        subscriber's process in this PID namespace.  Only this pid may be
+        watched for the subscriber's death (``pid`` may be its claim, a
+        number of another namespace that names some other process here).
     """
 
     sub_id: int
@@ -62,6 +67,7 @@ class SubscriberInfo:
     mode: str
     credit: int
     hello: bytes = b""
+    peer_pid: int = 0
 
 
 class _Conn:
@@ -347,6 +353,7 @@ class _Acceptor:
             mode=proto.MODE_NAMES[hello.mode],
             credit=max(1, min(hello.credit, self.max_credit)),
             hello=hello.payload,
+            peer_pid=hs.pid,
         )
         try:
             payload, fds = self.welcome(info)

@@ -344,7 +344,9 @@ class Publisher:
             sync = self._sync
             flags = [sync.read_flag(index, slot) for slot in range(self._pool.num_slots)]
             self._rows[info.sub_id] = (index, flags)
-            self._pidfds[info.sub_id] = open_pidfd(info.pid)
+            # the kernel's pid only: a pid claimed in HELLO may name another process here
+            # (then no pidfd, and a departed reader's flags are never written for it)
+            self._pidfds[info.sub_id] = open_pidfd(info.peer_pid)
         head = WELCOME_HEAD.pack(
             len(self._desc_bytes),
             self._pool.num_slots,
