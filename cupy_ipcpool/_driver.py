@@ -200,6 +200,26 @@ def use_device(ordinal: int) -> None:
         call("cuCtxSetCurrent", ctx)
 
 
+def synchronize_context(ordinal: int) -> None:
+    """Wait for every piece of GPU work queued in this process on ``ordinal``'s primary context.
+
+    The primary context is pushed for the call and popped afterwards, so the
+    calling thread's current context (and CuPy's current device) is unchanged.
+
+    Raises
+    ------
+    CudaError
+        When the context holds an error (a sticky one, such as an illegal
+        address, from any earlier work of this process).
+    """
+    ctx = _primary_context(ordinal)
+    call("cuCtxPushCurrent", ctx)
+    try:
+        call("cuCtxSynchronize")
+    finally:
+        call("cuCtxPopCurrent")
+
+
 _primary: dict[int, Any] = {}
 
 

@@ -24,7 +24,7 @@ from ._errors import (
 )
 from ._handles import ArrayHandle, PoolDescriptor
 from ._transport import fetch_fds
-from ._vmm import Allocation, UndoStack
+from ._vmm import Allocation, UndoStack, release_after_queued_work
 
 _CacheKey = tuple[bytes, int, int, int]
 _GEOMETRY_CACHE = 1024
@@ -83,13 +83,13 @@ class _ImportedSlots:
         if self.attached:
             return
         with _cache_lock:
-            if self.attached == 0 and not any(self.refs.counts) and not self.released:
-                self.released = True
-                if _cache.get(self.key) is self:
-                    del _cache[self.key]
-                if os.getpid() == self.pid:
-                    for alloc in self.allocations:
-                        alloc.close()
+            if self.attached or any(self.refs.counts) or self.released:
+                return
+            self.released = True
+            if _cache.get(self.key) is self:
+                del _cache[self.key]
+        if os.getpid() == self.pid:  # outside the lock: this waits for queued GPU work
+            release_after_queued_work(self.allocations)
 
     def detach(self) -> None:
         with _cache_lock:

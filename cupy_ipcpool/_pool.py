@@ -48,7 +48,7 @@ from ._errors import (
 from ._handles import MAX_SLOT_NBYTES, MAX_SLOTS, ArrayHandle, PoolDescriptor
 from ._slots import LeaseSource, SlotTable, SlotToken
 from ._transport import FdServer, process_start_time
-from ._vmm import Allocation, UndoStack, round_up
+from ._vmm import Allocation, UndoStack, release_after_queued_work, round_up
 
 #: Seconds :meth:`IpcPool.acquire`, :meth:`IpcPool.next` and ``Publisher.acquire``
 #: wait for a free slot unless told otherwise.
@@ -114,8 +114,7 @@ class _PoolMemory:
             return
         if self.arenas is not None:
             self.arenas.close()
-        for alloc in self.allocations:
-            alloc.close()
+        release_after_queued_work(self.allocations)
 
 
 class IpcPool:

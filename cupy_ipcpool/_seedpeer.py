@@ -41,7 +41,7 @@ from ._errors import (
 )
 from ._handles import MAX_SLOT_NBYTES, MAX_SLOTS
 from ._transport import fetch_fds
-from ._vmm import Allocation, UndoStack, round_up
+from ._vmm import Allocation, UndoStack, release_after_queued_work, round_up
 
 __all__ = ["SeedBuffers", "fetch_seed_fds", "import_seed_buffers", "seed_alloc_nbytes"]
 
@@ -247,8 +247,7 @@ class _SeedMemory:
             self.released = True
         if os.getpid() != self.pid:
             return  # a forked child: the parent's driver state is not ours to release
-        for alloc in self.allocations:
-            alloc.close()
+        release_after_queued_work(self.allocations)
 
 
 class SeedBuffers:

@@ -4,13 +4,17 @@ Every multi-step driver sequence runs under an :class:`UndoStack`, so a failure
 at any step leaves nothing behind.  :class:`Allocation` owns a physical
 allocation handle, its mapped address range and (optionally) an exported fd,
 and releases them in order: unmap, free the address range, release the handle,
-close the fd.
+close the fd.  :func:`release_after_queued_work` is how every owner of mapped
+memory lets it go: ``cuMemUnmap`` does not wait for kernels as ``cudaFree``
+does, so memory is unmapped only once no GPU work queued in this process can
+still touch it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -176,6 +180,9 @@ class Allocation:
         """Unmap, free the address range, release the handle, close the fd.
 
         Idempotent; never raises (failures become :class:`TeardownWarning`).
+        It does not wait for GPU work: call it directly only on memory that no
+        kernel has been given (a rolled-back construction); everything else
+        goes through :func:`release_after_queued_work`.
         """
         if not self._mapped:
             return
@@ -215,3 +222,83 @@ def _map(handle: Any, size: int, device: int, undo: UndoStack, access: Any = Non
         access = [_driver.access_desc(device)]
     _driver.call("cuMemSetAccess", ptr, size, access, 1)
     return int(ptr)
+
+
+#: Seconds a close waits for this process's queued GPU work before it hands the
+#: unmap to a thread that does it once the work has finished (with a warning).
+DRAIN_TIMEOUT = 10.0
+
+
+def release_after_queued_work(
+    allocations: Sequence[Allocation], *, timeout: float = DRAIN_TIMEOUT
+) -> bool:
+    """Close ``allocations`` once no GPU work queued in this process can still use them.
+
+    Waits (``cuCtxSynchronize`` on each device's primary context, the one CuPy
+    and the library use) for every kernel, copy and stream operation queued
+    before the call, then unmaps and releases, as ``cudaFree`` does for plain
+    allocations.  A wait longer than ``timeout`` seconds (a stream waiting on a
+    flag that nobody sets, a kernel that runs for minutes) is not a reason to
+    unmap under it: the allocations are then released by a background thread
+    as soon as the work has finished, and a :class:`TeardownWarning` says so.
+    A context that already holds an error (its work can no longer run) is
+    reported with a :class:`TeardownWarning` and the memory released at once.
+    Never raises.
+
+    Returns
+    -------
+    bool
+        True when the memory was released before returning.
+    """
+    live = [a for a in allocations if not a.closed]
+    if not live:
+        return True
+    devices = sorted({a.device for a in live})
+    drained = threading.Event()
+    lock = threading.Lock()
+    handed_over = False
+    errors: list[str] = []
+
+    def drain() -> None:
+        for device in devices:
+            try:
+                _driver.synchronize_context(device)
+            except Exception as exc:  # a broken context: its work will never touch memory again
+                errors.append(f"device {device}: {exc}")
+        with lock:
+            drained.set()
+            deferred = handed_over
+        if deferred:
+            _close_all(live, errors)
+
+    try:
+        threading.Thread(target=drain, name="cupy_ipcpool-drain", daemon=True).start()
+    except RuntimeError:  # interpreter shutdown: no new threads; wait here
+        drain()
+    if not drained.wait(timeout):
+        with lock:
+            handed_over = not drained.is_set()
+        if handed_over:
+            warnings.warn(
+                f"GPU work queued in this process still runs {timeout:g} s after close "
+                f"({len(live)} mapping(s) of {sum(a.size for a in live)} bytes on device(s) "
+                f"{devices}): the memory stays mapped until that work has finished, then "
+                f"is released (a stream waiting on a flag nobody sets keeps it for good)",
+                TeardownWarning,
+                stacklevel=2,
+            )
+            return False
+    _close_all(live, errors)
+    return True
+
+
+def _close_all(allocations: Sequence[Allocation], errors: list[str]) -> None:
+    for message in errors:
+        warnings.warn(
+            f"GPU work of this process failed before its memory was unmapped ({message}); "
+            f"unmapping anyway",
+            TeardownWarning,
+            stacklevel=3,
+        )
+    for alloc in allocations:
+        alloc.close()

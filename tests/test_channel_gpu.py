@@ -440,6 +440,7 @@ def _counting_consumer(address, q):
         report_exception(q)
 
 
+@pytest.mark.device_memory
 def test_100k_frames_without_growth(address):
     import cupy as cp
 

@@ -170,6 +170,7 @@ def _child_cycles(desc_bytes, cycles, queue):
         report_exception(queue)
 
 
+@pytest.mark.device_memory
 def test_500_attach_close_cycles_do_not_grow():
     with cip.IpcPool(2, 8 * MiB) as pool:
         _, fds0, fds1, free0, free1, cached = _run_child(

@@ -122,6 +122,7 @@ def test_dlpack_torch_sees_the_same_memory(cp):
         assert float(a.sum()) == 256 * 4.0
 
 
+@pytest.mark.device_memory
 def test_close_returns_device_memory_and_fds():
     gran = _driver.granularity(0)
     pool = cip.IpcPool(1, 8 * MiB)  # warm up context and module state
@@ -144,6 +145,7 @@ def test_use_after_close_raises():
             call()
 
 
+@pytest.mark.device_memory
 def test_array_keeps_memory_alive_after_close(cp):
     free0 = device_free()
     pool = cip.IpcPool(1, 32 * MiB)
@@ -157,6 +159,7 @@ def test_array_keeps_memory_alive_after_close(cp):
     assert abs(device_free() - free0) <= _driver.granularity(0)
 
 
+@pytest.mark.device_memory
 def test_finalizer_releases_a_forgotten_pool():
     fds0, free0 = fd_count(), device_free()
     pool = cip.IpcPool(2, 16 * MiB)
@@ -166,6 +169,7 @@ def test_finalizer_releases_a_forgotten_pool():
     assert abs(device_free() - free0) <= _driver.granularity(0)
 
 
+@pytest.mark.device_memory
 def test_200_create_close_cycles_do_not_grow():
     cip.IpcPool(2, 4 * MiB).close()
     fds0, free0 = fd_count(), device_free()
@@ -177,6 +181,7 @@ def test_200_create_close_cycles_do_not_grow():
     assert abs(device_free() - free0) <= _driver.granularity(0)
 
 
+@pytest.mark.device_memory
 def test_failed_construction_leaves_nothing_behind(cp):
     gran = _driver.granularity(0)
     cip.IpcPool(1, MiB).close()

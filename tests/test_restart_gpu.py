@@ -317,6 +317,7 @@ def _outliving_consumer(address: str, cycles: int, conn: Any) -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.device_memory
 def test_one_consumer_outlives_100_sigkilled_producers(address, zygote):
     consumer, cconn = _start(SPAWN, _outliving_consumer, address, CYCLES)
     reports = []
@@ -472,6 +473,13 @@ def test_a_consumer_killed_before_its_read_flag_landed_does_not_stall_the_produc
     import cupy as cp
 
     before = _sync_pages()
+    # Load the fill kernel before the reader's 20 s kernel takes the GPU: a first launch
+    # loads its module, and without MPS that load waits behind the other context's kernel,
+    # so the host would look at the read flag only after the reader's write had landed.
+    warm = cp.zeros(N, cp.uint32)
+    fill(warm, 0)
+    cp.cuda.Device(0).synchronize()
+    del warm
     with cip.IpcPool(2, N * 4) as pool:
         pub = cip.Publisher(pool, address)
         consumer, cconn = _start(SPAWN, _slow_releaser, address)
@@ -496,19 +504,20 @@ def test_a_consumer_killed_before_its_read_flag_landed_does_not_stall_the_produc
             # (no synchronize here: without MPS the GPU may not give this context a turn
             # while the reader's 20 s kernel runs)
             stream = cp.cuda.get_current_stream()
+            sync = pub._sync
             with pub.frame(timeout=10) as f:  # the first slot again: waits on the read flag
                 assert f.slot == first
+                # frame() looked at the read flag on the host before it returned: still
+                # unset now, so it queued a wait for it on the producer's stream
+                flags = [
+                    int(sync._words[(row[1][first] - sync._base) >> 2])
+                    for row in pub._rows.values()
+                ]
+                assert flags and read not in flags, (read, flags)
                 a = f.array((N,), cp.uint32)
                 fill(a, 3)
                 f.publish(a)
                 del a
-            # the host looked at the read flag before it queued the write: still unset, so
-            # the producer's stream waits for it on the GPU
-            sync = pub._sync
-            flags = [
-                int(sync._words[(row[1][first] - sync._base) >> 2]) for row in pub._rows.values()
-            ]
-            assert flags and read not in flags, (read, flags)
             assert not stream.done
             _kill(consumer)
             t0 = time.monotonic()
@@ -611,6 +620,7 @@ def _soak_consumer(address: str, mode: str, restart_every: int, conn: Any) -> No
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.device_memory
 def test_soak_100k_frames_block_and_latest_with_restarts(address):
     import cupy as cp
 
