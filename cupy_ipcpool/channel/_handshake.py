@@ -7,12 +7,19 @@ checked before anything it sent is read; handshakes run concurrently, each
 with one deadline (:data:`HANDSHAKE_TIMEOUT`), at most
 :data:`MAX_PENDING_PER_UID` per uid; every resource the ``welcome`` callback
 took for a subscriber comes back however its connection ends before adoption.
+
+A connection is known by its object (a handshake by a key of its own), never
+by its fd number: the producer closes the sockets it adopted while this
+thread may still have their numbers in its ``poll`` set, and the kernel gives
+a closed number to the next connection accepted, so every event (a ``poll``
+result, a hang-up, a deadline) is matched to the connection it was raised for.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
 import select
 import socket
@@ -120,11 +127,16 @@ def _remove_stale(address: str) -> None:
 
 
 class _Handshake:
-    """A connection accepted and not yet welcomed (owned by the accept thread)."""
+    """A connection accepted and not yet welcomed (owned by the accept thread).
 
-    __slots__ = ("fd", "pid", "sock", "uid")
+    ``key`` (unique for the acceptor's lifetime) names it in the admission
+    book; ``fd`` is only the number it is registered under in the ``poll`` set.
+    """
 
-    def __init__(self, sock: socket.socket, pid: int, uid: int) -> None:
+    __slots__ = ("fd", "key", "pid", "sock", "uid")
+
+    def __init__(self, key: int, sock: socket.socket, pid: int, uid: int) -> None:
+        self.key = key
         self.sock = sock
         self.fd = sock.fileno()
         self.pid = pid
@@ -143,8 +155,10 @@ class _Acceptor:
     them; one that hangs up meanwhile is reaped here, and ``on_abandon`` gives
     its resources back.
 
-    Shared with the producer's thread: ``pending`` and ``count`` under ``lock``;
-    ``next_seq`` is written by the producer only.
+    Shared with the producer's thread: ``pending``, ``count`` and ``stopping``
+    under ``lock`` (a WELCOME is sent only under it, so once :meth:`stop_accepting`
+    has set ``stopping`` no connection is welcomed); ``next_seq`` is written by
+    the producer only.
     """
 
     def __init__(
@@ -177,19 +191,36 @@ class _Acceptor:
         self.stopping = False
         self.abandoned = 0  # welcomed subscribers given back before adoption
         self._next_id = 1
+        self._keys = itertools.count(1)
         self._admission = Admission(max_pending_per_uid, handshake_timeout)
-        self._handshakes: dict[int, _Handshake] = {}
-        self._watch: dict[int, _Conn] = {}  # pending connections watched for a hang-up
+        self._handshakes: dict[int, _Handshake] = {}  # by key
+        #: the connection each fd of the poll set is registered for: a handshake waiting
+        #: for its HELLO, or a pending subscriber watched for a hang-up
+        self._polled: dict[int, _Handshake | _Conn] = {}
         self._poller = select.poll()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._listen_fd = listener.fileno()
+        self._stopped = False
         self.thread = threading.Thread(target=self._run, name="ipcpool-accept", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
 
-    def stop(self) -> None:
-        """Wake and join the thread, close the listener and every pending connection."""
-        self.stopping = True
+    def stop_accepting(self) -> list[_Conn]:
+        """Stop welcoming subscribers; return those welcomed and not yet adopted.
+
+        Wakes and joins the thread, which ends the handshakes in progress
+        without a WELCOME (their subscribers see the publisher go during the
+        handshake, and one that waits for a publisher tries again), then
+        closes the listener: a connect from here on is refused.  The
+        connections returned are the caller's to end.  Idempotent: a second
+        call returns ``[]``.
+        """
+        with self.lock:
+            self.stopping = True
+        if self._stopped:
+            return []
+        self._stopped = True
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
         if self.thread.is_alive() and self.thread is not threading.current_thread():
@@ -202,7 +233,11 @@ class _Acceptor:
                 os.close(fd)
         with self.lock:
             pending, self.pending = self.pending, []
-        for conn in pending:
+        return pending
+
+    def stop(self) -> None:
+        """Stop accepting (:meth:`stop_accepting`) and say BYE to every pending connection."""
+        for conn in self.stop_accepting():
             _say_bye_and_close(conn.sock)
 
     def adopted(self) -> None:
@@ -223,58 +258,81 @@ class _Acceptor:
     # -- the thread --
 
     def _run(self) -> None:
-        poller = self._poller
-        poller.register(self.listener, _POLLIN)
-        poller.register(self._wake_r, _POLLIN)
-        listen_fd = self.listener.fileno()
-        admission = self._admission
+        self._poller.register(self._listen_fd, _POLLIN)
+        self._poller.register(self._wake_r, _POLLIN)
         try:
-            while not self.stopping:
-                deadline = admission.next_deadline()
-                timeout = -1 if deadline is None else _ms(deadline - time.monotonic())
-                try:
-                    events = poller.poll(timeout)
-                except OSError:
-                    return
-                if self.stopping:
-                    return
-                for fd, _ev in events:
-                    if fd == listen_fd:
-                        self._accept_all()
-                    elif fd in self._handshakes:
-                        self._on_hello(self._handshakes[fd])
-                    elif fd in self._watch:
-                        self._on_hangup(fd)
-                    elif fd == self._wake_r:
-                        with contextlib.suppress(OSError):
-                            os.read(self._wake_r, 4096)
-                        if self.stopping:
-                            return
-                        self._unwatch_adopted()
-                for fd in admission.expired(time.monotonic()):
-                    hs = self._handshakes.pop(fd)
-                    self._unregister(hs.fd)
-                    _refuse(hs.sock, f"no HELLO within {self.handshake_timeout} s")
+            while self._turn():
+                pass
         except Exception as exc:  # pragma: no cover - a bug; say so instead of dying silently
             with contextlib.suppress(Exception):
                 _warn(f"ipcpool accept thread failed: {exc!r}")
         finally:
             for hs in list(self._handshakes.values()):
-                hs.sock.close()
+                _end_handshake(hs.sock)
             self._handshakes.clear()
-            self._watch.clear()
+            self._polled.clear()
+
+    def _turn(self) -> bool:
+        """One ``poll`` and what it reported; False when the thread should stop."""
+        if self.stopping:
+            return False
+        admission = self._admission
+        deadline = admission.next_deadline()
+        timeout = -1 if deadline is None else _ms(deadline - time.monotonic())
+        try:
+            events = self._poller.poll(timeout)
+        except OSError:
+            return False
+        if self.stopping:
+            return False
+        # Each event belongs to the connection registered under its fd when poll
+        # returned; handling an earlier event of the batch may end that connection and
+        # give its number to a newcomer, which the later event was not raised for.
+        batch = [(fd, self._polled.get(fd)) for fd, _ev in events]
+        for fd, owner in batch:
+            if fd == self._listen_fd:
+                self._accept_all()
+            elif fd == self._wake_r:
+                with contextlib.suppress(OSError):
+                    os.read(self._wake_r, 4096)
+                if self.stopping:
+                    return False
+                self._unwatch_adopted()
+            elif owner is None or self._polled.get(fd) is not owner:
+                continue  # raised for a connection that is gone
+            elif isinstance(owner, _Handshake):
+                self._on_hello(owner)
+            else:
+                self._on_hangup(owner)
+        for key in admission.expired(time.monotonic()):
+            hs = self._handshakes.pop(key)
+            self._forget(hs)
+            _refuse(hs.sock, f"no HELLO within {self.handshake_timeout} s")
+        return True
 
     def _unwatch_adopted(self) -> None:
         with self.lock:
             ours = {id(c) for c in self.pending}
-        for fd, c in list(self._watch.items()):
-            if id(c) not in ours:
-                del self._watch[fd]
-                self._unregister(fd)
+        for owner in list(self._polled.values()):
+            if isinstance(owner, _Conn) and id(owner) not in ours:
+                self._forget(owner)
 
-    def _unregister(self, fd: int) -> None:
-        with contextlib.suppress(KeyError, ValueError, OSError):
-            self._poller.unregister(fd)
+    def _watch_fd(self, owner: _Handshake | _Conn, events: int) -> None:
+        """Poll ``owner``'s socket for ``events``.
+
+        An entry left under the same number belonged to an adopted connection
+        that the producer has closed since (the kernel reuses a closed
+        number): it is replaced.
+        """
+        self._polled[owner.fd] = owner
+        self._poller.register(owner.fd, events)
+
+    def _forget(self, owner: _Handshake | _Conn) -> None:
+        """Stop polling ``owner``'s socket (if its number is still registered for it)."""
+        if self._polled.get(owner.fd) is owner:
+            del self._polled[owner.fd]
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self._poller.unregister(owner.fd)
 
     def _accept_all(self) -> None:
         for _ in range(64):  # then let the handshakes in progress have a turn
@@ -298,21 +356,17 @@ class _Acceptor:
             if uid not in self.allowed_uids:
                 _refuse(conn, f"uid {uid} is not allowed to subscribe")
                 continue
-            fd = conn.fileno()
-            stale = self._watch.pop(fd, None)  # the fd number of an adopted, closed connection
-            if stale is not None:
-                self._unregister(fd)
-            for old in self._admission.admit(fd, uid, time.monotonic()):
-                hs = self._handshakes.pop(old)
-                self._unregister(hs.fd)
+            hs = _Handshake(next(self._keys), conn, pid, uid)
+            for old in self._admission.admit(hs.key, uid, time.monotonic()):
+                gone = self._handshakes.pop(old)
+                self._forget(gone)
                 _refuse(
-                    hs.sock,
+                    gone.sock,
                     f"{self._admission.per_uid} handshakes of uid {uid} were in progress; "
                     "this one, the oldest, made room for a newer one",
                 )
-            hs = _Handshake(conn, pid, uid)
-            self._handshakes[fd] = hs
-            self._poller.register(fd, _POLLIN)
+            self._handshakes[hs.key] = hs
+            self._watch_fd(hs, _POLLIN)
             self._on_hello(hs)  # the HELLO is often there already
 
     def _on_hello(self, hs: _Handshake) -> None:
@@ -323,9 +377,9 @@ class _Acceptor:
             return
         except OSError:
             data = b""
-        self._admission.remove(hs.fd)
-        del self._handshakes[hs.fd]
-        self._unregister(hs.fd)
+        self._admission.remove(hs.key)
+        del self._handshakes[hs.key]
+        self._forget(hs)
         if not data or self.stopping:
             conn.close()
             return
@@ -334,6 +388,10 @@ class _Acceptor:
     def _welcome(self, conn: socket.socket, hs: _Handshake, data: bytes) -> None:
         with self.lock:
             full = self.count >= self.max_subscribers
+            stopping = self.stopping
+        if stopping:
+            conn.close()
+            return
         if full:
             _refuse(conn, f"the publisher already has max_subscribers={self.max_subscribers}")
             return
@@ -381,17 +439,30 @@ class _Acceptor:
         with contextlib.suppress(OSError):
             if conn.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) < need:
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, need)
+        c = _Conn(info, conn)
+        failure: OSError | None = None
+        # Under the lock (a send that does not wait): close() sets ``stopping`` under it
+        # too, so a WELCOME is either sent before close began (and the subscriber is in
+        # ``pending``, which close takes) or not at all.
         with self.lock:
-            self.count += 1
-        try:
-            if fds:
-                socket.send_fds(conn, [msg], list(fds), socket.MSG_DONTWAIT)
-            else:
-                conn.send(msg, socket.MSG_DONTWAIT)
-        except OSError as exc:
-            with self.lock:
-                self.count -= 1
-            if exc.errno == errno.EMSGSIZE:
+            stopping = self.stopping
+            if not stopping:
+                try:
+                    if fds:
+                        socket.send_fds(conn, [msg], list(fds), socket.MSG_DONTWAIT)
+                    else:
+                        conn.send(msg, socket.MSG_DONTWAIT)
+                except OSError as exc:
+                    failure = exc
+                else:
+                    self.count += 1
+                    self.pending.append(c)
+        if stopping:
+            conn.close()  # closing during the handshake: the subscriber tries again
+            self._abandon(info)
+            return
+        if failure is not None:
+            if failure.errno == errno.EMSGSIZE:
                 _refuse(
                     conn,
                     f"the WELCOME ({len(msg)} bytes) exceeds the socket buffer limit; "
@@ -401,24 +472,11 @@ class _Acceptor:
                 conn.close()  # hung up (or timed out and left) before the WELCOME
             self._abandon(info)
             return
-        c = _Conn(info, conn)
-        with self.lock:
-            stop = self.stopping
-            if stop:
-                self.count -= 1
-            else:
-                self.pending.append(c)
-        if stop:
-            _say_bye_and_close(conn)
-            self._abandon(info)
-            return
-        self._watch[c.fd] = c
-        self._poller.register(c.fd, _POLLRDHUP)
+        self._watch_fd(c, _POLLRDHUP)
 
-    def _on_hangup(self, fd: int) -> None:
-        """A pending connection hung up (or was adopted and then closed): reap it if still ours."""
-        c = self._watch.pop(fd)
-        self._unregister(fd)
+    def _on_hangup(self, c: _Conn) -> None:
+        """Pending ``c`` hung up (or was adopted and then closed): reap it if still ours."""
+        self._forget(c)
         with self.lock:
             for i, other in enumerate(self.pending):
                 if other is c:
@@ -440,6 +498,20 @@ class _Acceptor:
         except Exception as exc:
             with contextlib.suppress(Exception):
                 warnings.warn(f"on_leave callback raised {exc!r}", RuntimeWarning, stacklevel=2)
+
+
+def _end_handshake(conn: socket.socket) -> None:
+    """Close a connection whose handshake the publisher will not finish (it is closing).
+
+    No REFUSE: the subscriber sees the publisher go during its handshake
+    (``EndOfStream``), which one that waits for a publisher retries.  What it
+    sent is read first, so that it sees the end and not a reset.
+    """
+    with contextlib.suppress(OSError):
+        conn.setblocking(False)
+        while conn.recv(proto.MAX_HELLO_SIZE + 1):
+            pass
+    conn.close()
 
 
 def _refuse(conn: socket.socket, reason: str) -> None:

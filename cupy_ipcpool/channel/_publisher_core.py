@@ -59,6 +59,18 @@ from ._sockets import (
 _NOTICE_RETRY = 0.05
 
 
+def _unlink_ours(address: str, ident: tuple[int, int]) -> None:
+    """Remove the socket file at ``address`` if it is still this publisher's; warns on failure."""
+    try:
+        st = os.lstat(address)
+        if (st.st_dev, st.st_ino) == ident:
+            os.unlink(address)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        _warn(f"could not remove the socket file {address}: {exc}")
+
+
 def _close_publisher(
     acc: _Acceptor,
     conns: dict[int, _Conn],
@@ -78,14 +90,7 @@ def _close_publisher(
             _warn(f"closing subscriber {conn.info.sub_id} failed: {exc!r}")
     conns.clear()
     evicting.clear()
-    try:
-        st = os.lstat(address)
-        if (st.st_dev, st.st_ino) == ident:
-            os.unlink(address)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        _warn(f"could not remove the socket file {address}: {exc}")
+    _unlink_ours(address, ident)
 
 
 class PublisherCore:
@@ -231,6 +236,7 @@ class PublisherCore:
             listener.close()
             os.unlink(self.address)
             raise
+        self._ident = ident
         self._finalizer = weakref.finalize(
             self, _close_publisher, self._acc, self._conns, self._evicting, self.address, ident
         )
@@ -250,13 +256,21 @@ class PublisherCore:
         self.close()
 
     def close(self, linger: float = 0.0) -> bool:
-        """Say BYE to every subscriber, close every socket, stop the accept thread.
+        """Stop accepting, say BYE to every subscriber, close every socket.
+
+        Accepting stops first: the listening socket is closed and its file
+        removed, and handshakes in progress end without a WELCOME, before any
+        BYE is sent.  So a subscriber that connects during ``close`` is never
+        welcomed only to be told BYE (one that waits for a publisher, such as
+        a :class:`~cupy_ipcpool.channel.Follower`, finds nobody listening and
+        waits for the next one).
 
         Parameters
         ----------
         linger:
-            Seconds to wait, after the BYE, for every subscriber (adopted or
-            still pending) to disconnect before the sockets are closed.
+            Seconds to wait, after the BYE, for every subscriber (adopted, or
+            welcomed and not yet adopted) to disconnect before the sockets are
+            closed.
 
         Returns
         -------
@@ -271,10 +285,14 @@ class PublisherCore:
             return True
         self._closed = True
         self._by_fd.clear()
-        with self._acc.lock:
-            pending, self._acc.pending = self._acc.pending, []
+        try:
+            pending = self._acc.stop_accepting()
+        except Exception as exc:
+            _warn(f"stopping the accept thread failed: {exc!r}")
+            pending = []
         for conn in pending:
             self._conns[conn.info.sub_id] = conn
+        _unlink_ours(self.address, self._ident)
         all_gone = _linger([c.sock for c in self._conns.values()], linger)
         self._finalizer()
         return all_gone
