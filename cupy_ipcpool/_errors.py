@@ -198,14 +198,45 @@ class EndOfStream(IpcPoolError):
     Frames already received stay readable.  ``clean`` is True when the
     publisher said goodbye (``close()``), False when the connection broke
     (the publisher died, or a protocol error closed it).
+
+    Attributes
+    ----------
+    clean:
+        The publisher said goodbye.
+    incomplete:
+        Sequence numbers of the frames this subscriber received (held or
+        already released) that the producer never finished writing: it died
+        before its stream set their flags.  Results computed on them are
+        undefined: discard or recompute them.  Empty when none was.
+    pending:
+        Sequence numbers of received frames whose flags were neither set by
+        the producer nor forced yet when this was raised (the producer was not
+        seen dead: alive, or its pid not visible here); the subscriber's
+        ``incomplete_frames`` after ``close()`` has the final answer.
+    untracked:
+        Frames received but not tracked (the subscriber's record was full):
+        ask their ``Frame.complete``.
     """
 
-    def __init__(self, message: str, clean: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        clean: bool = False,
+        incomplete: tuple[int, ...] = (),
+        pending: tuple[int, ...] = (),
+        untracked: int = 0,
+    ) -> None:
         self.clean = clean
+        self.incomplete = tuple(incomplete)
+        self.pending = tuple(pending)
+        self.untracked = int(untracked)
         super().__init__(message)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (str(self), self.clean))
+        return (
+            type(self),
+            (str(self), self.clean, self.incomplete, self.pending, self.untracked),
+        )
 
 
 class UsageError(IpcPoolError, ValueError):

@@ -230,3 +230,109 @@ def test_order_all_splits_more_than_255_waits() -> None:
         assert [op[1] for _, _, ops in batch.calls for op in ops] == addrs  # in order
     finally:
         flags.close()
+
+
+# ------------------------------- force_frame: what a survivor writes when the producer died
+_M = 0xFFFFFFFF
+
+
+@pytest.mark.parametrize("last", [0, 7, 0xFFFFFFFE, 0xFFFFFFFF, 0x7FFFFFFF])
+def test_force_frame_stores_the_last_real_value_plus_forced(last: int) -> None:
+    from cupy_ipcpool.channel._syncpage import FORCED, frame_state
+
+    page = SharedFlags.create(4096)
+    other = SharedFlags.open(page.fd, 4096)  # a second survivor's mapping of the same page
+    try:
+        page.store(12, last)  # the last generation the producer's stream wrote in this slot
+        awaited = (last + 3) & _M  # three frames of the slot never written
+        assert page.force_frame(12, awaited)
+        assert other.load(12) == (last + FORCED) & _M
+        # every wait queued on that flag ends (the GPU's cyclic GEQ), also the second one's
+        for gen in range(last - 2, last + 4):
+            assert other.reached(12, gen & _M)
+        # and each frame of the slot is told apart, by either mapping
+        word = other.load(12)
+        assert [frame_state(word, (last + k) & _M) for k in range(-2, 4)] == [
+            True,  # written before the death, long ago
+            True,
+            True,  # the last one written
+            False,  # never written
+            False,
+            False,
+        ]
+        # the second survivor finds it forced (reached): it is left alone, also for a
+        # generation of its own a little further on
+        assert not other.force_frame(12, awaited)
+        assert not other.force_frame(12, (awaited + 2) & _M)
+        assert page.load(12) == word
+    finally:
+        other.close()
+        page.close()
+
+
+def test_force_frame_leaves_a_flag_that_reached_its_value_and_never_moves_back() -> None:
+    page = SharedFlags.create(4096)
+    try:
+        page.store(0, 9)
+        assert not page.force_frame(0, 9)  # set by the producer: nothing to force
+        assert not page.force_frame(0, 5)
+        assert page.load(0) == 9
+        page.store(4, 3)  # the other words are not touched
+        assert page.force_frame(0, 10)
+        assert page.load(4) == 3
+    finally:
+        page.close()
+
+
+def test_force_frame_in_another_process_is_seen_here() -> None:
+    """A survivor process forces the flag; this process decodes what it wrote."""
+    from cupy_ipcpool.channel._syncpage import FORCED, frame_state
+
+    page = SharedFlags.create(4096)
+    try:
+        os.set_inheritable(page.fd, True)
+        code = textwrap.dedent(
+            f"""
+            from cupy_ipcpool.channel._syncpage import SharedFlags
+            page = SharedFlags.open({page.fd}, 4096)
+            assert page.force_frame(8, 0xFFFFFFFF)  # awaited, wrapped past the last real one
+            page.close()
+            """
+        )
+        page.store(8, 0xFFFFFFFD)
+        subprocess.run([sys.executable, "-c", code], check=True, pass_fds=[page.fd], timeout=60)
+        word = page.load(8)
+        assert word == (0xFFFFFFFD + FORCED) & _M
+        assert frame_state(word, 0xFFFFFFFD) is True
+        assert frame_state(word, 0xFFFFFFFE) is False and frame_state(word, 0xFFFFFFFF) is False
+        assert not page.force_frame(8, 0xFFFFFFFF)
+    finally:
+        page.close()
+
+
+def test_order_waits_on_a_forced_flag_so_the_frame_is_recorded() -> None:
+    """SyncPage.order skips the GPU wait only for the producer's own write.
+
+    A flag a survivor forced is waited on (the wait ends at once on the GPU):
+    the subscriber then notes and records the frame like any it waited for, so
+    a frame received between another survivor's forcing and this subscriber's
+    noticing the death is still named among the incomplete ones.
+    """
+    from cupy_ipcpool.channel._syncpage import FORCED
+    from tests.test_fastpath_cpu import _BatchRecorder, _Recorder
+
+    flags = SharedFlags.create(4096)
+    try:
+        wait, batch = _Recorder(), _BatchRecorder()
+        page = _page_calling_recorders(flags, wait, batch)
+        base = page._base
+        flags.store(0, 5)
+        assert not page.order(0xABC, base, 5)  # the producer's own write: no wait
+        assert not page.order(0xABC, base, 4)
+        assert page.order(0xABC, base, 6)  # not set yet: a wait
+        flags.store(0, (5 + FORCED) & _M)  # forced after the death; frames 5 and 6 both
+        assert page.order(0xABC, base, 6)  # never written: a wait, recorded
+        assert page.order(0xABC, base, 5)  # written, but forced since: a wait too
+        assert wait.calls == [(0xABC, base, 6, 1)] * 2 + [(0xABC, base, 5, 1)]
+    finally:
+        flags.close()

@@ -179,7 +179,8 @@ class Frame:
     Notes
     -----
     :attr:`complete` says whether the producer finished writing the frame;
-    it matters only for frames received before the producer died.
+    it matters only for frames received before the producer died, and stays
+    exact after :meth:`release` and after the subscriber's ``close()``.
 
     Release the frame (:meth:`release`, or leave a ``with`` block) when done:
     the producer cannot reuse the slot before.  The lease is also returned
@@ -215,13 +216,17 @@ class Frame:
         """Whether the producer's stream set this frame's flag, i.e. finished writing it.
 
         True: it did (every write the producer queued before publishing had
-        finished, and is what the arrays hold).  False: the producer died
-        before its stream got there, and the subscriber ended the wait of its
-        own streams itself: the arrays hold whatever the producer's kernels
-        had written by then (partly the new frame, partly older data).  None:
-        not known yet (the producer is alive and its stream has not set the
-        flag yet; work on the current stream of :meth:`Subscriber.recv` waits
-        for it on the GPU).  Frames of a remote subscriber are always True.
+        finished, and is what the arrays held at that point).  False: the
+        producer died before its stream got there, and a survivor (this
+        subscriber or another) set the flag itself so that queued waits end:
+        the arrays hold whatever the producer's kernels had written by then
+        (partly the new frame, partly older data), and work queued on them
+        ran on that.  None: not known yet (the producer is alive, or not seen
+        dead, and its stream has not set the flag yet; work on the stream of
+        :meth:`Subscriber.recv` waits for it on the GPU).  Exact for every
+        frame received, held or released, also after the subscriber closed
+        (:attr:`Subscriber.incomplete_frames` lists the False ones).  Frames
+        of a remote subscriber are always True.
         """
         probe = getattr(self._lease, "complete", True)  # a remote lease: copied, so complete
         return None if probe is None else bool(probe)
@@ -342,8 +347,12 @@ class Subscriber:
         finally:
             os.close(sync_fd)
         self._index = index
-        self._waits = FrameWaits(sync.layout)
-        self._waited_for = self._waits.generations  # per slot: the generation last waited for
+        self._waits = waits = FrameWaits(sync.layout)
+        # per frame that had to wait: note it and record it until its flag is seen set
+        self._flags = sync.flags
+        self._track = waits.track
+        self._record = waits.record
+        self._prune = waits.prune
         # per-frame lookups, made once
         self._frame_flags = [sync.frame_flag(i) for i in range(n)]
         self._read_flags = [sync.read_flag(index, i) for i in range(n)]
@@ -391,8 +400,10 @@ class Subscriber:
         EndOfStream
             The publisher closed (``clean`` True) or died (``clean`` False).
             If it died, the frame flags it never set are set by this
-            subscriber, so no stream waits for them any more (see
-            :attr:`Frame.complete`).
+            subscriber, so no stream waits for them any more, and the
+            exception's ``incomplete`` names the frames received (held or
+            released) that were not completely written: discard or recompute
+            what was computed on them (see :attr:`Frame.complete`).
         ChannelTimeoutError
             No frame within ``timeout`` seconds (also a ``TimeoutError``).
         ProtocolError
@@ -413,13 +424,16 @@ class Subscriber:
             # hung up without a BYE: the producer is dying (its sockets close just
             # before its pidfd says so); give it a moment, then settle the flags
             self._settle_if_dead(0.0 if exc.clean or core.evicted else 1.0)
+            self._answer(exc)
             raise
         if core.alarm and self._alive.poll(0):
             self.close()
-            raise EndOfStream(
-                f"the publisher (pid {self._core.producer_pid}) exited; frames still queued "
-                "are dropped (their flags will never be set)",
-                False,
+            raise self._answer(
+                EndOfStream(
+                    f"the publisher (pid {self._core.producer_pid}) exited; frames still "
+                    "queued are dropped (their flags will never be set)",
+                    False,
+                )
             )
         try:
             generation, count, meta_len = _frame_head(seq, slot, payload)
@@ -437,7 +451,9 @@ class Subscriber:
             raise
         sptr = self._stream_ptr(stream)
         if self._order(sptr, self._frame_flags[slot], generation):
-            self._waited_for[slot] = generation
+            self._track(self._flags, seq, slot, generation)
+        elif self._record:
+            self._prune(self._flags)
         return Frame(seq, slot, tuple(arrays), bytes(payload[pos:]), lease)
 
     def _stream_ptr(self, stream: Any) -> int:
@@ -506,10 +522,42 @@ class Subscriber:
             state = waits.state(flags, slot, generation)
         return state
 
+    def _answers(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(incomplete, pending)`` seqs of the frames received (:meth:`FrameWaits.answers`)."""
+        waits = self._waits
+        if waits is None:
+            return (), ()
+        return waits.answers(None if self._sync is None else self._sync.flags)
+
+    def _answer(self, exc: EndOfStream) -> EndOfStream:
+        """Put on ``exc`` which received frames were never written, or are not known yet."""
+        exc.incomplete, exc.pending = self._answers()
+        exc.untracked = self.untracked_frames
+        return exc
+
     @property
     def forced_flags(self) -> int:
         """How many frame flags this subscriber set itself because the producer died."""
         return 0 if self._waits is None else self._waits.forced
+
+    @property
+    def incomplete_frames(self) -> tuple[int, ...]:
+        """Seqs of the received frames (held or released) the producer never finished writing.
+
+        Empty while the producer lives; once it died and the flags it left
+        unset were forced (at the :class:`EndOfStream`, at the latest at
+        :meth:`close`), the frames whose :attr:`Frame.complete` is False, in
+        the order received.  Frames past the record's bound are not listed
+        (:attr:`untracked_frames`).  Also after :meth:`close`.
+        """
+        if not self._closed:
+            self._settle_if_dead()
+        return self._answers()[0]
+
+    @property
+    def untracked_frames(self) -> int:
+        """Frames received but left out of :attr:`incomplete_frames` (the record was full)."""
+        return 0 if self._waits is None else self._waits.untracked
 
     def __iter__(self) -> Iterator[Frame]:
         """Yield frames until the publisher closes.
@@ -569,10 +617,13 @@ class Subscriber:
         self.close()
 
 
-#: Sync pages kept mapped because a live but silent producer might still let a
-#: stream of ours wait on them: kept here so that they are never unmapped while
-#: registered (collecting the mapping would leave the registration behind).
+#: Sync pages and slot mappings kept because a live but silent producer might still
+#: let a stream of ours wait on a flag: kept here so that they are never unmapped
+#: while a queued wait or the work behind it may touch them (collecting the page's
+#: mapping would leave its registration behind; unmapping a slot would wait for
+#: that work, i.e. forever).
 _KEPT_PAGES: list[SyncPage] = []
+_KEPT_PEERS: list[PeerPool] = []
 
 
 def _teardown_subscriber(
@@ -591,6 +642,9 @@ def _teardown_subscriber(
     frame flags of a dead producer, so that none waits forever), then BYE
     (the publisher then finds every read flag of ours written), then
     unregister and unmap the sync page, close the pidfd, detach the pool.
+    Where a stream may still wait on a live producer's flag (not settled),
+    neither the page nor the slots' mappings are given back: both are kept
+    for the life of the process.
     """
     if os.getpid() != pid:  # a forked child: nothing of the parent's GPU state is ours
         core.close()
@@ -618,7 +672,8 @@ def _teardown_subscriber(
                 warnings.warn(
                     f"a stream of this subscriber still waits on a frame flag of the publisher "
                     f"(pid {core.producer_pid}), which is alive but did not set it within "
-                    f"{grace} s: the sync page is kept mapped",
+                    f"{grace} s: the sync page and the slots' mappings are kept (leaked) "
+                    "rather than unmapped under that wait",
                     TeardownWarning,
                     stacklevel=2,
                 )
@@ -627,7 +682,10 @@ def _teardown_subscriber(
             with contextlib.suppress(OSError):
                 os.close(pidfd)
         if peer is not None:
-            peer.close()
+            if settled:
+                peer.close()
+            else:
+                _KEPT_PEERS.append(peer)
 
 
 def subscribe(

@@ -33,10 +33,12 @@ When a peer dies, the flags it would have written never come, and a stream
 of the survivor may be waiting for one: the survivor writes them itself
 from the host (the page is shared host memory), so that every queued wait
 ends and the page can be unregistered and unmapped.  A frame flag forced that
-way holds the awaited generation plus :data:`FORCED`, so every process that
-maps the page can tell it from one the producer set (:func:`frame_state`,
-:class:`FrameWaits`); a read flag is forced to the generation the producer
-may wait for (:meth:`SharedFlags.force`).  Those parts need no GPU.
+way holds the last generation the producer really wrote there plus
+:data:`FORCED` (:meth:`SharedFlags.force_frame`), so every process that maps
+the page can tell, for each frame of that slot, whether the producer's stream
+wrote it before it died (:func:`frame_state`, :class:`FrameWaits`); a read
+flag is forced to the generation the producer may wait for
+(:meth:`SharedFlags.force`).  Those parts need no GPU.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import fcntl
 import mmap
 import os
 import stat
+from collections import deque
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -60,31 +63,49 @@ _HALF = 1 << 31
 _MASK = 0xFFFFFFFF
 #: Most operations one cuStreamBatchMemOp takes ("count must be less than 256").
 _MAX_BATCH = 255
-#: Added to the awaited generation when a survivor forces a frame flag that the
-#: producer, dead, never wrote: far enough ahead of every real value to be told
-#: apart (:func:`frame_state`), close enough to satisfy every wait (cyclic).
+#: Added to the frame flag's last real value when a survivor forces a flag that the
+#: producer, dead, never set (:meth:`SharedFlags.force_frame`): far enough ahead of
+#: every real value to be told apart (:func:`frame_state`), close enough to satisfy
+#: every wait queued on that flag (cyclic), this subscriber's and others'.
 FORCED = 3 << 29
 #: Distance (cyclic) from a frame's generation below which the flag counts as the
-#: producer's own write; from here to 2**31 it was forced.
+#: producer's own write; from here to :data:`FORCED` it was forced before the frame
+#: was written, from :data:`FORCED` to 2**31 forced after it was.
 _SET_WINDOW = 1 << 29
+#: Most frames a :class:`FrameWaits` records as not yet seen complete.
+RECORD_CAP = 65536
 
 
 def frame_state(word: int, generation: int) -> bool | None:
     """What frame flag value ``word`` says about the frame of ``generation``.
 
+    With ``d = (word - generation) mod 2**32``:
+
+    ============================  =====  ===========================================
+    ``d``                         says   because
+    ============================  =====  ===========================================
+    ``[2**31, 2**32)``            None   not set yet (the producer's stream is behind)
+    ``[0, 2**29)``                True   the producer's stream set it (at or after
+                                         ``generation``)
+    ``[2**29, FORCED)``           False  forced after the death to ``w + FORCED``
+                                         with ``w < generation``: never written
+    ``[FORCED, 2**31)``           True   forced with ``w >= generation``: the
+                                         producer wrote this frame before it died
+    ============================  =====  ===========================================
+
     Returns
     -------
     bool or None
-        True: the producer's stream set the flag (at or after ``generation``),
-        so its writes to the frame had finished.  False: a survivor forced it
-        after the producer died (:data:`FORCED`): the frame's contents are
-        whatever the producer's kernels had written by then.  None: not set
-        yet.
+        True: the producer's stream set the flag for this frame, so its writes
+        to the frame had finished.  False: it died before that, and a survivor
+        forced the flag (:meth:`SharedFlags.force_frame`): the frame's contents
+        are whatever the producer's kernels had written by then.  None: not
+        set yet.
     """
     distance = (word - generation) & _MASK
     if distance >= _HALF:
         return None
-    return distance < _SET_WINDOW
+    return distance < _SET_WINDOW or distance >= FORCED
 
 
 class FlagLayout:
@@ -214,6 +235,26 @@ class SharedFlags:
         self._words[offset >> 2] = value & _MASK
         return True
 
+    def force_frame(self, offset: int, awaited: int) -> bool:
+        """Force the frame flag at ``offset`` that a dead producer never set to ``awaited``.
+
+        Unless the flag has reached ``awaited`` already (cyclic), its current
+        value ``w`` -- the last generation the producer's stream really wrote
+        there -- becomes ``w +`` :data:`FORCED`: every wait queued on the flag
+        (for ``awaited`` or any generation near it, by any process) then goes
+        on, and :func:`frame_state` tells each frame of the slot apart: at or
+        before ``w`` written, after it not.  A flag another survivor forced
+        already has reached ``awaited`` and is left alone.  Call only once the
+        producer is dead.  True if stored.
+        """
+        words = self._words
+        index = offset >> 2
+        word = words[index]
+        if ((word - awaited) & _MASK) < _HALF:
+            return False
+        words[index] = (word + FORCED) & _MASK
+        return True
+
     @property
     def closed(self) -> bool:
         """True after :meth:`close`."""
@@ -233,20 +274,35 @@ class FrameWaits:
     """The frame flags a subscriber's streams may still be waiting on (no GPU here).
 
     Per slot, the generation of the last wait enqueued on a frame flag
-    (:meth:`note`, per frame that had to wait).  When the producer dies,
-    :meth:`resolve` forces the flags it never wrote, so that those waits end;
-    :meth:`freeze` keeps the frame flags' last values for :meth:`state` once
-    the page is unmapped.
+    (:meth:`note`, per frame that had to wait), and a bounded record of the
+    frames received that the host has not seen complete yet (:meth:`track`).
+    When the producer dies, :meth:`resolve` forces the flags it never wrote,
+    so that those waits end, and :meth:`answers` names the frames that were
+    not written; :meth:`freeze` keeps the frame flags' last values for
+    :meth:`state` and :meth:`answers` once the page is unmapped.
 
     Parameters
     ----------
     layout:
         The page's layout.
+    record_cap:
+        Most frames the record holds; past it the oldest is dropped and
+        counted in :attr:`untracked`.
     """
 
-    __slots__ = ("_layout", "final", "forced", "generations")
+    __slots__ = (
+        "_layout",
+        "final",
+        "forced",
+        "generations",
+        "record",
+        "record_cap",
+        "untracked",
+    )
 
-    def __init__(self, layout: FlagLayout) -> None:
+    def __init__(self, layout: FlagLayout, *, record_cap: int = RECORD_CAP) -> None:
+        if record_cap < 1:
+            raise UsageError(f"record_cap must be at least 1 (got {record_cap})")
         self._layout = layout
         #: per slot: the generation last waited for (low 32 bits), or -1
         self.generations = [-1] * layout.num_slots
@@ -254,10 +310,54 @@ class FrameWaits:
         self.final: list[int] | None = None
         #: how many frame flags :meth:`resolve` forced so far
         self.forced = 0
+        #: ``(seq, slot, generation)`` of frames received whose flag the host did
+        #: not see set by the producer, oldest first (see :meth:`track`)
+        self.record: deque[tuple[int, int, int]] = deque()
+        self.record_cap = record_cap
+        #: frames dropped from the record because it was full: not in :meth:`answers`
+        self.untracked = 0
 
     def note(self, slot: int, generation: int) -> None:
         """A stream was made to wait for ``slot``'s frame flag to reach ``generation``."""
         self.generations[slot] = generation & _MASK
+
+    def track(self, flags: SharedFlags, seq: int, slot: int, generation: int) -> None:
+        """:meth:`note`, and record frame ``seq``: its flag was not seen set when received.
+
+        First drops from the front of the record the frames whose flags the
+        host now sees set by the producer (:meth:`prune`); a full record drops
+        its oldest frame and counts it in :attr:`untracked`.  O(1) amortised.
+        """
+        generation &= _MASK
+        self.generations[slot] = generation
+        record = self.record
+        if record:
+            # prune() written out (per frame that waited)
+            words = flags.words
+            while record:
+                first = record[0]
+                if ((words[first[1]] - first[2]) & _MASK) >= _SET_WINDOW:
+                    break
+                record.popleft()
+            if len(record) >= self.record_cap:
+                record.popleft()
+                self.untracked += 1
+        record.append((seq, slot, generation))
+
+    def prune(self, flags: SharedFlags) -> None:
+        """Drop from the front of the record the frames the producer's stream has set.
+
+        One host load per frame dropped, and one for the first that stays.  A
+        flag that was forced is never taken for the producer's own write (it
+        stays, for :meth:`answers`), so pruning is safe at any time.
+        """
+        record = self.record
+        words = flags.words  # frame flags are the page's first words, one per slot
+        while record:
+            _seq, slot, generation = record[0]
+            if ((words[slot] - generation) & _MASK) >= _SET_WINDOW:
+                return
+            record.popleft()
 
     def pending(self, flags: SharedFlags) -> list[int]:
         """The slots whose last awaited generation the host does not see set yet."""
@@ -269,7 +369,7 @@ class FrameWaits:
         ]
 
     def resolve(self, flags: SharedFlags) -> list[int]:
-        """Force every frame flag still awaited to its generation plus :data:`FORCED`.
+        """Force every frame flag still awaited (:meth:`SharedFlags.force_frame`).
 
         Call only once the producer is dead (or given up on): afterwards every
         stream wait this subscriber enqueued can end.  Returns the slots forced.
@@ -278,7 +378,7 @@ class FrameWaits:
         forced = [
             slot
             for slot in self.pending(flags)
-            if flags.force(layout.frame_offset(slot), self.generations[slot] + FORCED)
+            if flags.force_frame(layout.frame_offset(slot), self.generations[slot])
         ]
         self.forced += len(forced)
         return forced
@@ -295,6 +395,25 @@ class FrameWaits:
         if flags is None or flags.closed:
             return None
         return frame_state(flags.load(self._layout.frame_offset(slot)), generation)
+
+    def answers(self, flags: SharedFlags | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(incomplete, pending)``: seqs of the recorded frames by :meth:`state`.
+
+        ``incomplete``: frames the producer never wrote (False: forced after
+        its death).  ``pending``: frames whose flag is not set yet (None).
+        Every other frame received (the record's pruned ones, and those whose
+        flag was set when they arrived) is complete; :attr:`untracked` frames
+        are not known here.
+        """
+        incomplete: list[int] = []
+        pending: list[int] = []
+        for seq, slot, generation in self.record:
+            state = self.state(flags, slot, generation)
+            if state is None:
+                pending.append(seq)
+            elif not state:
+                incomplete.append(seq)
+        return tuple(incomplete), tuple(pending)
 
 
 def _memops() -> tuple[object, int, int, int, int, object, int]:
@@ -440,14 +559,18 @@ class SyncPage:
             raise_driver_error("cuStreamWaitValue32", rc)
 
     def order(self, stream: int, addr: int, value: int) -> bool:
-        """Order ``stream`` after the flag at ``addr`` reaching ``value``; True if it must wait.
+        """Order ``stream`` after the frame flag at ``addr`` reaching ``value``; True if it waits.
 
         A wait is enqueued on the GPU (and True returned) unless the host
-        already sees the value: the write that set it came after a memory
-        barrier, so the work it stands for is done and visible.
+        already sees the value set by the producer (:func:`frame_state`'s
+        first window): the write that set it came after a memory barrier, so
+        the work it stands for is done and visible.
         """
-        # per frame: SharedFlags.reached and wait() written out (two calls fewer)
-        if ((self._words[(addr - self._base) >> 2] - value) & _MASK) < _HALF:
+        # per frame: the host's look and wait() written out (two calls fewer).  Only
+        # the producer's own write counts (frame_state's first window): a flag that
+        # a survivor forced, the producer dead, is waited on (the wait ends at once)
+        # so that the caller notes and records the frame like any it waited for.
+        if ((self._words[(addr - self._base) >> 2] - value) & _MASK) < _SET_WINDOW:
             return False
         rc = self._memop(self._wait_fn, stream, addr, value, self._geq)  # type: ignore[operator]
         if rc:
@@ -464,7 +587,8 @@ class SyncPage:
         """
         words = self._words
         base = self._base
-        # the host's look of order(), per flag
+        # the host's look of SharedFlags.reached(), per flag (read flags are never
+        # forced past their value: no window here)
         pending = [a for a in addrs if ((words[(a - base) >> 2] - value) & _MASK) >= _HALF]
         if len(pending) == 1:
             self.wait(stream, pending[0], value)
