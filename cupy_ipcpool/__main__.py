@@ -2,6 +2,20 @@
 
 The same commands are installed as the ``cupy-ipcpool`` script; each names
 itself the way it was started.
+
+Errors are one line on stderr, never a traceback (``--debug`` shows it):
+
+* a usage error (a value out of range, a missing file, a bad address, a
+  missing secret, the wrong ``--memory``) exits 2 with argparse's
+  ``PROG COMMAND: error: argument --flag: ...``, naming the flag to fix;
+* a runtime error (no publisher at the path, a refused connection, no GPU, a
+  library error) exits 1 with a line that says what failed.
+
+A command's arguments are checked before any GPU is touched: argparse's
+``type`` functions check each value; a command's ``check`` default (a
+function of the parsed arguments, run by :func:`main`) checks what needs
+several of them or the environment, and raises :class:`argparse.ArgumentError`;
+its ``gpu`` default names the device that must exist before ``run`` starts.
 """
 
 from __future__ import annotations
@@ -9,6 +23,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
+from typing import NoReturn
 
 from ._version import __version__
 
@@ -38,6 +54,87 @@ SERVE_DESCRIPTION = (
     "UCX. The shared secret comes from $CUPY_IPCPOOL_SECRET or --secret-file. Needs the "
     "remote extra."
 )
+DEBUG_HELP = (
+    "on an error, raise it with its Python traceback instead of printing one line "
+    "(for a bug report; also accepted after the command)"
+)
+EPILOG = (
+    "Exit status: 0 on success; 1 when the command failed (no GPU, no publisher, a "
+    "connection refused...: one line on stderr says what); 2 for a usage error (one line "
+    "naming the option to fix). --debug shows the traceback instead."
+)
+
+#: API keywords that library messages name, in the command line's words.
+FLAG_WORDS = (
+    ("pass secret=...", "set $CUPY_IPCPOOL_SECRET or pass --secret-file FILE"),
+    ("secret=...", "--secret-file FILE"),
+    ("insecure=True", "--insecure"),
+)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line: ``PROG: error: MESSAGE``.
+
+    The usage synopsis is left out (``--help`` prints it); a missing command
+    lists the commands.
+    """
+
+    commands: tuple[str, ...] = ()
+
+    def error(self, message: str) -> NoReturn:
+        if self.commands and "required: COMMAND" in message:
+            message += f" (one of {', '.join(self.commands)}; see --help)"
+        self.exit(2, f"{self.prog}: error: {one_line(message)}\n")
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line (whitespace runs, newlines included, become one space)."""
+    return " ".join(text.split())
+
+
+def in_flag_words(text: str) -> str:
+    """A library message with its API keywords replaced by the flags (:data:`FLAG_WORDS`)."""
+    for api, flag in FLAG_WORDS:
+        text = text.replace(api, flag)
+    return text
+
+
+def error_line(exc: BaseException) -> str:
+    """The one line a runtime error prints: what failed, in the command line's words."""
+    from ._errors import CudaUnavailableError, IpcPoolError, UnsupportedDeviceError
+
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, CudaUnavailableError):
+        text = f"no GPU: {text}"
+    elif isinstance(exc, UnsupportedDeviceError):
+        text = f"no usable GPU: {text}"
+    elif not isinstance(exc, (IpcPoolError, OSError)):
+        text = f"{type(exc).__name__}: {text} (unexpected; --debug shows the traceback)"
+    return one_line(in_flag_words(text))
+
+
+def require_gpu(ordinal: int) -> None:
+    """Check that CUDA device ``ordinal`` exists, before a command starts using it.
+
+    Raises
+    ------
+    CudaUnavailableError
+        No driver, or the driver sees no device.
+    argparse.ArgumentError
+        ``--device`` names a device that does not exist.
+    """
+    from . import _driver
+    from ._errors import CudaUnavailableError
+
+    count = _driver.device_count()
+    if count == 0:
+        raise CudaUnavailableError("the CUDA driver sees no device")
+    if ordinal >= count:
+        raise argparse.ArgumentError(
+            None,
+            f"argument --device: there is no CUDA device {ordinal}: {count} visible "
+            f"(0..{count - 1})",
+        )
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -78,18 +175,23 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     prog
         The program name for usage lines (default: :func:`program_name`).
     """
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog=program_name() if prog is None else prog,
         description=DESCRIPTION,
+        epilog=EPILOG,
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"cupy_ipcpool {__version__}")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, summary: str, description: str) -> argparse.ArgumentParser:
-        return sub.add_parser(
+        p = sub.add_parser(
             name, help=summary, description=description, formatter_class=HelpFormatter
         )
+        # SUPPRESS: absent after the command, it leaves the global flag's value alone
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+        return p
 
     command("info", "driver, devices, VMM / POSIX-fd support, fd transports", INFO_DESCRIPTION)
     from ._bench import add_arguments as add_bench
@@ -102,17 +204,52 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
     add_relay_arguments(command("relay", "republish a ucx:// stream locally", RELAY_DESCRIPTION))
     add_serve_arguments(command("serve", "serve a local channel over UCX", SERVE_DESCRIPTION))
+    parser.commands = tuple(sub.choices)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m cupy_ipcpool`` and the ``cupy-ipcpool`` script."""
-    args = build_parser().parse_args(argv)
+def run_command(args: argparse.Namespace) -> int:
+    """Check ``args`` (the command's ``check``), then its GPU (``gpu``), then run it."""
     if args.command == "info":
         from ._info import main as info_main
 
         return info_main()
+    check: Callable[[argparse.Namespace], None] | None = getattr(args, "check", None)
+    if check is not None:
+        check(args)
+    gpu: Callable[[argparse.Namespace], int | None] | None = getattr(args, "gpu", None)
+    ordinal = None if gpu is None else gpu(args)
+    if ordinal is not None:
+        require_gpu(ordinal)
     return int(args.run(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m cupy_ipcpool`` and the ``cupy-ipcpool`` script.
+
+    Returns the exit status: 0, 1 (a runtime error) or 2 (a usage error), each
+    error printed as one line on stderr; with ``--debug`` an error is raised
+    instead, with its traceback.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return run_command(args)
+    except argparse.ArgumentError as exc:
+        if args.debug:
+            raise
+        print(f"{parser.prog} {args.command}: error: {one_line(str(exc))}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if args.debug:
+            raise
+        print(error_line(exc), file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ with earlier frames (block mode lets the producer run ahead by up to
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -57,13 +58,41 @@ FIGURES = (
 )
 
 
+#: Most consumer processes (the demo's publisher admits this many subscribers).
+MAX_CONSUMERS = 64
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register the demo's options on ``parser``."""
+    """Register the demo's options on ``parser`` (each value checked as it is parsed)."""
+    from .channel import MAX_CHANNEL_SLOTS as MAX_SLOTS
+    from .remote._cli import int_in  # the command line's one integer-range check
+
     parser.add_argument(
-        "--frame-mib", type=float, default=8.0, help="size of each of a frame's two arrays, MiB"
+        "--frame-mib",
+        type=positive_float,
+        default=8.0,
+        help="size of each of a frame's two arrays, MiB",
     )
-    parser.add_argument("--slots", type=int, default=8, help="ring slots (>= 2)")
-    parser.add_argument("--consumers", type=int, default=2, help="consumer processes")
+    parser.add_argument(
+        "--slots", type=int_in(2, MAX_SLOTS), default=8, help=f"ring slots (2..{MAX_SLOTS})"
+    )
+    parser.add_argument(
+        "--consumers",
+        type=int_in(1, MAX_CONSUMERS),
+        default=2,
+        help=f"consumer processes (1..{MAX_CONSUMERS})",
+    )
     parser.add_argument(
         "--mode",
         choices=("block", "latest"),
@@ -71,9 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="block: every consumer gets every frame, the producer waits for the slowest; "
         "latest: a busy consumer skips to the newest frame",
     )
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds to publish")
-    parser.add_argument("--device", type=int, default=0, help="CUDA device")
-    parser.set_defaults(run=run)
+    parser.add_argument("--duration", type=positive_float, default=10.0, help="seconds to publish")
+    parser.add_argument("--device", type=int_in(0), default=0, help="CUDA device")
+    parser.set_defaults(run=run, gpu=lambda args: args.device)
 
 
 def _kernels(cp: Any) -> tuple[Any, Any]:
@@ -262,18 +291,19 @@ def summary_lines(
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demo; return 0 when every consumer verified every frame it received."""
-    from . import _driver
-    from ._errors import CudaUnavailableError, UnsupportedDeviceError
+    """Run the demo; return 0 when every consumer verified every frame it received.
 
-    try:
-        _driver.require_vmm_device(args.device)
-    except (CudaUnavailableError, UnsupportedDeviceError, ValueError) as exc:
-        print(f"no GPU: {exc}")
-        return 1
-    if args.consumers < 1 or args.slots < 2 or args.frame_mib <= 0 or args.duration <= 0:
-        print("demo needs --consumers >= 1, --slots >= 2, --frame-mib > 0, --duration > 0")
-        return 2
+    ``args`` were checked as they were parsed (:func:`add_arguments`), and the
+    command line checked that ``--device`` exists (the ``gpu`` default).
+
+    Raises
+    ------
+    CudaUnavailableError, UnsupportedDeviceError
+        No GPU, or one that cannot host a pool (the command line prints one line).
+    """
+    from . import _driver
+
+    _driver.require_vmm_device(args.device)
     import cupy as cp
 
     import cupy_ipcpool as cip
@@ -333,7 +363,7 @@ def run(args: argparse.Namespace) -> int:
         with (
             cp.cuda.Device(args.device),
             cip.IpcPool(args.slots, 2 * frame_bytes + 1024, device=args.device) as pool,
-            cip.Publisher(pool, address) as pub,
+            cip.Publisher(pool, address, max_subscribers=MAX_CONSUMERS) as pub,
         ):
             for i in range(args.consumers):
                 p = ctx.Process(target=_consumer, args=(address, args.mode, i, shape, reports))

@@ -11,6 +11,8 @@ from ._errors import CudaError, CudaUnavailableError
 from ._version import __version__
 
 CAP_SYS_PTRACE = 19
+#: How to install the remote extra: the package is on no index, so from its source tree.
+REMOTE_INSTALL = "from the source tree: python3 -m pip install -e '.[remote]'"
 
 
 def _version(dist: str) -> str:
@@ -71,7 +73,7 @@ def remote_summary() -> str:
     """One line on the remote extra (UCXX) and the UCX version it loads."""
     v = _version("ucxx-cu13")
     if v == "not installed":
-        return "remote (UCXX): not installed; pip install 'cupy_ipcpool[remote]'"
+        return f"remote (UCXX): not installed; {REMOTE_INSTALL}"
     return f"remote (UCXX): ucxx-cu13 {v}, libucx-cu13 {_version('libucx-cu13')}"
 
 

@@ -1,27 +1,66 @@
-"""CPU tier: the command line (version, names, help, the demo's report) without a GPU."""
+"""CPU tier: the command line (version, names, help, errors, the demo's report) without a GPU.
+
+The error tests run the real command line in a subprocess, with
+``CUDA_VISIBLE_DEVICES=""`` (so a machine with a GPU behaves as one without):
+a usage error exits 2 and a runtime error 1, each with exactly one line on
+stderr and no traceback; ``--debug`` shows the traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from tests.skips import no_driver
+from tests.skips import needs_ucx
+
+PROG = "python -m cupy_ipcpool"
+SECRET = "0123456789abcdef-cli-test"
 
 
-@no_driver
-@pytest.mark.parametrize("command", ["demo", "bench"])
-def test_gpu_commands_say_no_gpu_in_one_line_and_fail(command):
-    out = subprocess.run(
-        [sys.executable, "-m", "cupy_ipcpool", command], capture_output=True, text=True, timeout=120
+def _cli(
+    *argv: str, secret: str | None = None, timeout: float = 30
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m cupy_ipcpool ARGV`` without a GPU and without a secret in the env."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env.pop("CUPY_IPCPOOL_SECRET", None)
+    if secret is not None:
+        env["CUPY_IPCPOOL_SECRET"] = secret
+    return subprocess.run(
+        [sys.executable, "-m", "cupy_ipcpool", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
     )
-    assert out.returncode != 0
-    lines = [line for line in out.stdout.splitlines() if line.strip()]
-    assert len(lines) == 1, out.stdout
-    assert lines[0].startswith("no GPU:")
+
+
+def _one_error_line(out: subprocess.CompletedProcess[str], status: int) -> str:
+    """The one stderr line of a command that failed with ``status`` (asserting there is one)."""
+    assert "Traceback" not in out.stderr, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, out.stderr
+    assert out.returncode == status, (out.returncode, out.stderr)
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_gpu_commands_say_no_gpu_in_one_line_on_stderr_and_fail(command, tmp_path):
+    out = _cli(command, "--outdir", str(tmp_path)) if command == "bench" else _cli(command)
+    line = _one_error_line(out, 1)
+    assert line.startswith("no GPU:"), line
+    assert out.stdout == ""
+    assert not os.listdir(tmp_path)
 
 
 def test_help_lists_the_commands():
@@ -230,3 +269,272 @@ def test_info_note_points_at_headings_that_exist():
     ]
     for quoted in ("Sizing the ring", "MPS"):
         assert f"'{quoted}'" in note and quoted in headings, (quoted, headings)
+
+
+# -- errors: one line on stderr, exit 2 for a usage error (naming the flag), 1 otherwise -----
+
+
+@pytest.fixture(scope="module")
+def files() -> Iterator[dict[str, str]]:
+    """A regular file, an empty secret file, a short one and a good one."""
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {}
+        for name, text in (("short", "short\n"), ("empty", ""), ("good", SECRET + "\n")):
+            paths[name] = os.path.join(tmp, f"{name}.secret")
+            with open(paths[name], "w") as f:
+                f.write(text)
+        paths["file"] = paths["good"]
+        paths["dir"] = tmp
+        yield paths
+
+
+#: (argv, what the error line must name); ``{x}`` is a path of the ``files`` fixture.
+USAGE_ERRORS = [
+    ((), "COMMAND"),
+    (("no-such-command",), "COMMAND"),
+    (("demo", "--slots", "0"), "--slots"),
+    (("demo", "--slots", "1"), "--slots"),
+    (("demo", "--slots", "100000"), "--slots"),
+    (("demo", "--consumers", "0"), "--consumers"),
+    (("demo", "--consumers", "-1"), "--consumers"),
+    (("demo", "--consumers", "two"), "--consumers"),
+    (("demo", "--frame-mib", "0"), "--frame-mib"),
+    (("demo", "--frame-mib", "nan"), "--frame-mib"),
+    (("demo", "--duration", "-1"), "--duration"),
+    (("demo", "--duration", "inf"), "--duration"),
+    (("demo", "--device", "-1"), "--device"),
+    (("demo", "--mode", "fastest"), "--mode"),
+    (("bench", "--iters", "0"), "--iters"),
+    (("bench", "--device", "-1"), "--device"),
+    (("bench", "--sizes", "0"), "--sizes"),
+    (("bench", "--lanes", "nope"), "--lanes"),
+    (("bench", "--outdir", "{file}"), "--outdir"),
+    (("serve",), "PATH"),
+    (("serve", "/tmp/no-such.sock"), "--secret-file"),
+    (("serve", "/tmp/no-such.sock", "--secret-file", "{dir}/absent"), "--secret-file"),
+    (("serve", "/tmp/no-such.sock", "--secret-file", "{dir}"), "--secret-file"),
+    (("serve", "/tmp/no-such.sock", "--secret-file", "{empty}"), "--secret-file"),
+    (("serve", "/tmp/no-such.sock", "--secret-file", "{short}"), "--secret-file"),
+    (("serve", "/tmp/no-such.sock", "--insecure", "--listen", "127.0.0.1:99999"), "--listen"),
+    (("serve", "/tmp/no-such.sock", "--insecure", "--listen", "nohost"), "--listen"),
+    (("serve", "/tmp/no-such.sock", "--insecure", "--listen", "192.0.2.1:5000"), "--listen"),
+    (("serve", "/tmp/no-such.sock", "--insecure", "--device", "-1"), "--device"),
+    (("serve", "/tmp/no-such.sock", "--insecure", "--memory", "gpu"), "--memory"),
+    (("relay", "ucx://127.0.0.1:1"), "PATH"),
+    (("relay", "http://127.0.0.1:1", "{dir}/r.sock", "--insecure"), "REMOTE"),
+    (("relay", "ucx://127.0.0.1:99999", "{dir}/r.sock", "--insecure"), "REMOTE"),
+    (("relay", "ucx://127.0.0.1:1", "/no-such-dir/r.sock", "--insecure"), "PATH"),
+    (("relay", "ucx://127.0.0.1:1", "{dir}/r.sock", "--insecure", "--slots", "0"), "--slots"),
+    (("relay", "ucx://127.0.0.1:1", "{dir}/r.sock", "--memory", "host"), "--secret-file"),
+    (("relay", "ucx://127.0.0.1:1", "{dir}/r.sock", "--secret-file", "{short}"), "--secret-file"),
+]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(("argv", "flag"), USAGE_ERRORS, ids=[" ".join(a) for a, _ in USAGE_ERRORS])
+def test_a_usage_error_is_one_line_naming_the_flag_before_any_gpu(argv, flag, files):
+    out = _cli(*(a.format(**files) for a in argv))
+    line = _one_error_line(out, 2)
+    command = argv[0] if argv and argv[0] in ("demo", "bench", "serve", "relay") else None
+    prefix = f"{PROG} {command}: error: " if command else f"{PROG}: error: "
+    assert line.startswith(prefix), line
+    assert flag in line, line
+    assert out.stdout == ""
+
+
+@pytest.mark.timeout(10)
+def test_no_secret_names_the_flags_not_the_api():
+    line = _one_error_line(_cli("serve", "/tmp/no-such.sock"), 2)
+    for words in ("$CUPY_IPCPOOL_SECRET", "--secret-file", "--insecure"):
+        assert words in line, line
+    assert "secret=" not in line and "insecure=True" not in line
+
+
+@pytest.mark.timeout(10)
+def test_a_short_secret_in_the_environment_names_it():
+    line = _one_error_line(_cli("serve", "/tmp/no-such.sock", secret="short"), 2)
+    assert "$CUPY_IPCPOOL_SECRET" in line and "5 bytes" in line and "16" in line, line
+
+
+@pytest.mark.timeout(10)
+def test_a_taken_port_is_a_usage_error_of_listen():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        out = _cli("serve", "/tmp/no-such.sock", "--insecure", "--listen", f"127.0.0.1:{port}")
+    line = _one_error_line(out, 2)
+    assert "--listen" in line and "in use" in line, line
+
+
+def _ucx_missing() -> str | None:
+    from cupy_ipcpool.remote import _ucx
+
+    return _ucx.available()
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.timeout(10)
+def test_no_publisher_at_the_path_is_a_runtime_error():
+    line = _one_error_line(_cli("serve", "/tmp/no-such-publisher.sock", "--insecure"), 1)
+    assert "cannot connect to the publisher at /tmp/no-such-publisher.sock" in line, line
+
+
+@pytest.mark.timeout(10)
+def test_a_refused_connection_is_a_runtime_error(tmp_path):
+    url = f"ucx://127.0.0.1:{_closed_port()}"
+    out = _cli("relay", url, str(tmp_path / "r.sock"), "--insecure", "--memory", "host")
+    line = _one_error_line(out, 1)
+    if _ucx_missing() is None:
+        assert f"cannot connect to the remote server at {url}: Connection refused" in line, line
+    else:  # without UCXX the relay says what to install, in one line too
+        assert "remote extra" in line, line
+
+
+@pytest.mark.timeout(10)
+def test_an_unknown_host_is_a_runtime_error(tmp_path):
+    out = _cli(
+        "relay", "ucx://no-such-host.invalid:1", str(tmp_path / "r.sock"), "--insecure",
+        "--memory", "host",
+    )  # fmt: skip
+    line = _one_error_line(out, 1)
+    assert "no-such-host.invalid" in line if _ucx_missing() is None else "remote extra" in line
+
+
+@pytest.mark.timeout(10)
+def test_device_memory_needs_a_gpu_before_anything_connects(tmp_path):
+    url = f"ucx://127.0.0.1:{_closed_port()}"
+    line = _one_error_line(_cli("relay", url, str(tmp_path / "r.sock"), "--insecure"), 1)
+    assert line.startswith("no GPU:"), line
+    line = _one_error_line(_cli("serve", "/tmp/no-such.sock", "--insecure", "--device", "0"), 1)
+    assert line.startswith("no GPU:"), line
+
+
+@contextlib.contextmanager
+def host_publisher(path: str) -> Iterator[Any]:
+    """A host-memory channel at ``path``, admitting subscribers from a thread of this process."""
+    from cupy_ipcpool.remote import HostChannelPublisher
+
+    pub = HostChannelPublisher(path, 4, 1 << 16)
+    stop = threading.Event()
+
+    def admit() -> None:
+        while not stop.is_set():
+            pub.poll(0.02)
+
+    thread = threading.Thread(target=admit, daemon=True)
+    thread.start()
+    try:
+        yield pub
+    finally:
+        stop.set()
+        thread.join(5)
+        pub.close()
+
+
+@pytest.mark.timeout(20)
+def test_device_memory_against_a_host_channel_names_memory(tmp_path):
+    path = str(tmp_path / "cam.sock")
+    with host_publisher(path):
+        out = _cli("serve", path, "--insecure", "--listen", "127.0.0.1:0")
+    line = _one_error_line(out, 2)
+    assert line.startswith(f"{PROG} serve: error: argument --memory:"), line
+    assert "carries host memory" in line and "--memory host" in line, line
+    assert "WELCOME" not in line
+
+
+@needs_ucx
+@pytest.mark.timeout(30)
+def test_a_refused_secret_is_told_in_the_flags_words(tmp_path):
+    from cupy_ipcpool.remote import serve
+
+    path = str(tmp_path / "cam.sock")
+    with host_publisher(path), serve(path, memory="host", listen="127.0.0.1:0", insecure=True) as s:
+        out = _cli("relay", s.address, str(tmp_path / "r.sock"), "--memory", "host", secret=SECRET)
+    line = _one_error_line(out, 1)
+    assert "does not prove the shared secret" in line and "--insecure" in line, line
+    assert "insecure=True" not in line
+
+
+def test_library_words_become_flags():
+    from cupy_ipcpool.__main__ import in_flag_words
+
+    text = in_flag_words(
+        "the server at ucx://h:1 requires a shared secret: pass secret=...; "
+        "refusing it (insecure=True accepts such a server)"
+    )
+    assert "secret=" not in text and "insecure=True" not in text
+    assert "--secret-file FILE" in text and "$CUPY_IPCPOOL_SECRET" in text
+    assert "(--insecure accepts such a server)" in text
+
+
+def test_an_unexpected_error_is_one_line_that_points_at_debug():
+    from cupy_ipcpool.__main__ import error_line
+
+    line = error_line(KeyError("x\ny"))
+    assert "\n" not in line and line.startswith("KeyError:") and "--debug" in line
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_debug_shows_the_traceback(where):
+    argv = ["serve", "/tmp/no-such-publisher.sock", "--insecure"]
+    argv = ["--debug", *argv] if where == "before" else [*argv, "--debug"]
+    out = _cli(*argv)
+    assert out.returncode == 1
+    assert "Traceback (most recent call last)" in out.stderr
+    assert "TransportError" in out.stderr and "cannot connect to the publisher" in out.stderr
+
+
+@pytest.mark.timeout(10)
+def test_debug_shows_the_traceback_of_a_usage_error_found_after_parsing():
+    out = _cli("--debug", "serve", "/tmp/no-such.sock")
+    assert out.returncode == 1  # Python's own status for an uncaught exception
+    assert "Traceback" in out.stderr and "ArgumentError" in out.stderr
+
+
+def test_help_documents_debug_and_the_exit_status():
+    out = _run(sys.executable, "-m", "cupy_ipcpool", "--help")
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    assert "--debug" in text and "traceback" in text
+    assert "Exit status" in text and "2 for a usage error" in text
+    for command in ("demo", "serve"):
+        sub = _run(sys.executable, "-m", "cupy_ipcpool", command, "--help")
+        assert "--debug" in sub.stdout, command
+
+
+def test_info_says_how_to_install_the_remote_extra_from_a_checkout(monkeypatch):
+    from cupy_ipcpool import _info
+
+    monkeypatch.setattr(_info, "_version", lambda dist: "not installed")
+    line = _info.remote_summary()
+    assert "python3 -m pip install -e '.[remote]'" in line, line
+    assert "cupy_ipcpool[remote]" not in line
+
+
+def test_the_docs_give_the_install_that_works():
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    for page in ("remote.md", "install.md"):
+        lines = (root / "docs" / page).read_text().splitlines()
+        assert any("python3 -m pip install -e '.[remote]'" in line for line in lines), page
+        # no command to copy that asks an index for the package
+        assert not any(line.startswith("python3 -m pip install 'cupy_ipcpool") for line in lines)
+
+
+def test_parse_errors_are_one_line_without_the_usage_block(capsys):
+    from cupy_ipcpool.__main__ import build_parser
+
+    parser = build_parser(prog="cupy-ipcpool")
+    with pytest.raises(SystemExit) as raised:
+        parser.parse_args(["demo", "--slots", "0"])
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "cupy-ipcpool demo: error: argument --slots: must be in 2..252, got 0\n"

@@ -28,6 +28,7 @@ __all__ = [
     "BenchOptions",
     "BenchResults",
     "add_arguments",
+    "check_outdir",
     "collect_environment",
     "default_notes",
     "gpu_missing_reason",
@@ -174,8 +175,28 @@ def _non_negative_int(text: str) -> int:
     return v
 
 
+def check_outdir(args: argparse.Namespace) -> None:
+    """Fail now, not after the run, when ``--outdir`` cannot be a writable directory.
+
+    Raises
+    ------
+    argparse.ArgumentError
+        ``--outdir`` is a file, or no directory above it can be written.
+    """
+    path = os.path.abspath(args.outdir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise argparse.ArgumentError(None, f"argument --outdir: {args.outdir} is not a directory")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise argparse.ArgumentError(
+            None, f"argument --outdir: cannot write to {existing} (for {args.outdir})"
+        )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register the ``bench`` options on ``parser`` and set ``run=main``.
+    """Register the ``bench`` options on ``parser``; set ``run=main``, ``check``, ``gpu``.
 
     Parameters
     ----------
@@ -212,7 +233,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="timed frames per lane and size, for latency and for throughput (default: by mode)",
     )
-    parser.add_argument("--device", type=int, default=0, help="CUDA device (default: 0)")
+    parser.add_argument(
+        "--device", type=_non_negative_int, default=0, help="CUDA device (default: 0)"
+    )
     parser.add_argument(
         "--paired-passes",
         type=_non_negative_int,
@@ -226,7 +249,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip the scale figures (attach cost, fan-out) in full mode",
     )
-    parser.set_defaults(run=main)
+    # check, then gpu (the device that must exist), are the command line's, before main
+    parser.set_defaults(run=main, check=check_outdir, gpu=lambda args: args.device)
 
 
 @dataclass(frozen=True)
@@ -611,7 +635,7 @@ def main(args: argparse.Namespace) -> int:
     opts = options_from_args(args)
     reason = gpu_missing_reason(opts.device)
     if reason is not None:
-        print(f"no GPU: {reason}")
+        _stderr(f"no GPU: {reason}")
         return 1
     results = run_benchmark(opts)
     text = results.markdown()

@@ -3,30 +3,154 @@
 The secret comes from ``$CUPY_IPCPOOL_SECRET`` or ``--secret-file`` (never the
 command line, where other users can read it in the process list).
 
+Arguments are checked before anything is connected or a GPU is touched:
+addresses, counts and the local socket's directory as they are parsed, the
+secret (present unless ``--insecure``, readable, long enough) by the
+``check`` default that the command line runs first.  A usage error raises
+:class:`argparse.ArgumentError`, which the command line prints as one line
+naming the flag (exit status 2).
+
 Exit status: 0 when the stream ended cleanly (the producer closed, or the
 server said goodbye) or a signal stopped the command; 1 when it ended for any
 other reason, which is printed (the producer died, the connection was lost,
-the server was evicted or failed).
+the server was evicted or failed); 2 for a usage error.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
+import socket
 import sys
 import threading
+from typing import Any
+
+from .._errors import ProtocolError, UsageError
+from ..channel import MAX_CHANNEL_SLOTS
+from . import _auth as auth
+from . import _wire as wire
+
+#: Most slots of the relay's ring: the remote credit's limit and a local channel's.
+MAX_RELAY_SLOTS = min(wire.MAX_RING_SLOTS, MAX_CHANNEL_SLOTS)
+NO_SECRET = (
+    f"no shared secret: set ${auth.SECRET_ENV} or pass --secret-file FILE "
+    "(or --insecure, on trusted hosts only)"
+)
 
 
-def _secret(args: argparse.Namespace) -> str | None:
-    if args.secret_file:
-        with open(args.secret_file, encoding="utf-8") as f:
-            return f.read().strip()
-    return None
+def remote_address(text: str) -> str:
+    """An argparse ``type``: a ``ucx://host:port`` address (``host:port`` too)."""
+    try:
+        wire.parse_address(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def listen_address(text: str) -> str:
+    """An argparse ``type``: ``host:port`` to listen on (port 0: any free one)."""
+    return remote_address(text)
+
+
+def socket_path(text: str) -> str:
+    """An argparse ``type``: a local socket path whose directory exists."""
+    directory = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(directory):
+        raise argparse.ArgumentTypeError(f"{text}: there is no directory {directory}")
+    return text
+
+
+def int_in(low: int, high: int | None = None) -> Any:
+    """An argparse ``type``: an integer in ``low..high`` (no upper bound when None)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"in {low}..{high}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    return parse
+
+
+def check_secret(args: argparse.Namespace) -> None:
+    """Set ``args.secret`` from ``--secret-file`` or ``$CUPY_IPCPOOL_SECRET`` (None: none).
+
+    Raises
+    ------
+    argparse.ArgumentError
+        The file cannot be read or is empty, the secret is shorter than 16
+        bytes, or there is none and ``--insecure`` was not given.
+    """
+    secret: str | None
+    if args.secret_file is not None:
+        source = f"argument --secret-file: {args.secret_file}"
+        try:
+            with open(args.secret_file, encoding="utf-8") as f:
+                secret = f.read().strip()
+        except OSError as exc:
+            raise argparse.ArgumentError(
+                None, f"argument --secret-file: cannot read {args.secret_file}: {exc.strerror}"
+            ) from exc
+        except ValueError as exc:  # UnicodeDecodeError
+            raise argparse.ArgumentError(None, f"{source} is not UTF-8 text") from exc
+        if not secret:
+            raise argparse.ArgumentError(None, f"{source} is empty")
+    else:
+        source = f"${auth.SECRET_ENV}"
+        secret = os.environ.get(auth.SECRET_ENV) or None
+    if secret is None:
+        if not args.insecure:
+            raise argparse.ArgumentError(None, NO_SECRET)
+    elif len(secret.encode("utf-8")) < auth.MIN_SECRET:
+        raise argparse.ArgumentError(
+            None,
+            f"{source} holds a secret of {len(secret.encode('utf-8'))} bytes; use at least "
+            f"{auth.MIN_SECRET} (e.g. python3 -c 'import secrets; "
+            "print(secrets.token_urlsafe(32))')",
+        )
+    args.secret = secret
+
+
+def check_listen(args: argparse.Namespace) -> None:
+    """Check that ``--listen`` names an address of this machine and a free port.
+
+    A socket is bound to it (as the server binds its own, with
+    ``SO_REUSEADDR``) and closed, before the producer's channel is joined.
+
+    Raises
+    ------
+    argparse.ArgumentError
+        The host is unknown or not this machine's, or the port is taken.
+    """
+    host, port = wire.parse_address(args.listen)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+            probe.listen(1)
+    except OSError as exc:
+        raise argparse.ArgumentError(
+            None, f"argument --listen: cannot listen on {args.listen}: {exc.strerror or exc}"
+        ) from exc
+
+
+def check_serve(args: argparse.Namespace) -> None:
+    """The checks of ``serve`` that argparse cannot make: the secret, then ``--listen``."""
+    check_secret(args)
+    check_listen(args)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--secret-file", help="file holding the shared secret (default: $CUPY_IPCPOOL_SECRET)"
+        "--secret-file",
+        metavar="FILE",
+        help="file holding the shared secret, at least 16 bytes (default: $CUPY_IPCPOOL_SECRET)",
     )
     parser.add_argument("--insecure", action="store_true", help="no secret (trusted hosts only)")
     parser.add_argument(
@@ -35,7 +159,6 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mode", choices=("block", "latest"), default="block", help="default: block"
     )
-    parser.add_argument("--device", type=int, default=0, help="GPU (default 0)")
 
 
 def _until_signal(stop: threading.Event) -> None:
@@ -45,15 +168,31 @@ def _until_signal(stop: threading.Event) -> None:
 
 def add_relay_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``relay REMOTE PATH``."""
-    parser.add_argument("remote", help="ucx://host:port of the remote server")
-    parser.add_argument("path", help="local socket path to republish at")
-    parser.add_argument("--slots", type=int, default=4, help="local ring slots (default 4)")
+    parser.add_argument(
+        "remote", metavar="REMOTE", type=remote_address, help="ucx://host:port of the remote server"
+    )
+    parser.add_argument(
+        "path", metavar="PATH", type=socket_path, help="local socket path to republish at"
+    )
+    parser.add_argument(
+        "--slots",
+        type=int_in(1, MAX_RELAY_SLOTS),
+        default=4,
+        help=f"local ring slots, 1..{MAX_RELAY_SLOTS} (default 4)",
+    )
     _common(parser)
-    parser.set_defaults(run=run_relay)
+    parser.add_argument(
+        "--device", type=int_in(0), default=0, help="GPU of the local ring (default 0)"
+    )
+    parser.set_defaults(
+        run=run_relay,
+        check=check_secret,
+        gpu=lambda args: args.device if args.memory == "device" else None,
+    )
 
 
 def run_relay(args: argparse.Namespace) -> int:
-    """Relay until the remote stream ends or a signal arrives."""
+    """Relay until the remote stream ends or a signal arrives (``args`` checked)."""
     from ._relay import Relay
 
     stop = threading.Event()
@@ -61,7 +200,7 @@ def run_relay(args: argparse.Namespace) -> int:
     with Relay(
         args.remote,
         args.path,
-        secret=_secret(args),
+        secret=args.secret,
         insecure=args.insecure,
         mode=args.mode,
         slots=args.slots,
@@ -73,39 +212,94 @@ def run_relay(args: argparse.Namespace) -> int:
             pass
         end = relay.ended
         print(f"relayed {relay.relayed} frames; {end or 'stopped'}", flush=True)
-        clean = end is None or bool(getattr(end, "clean", False))
-        return 0 if clean else 1
+        if end is None or bool(getattr(end, "clean", False)):
+            return 0
+        print(f"the relay ended: {end}", file=sys.stderr, flush=True)
+        return 1
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``serve PATH``."""
-    parser.add_argument("path", help="the producer's local socket path")
+    parser.add_argument("path", metavar="PATH", help="the producer's local socket path")
     parser.add_argument(
-        "--listen", default="127.0.0.1:13337", help="host:port (default 127.0.0.1:13337)"
+        "--listen",
+        type=listen_address,
+        default="127.0.0.1:13337",
+        help="host:port (default 127.0.0.1:13337; port 0: any free port)",
     )
     _common(parser)
-    parser.set_defaults(run=run_serve)
+    parser.add_argument(
+        "--device",
+        type=int_in(0),
+        default=None,
+        help="GPU the bridge maps the producer's pool on (default: the producer's)",
+    )
+    parser.set_defaults(
+        run=run_serve,
+        check=check_serve,
+        gpu=lambda args: args.device if args.memory == "device" else None,
+    )
+
+
+def other_memory(args: argparse.Namespace) -> str | None:
+    """The memory kind of the channel at PATH when it is not ``--memory``'s, else None.
+
+    Asked after subscribing as ``--memory`` says failed with a
+    :class:`ProtocolError`: a brief subscription of the other kind (``latest``,
+    so it never holds the producer up) says whether that was the mistake.
+    None when it fails too.
+    """
+    probe: Any
+    try:
+        if args.memory == "device":
+            from ._host import HostChannelSubscriber
+
+            probe = HostChannelSubscriber(args.path, mode="latest", timeout=2.0)
+        else:
+            from ._source import DeviceSource
+
+            probe = DeviceSource(args.path, mode="latest", device=args.device, timeout=2.0)
+    except Exception:
+        return None
+    probe.close()
+    return "host" if args.memory == "device" else "device"
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Serve until the local stream ends or a signal arrives.
+    """Serve until the local stream ends or a signal arrives (``args`` checked).
 
     Returns 0 when a signal stopped it or the producer closed its channel
     cleanly; otherwise prints why the server ended and returns 1.
+
+    Raises
+    ------
+    argparse.ArgumentError
+        The channel at PATH carries the other kind of memory than ``--memory``.
     """
     from ._source import serve
 
     stop = threading.Event()
     _until_signal(stop)
-    with serve(
-        args.path,
-        listen=args.listen,
-        secret=_secret(args),
-        insecure=args.insecure,
-        memory=args.memory,
-        mode=args.mode,
-        device=None if args.memory == "host" else args.device,
-    ) as server:
+    try:
+        server = serve(
+            args.path,
+            listen=args.listen,
+            secret=args.secret,
+            insecure=args.insecure,
+            memory=args.memory,
+            mode=args.mode,
+            device=None if args.memory == "host" else args.device,
+        )
+    except ProtocolError as exc:
+        other = other_memory(args)
+        if other is None:
+            raise
+        raise argparse.ArgumentError(
+            None,
+            f"argument --memory: the channel at {args.path} carries {other} memory, not "
+            f"{args.memory} memory: pass --memory {other}",
+        ) from exc
+    with server:
         print(f"serving {args.path} at {server.address}", flush=True)
         while not stop.is_set() and not server.wait(0.5):
             pass
@@ -116,5 +310,5 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"sent {server.frames_sent} frames; {end}", flush=True)
         if end.clean:
             return 0
-        print(f"cupy_ipcpool serve: the server ended: {end}", file=sys.stderr, flush=True)
+        print(f"the server ended: {end}", file=sys.stderr, flush=True)
         return 1
