@@ -332,7 +332,8 @@ def _outlive(conn: Connection, address: str, cycles: int) -> None:
             assert [f.complete for f in held] == [True] * SET_FIRST + [False] * (HOLD - SET_FIRST)
             for f in held[SET_FIRST:]:
                 word = sub.flags.load(sub.layout.frame_offset(f.slot))
-                assert word == (f.generation + FORCED) & 0xFFFFFFFF
+                # the last value the producer wrote (the frame before) + FORCED
+                assert word == (f.generation - 1 + FORCED) & 0xFFFFFFFF
             assert sub.stream.idle(), "a wait on a flag of the dead producer is left"
             assert all(f.intact() for f in held)
             for f in held:
@@ -569,9 +570,11 @@ def test_frame_state_tells_set_forced_and_pending_apart_cyclically() -> None:
         assert frame_state(gen, gen) is True
         assert frame_state((gen + 1) & 0xFFFFFFFF, gen) is True  # republished since
         assert frame_state((gen - 1) & 0xFFFFFFFF, gen) is None
-        assert frame_state((gen + FORCED) & 0xFFFFFFFF, gen) is False
-        # another subscriber forced it for a nearby generation of the same slot
-        assert frame_state((gen + 3 + FORCED) & 0xFFFFFFFF, gen) is False
+        # forced after the producer had written this frame (or a later one): complete
+        assert frame_state((gen + FORCED) & 0xFFFFFFFF, gen) is True
+        assert frame_state((gen + 3 + FORCED) & 0xFFFFFFFF, gen) is True
+        # forced when the producer's last write was an earlier frame: never written
+        assert frame_state((gen - 1 + FORCED) & 0xFFFFFFFF, gen) is False
         assert frame_state((gen - 3 + FORCED) & 0xFFFFFFFF, gen) is False
 
 
@@ -590,7 +593,7 @@ def test_resolve_forces_only_what_is_awaited_and_never_moves_a_flag_back() -> No
         assert waits.resolve(page) == [1]
         assert waits.resolve(page) == []  # once
         assert waits.forced == 1
-        assert [other.load(layout.frame_offset(s)) for s in range(4)] == [7, 5 + FORCED, 9, 0]
+        assert [other.load(layout.frame_offset(s)) for s in range(4)] == [7, FORCED, 9, 0]
         assert other.load(layout.read_offset(0, 1)) == 42
         # the other mapping tells them apart, as the other subscriber's Frame.complete does
         theirs = FrameWaits(layout)
