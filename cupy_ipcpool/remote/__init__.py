@@ -1,7 +1,8 @@
 """Subscribers on other machines through UCX (UCXX), and a relay that fans out locally.
 
-Needs the ``remote`` extra (``pip install 'cupy_ipcpool[remote]'``); importing
-this package does not, the first session does.  See ``docs/remote.md``.
+Needs the ``remote`` extra (from the source tree,
+``python3 -m pip install -e '.[remote]'``); importing this package does not,
+the first session does.  See ``docs/remote.md``.
 """
 
 from ._errors import AuthenticationError, RemoteUnavailableError

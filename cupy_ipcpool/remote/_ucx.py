@@ -18,7 +18,9 @@ from ._errors import RemoteUnavailableError
 _api: Any = None
 _Array: Any = None
 
-INSTALL_HINT = "install the remote extra: python3 -m pip install 'cupy_ipcpool[remote]'"
+INSTALL_HINT = (
+    "install the remote extra: from the source tree, python3 -m pip install -e '.[remote]'"
+)
 #: What to do when a UCX older than UCXX needs was loaded (a system installation).
 OLD_UCX_HINT = (
     "an older UCX of the system was loaded instead of the libucx-cu13 wheel's: put the "
