@@ -153,12 +153,18 @@ def generate() -> str:
         define(
             "SYNC_FORCED",
             _syncpage.FORCED,
-            "added to the generation when a survivor forces a dead producer's frame flag",
+            "added to a frame flag's last real value when a survivor forces it (producer dead)",
         ),
         define(
             "SYNC_SET_WINDOW",
             _syncpage._SET_WINDOW,
-            "flag - generation below this: the producer set it; up to 2**31: forced",
+            "flag - generation below this: the producer set it; from here to FORCED: forced "
+            "and never written; from FORCED to 2**31: forced, written before the death",
+        ),
+        define(
+            "SYNC_RECORD_CAP",
+            _syncpage.RECORD_CAP,
+            "most received frames a subscriber records as not yet seen complete",
         ),
         "",
         "/* ---- pool descriptors and array handles (_handles.py) ---- */",

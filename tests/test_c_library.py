@@ -11,6 +11,7 @@ and messages it reports, and its open fds before and after.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib.util
 import multiprocessing as mp
 import os
@@ -36,7 +37,15 @@ from cupy_ipcpool._handles import ArrayHandle, PoolDescriptor
 from cupy_ipcpool._transport import process_start_time
 from cupy_ipcpool.channel import _protocol as proto
 from cupy_ipcpool.channel._payload import FRAME_HEAD, WELCOME_HEAD
-from cupy_ipcpool.channel._syncpage import FlagLayout, SharedFlags
+from cupy_ipcpool.channel._syncpage import (
+    _SET_WINDOW,
+    FORCED,
+    RECORD_CAP,
+    FlagLayout,
+    FrameWaits,
+    SharedFlags,
+    frame_state,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 C_DIR = ROOT / "c"
@@ -57,7 +66,12 @@ def compiler() -> str | None:
 
 
 def build_c_program(
-    out_dir: Path, name: str, sources: list[Path], extra: tuple[str, ...] = ()
+    out_dir: Path,
+    name: str,
+    sources: list[Path],
+    extra: tuple[str, ...] = (),
+    *,
+    library: bool = True,
 ) -> Path:
     """Compile ``sources`` with the library into ``out_dir/name``; skip if no compiler.
 
@@ -68,9 +82,11 @@ def build_c_program(
     name:
         Executable name.
     sources:
-        The program's own sources; ``c/src/cupy_ipcpool.c`` is added.
+        The program's own sources.
     extra:
         More compiler flags.
+    library:
+        Add ``c/src/cupy_ipcpool.c`` (False for a program that includes it itself).
 
     Returns
     -------
@@ -89,7 +105,7 @@ def build_c_program(
         *extra,
         f"-I{C_DIR / 'include'}",
         *map(str, sources),
-        str(C_DIR / "src" / "cupy_ipcpool.c"),
+        *([str(C_DIR / "src" / "cupy_ipcpool.c")] if library else []),
         "-o",
         str(exe),
         "-ldl",
@@ -97,6 +113,206 @@ def build_c_program(
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout}{done.stderr}"
     return exe
+
+
+def build_c_library(out_dir: Path) -> Path:
+    """``libcupy_ipcpool.so`` built into ``out_dir`` (for ctypes); skip if no compiler."""
+    return build_c_program(
+        out_dir,
+        "libcupy_ipcpool.so",
+        [C_DIR / "src" / "cupy_ipcpool.c"],
+        ("-shared", "-fPIC"),
+        library=False,
+    )
+
+
+# ---------------------------------------------------------------- the library through ctypes
+
+CIP_MAX_NDIM = 16
+CIP_MODE_BLOCK, CIP_MODE_LATEST = 0, 1
+CIP_TRANSPORT_AUTO, CIP_TRANSPORT_PIDFD, CIP_TRANSPORT_SOCKET = 0, 1, 2
+
+
+class CipArray(ctypes.Structure):
+    """``cip_array``."""
+
+    _fields_ = [
+        ("data", ctypes.c_uint64),
+        ("offset", ctypes.c_uint64),
+        ("generation", ctypes.c_uint64),
+        ("nbytes", ctypes.c_uint64),
+        ("slot", ctypes.c_uint32),
+        ("dtype", ctypes.c_int32),
+        ("itemsize", ctypes.c_uint32),
+        ("ndim", ctypes.c_uint32),
+        ("shape", ctypes.c_uint64 * CIP_MAX_NDIM),
+        ("strides", ctypes.c_int64 * CIP_MAX_NDIM),
+    ]
+
+
+class CipFrame(ctypes.Structure):
+    """``cip_frame``."""
+
+    _fields_ = [
+        ("seq", ctypes.c_uint64),
+        ("slot", ctypes.c_uint32),
+        ("generation", ctypes.c_uint32),
+        ("num_arrays", ctypes.c_uint32),
+        ("metadata_len", ctypes.c_uint32),
+        ("arrays", ctypes.POINTER(CipArray)),
+        ("metadata", ctypes.c_void_p),
+    ]
+
+
+class CipSubOptions(ctypes.Structure):
+    """``cip_sub_options``."""
+
+    _fields_ = [
+        ("mode", ctypes.c_int),
+        ("credit", ctypes.c_uint32),
+        ("timeout_ms", ctypes.c_int),
+        ("device", ctypes.c_int),
+        ("allowed_uids", ctypes.POINTER(ctypes.c_uint32)),
+        ("n_allowed_uids", ctypes.c_size_t),
+    ]
+
+
+class CLib:
+    """The C library loaded with ctypes: its functions, typed, as attributes.
+
+    For tests (here and in ``test_c_library_gpu.py``) that drive the library from
+    Python: the GPU tests launch their kernels with CuPy on the library's pointers.
+    """
+
+    _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
+        "cip_status_name": (ctypes.c_char_p, [ctypes.c_int]),
+        "cip_last_error": (ctypes.c_char_p, []),
+        "cip_sub_options_init": (None, [ctypes.POINTER(CipSubOptions)]),
+        "cip_sub_open": (
+            ctypes.c_int,
+            [ctypes.c_char_p, ctypes.POINTER(CipSubOptions), ctypes.POINTER(ctypes.c_void_p)],
+        ),
+        "cip_sub_recv": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(CipFrame)]),
+        "cip_frame_wait": (
+            ctypes.c_int,
+            [ctypes.c_void_p, ctypes.POINTER(CipFrame), ctypes.c_void_p],
+        ),
+        "cip_sub_release": (
+            ctypes.c_int,
+            [ctypes.c_void_p, ctypes.POINTER(CipFrame), ctypes.c_void_p],
+        ),
+        "cip_frame_complete": (ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(CipFrame)]),
+        "cip_sub_incomplete_frames": (
+            ctypes.c_int,
+            [
+                ctypes.c_void_p,
+                ctypes.POINTER(ctypes.c_uint64),
+                ctypes.c_size_t,
+                ctypes.POINTER(ctypes.c_size_t),
+            ],
+        ),
+        "cip_sub_untracked_frames": (ctypes.c_uint64, [ctypes.c_void_p]),
+        "cip_sub_forced_flags": (ctypes.c_uint64, [ctypes.c_void_p]),
+        "cip_sub_device": (ctypes.c_int, [ctypes.c_void_p]),
+        "cip_sub_close": (ctypes.c_int, [ctypes.c_void_p]),
+        "cip_pool_attach": (
+            ctypes.c_int,
+            [
+                ctypes.c_char_p,
+                ctypes.c_size_t,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.POINTER(ctypes.c_void_p),
+            ],
+        ),
+        "cip_pool_slot_ptr": (
+            ctypes.c_int,
+            [ctypes.c_void_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64)],
+        ),
+        "cip_pool_close": (ctypes.c_int, [ctypes.c_void_p]),
+        "cip_parse_frame_payload": (
+            ctypes.c_int,
+            [
+                ctypes.c_char_p,
+                ctypes.c_size_t,
+                ctypes.c_uint64,
+                ctypes.c_uint32,
+                ctypes.c_uint64,
+                ctypes.c_uint64,
+                ctypes.POINTER(CipArray),
+                ctypes.c_size_t,
+                ctypes.POINTER(CipFrame),
+            ],
+        ),
+        "cip_flag_state": (ctypes.c_int, [ctypes.c_uint32, ctypes.c_uint32]),
+        "cip_sync_layout": (
+            ctypes.c_int,
+            [
+                ctypes.c_uint32,
+                ctypes.c_uint32,
+                ctypes.POINTER(ctypes.c_size_t),
+                ctypes.POINTER(ctypes.c_size_t),
+            ],
+        ),
+    }
+
+    def __init__(self, path: Path | str) -> None:
+        self.dll = ctypes.CDLL(str(path))
+        for name, (restype, argtypes) in self._SIGNATURES.items():
+            fn = getattr(self.dll, name)  # ctypes keeps this object: typed once for all
+            fn.restype = restype
+            fn.argtypes = argtypes
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in self._SIGNATURES:
+            raise AttributeError(f"{name} is not declared in CLib._SIGNATURES")
+        return getattr(self.dll, name)
+
+    def why(self, status: int) -> str:
+        """``"NAME: message"`` of a status and this thread's last error."""
+        name = self.cip_status_name(status).decode()
+        return f"{name}: {self.cip_last_error().decode(errors='replace')}"
+
+    def check(self, status: int, what: str) -> None:
+        """Raise AssertionError naming ``what`` unless ``status`` is CIP_OK."""
+        if status != 0:
+            raise AssertionError(f"{what}: {self.why(status)}")
+
+    def options(self, mode: int = CIP_MODE_BLOCK, timeout_ms: int = 30000) -> CipSubOptions:
+        """Defaults (``cip_sub_options_init``) with ``mode`` and ``timeout_ms``."""
+        opts = CipSubOptions()
+        self.cip_sub_options_init(ctypes.byref(opts))
+        opts.mode = mode
+        opts.timeout_ms = timeout_ms
+        return opts
+
+    def subscribe(self, address: str, mode: int = CIP_MODE_BLOCK) -> ctypes.c_void_p:
+        """``cip_sub_open``; raises AssertionError with the library's message on failure."""
+        sub = ctypes.c_void_p()
+        opts = self.options(mode)
+        self.check(
+            self.cip_sub_open(address.encode(), ctypes.byref(opts), ctypes.byref(sub)),
+            "cip_sub_open",
+        )
+        return sub
+
+    def incomplete(self, sub: ctypes.c_void_p) -> list[int]:
+        """``cip_sub_incomplete_frames``, all of them."""
+        count = ctypes.c_size_t()
+        self.check(self.cip_sub_incomplete_frames(sub, None, 0, ctypes.byref(count)), "count")
+        seqs = (ctypes.c_uint64 * max(1, count.value))()
+        self.check(
+            self.cip_sub_incomplete_frames(sub, seqs, count.value, ctypes.byref(count)),
+            "cip_sub_incomplete_frames",
+        )
+        return list(seqs[: count.value])
+
+    @staticmethod
+    def frame(seq: int, slot: int, generation: int) -> CipFrame:
+        """A ``cip_frame`` naming a received frame (what ``cip_frame_complete`` reads)."""
+        f = CipFrame()
+        f.seq, f.slot, f.generation = seq, slot, generation
+        return f
 
 
 @pytest.fixture(scope="module")
@@ -515,6 +731,488 @@ def test_no_publisher(probe: Probe, address: str) -> None:
     answer = probe(f"open_raw {address} block 0 1000")
     assert status(answer) == "CIP_ERR_TRANSPORT"
     assert "is the publisher running?" in answer
+
+
+class RecordingPeer:
+    """A listening socket that accepts one connection, sends nothing, and records every
+    byte that arrives until the other side closes."""
+
+    def __init__(self, address: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.bind(address)
+        self.sock.listen(4)
+        self.received: list[bytes] = []
+        self.hung_up = False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        self.sock.settimeout(20)
+        conn, _ = self.sock.accept()
+        conn.settimeout(20)
+        with conn:
+            while True:
+                data = conn.recv(1 << 17)
+                if not data:
+                    self.hung_up = True
+                    return
+                self.received.append(data)
+
+    def close(self) -> None:
+        self.thread.join(20)
+        self.sock.close()
+
+
+@pytest.mark.parametrize("layer", ["open_raw", "open"])
+def test_a_publisher_of_a_uid_not_allowed_is_sent_nothing(
+    probe: Probe, address: str, layer: str
+) -> None:
+    peer = RecordingPeer(address)
+    try:
+        base = probe.fds()
+        answer = probe(f"{layer} {address} block 0 5000 {os.geteuid() + 1}")
+        assert status(answer) == "CIP_ERR_REFUSED", answer
+        assert f"runs as uid {os.geteuid()}" in answer and "nothing was sent" in answer
+        peer.thread.join(20)
+        assert peer.hung_up, "the C side kept the refused connection open"
+        assert peer.received == [], f"bytes reached a refused peer: {peer.received!r}"
+        assert probe.fds() == base
+    finally:
+        peer.close()
+
+
+class SlowReader:
+    """A publisher of raw frames that stops reading its subscriber's socket.
+
+    Answers the HELLO with a WELCOME (no payload, no fds), then a thread sends
+    ``frames`` frames, frame ``seq`` in slot ``seq % num_slots``; nothing is read
+    from the connection until :meth:`read` is called.
+    """
+
+    def __init__(self, address: str, num_slots: int, frames: int) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.bind(address)
+        self.sock.listen(4)
+        self.num_slots, self.frames = num_slots, frames
+        self.conn: socket.socket | None = None
+        self.sent = 0
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        try:
+            self.sock.settimeout(20)
+            conn, _ = self.sock.accept()
+            conn.settimeout(60)
+            self.conn = conn
+            conn.recv(1 << 17)  # HELLO
+            conn.send(_welcome(num_slots=self.num_slots, credit=self.num_slots))
+            for seq in range(self.frames):
+                conn.send(proto.encode_frame(seq, seq % self.num_slots))
+                self.sent += 1
+        except BaseException as exc:  # the test fails with it
+            self.error = exc
+
+    def queued(self) -> list[proto.Message]:
+        """Everything the subscriber's socket holds for us right now (no waiting)."""
+        self.thread.join(20)  # every frame sent (the subscriber took them all)
+        assert self.conn is not None
+        out = []
+        self.conn.setblocking(False)
+        try:
+            with contextlib.suppress(BlockingIOError):  # EAGAIN: nothing more
+                while True:
+                    out.append(proto.decode(self.conn.recv(1 << 17)))
+        finally:
+            self.conn.settimeout(60)
+        return out
+
+    def read(self, count: int, timeout: float) -> list[proto.Message]:
+        """Read until ``count`` messages arrived (or the timeout, or the hang-up)."""
+        assert self.conn is not None
+        out: list[proto.Message] = []
+        deadline = time.monotonic() + timeout
+        while len(out) < count and time.monotonic() < deadline:
+            ready, _, _ = select.select([self.conn], [], [], 0.05)
+            if ready:
+                data = self.conn.recv(1 << 17)
+                if not data:
+                    break
+                out.append(proto.decode(data))
+        return out
+
+    def close(self) -> None:
+        self.thread.join(20)
+        if self.conn is not None:
+            self.conn.close()
+        self.sock.close()
+
+
+def test_releases_a_full_socket_did_not_take_are_sent_later_in_order(
+    probe: Probe, address: str
+) -> None:
+    num_slots, frames = 8, 1200  # the C side's socket takes a few hundred RELEASEs
+    pub = SlowReader(address, num_slots, frames)
+    try:
+        assert probe(f"open_raw {address} block 0 5000").startswith("ok "), "handshake"
+        # every release returns at once, however full the socket (no wait, no error)
+        t0 = time.monotonic()
+        assert probe(f"recvrel {frames} 5000", timeout=60) == f"ok {frames}"
+        assert time.monotonic() - t0 < 20
+        assert pub.error is None, pub.error
+        first = pub.queued()
+        assert 0 < len(first) < frames, (
+            f"{len(first)} RELEASEs were in the socket: it never filled, so this proves nothing"
+        )
+        # the publisher reads again; the subscriber's next call sends what it owes
+        rest: list[proto.Message] = []
+        reader = threading.Thread(target=lambda: rest.extend(pub.read(frames - len(first), 20)))
+        reader.start()
+        assert status(probe("recv 1500")) == "CIP_ERR_TIMEOUT"
+        reader.join(30)
+        got = [(m.seq, m.slot) for m in (*first, *rest) if isinstance(m, proto.Release)]
+        assert got == [(seq, seq % num_slots) for seq in range(frames)], (
+            f"{len(got)} RELEASEs of {frames} arrived, or out of order"
+        )
+        assert probe("close") == "ok"
+        assert any(isinstance(m, proto.Bye) for m in pub.read(1, 10)), "BYE after the RELEASEs"
+    finally:
+        pub.close()
+
+
+def test_a_publisher_that_never_reads_ends_the_subscription_clearly(
+    probe: Probe, address: str
+) -> None:
+    # past CIP_WIRE_MAX_CREDIT + num_slots RELEASEs owed no credit explains it: the end
+    num_slots = 8
+    limit = proto.MAX_CREDIT + num_slots
+    pub = SlowReader(address, num_slots, limit + 400)
+    try:
+        assert probe(f"open_raw {address} block 0 5000").startswith("ok "), "handshake"
+        answer = probe(f"recvrel {limit + 400} 5000", timeout=120)
+        assert status(answer) == "CIP_ERR_TRANSPORT", answer
+        assert "has not read this subscriber's messages" in answer
+        done = int(answer.split()[3])
+        assert limit < done < limit + 400, answer
+        assert status(probe("recv 0")) == "CIP_ERR_TRANSPORT"  # and on every later call
+        assert probe("close") == "ok"
+    finally:
+        pub.close()
+
+
+# ---------------------------------------------------------------- the sync page
+
+MASK = 0xFFFFFFFF
+
+
+@pytest.mark.parametrize(
+    ("num_slots", "rows"), [(1, 1), (2, 4), (8, 64), (63, 3), (64, 1), (65, 1), (1000, 65)]
+)
+def test_sync_layout_is_the_python_flag_layout(probe: Probe, num_slots: int, rows: int) -> None:
+    layout = FlagLayout(num_slots, rows)
+    assert probe(f"layout {num_slots} {rows}") == f"ok {layout.reads_offset} {layout.nbytes}"
+
+
+def test_sync_layout_refuses_an_empty_page(probe: Probe) -> None:
+    assert status(probe("layout 0 4")) == "CIP_ERR_INVALID_ARGUMENT"
+    assert status(probe("layout 4 0")) == "CIP_ERR_INVALID_ARGUMENT"
+
+
+#: (word - generation) mod 2**32 -> cip_flag_state, one row per edge of the decode table
+DECODE_TABLE = [
+    (0, 1),  # the producer's stream set it for this frame
+    (5, 1),  # ... or for a later frame of the slot
+    (_SET_WINDOW - 1, 1),
+    (_SET_WINDOW, 0),  # forced to w + FORCED with w < generation: never written
+    (FORCED - 1, 0),  # w = generation - 1
+    (FORCED, 1),  # forced, w = generation: written before the death
+    (FORCED + 7, 1),
+    ((1 << 31) - 1, 1),
+    (1 << 31, -1),  # not set yet
+    (MASK, -1),  # the flag one generation behind
+]
+
+
+@pytest.mark.parametrize("generation", [0, 1, 1 << 31, MASK - 2, MASK, 0x1234567])
+def test_flag_state_decodes_as_python(probe: Probe, generation: int) -> None:
+    for distance, expected in DECODE_TABLE:
+        word = (generation + distance) & MASK
+        assert probe(f"state {word} {generation}") == f"ok {expected}", (word, generation)
+        py = frame_state(word, generation)
+        assert {None: -1, True: 1, False: 0}[py] == expected, (word, generation)
+
+
+def test_flag_state_agrees_with_python_on_random_words(probe: Probe) -> None:
+    rng = np.random.default_rng(11)
+    for word, generation in rng.integers(0, 1 << 32, size=(300, 2), dtype=np.uint64).tolist():
+        py = {None: -1, True: 1, False: 0}[frame_state(word, generation)]
+        assert probe(f"state {word} {generation}") == f"ok {py}", (word, generation)
+
+
+def _page_path(flags: SharedFlags) -> str:
+    """The page's memfd as another process opens it."""
+    return f"/proc/{os.getpid()}/fd/{flags.fd}"
+
+
+def _states(probe: Probe, word: int, generations: range | list[int]) -> list[int]:
+    return [int(probe(f"state {word} {g & MASK}").split()[1]) for g in generations]
+
+
+def test_forcing_a_frame_flag_keeps_every_frame_of_the_slot_exact(probe_exe: Path) -> None:
+    layout = FlagLayout(4, 2)
+    flags = SharedFlags.create(layout.nbytes)
+    first, second = Probe(probe_exe), Probe(probe_exe)  # two survivors of one producer
+    try:
+        for p in (first, second):
+            assert p(f"page {_page_path(flags)}") == f"ok {layout.nbytes}"
+        # slot 0: the producer's stream wrote frames of generations 1..6, then it died;
+        # the first survivor's streams wait for generation 9
+        flags.store(layout.frame_offset(0), 6)
+        assert first("force 0 9") == f"ok 1 {6 + FORCED}", "the last real value + FORCED"
+        # the second survivor (waiting for 7, or 9) finds it reached and leaves it alone
+        assert second("force 0 7") == f"ok 0 {6 + FORCED}"
+        assert second("force 0 9") == f"ok 0 {6 + FORCED}"
+        assert not flags.force_frame(layout.frame_offset(0), 8), "Python sees it reached too"
+        word = flags.load(layout.frame_offset(0))
+        assert _states(second, word, range(1, 7)) == [1] * 6, "written before the death"
+        assert _states(second, word, range(7, 11)) == [0] * 4, "never written"
+        assert [frame_state(word, g) for g in range(1, 11)] == [True] * 6 + [False] * 4
+        # slot 1: the producer set the awaited generation before it died: left alone
+        flags.store(layout.frame_offset(1), 12)
+        assert first("force 1 12") == "ok 0 12"
+        assert first("force 1 10") == "ok 0 12"
+        # slot 2: Python forced it first; the C survivor sees that and stores nothing
+        flags.store(layout.frame_offset(2), 3)
+        assert flags.force_frame(layout.frame_offset(2), 5)
+        assert first("force 2 5") == f"ok 0 {3 + FORCED}"
+        assert first("word 2") == f"ok {flags.load(layout.frame_offset(2))}"
+        # slot 3: generations wrap around 2**32
+        flags.store(layout.frame_offset(3), MASK - 1)
+        assert first("force 3 1") == f"ok 1 {(MASK - 1 + FORCED) & MASK}"
+        word = flags.load(layout.frame_offset(3))
+        assert _states(first, word, [MASK - 2, MASK - 1, MASK, 0, 1]) == [1, 1, 0, 0, 0]
+        # the read-flag rows are untouched
+        assert all(flags.load(layout.read_offset(r, s)) == 0 for r in range(2) for s in range(4))
+    finally:
+        first.close()
+        second.close()
+        flags.close()
+
+
+@pytest.fixture(scope="module")
+def book_exe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_c_program(
+        tmp_path_factory.mktemp("cbook"),
+        "cip_book_probe",
+        [C_DIR / "tests" / "cip_book_probe.c"],
+        library=False,
+    )
+
+
+#: Scenarios of what a GPU subscription's bookkeeping sees: (num_slots, record cap,
+#: steps).  "write": the producer's stream sets slot's flag; "recv": frame (seq, slot,
+#: generation) received; "note": a stream waits on the flag; "others": another
+#: survivor forces the flag for an awaited generation; "die": the producer is dead
+#: (resolve); "expect": the answers' incomplete seqs (the truth of the scenario).
+BOOK_SCENARIOS: dict[str, tuple[int, int, list[tuple[Any, ...]]]] = {
+    "the producer keeps ahead": (
+        2,
+        8,
+        [
+            ("write", 0, 1),
+            ("recv", 0, 0, 1),
+            ("write", 1, 1),
+            ("recv", 1, 1, 1),
+            ("die",),
+            ("expect", []),
+        ],
+    ),
+    "the producer lags, then dies": (
+        2,
+        64,
+        [
+            ("recv", 0, 0, 1),  # not written yet when received: recorded
+            ("recv", 1, 1, 1),
+            ("write", 0, 1),
+            ("recv", 2, 0, 2),  # frame 0 pruned from the front: the producer wrote it
+            ("write", 1, 1),
+            ("recv", 3, 1, 2),
+            ("write", 0, 2),
+            ("recv", 4, 0, 3),
+            ("recv", 5, 1, 3),
+            ("die",),  # slot 0 written up to 2 (frame 4 never), slot 1 up to 1 (3, 5 never)
+            ("expect", [3, 4, 5]),
+        ],
+    ),
+    "frames written before the death in a forced slot are complete": (
+        1,
+        64,
+        [
+            ("recv", 0, 0, 1),
+            ("recv", 1, 0, 2),
+            ("recv", 2, 0, 3),
+            ("note", 0, 3),
+            ("write", 0, 1),
+            ("write", 0, 2),  # 1 and 2 written; 3 never
+            ("die",),
+            ("expect", [2]),
+        ],
+    ),
+    "another survivor forced first": (
+        2,
+        64,
+        [
+            ("recv", 0, 0, 1),
+            ("recv", 1, 1, 1),
+            ("write", 1, 1),
+            ("recv", 2, 1, 2),
+            ("others", 0, 1),
+            ("others", 1, 3),  # it awaited a later frame of slot 1 than ours
+            ("die",),  # ours are reached already: nothing left to force
+            ("expect", [0, 2]),
+        ],
+    ),
+    "a full record drops its oldest, counted": (
+        1,
+        3,
+        [("recv", s, 0, s + 1) for s in range(5)] + [("die",), ("expect", [2, 3, 4])],
+    ),
+    "generations wrap around 2**32": (
+        1,
+        64,
+        [
+            ("write", 0, MASK - 1),
+            ("recv", 0, 0, MASK),
+            ("recv", 1, 0, 0),
+            ("write", 0, MASK),
+            ("recv", 2, 0, 1),
+            ("die",),
+            ("expect", [1, 2]),
+        ],
+    ),
+    "the producer alive: nothing incomplete, frames pending": (
+        2,
+        64,
+        [("recv", 0, 0, 1), ("recv", 1, 1, 1), ("note", 1, 1), ("expect", [])],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BOOK_SCENARIOS))
+def test_frame_bookkeeping_is_the_python_rule(book_exe: Path, name: str) -> None:
+    """One table of scenarios against the C book and the Python FrameWaits, step by step."""
+    num_slots, cap, steps = BOOK_SCENARIOS[name]
+    layout = FlagLayout(num_slots, 1)
+    py_page, c_page = SharedFlags.create(layout.nbytes), SharedFlags.create(layout.nbytes)
+    waits = FrameWaits(layout, record_cap=cap)
+    book = Probe(book_exe)
+    try:
+        assert book(f"page {_page_path(c_page)} {num_slots} {cap}") == "ok"
+        for step in steps:
+            kind, *args = step
+            if kind in ("write", "others"):
+                slot, value = args
+                for page in (py_page, c_page):
+                    if kind == "write":
+                        page.store(layout.frame_offset(slot), value)
+                    else:
+                        page.force_frame(layout.frame_offset(slot), value)
+            elif kind == "recv":
+                seq, slot, gen = args
+                # Subscriber.recv: a wait is queued (and the frame recorded) unless the
+                # host sees the flag set by the producer
+                waited = ((py_page.load(layout.frame_offset(slot)) - gen) & MASK) >= _SET_WINDOW
+                if waited:
+                    waits.track(py_page, seq, slot, gen)
+                elif waits.record:
+                    waits.prune(py_page)
+                assert book(f"recv {seq} {slot} {gen}") == f"ok {int(waited)}", (name, step)
+            elif kind == "note":
+                waits.note(*args)
+                assert book(f"note {args[0]} {args[1]}") == "ok"
+            elif kind == "die":
+                forced = waits.resolve(py_page)
+                assert book("resolve") == f"ok {len(forced)} {waits.forced}", (name, step)
+                assert waits.pending(py_page) == [], "every wait can end"
+            elif kind == "expect":
+                assert list(waits.answers(py_page)[0]) == args[0], (name, "the Python side")
+            # after every step: the same flags, the same answers
+            words = [py_page.load(layout.frame_offset(s)) for s in range(num_slots)]
+            assert words == [c_page.load(layout.frame_offset(s)) for s in range(num_slots)], step
+            incomplete, pending = waits.answers(py_page)
+            seqs = ",".join(map(str, incomplete)) or "-"
+            assert book("answers") == f"ok {seqs} {len(pending)} {waits.untracked}", (name, step)
+            assert book("pending") == f"ok {int(bool(waits.pending(py_page)))}", (name, step)
+    finally:
+        book.close()
+        py_page.close()
+        c_page.close()
+
+
+def test_the_record_cap_is_the_python_one() -> None:
+    header = (C_DIR / "include" / "cupy_ipcpool_wire.h").read_text()
+    assert f"#define CIP_WIRE_SYNC_RECORD_CAP {RECORD_CAP}u" in header
+    assert f"#define CIP_WIRE_SYNC_FORCED {FORCED}u" in header
+
+
+# ---------------------------------------------------------------- ctypes (the GPU tests' bindings)
+
+
+@pytest.fixture(scope="module")
+def clib(tmp_path_factory: pytest.TempPathFactory) -> CLib:
+    return CLib(build_c_library(tmp_path_factory.mktemp("clib")))
+
+
+def test_ctypes_structures_match_the_header(clib: CLib) -> None:
+    opts = clib.options(CIP_MODE_LATEST, 1234)
+    assert (opts.mode, opts.credit, opts.timeout_ms, opts.device) == (1, 0, 1234, -1)
+    assert not opts.allowed_uids and opts.n_allowed_uids == 0
+    handles = [
+        ArrayHandle(3, 7, 64, (4, 5), (20, 4), np.dtype("float32")),
+        ArrayHandle(3, 7, 512, (6,), (-8,), np.dtype("int64")),
+    ]
+    payload = _geometry_payload(3, 7, handles, b"meta")
+    arrays = (CipArray * 4)()
+    frame = CipFrame()
+    st = clib.cip_parse_frame_payload(
+        payload, len(payload), 42, 3, 4096, 0x10000, arrays, 4, ctypes.byref(frame)
+    )
+    clib.check(st, "cip_parse_frame_payload")
+    assert (frame.seq, frame.slot, frame.generation, frame.num_arrays) == (42, 3, 7, 2)
+    assert ctypes.string_at(frame.metadata, frame.metadata_len) == b"meta"
+    for i, h in enumerate(handles):
+        a = frame.arrays[i]
+        assert (a.data, a.offset, a.generation, a.slot) == (0x10000 + h.offset, h.offset, 7, 3)
+        assert (a.itemsize, a.ndim, a.nbytes) == (h.dtype.itemsize, h.ndim, h.nbytes)
+        assert tuple(a.shape[: a.ndim]) == h.shape and tuple(a.strides[: a.ndim]) == h.strides
+    assert clib.cip_flag_state((7 + FORCED) & MASK, 7) == 1
+    reads, nbytes = ctypes.c_size_t(), ctypes.c_size_t()
+    clib.check(clib.cip_sync_layout(8, 4, ctypes.byref(reads), ctypes.byref(nbytes)), "layout")
+    assert (reads.value, nbytes.value) == (FlagLayout(8, 4).reads_offset, FlagLayout(8, 4).nbytes)
+    assert clib.cip_pool_close(None) == 0 and clib.cip_sub_close(None) == 0
+    # a frame never received is not known (no GPU needed to ask)
+    assert clib.cip_frame_complete(None, ctypes.byref(clib.frame(0, 0, 1))) == -1
+
+
+def test_ctypes_signatures_take_what_the_gpu_tests_pass(clib: CLib, address: str) -> None:
+    invalid = 1  # CIP_ERR_INVALID_ARGUMENT: every call below reaches the library
+    f, count, ptr = CipFrame(), ctypes.c_size_t(), ctypes.c_uint64()
+    stream = 0x1234  # a CuPy stream's .ptr is an int
+    assert clib.cip_sub_recv(None, 0, ctypes.byref(f)) == invalid
+    assert clib.cip_frame_wait(None, ctypes.byref(f), stream) == invalid
+    assert clib.cip_sub_release(None, ctypes.byref(f), stream) == invalid
+    assert clib.cip_sub_incomplete_frames(None, None, 0, ctypes.byref(count)) == invalid
+    assert clib.cip_sub_untracked_frames(None) == 0 and clib.cip_sub_forced_flags(None) == 0
+    assert clib.cip_sub_device(None) == -1
+    assert clib.cip_pool_slot_ptr(None, 0, ctypes.byref(ptr)) == invalid
+    pool = ctypes.c_void_p()
+    st = clib.cip_pool_attach(b"junk", 4, -1, CIP_TRANSPORT_AUTO, ctypes.byref(pool))
+    assert clib.why(st).startswith("CIP_ERR_DESCRIPTOR: not a cupy_ipcpool pool descriptor")
+    with pytest.raises(AssertionError, match="cip_sub_open: CIP_ERR_TRANSPORT"):
+        clib.subscribe(address)
+    with pytest.raises(AttributeError):
+        clib.cip_no_such_function  # noqa: B018
 
 
 # ---------------------------------------------------------------- frames with arrays
@@ -999,6 +1697,8 @@ def test_cmake_install_and_find_package(tmp_path: Path) -> None:
         "-B",
         str(build),
         f"-DCMAKE_INSTALL_PREFIX={prefix}",
+        # found by CMAKE_PREFIX_PATH: no entry in the user's own package registry
+        "-DCIP_REGISTER_PACKAGE=OFF",
         "-DCMAKE_BUILD_TYPE=Release",
     )
     run("cmake", "--build", str(build), "-j2")

@@ -49,6 +49,8 @@ int main(int argc, char **argv)
                f.num_arrays, f.num_arrays ? cip_dtype_name(f.arrays[0].dtype) : "-", first[0]);
         cip_sub_release(sub, &f, stream); /* after the work that reads the frame */
     }
-    cip_sub_close(sub);
+    cip_status closed = cip_sub_close(sub); /* waits for GPU work still queued on the slots */
+    if (closed != CIP_OK)
+        fprintf(stderr, "%s: %s\n", cip_status_name(closed), cip_last_error());
     return st == CIP_OK || st == CIP_ERR_END_OF_STREAM ? 0 : 1;
 }

@@ -197,8 +197,15 @@ cip_status cip_pool_slot_ptr(const cip_pool *pool, uint32_t slot, uint64_t *ptr)
 /* Decode exactly one packed ArrayHandle, check it fits its slot (bounds,
  * alignment) and is not older than a generation already seen for that slot. */
 cip_status cip_array_from_handle(cip_pool *pool, const void *bytes, size_t len, cip_array *out);
-/* Unmap and release everything.  NULL is ignored.  Never fails. */
-void cip_pool_close(cip_pool *pool);
+/* Unmap and release everything, once no GPU work queued in this process can still
+ * touch the slots: first cuCtxSynchronize on the pool's device (its primary
+ * context, pushed and popped: the caller's current context is unchanged), because
+ * cuMemUnmap does not wait for kernels as cudaFree does.  If that work has not
+ * finished within 10 s, a background thread unmaps once it has, and
+ * CIP_ERR_TIMEOUT says so; if the synchronisation fails (a context already broken
+ * by an earlier error), the slots are unmapped anyway and CIP_ERR_CUDA names the
+ * error.  The handle is freed in every case; NULL is ignored (CIP_OK). */
+cip_status cip_pool_close(cip_pool *pool);
 
 /* ---- subscriptions ----------------------------------------------------------------- */
 
@@ -210,8 +217,7 @@ typedef enum cip_mode {
 typedef struct cip_sub_options {
     int mode;                       /* cip_mode; default CIP_MODE_BLOCK */
     uint32_t credit;                /* frames held at once; 0: 1 for latest, 64 for block */
-    int timeout_ms;                 /* connect + handshake, and how long a release may wait
-                                       for room in the socket; default 10000 */
+    int timeout_ms;                 /* connect + handshake; default 10000 */
     int device;                     /* GPU layer: the local device, -1 (default): the
                                        producer's GPU, by UUID */
     const uint32_t *allowed_uids;   /* uids the publisher may run as; NULL: own euid */
@@ -269,8 +275,13 @@ typedef struct cip_raw_frame {
  * CIP_ERR_EVICTED (no frame queued behind an eviction notice is ever handed
  * out), CIP_ERR_PROTOCOL -- and the same on every later call. */
 cip_status cip_sub_recv_raw(cip_sub *sub, int timeout_ms, cip_raw_frame *frame);
-/* Return the lease on a frame.  After a clean end or the publisher's death
- * this only forgets the frame; after an eviction it forgets it and returns
+/* Return the lease on a frame: the frame is forgotten and RELEASE sent.  The call
+ * never blocks: while the socket is full (a publisher that is not reading), the
+ * RELEASE is kept and sent, in order, before any later one, by the next call that
+ * talks to the publisher (receive, release, close); a publisher that lets more
+ * than CIP_WIRE_MAX_CREDIT + num_slots of them pile up ends the subscription
+ * (CIP_ERR_TRANSPORT).  After a clean end or the publisher's death this only
+ * forgets the frame; after an eviction it forgets it and returns
  * CIP_ERR_EVICTED.  CIP_ERR_NOT_HELD if the frame is not held. */
 cip_status cip_sub_release_raw(cip_sub *sub, uint64_t seq, uint32_t slot);
 
@@ -300,19 +311,38 @@ cip_status cip_frame_wait(cip_sub *sub, const cip_frame *frame, void *stream);
  * (cuStreamWriteValue32), then RELEASE is sent.  Enqueue the work that reads
  * the frame on `stream` (or order it before) first.  If the publisher has hung
  * up, nothing is written (after an eviction the row may be another
- * subscriber's): as cip_sub_release_raw.  On CIP_ERR_CUDA the frame is still
- * held. */
+ * subscriber's): as cip_sub_release_raw, except that a hang-up seen here while
+ * a stream of ours waits on an unset frame flag waits (at most 5 s) for the
+ * producer's pidfd, as cip_sub_recv does, so that the flags are forced first.
+ * On CIP_ERR_CUDA the frame is still held. */
 cip_status cip_sub_release(cip_sub *sub, const cip_frame *frame, void *stream);
 
-/* Whether the producer finished writing a held frame: 1 (its stream set the frame
- * flag: the arrays hold what it wrote before publishing), 0 (it died before its
- * stream got there, and this library, or another survivor, set the flag itself so
- * that no stream waits forever: the arrays hold whatever its kernels had written),
- * -1 (not known yet: the producer is alive and has not set the flag; work ordered
- * after cip_frame_wait waits for it on the GPU).  -1 also for a frame not held. */
+/* Whether the producer finished writing a frame this subscription received, held or
+ * already released (`frame` as cip_sub_recv filled it: its slot and generation
+ * are what count): 1 (its stream set the frame flag for this frame or a later
+ * one: the arrays held what it wrote before publishing), 0 (it died before its
+ * stream got there, and this library, or another survivor, set the flag itself
+ * so that no stream waits forever: the arrays held whatever its kernels had
+ * written, and work queued on them ran on that), -1 (not known yet: the producer
+ * is alive, or not seen dead, and has not set the flag; work ordered after
+ * cip_frame_wait waits for it on the GPU).  -1 also for a frame never received.
+ * Exact for every frame, by cip_flag_state on the slot's frame flag. */
 int cip_frame_complete(cip_sub *sub, const cip_frame *frame);
 /* How many frame flags this subscription set itself because the producer died. */
 uint64_t cip_sub_forced_flags(const cip_sub *sub);
+/* The end-of-stream report: the seqs, in the order received, of the frames this
+ * subscription received (held or released) that the producer never finished
+ * writing (cip_frame_complete 0).  Empty while the producer lives; complete once
+ * it died and its unset flags were forced (by the time a receive reports
+ * CIP_ERR_PUBLISHER_GONE; this call forces them too if the producer is seen
+ * dead).  Up to `cap` seqs are stored; `*count` says how many there are.  The
+ * library keeps a record of the received frames whose flag the host has not seen
+ * set by the producer, pruned on every receive and bounded by
+ * CIP_WIRE_SYNC_RECORD_CAP; frames dropped from a full record are not listed
+ * (cip_sub_untracked_frames counts them).  CIP_ERR_RAW_SESSION on raw sessions. */
+cip_status cip_sub_incomplete_frames(cip_sub *sub, uint64_t *seqs, size_t cap, size_t *count);
+/* Frames received but left out of cip_sub_incomplete_frames (the record was full). */
+uint64_t cip_sub_untracked_frames(const cip_sub *sub);
 
 /* GPU sessions: the local device the pool is mapped on (-1 for raw sessions). */
 int cip_sub_device(const cip_sub *sub);
@@ -322,14 +352,44 @@ int cip_sub_fileno(const cip_sub *sub);
 /* Why the subscription ended (or the last error on it); "" while it runs. */
 const char *cip_sub_error(const cip_sub *sub);
 
-/* Say BYE and close the socket; wait (up to 5 s) for the flag operations this
- * subscription enqueued to finish -- after the producer's death, first writing
- * from the host every frame flag a stream of ours still waits on, which the
- * producer will never write -- then unregister and unmap the sync page, unmap
- * the pool and close every fd.  If the operations do not finish, the page is
- * left mapped (leaked) rather than unmapped under the GPU.  NULL is ignored.
- * The device pointers of held frames are invalid afterwards. */
-void cip_sub_close(cip_sub *sub);
+/* Send the RELEASEs still owed (if the socket takes them), say BYE and close the
+ * socket; wait (up to 5 s) for the flag operations this subscription enqueued to
+ * finish -- after the producer's death, first writing from the host every frame
+ * flag a stream of ours still waits on, which the producer will never write --
+ * then unregister and unmap the sync page, close the pool (as cip_pool_close: it
+ * waits for this process's queued GPU work on the device first) and close every
+ * fd.  If the operations do not finish, the page and the pool are left mapped
+ * (leaked) rather than unmapped under the GPU, and CIP_ERR_TIMEOUT says so; a
+ * failure of cip_pool_close is returned as it reported it.  The handle is freed
+ * in every case; NULL is ignored (CIP_OK).  The device pointers of held frames
+ * are invalid afterwards; ask cip_frame_complete and cip_sub_incomplete_frames
+ * before closing. */
+cip_status cip_sub_close(cip_sub *sub);
+
+/* ---- the sync page (no GPU) ------------------------------------------------------ */
+
+/* For raw sessions that map the sync page themselves (docs/c.md, "The sync page"):
+ * the byte offset of the first read-flag row and the page's size for `num_slots`
+ * slots and `max_subscribers` rows (the WELCOME payload's values): frame flag s at
+ * 4 * s, subscriber row r's read flag for slot s at reads_offset + 4 * (r *
+ * num_slots + s), the size rounded up to whole host pages. */
+cip_status cip_sync_layout(uint32_t num_slots, uint32_t max_subscribers, size_t *reads_offset,
+                           size_t *nbytes);
+/* What frame flag value `word` says about the frame of `generation` (low 32 bits):
+ * with d = word - generation (mod 2**32): -1 for d >= 2**31 (not set yet), 1 for
+ * d < CIP_WIRE_SYNC_SET_WINDOW (the producer's stream set it), 0 for d below
+ * CIP_WIRE_SYNC_FORCED (forced after the producer's death, this frame never
+ * written), 1 above (forced, but this frame was written before the death). */
+int cip_flag_state(uint32_t word, uint32_t generation);
+/* Force, after the producer's death (its pidfd readable), the frame flag at `flag`
+ * (in a shared mapping of the sync page) that a stream may wait on for `awaited`:
+ * unless the flag has reached `awaited` (cyclic: (int32_t)(flag - awaited) >= 0),
+ * its current value w -- the last generation the producer really wrote there --
+ * becomes w + CIP_WIRE_SYNC_FORCED, atomically.  That satisfies every wait queued
+ * on the flag and keeps cip_flag_state exact for every frame of the slot; a flag
+ * another survivor forced already has reached `awaited` and is left alone.
+ * Returns 1 if it stored, 0 if not, -1 for a NULL flag. */
+int cip_flag_force(uint32_t *flag, uint32_t awaited);
 
 /* ---- the driver ----------------------------------------------------------------- */
 

@@ -144,8 +144,9 @@
 #define CIP_WIRE_SYNC_FLAG_BYTES 4u
 #define CIP_WIRE_SYNC_READS_ALIGN 256u /* read-flag rows start at this alignment */
 #define CIP_WIRE_SYNC_SEALS 6u /* F_SEAL_SHRINK | F_SEAL_GROW, required on the memfd */
-#define CIP_WIRE_SYNC_FORCED 1610612736u /* added to the generation when a survivor forces a dead producer's frame flag */
-#define CIP_WIRE_SYNC_SET_WINDOW 536870912u /* flag - generation below this: the producer set it; up to 2**31: forced */
+#define CIP_WIRE_SYNC_FORCED 1610612736u /* added to a frame flag's last real value when a survivor forces it (producer dead) */
+#define CIP_WIRE_SYNC_SET_WINDOW 536870912u /* flag - generation below this: the producer set it; from here to FORCED: forced and never written; from FORCED to 2**31: forced, written before the death */
+#define CIP_WIRE_SYNC_RECORD_CAP 65536u /* most received frames a subscriber records as not yet seen complete */
 
 /* ---- pool descriptors and array handles (_handles.py) ---- */
 #define CIP_WIRE_DESC_MAGIC "IPCP"

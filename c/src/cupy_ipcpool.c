@@ -21,6 +21,7 @@
 #include <limits.h>
 #include <poll.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -297,6 +298,7 @@ static struct {
     CUresult (*DevicePrimaryCtxRetain)(CUcontext *, CUdevice);
     CUresult (*CtxPushCurrent)(CUcontext);
     CUresult (*CtxPopCurrent)(CUcontext *);
+    CUresult (*CtxSynchronize)(void);
     CUresult (*MemImportFromShareableHandle)(uint64_t *, void *, int);
     CUresult (*MemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
     CUresult (*MemMap)(CUdeviceptr, size_t, size_t, uint64_t, unsigned long long);
@@ -391,6 +393,7 @@ load_driver(void)
     LOAD(DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
     LOAD(CtxPushCurrent, "cuCtxPushCurrent");
     LOAD(CtxPopCurrent, "cuCtxPopCurrent");
+    LOAD(CtxSynchronize, "cuCtxSynchronize");
     LOAD(MemImportFromShareableHandle, "cuMemImportFromShareableHandle");
     LOAD(MemAddressReserve, "cuMemAddressReserve");
     LOAD(MemMap, "cuMemMap");
@@ -1289,6 +1292,15 @@ unmap_slots(cip_pool *pool, uint32_t mapped)
     }
 }
 
+static void
+free_pool(cip_pool *pool)
+{
+    free(pool->ptrs);
+    free(pool->handles);
+    free(pool->seen);
+    free(pool);
+}
+
 /* Import, reserve, map and set access for every slot; the fds are closed in every case. */
 static cip_status
 attach_fds(const cip_descriptor *d, int *fds, size_t nfds, int device, cip_pool **out)
@@ -1363,12 +1375,8 @@ attach_fds(const cip_descriptor *d, int *fds, size_t nfds, int device, cip_pool 
 done:
     close_fds(fds, nfds);
     if (st != CIP_OK) {
-        if (pool != NULL) {
-            free(pool->ptrs);
-            free(pool->handles);
-            free(pool->seen);
-            free(pool);
-        }
+        if (pool != NULL)
+            free_pool(pool);
         return st;
     }
     *out = pool;
@@ -1473,21 +1481,365 @@ cip_array_from_handle(cip_pool *pool, const void *bytes, size_t len, cip_array *
     return CIP_OK;
 }
 
-void
-cip_pool_close(cip_pool *pool)
+/* ---- closing a pool: no unmap under queued GPU work ------------------------------------ */
+
+/* cuMemUnmap does not wait for kernels as cudaFree does: a kernel queued in this
+ * process on a slot would fault (and poison the context) if the slot went first.  So
+ * a close synchronises the pool's device context, then unmaps -- inline for up to
+ * CIP_UNMAP_WAIT_MS, after that in a thread of its own, once the work is done (as
+ * the Python package's _vmm.release_after_queued_work). */
+#define CIP_UNMAP_WAIT_MS 10000
+
+/* cuCtxSynchronize on the pool's device (its primary context, pushed and popped),
+ * then unmap and release every slot whatever it said, and free the pool.  On
+ * failure `why` says what happened. */
+static cip_status
+sync_and_unmap(cip_pool *pool, char *why, size_t cap)
 {
-    if (pool == NULL)
-        return;
-    if (ctx_push(pool->device) == CIP_OK) {
+    cip_status st = ctx_push(pool->device);
+    if (st == CIP_OK) {
+        CUresult rc = drv.CtxSynchronize();
+        if (rc != CIP_CUDA_SUCCESS) {
+            char call[96];
+            snprintf(call, sizeof call, "cuCtxSynchronize on device %d before unmapping the pool",
+                     pool->device);
+            st = cuda_fail(call, rc);
+            snprintf(why, cap,
+                     "%.600s: the context holds an error from earlier work (a failed kernel); the "
+                     "slots were unmapped anyway",
+                     tls_error);
+        }
         unmap_slots(pool, pool->num_slots);
         ctx_pop();
     } else {
+        snprintf(why, cap, "%.600s; the pool was unmapped without waiting for queued GPU work",
+                 tls_error);
         unmap_slots(pool, pool->num_slots);
     }
-    free(pool->ptrs);
-    free(pool->handles);
-    free(pool->seen);
-    free(pool);
+    free_pool(pool);
+    return st;
+}
+
+struct unmap_job {
+    cip_pool *pool;
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    int done, abandoned; /* abandoned: the closing call gave up waiting; the thread frees */
+    cip_status status;
+    char why[sizeof tls_error];
+};
+
+static void
+unmap_job_free(struct unmap_job *job)
+{
+    pthread_cond_destroy(&job->cond);
+    pthread_mutex_destroy(&job->lock);
+    free(job);
+}
+
+static void *
+unmap_worker(void *arg)
+{
+    struct unmap_job *job = (struct unmap_job *)arg;
+    job->status = sync_and_unmap(job->pool, job->why, sizeof job->why);
+    pthread_mutex_lock(&job->lock);
+    job->done = 1;
+    int abandoned = job->abandoned;
+    pthread_cond_signal(&job->cond);
+    pthread_mutex_unlock(&job->lock);
+    if (abandoned)
+        unmap_job_free(job);
+    return NULL;
+}
+
+/* Start the job's thread with every signal blocked (they stay the caller's threads'). */
+static int
+start_unmap_job(struct unmap_job *job, pthread_t *thread)
+{
+    pthread_condattr_t attr;
+    if (pthread_condattr_init(&attr) != 0)
+        return -1;
+    int ok = pthread_condattr_setclock(&attr, CLOCK_MONOTONIC) == 0 &&
+             pthread_cond_init(&job->cond, &attr) == 0;
+    pthread_condattr_destroy(&attr);
+    if (!ok)
+        return -1;
+    if (pthread_mutex_init(&job->lock, NULL) != 0) {
+        pthread_cond_destroy(&job->cond);
+        return -1;
+    }
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int rc = pthread_create(thread, NULL, unmap_worker, job);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (rc != 0) {
+        pthread_mutex_destroy(&job->lock);
+        pthread_cond_destroy(&job->cond);
+        return -1;
+    }
+    return 0;
+}
+
+cip_status
+cip_pool_close(cip_pool *pool)
+{
+    if (pool == NULL)
+        return CIP_OK;
+    int device = pool->device;
+    struct unmap_job *job = (struct unmap_job *)calloc(1, sizeof *job);
+    pthread_t thread;
+    if (job != NULL)
+        job->pool = pool;
+    if (job == NULL || start_unmap_job(job, &thread) != 0) {
+        /* no thread to spare: wait inline, however long it takes */
+        char why[sizeof tls_error];
+        free(job);
+        cip_status st = sync_and_unmap(pool, why, sizeof why);
+        return st == CIP_OK ? CIP_OK : fail(st, "%s", why);
+    }
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_sec += CIP_UNMAP_WAIT_MS / 1000;
+    pthread_mutex_lock(&job->lock);
+    while (!job->done) {
+        if (pthread_cond_timedwait(&job->cond, &job->lock, &until) == ETIMEDOUT)
+            break;
+    }
+    if (!job->done) {
+        job->abandoned = 1;
+        pthread_mutex_unlock(&job->lock);
+        pthread_detach(thread);
+        return fail(CIP_ERR_TIMEOUT,
+                    "GPU work queued in this process on device %d has not finished within %d s; "
+                    "the pool's slots stay mapped until it has, then a background thread unmaps "
+                    "them",
+                    device, CIP_UNMAP_WAIT_MS / 1000);
+    }
+    pthread_mutex_unlock(&job->lock);
+    pthread_join(thread, NULL);
+    cip_status st = job->status;
+    if (st != CIP_OK)
+        fail(st, "%s", job->why);
+    unmap_job_free(job);
+    return st;
+}
+
+/* ---- the sync page: layout, flag states, forcing, the record of frames (no GPU) ------- */
+
+static size_t
+round_up(size_t n, size_t to)
+{
+    return (n + to - 1) / to * to;
+}
+
+cip_status
+cip_sync_layout(uint32_t num_slots, uint32_t max_subscribers, size_t *reads_offset,
+                size_t *nbytes)
+{
+    if (reads_offset == NULL || nbytes == NULL)
+        return fail(CIP_ERR_INVALID_ARGUMENT, "cip_sync_layout: NULL argument");
+    if (num_slots < 1 || num_slots > CIP_WIRE_MAX_SLOTS || max_subscribers < 1 ||
+        max_subscribers > 65536)
+        return fail(CIP_ERR_INVALID_ARGUMENT,
+                    "a sync page has 1..%u slots and 1..65536 subscriber rows, not %u and %u",
+                    CIP_WIRE_MAX_SLOTS, num_slots, max_subscribers);
+    long page = sysconf(_SC_PAGESIZE);
+    size_t reads = round_up((size_t)num_slots * CIP_WIRE_SYNC_FLAG_BYTES, CIP_WIRE_SYNC_READS_ALIGN);
+    *reads_offset = reads;
+    *nbytes = round_up(reads + (size_t)num_slots * max_subscribers * CIP_WIRE_SYNC_FLAG_BYTES,
+                       page > 0 ? (size_t)page : 4096);
+    return CIP_OK;
+}
+
+int
+cip_flag_state(uint32_t word, uint32_t generation)
+{
+    uint32_t distance = word - generation;
+    if (distance >= 0x80000000u)
+        return -1; /* not set yet: the producer's stream is behind */
+    if (distance < CIP_WIRE_SYNC_SET_WINDOW)
+        return 1; /* the producer's stream set it, for this frame or a later one */
+    /* forced after the death to w + FORCED: written if w >= generation */
+    return distance >= CIP_WIRE_SYNC_FORCED ? 1 : 0;
+}
+
+int
+cip_flag_force(uint32_t *flag, uint32_t awaited)
+{
+    if (flag == NULL)
+        return -1;
+    uint32_t word = __atomic_load_n(flag, __ATOMIC_ACQUIRE);
+    for (;;) {
+        if ((int32_t)(word - awaited) >= 0)
+            return 0; /* reached: set by the producer, or forced by another survivor */
+        if (__atomic_compare_exchange_n(flag, &word, word + CIP_WIRE_SYNC_FORCED, 0,
+                                        __ATOMIC_SEQ_CST, __ATOMIC_ACQUIRE))
+            return 1;
+    }
+}
+
+static uint32_t
+flag_load(volatile uint32_t *flags, uint32_t slot)
+{
+    return __atomic_load_n(&flags[slot], __ATOMIC_ACQUIRE);
+}
+
+/* A received frame, as the record keeps it. */
+struct seen_frame {
+    uint64_t seq;
+    uint32_t slot, generation;
+};
+
+/* What a GPU subscription knows of the frame flags (the Python FrameWaits, rule for
+ * rule): per slot the generation a stream of ours may wait for, and a bounded record,
+ * oldest first, of the frames received whose flag the host did not see set by the
+ * producer.  When the producer dies, book_resolve forces the flags it never wrote so
+ * that every wait ends, and book_answers names the frames never written.  Pure state
+ * over the page's frame flags (the page's first num_slots words). */
+struct frame_book {
+    uint32_t num_slots;
+    uint8_t *awaited_set; /* per slot: a stream of ours may wait on the frame flag ... */
+    uint32_t *awaited;    /* ... for this generation */
+    struct seen_frame *rec; /* a ring of rec_alloc entries, rec_len used from rec_head */
+    size_t rec_head, rec_len, rec_alloc, rec_cap;
+    uint64_t untracked; /* frames dropped from a full record */
+    uint64_t forced;    /* frame flags this subscription forced */
+};
+
+static int
+book_init(struct frame_book *b, uint32_t num_slots, size_t cap)
+{
+    memset(b, 0, sizeof *b);
+    b->num_slots = num_slots;
+    b->rec_cap = cap ? cap : 1;
+    b->awaited_set = (uint8_t *)calloc(num_slots, 1);
+    b->awaited = (uint32_t *)calloc(num_slots, sizeof(uint32_t));
+    return b->awaited_set && b->awaited ? 0 : -1;
+}
+
+static void
+book_free(struct frame_book *b)
+{
+    free(b->awaited_set);
+    free(b->awaited);
+    free(b->rec);
+    memset(b, 0, sizeof *b);
+}
+
+/* Whether slot's flag holds the producer's own write of `generation` or later. */
+static int
+set_by_producer(volatile uint32_t *flags, uint32_t slot, uint32_t generation)
+{
+    return flag_load(flags, slot) - generation < CIP_WIRE_SYNC_SET_WINDOW;
+}
+
+/* Drop from the front of the record the frames the producer's stream has set.  A
+ * forced flag is never taken for the producer's write: such frames stay. */
+static void
+book_prune(struct frame_book *b, volatile uint32_t *flags)
+{
+    while (b->rec_len) {
+        const struct seen_frame *f = &b->rec[b->rec_head];
+        if (!set_by_producer(flags, f->slot, f->generation))
+            return;
+        b->rec_head = (b->rec_head + 1) % b->rec_alloc;
+        b->rec_len--;
+    }
+}
+
+/* A stream of ours may wait for slot's frame flag to reach `generation`. */
+static void
+book_note(struct frame_book *b, uint32_t slot, uint32_t generation)
+{
+    b->awaited_set[slot] = 1;
+    b->awaited[slot] = generation;
+}
+
+/* A frame was received: unless the host sees its flag set by the producer, note its
+ * generation as awaited and record it (a full record drops its oldest frame, counted
+ * in `untracked`); prune the record either way.  Returns 1 if recorded. */
+static int
+book_received(struct frame_book *b, volatile uint32_t *flags, uint64_t seq, uint32_t slot,
+              uint32_t generation)
+{
+    book_prune(b, flags);
+    if (set_by_producer(flags, slot, generation))
+        return 0;
+    book_note(b, slot, generation);
+    if (b->rec_len >= b->rec_cap) {
+        b->rec_head = (b->rec_head + 1) % b->rec_alloc;
+        b->rec_len--;
+        b->untracked++;
+    }
+    if (b->rec_len == b->rec_alloc) {
+        size_t alloc = b->rec_alloc ? 2 * b->rec_alloc : 64;
+        if (alloc > b->rec_cap)
+            alloc = b->rec_cap;
+        struct seen_frame *r = (struct seen_frame *)malloc(alloc * sizeof *r);
+        if (r == NULL) {
+            b->untracked++; /* no memory: not recorded, and counted as such */
+            return 0;
+        }
+        for (size_t i = 0; i < b->rec_len; i++)
+            r[i] = b->rec[(b->rec_head + i) % b->rec_alloc];
+        free(b->rec);
+        b->rec = r;
+        b->rec_alloc = alloc;
+        b->rec_head = 0;
+    }
+    struct seen_frame *f = &b->rec[(b->rec_head + b->rec_len) % b->rec_alloc];
+    f->seq = seq;
+    f->slot = slot;
+    f->generation = generation;
+    b->rec_len++;
+    return 1;
+}
+
+/* Whether a stream of ours waits (or may wait) on a frame flag that is not set. */
+static int
+book_pending(const struct frame_book *b, volatile uint32_t *flags)
+{
+    for (uint32_t s = 0; s < b->num_slots; s++)
+        if (b->awaited_set[s] && (int32_t)(flag_load(flags, s) - b->awaited[s]) < 0)
+            return 1;
+    return 0;
+}
+
+/* The producer is dead: force every frame flag still awaited (cip_flag_force), so that
+ * every wait a stream of ours has on it ends.  Returns how many were stored. */
+static uint32_t
+book_resolve(struct frame_book *b, volatile uint32_t *flags)
+{
+    uint32_t forced = 0;
+    for (uint32_t s = 0; s < b->num_slots; s++)
+        if (b->awaited_set[s] && cip_flag_force((uint32_t *)&flags[s], b->awaited[s]) == 1)
+            forced++;
+    b->forced += forced;
+    return forced;
+}
+
+/* The recorded frames never written (cip_flag_state 0): up to `cap` seqs into `seqs`,
+ * their number returned; `*pending`: those not known yet (-1). */
+static size_t
+book_answers(const struct frame_book *b, volatile uint32_t *flags, uint64_t *seqs, size_t cap,
+             size_t *pending)
+{
+    size_t n = 0, unknown = 0;
+    for (size_t i = 0; i < b->rec_len; i++) {
+        const struct seen_frame *f = &b->rec[(b->rec_head + i) % b->rec_alloc];
+        int state = cip_flag_state(flag_load(flags, f->slot), f->generation);
+        if (state < 0) {
+            unknown++;
+        } else if (state == 0) {
+            if (n < cap)
+                seqs[n] = f->seq;
+            n++;
+        }
+    }
+    if (pending != NULL)
+        *pending = unknown;
+    return n;
 }
 
 /* ---- the channel: handshake, frames, hang-ups, releases ------------------------------- */
@@ -1505,11 +1857,16 @@ struct msgbuf {
     size_t len;
 };
 
+/* A RELEASE the socket did not take yet (the publisher is not reading). */
+struct owed_release {
+    uint64_t seq;
+    uint32_t slot;
+};
+
 struct cip_sub {
     int sock;
     int pidfd; /* the producer's, -1 where it cannot be opened */
     int gpu;
-    int timeout_ms;
     char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
     cip_sub_info info;
     uint8_t *welcome;
@@ -1524,6 +1881,8 @@ struct cip_sub {
     int have_seq;
     uint64_t last_seq;
     struct held *held; /* by slot: a slot holds at most one frame of ours */
+    struct owed_release *owed; /* a ring: RELEASEs to send, in order, before any other */
+    size_t owed_head, owed_len, owed_alloc;
     /* GPU sessions */
     cip_pool *pool;
     uint32_t row, max_subs;
@@ -1533,9 +1892,8 @@ struct cip_sub {
     int registered;
     int untracked; /* an operation was enqueued without its event: keep the page at close */
     CUevent *ev_wait, *ev_write;
-    uint8_t *wait_recorded, *write_recorded, *wait_pending, *forced;
-    uint32_t *wait_value, *forced_value;
-    uint64_t forced_count;
+    uint8_t *wait_recorded, *write_recorded;
+    struct frame_book book; /* awaited flags and the record of frames not seen complete */
 };
 
 static cip_status
@@ -1645,52 +2003,27 @@ producer_dies_within(cip_sub *sub, int ms)
 static int
 flag_reached(const cip_sub *sub, uint32_t slot, uint32_t value)
 {
-    uint32_t now = __atomic_load_n(&sub->page[slot], __ATOMIC_ACQUIRE);
-    return (int32_t)(now - value) >= 0;
+    return (int32_t)(flag_load(sub->page, slot) - value) >= 0;
 }
 
 /* Whether a stream of ours waits (or may wait) on a frame flag that is not set. */
 static int
 waits_pending(const cip_sub *sub)
 {
-    if (sub->page == NULL)
-        return 0;
-    for (uint32_t s = 0; s < sub->info.num_slots; s++)
-        if (sub->wait_pending[s] && !flag_reached(sub, s, sub->wait_value[s]))
-            return 1;
-    return 0;
+    return sub->page != NULL && book_pending(&sub->book, sub->page);
 }
 
 /* The producer is dead: write, from the host, every frame flag a stream of ours waits
- * on and that it will never write, so that no stream waits forever.  As the Python
- * subscriber does, the flag gets the awaited generation plus CIP_WIRE_SYNC_FORCED:
- * it satisfies the stream's wait (GEQ, cyclic) and tells every process that maps
- * the page that the producer did not set it (frame_state). */
+ * on and that it will never write, so that no stream waits forever: the flag's last
+ * real value plus CIP_WIRE_SYNC_FORCED (cip_flag_force), as the Python subscriber
+ * does, which satisfies every wait on it (GEQ, cyclic) and keeps cip_flag_state
+ * exact, in every process that maps the page, for every frame of the slot. */
 static void
 resolve_waits(cip_sub *sub)
 {
     if (sub->page == NULL || !producer_dead(sub))
         return;
-    for (uint32_t s = 0; s < sub->info.num_slots; s++) {
-        if (sub->wait_pending[s] && !flag_reached(sub, s, sub->wait_value[s])) {
-            uint32_t value = sub->wait_value[s] + CIP_WIRE_SYNC_FORCED;
-            __atomic_store_n(&sub->page[s], value, __ATOMIC_SEQ_CST);
-            sub->forced[s] = 1;
-            sub->forced_value[s] = sub->wait_value[s];
-            sub->forced_count++;
-        }
-    }
-}
-
-/* What slot's frame flag says about the frame of `generation` (as the Python
- * frame_state): 1 the producer's stream set it, 0 a survivor forced it, -1 not set. */
-static int
-frame_state(const cip_sub *sub, uint32_t slot, uint32_t generation)
-{
-    uint32_t distance = __atomic_load_n(&sub->page[slot], __ATOMIC_ACQUIRE) - generation;
-    if (distance >= 0x80000000u)
-        return -1;
-    return distance < CIP_WIRE_SYNC_SET_WINDOW ? 1 : 0;
+    book_resolve(&sub->book, sub->page);
 }
 
 /* The publisher hung up (or died): read everything still queued.  An eviction notice
@@ -1767,11 +2100,40 @@ hung_up(cip_sub *sub)
     return r > 0;
 }
 
+/* One RELEASE, without waiting: 1 sent, 0 no room in the socket, -1 failed (errno). */
+static int
+try_send_release(int sock, uint64_t seq, uint32_t slot)
+{
+    uint8_t msg[CIP_WIRE_RELEASE_SIZE];
+    WR(msg, RELEASE_MAGIC, CIP_WIRE_MAGIC);
+    WR(msg, RELEASE_VERSION, CIP_WIRE_VERSION);
+    WR(msg, RELEASE_TYPE, CIP_WIRE_RELEASE);
+    WR(msg, RELEASE_SEQ, seq);
+    WR(msg, RELEASE_SLOT, slot);
+    for (;;) {
+        if (send(sock, msg, sizeof msg, MSG_DONTWAIT | MSG_NOSIGNAL) == (ssize_t)sizeof msg)
+            return 1;
+        if (errno == EINTR)
+            continue;
+        return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -1;
+    }
+}
+
 static void
 say_bye_and_close(cip_sub *sub)
 {
     if (sub->sock < 0)
         return;
+    /* the RELEASEs still owed go first, as far as the socket takes them (the hang-up
+     * returns every lease anyway) */
+    while (sub->owed_len && sub->ended == CIP_OK) {
+        const struct owed_release *o = &sub->owed[sub->owed_head];
+        if (try_send_release(sub->sock, o->seq, o->slot) <= 0)
+            break;
+        sub->owed_head = (sub->owed_head + 1) % sub->owed_alloc;
+        sub->owed_len--;
+    }
+    sub->owed_len = 0;
     /* unread data would reset the peer instead of letting it read our BYE */
     while (recv(sub->sock, sub->buf, CIP_WIRE_MAX_FRAME_SIZE + 1, MSG_DONTWAIT) > 0)
         ;
@@ -1793,6 +2155,90 @@ protocol_error(cip_sub *sub)
     say_bye_and_close(sub);
     return sub_end(sub, CIP_ERR_PROTOCOL, "the connection was closed after a protocol error: %s",
                    why);
+}
+
+/* Sending a RELEASE failed other than for room: the publisher is gone; was this
+ * subscriber dropped?  Owed RELEASEs are moot (the hang-up returned every lease). */
+static cip_status
+release_failed(cip_sub *sub)
+{
+    sub->owed_len = 0;
+    scan_after_hangup(sub);
+    if (sub->ended == CIP_ERR_EVICTED)
+        return fail(CIP_ERR_EVICTED, "%s", sub->error);
+    return CIP_OK;
+}
+
+/* Send the RELEASEs owed, oldest first, as far as the socket takes them now. */
+static cip_status
+flush_owed(cip_sub *sub)
+{
+    while (sub->owed_len) {
+        if (sub->ended != CIP_OK || sub->sock < 0) {
+            sub->owed_len = 0; /* nobody to send them to: the connection's end returned them */
+            break;
+        }
+        const struct owed_release *o = &sub->owed[sub->owed_head];
+        int r = try_send_release(sub->sock, o->seq, o->slot);
+        if (r == 0)
+            return CIP_OK; /* still full: kept, in order */
+        if (r < 0)
+            return release_failed(sub);
+        sub->owed_head = (sub->owed_head + 1) % sub->owed_alloc;
+        sub->owed_len--;
+    }
+    return CIP_OK;
+}
+
+/* Keep a RELEASE the socket did not take, behind the ones owed already. */
+static cip_status
+owe_release(cip_sub *sub, uint64_t seq, uint32_t slot)
+{
+    size_t limit = (size_t)CIP_WIRE_MAX_CREDIT + sub->info.num_slots;
+    if (sub->owed_len >= limit) {
+        cip_status st = sub_end(sub, CIP_ERR_TRANSPORT,
+                                "the publisher has not read this subscriber's messages for %zu "
+                                "RELEASEs, more than any credit allows (its socket stays full); "
+                                "the subscription is closed",
+                                sub->owed_len);
+        say_bye_and_close(sub);
+        return st;
+    }
+    if (sub->owed_len == sub->owed_alloc) {
+        size_t alloc = sub->owed_alloc ? 2 * sub->owed_alloc : 16;
+        struct owed_release *r = (struct owed_release *)malloc(alloc * sizeof *r);
+        if (r == NULL)
+            return sub_end(sub, CIP_ERR_NO_MEMORY,
+                           "out of memory keeping a RELEASE the publisher's socket did not take");
+        for (size_t i = 0; i < sub->owed_len; i++)
+            r[i] = sub->owed[(sub->owed_head + i) % sub->owed_alloc];
+        free(sub->owed);
+        sub->owed = r;
+        sub->owed_alloc = alloc;
+        sub->owed_head = 0;
+    }
+    struct owed_release *o = &sub->owed[(sub->owed_head + sub->owed_len) % sub->owed_alloc];
+    o->seq = seq;
+    o->slot = slot;
+    sub->owed_len++;
+    return CIP_OK;
+}
+
+/* RELEASE of frame `seq` in `slot`, after every RELEASE still owed; never blocks. */
+static cip_status
+send_release(cip_sub *sub, uint64_t seq, uint32_t slot)
+{
+    if (sub->owed_len == 0) {
+        int r = try_send_release(sub->sock, seq, slot);
+        if (r > 0)
+            return CIP_OK;
+        if (r < 0)
+            return release_failed(sub);
+    }
+    cip_status st = owe_release(sub, seq, slot);
+    if (st != CIP_OK)
+        return st;
+    return flush_owed(sub);
 }
 
 /* Judge one message of a live stream: a FRAME we may use comes back as CIP_OK. */
@@ -1891,7 +2337,15 @@ next_frame(cip_sub *sub, int timeout_ms, uint64_t *seq, uint32_t *slot, const ui
             free(m.data);
             return judge(sub, sub->buf, m.len, seq, slot, payload, plen);
         }
-        struct pollfd p[2] = {{sub->sock, POLLIN, 0}, {sub->pidfd, POLLIN, 0}};
+        if (sub->owed_len) { /* RELEASEs the socket did not take before: first */
+            cip_status st = flush_owed(sub);
+            if (st != CIP_OK)
+                return st;
+            if (sub->ended != CIP_OK)
+                return fail(sub->ended, "%s", sub->error);
+        }
+        short events = (short)(POLLIN | (sub->owed_len ? POLLOUT : 0));
+        struct pollfd p[2] = {{sub->sock, events, 0}, {sub->pidfd, POLLIN, 0}};
         int r = poll(p, sub->pidfd >= 0 ? 2 : 1, left_ms(deadline));
         if (r < 0 && errno == EINTR)
             continue;
@@ -1905,6 +2359,8 @@ next_frame(cip_sub *sub, int timeout_ms, uint64_t *seq, uint32_t *slot, const ui
                 return fail(sub->ended, "%s", sub->error);
             continue;
         }
+        if ((p[0].revents & ~POLLOUT) == 0)
+            continue; /* only room for the RELEASEs owed: sent at the top */
         ssize_t n = recv(sub->sock, sub->buf, CIP_WIRE_MAX_FRAME_SIZE + 1, MSG_DONTWAIT);
         if (n < 0 && (errno == EAGAIN || errno == EINTR))
             continue;
@@ -1964,10 +2420,17 @@ handshake(cip_sub *sub, const cip_sub_options *o)
         return fail(st, "cannot connect to the publisher at %s: %s%s", sub->path, strerror(err),
                     hint);
     }
+    /* who is there, before anything is sent to it or read from it: a peer that is not
+     * allowed gets nothing, not even a BYE (the socket is closed here) */
     struct ucred cred;
     socklen_t clen = sizeof cred;
-    if (getsockopt(sub->sock, SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0)
-        return fail(CIP_ERR_TRANSPORT, "SO_PEERCRED: %s", strerror(errno));
+    if (getsockopt(sub->sock, SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0) {
+        int e = errno;
+        close(sub->sock);
+        sub->sock = -1;
+        return fail(CIP_ERR_TRANSPORT, "SO_PEERCRED on %s: %s; nothing was sent to it",
+                    sub->path, strerror(e));
+    }
     sub->info.producer_pid = cred.pid;
     sub->info.producer_uid = cred.uid;
     uint32_t own = (uint32_t)geteuid();
@@ -1976,10 +2439,14 @@ handshake(cip_sub *sub, const cip_sub_options *o)
     int ok = 0;
     for (size_t i = 0; i < n_allowed; i++)
         ok |= allowed[i] == cred.uid;
-    if (!ok)
+    if (!ok) {
+        close(sub->sock);
+        sub->sock = -1;
         return fail(CIP_ERR_REFUSED,
-                    "the publisher at %s runs as uid %u, which is not among the allowed uids",
+                    "the publisher at %s runs as uid %u, which is not among the allowed uids; "
+                    "nothing was sent to it",
                     sub->path, (unsigned)cred.uid);
+    }
     if (cred.pid > 0) {
         /* readable once the producer exits */
         sub->pidfd = (int)syscall(CIP_SYS_PIDFD_OPEN, cred.pid, 0);
@@ -2157,7 +2624,6 @@ sub_open_raw(const char *path, const cip_sub_options *opts, cip_sub **out)
     if (sub == NULL)
         return fail(CIP_ERR_NO_MEMORY, "out of memory");
     sub->sock = sub->pidfd = -1;
-    sub->timeout_ms = o.timeout_ms;
     sub->info.mode = o.mode;
     sub->info.credit = o.credit ? o.credit
                                 : (o.mode == CIP_MODE_LATEST ? 1 : CIP_WIRE_DEFAULT_BLOCK_CREDIT);
@@ -2252,36 +2718,6 @@ cip_sub_recv_raw(cip_sub *sub, int timeout_ms, cip_raw_frame *frame)
     return CIP_OK;
 }
 
-static cip_status
-send_release(cip_sub *sub, uint64_t seq, uint32_t slot)
-{
-    uint8_t msg[CIP_WIRE_RELEASE_SIZE];
-    WR(msg, RELEASE_MAGIC, CIP_WIRE_MAGIC);
-    WR(msg, RELEASE_VERSION, CIP_WIRE_VERSION);
-    WR(msg, RELEASE_TYPE, CIP_WIRE_RELEASE);
-    WR(msg, RELEASE_SEQ, seq);
-    WR(msg, RELEASE_SLOT, slot);
-    long long deadline = deadline_of(sub->timeout_ms);
-    for (;;) {
-        if (send(sub->sock, msg, sizeof msg, MSG_DONTWAIT | MSG_NOSIGNAL) == (ssize_t)sizeof msg)
-            return CIP_OK;
-        if (errno == EINTR)
-            continue;
-        if (errno == EAGAIN) {
-            struct pollfd p = {sub->sock, POLLOUT, 0};
-            if (poll(&p, 1, left_ms(deadline)) == 0)
-                return fail(CIP_ERR_TIMEOUT, "the publisher did not take a RELEASE within %d ms",
-                            sub->timeout_ms);
-            continue;
-        }
-        /* the publisher is gone; was this subscriber dropped? */
-        scan_after_hangup(sub);
-        if (sub->ended == CIP_ERR_EVICTED)
-            return fail(CIP_ERR_EVICTED, "%s", sub->error);
-        return CIP_OK;
-    }
-}
-
 static void
 forget(cip_sub *sub, uint32_t slot)
 {
@@ -2338,12 +2774,6 @@ cip_sub_release_raw(cip_sub *sub, uint64_t seq, uint32_t slot)
 
 /* ---- the GPU subscription ------------------------------------------------------------ */
 
-static size_t
-round_up(size_t n, size_t to)
-{
-    return (n + to - 1) / to * to;
-}
-
 /* Check the WELCOME payload and the sync page's fd (no GPU involved), then map and
  * register the page and attach the pool. */
 static cip_status
@@ -2379,10 +2809,13 @@ gpu_setup(cip_sub *sub, int device)
         fail(CIP_ERR_PROTOCOL, "WELCOME announces %u slots, the descriptor %u", n, d.num_slots);
         return protocol_error(sub);
     }
-    long page = sysconf(_SC_PAGESIZE);
-    size_t reads = round_up((size_t)n * CIP_WIRE_SYNC_FLAG_BYTES, CIP_WIRE_SYNC_READS_ALIGN);
-    size_t nbytes = round_up(reads + (size_t)n * (size_t)max_subs * CIP_WIRE_SYNC_FLAG_BYTES,
-                             page > 0 ? (size_t)page : 4096);
+    size_t reads = 0, nbytes = 0;
+    if (cip_sync_layout(n, (uint32_t)max_subs, &reads, &nbytes) != CIP_OK) {
+        char why[sizeof tls_error];
+        memcpy(why, tls_error, sizeof why);
+        fail(CIP_ERR_PROTOCOL, "WELCOME: %s", why);
+        return protocol_error(sub);
+    }
     if (sync_nbytes != nbytes) {
         fail(CIP_ERR_PROTOCOL,
              "the WELCOME announces a %llu-byte sync page; %u slots and %llu rows take %zu",
@@ -2426,12 +2859,8 @@ gpu_setup(cip_sub *sub, int device)
     sub->ev_write = (CUevent *)calloc(n, sizeof(CUevent));
     sub->wait_recorded = (uint8_t *)calloc(n, 1);
     sub->write_recorded = (uint8_t *)calloc(n, 1);
-    sub->wait_pending = (uint8_t *)calloc(n, 1);
-    sub->wait_value = (uint32_t *)calloc(n, sizeof(uint32_t));
-    sub->forced = (uint8_t *)calloc(n, 1);
-    sub->forced_value = (uint32_t *)calloc(n, sizeof(uint32_t));
     if (!sub->ev_wait || !sub->ev_write || !sub->wait_recorded || !sub->write_recorded ||
-        !sub->wait_pending || !sub->wait_value || !sub->forced || !sub->forced_value)
+        book_init(&sub->book, n, CIP_WIRE_SYNC_RECORD_CAP) != 0)
         return fail(CIP_ERR_NO_MEMORY, "out of memory");
     status = attach_fds(&d, sub->fds, n, device, &sub->pool); /* closes the slot fds */
     sub->nfds = 0;
@@ -2516,7 +2945,7 @@ cip_sub_recv(cip_sub *sub, int timeout_ms, cip_frame *frame)
         }
         pool->seen[slot] = h->arrays[i].generation;
     }
-    if (producer_dead(sub) && !flag_reached(sub, slot, f.generation)) {
+    if (cip_flag_state(flag_load(sub->page, slot), f.generation) != 1 && producer_dead(sub)) {
         backlog_clear(sub);
         resolve_waits(sub);
         return sub_end(sub, CIP_ERR_PUBLISHER_GONE,
@@ -2524,6 +2953,8 @@ cip_sub_recv(cip_sub *sub, int timeout_ms, cip_frame *frame)
                        "still queued are dropped",
                        (int)sub->info.producer_pid, (unsigned long long)seq);
     }
+    /* received: recorded unless the host sees it written already */
+    book_received(&sub->book, sub->page, seq, slot, f.generation);
     memcpy(h->meta, f.metadata, f.metadata_len);
     f.metadata = h->meta;
     h->held = 1;
@@ -2564,8 +2995,7 @@ cip_frame_wait(cip_sub *sub, const cip_frame *frame, void *stream)
     CUresult rc = drv.StreamWaitValue32(stream, addr, value, CIP_CU_STREAM_WAIT_VALUE_GEQ);
     if (rc != CIP_CUDA_SUCCESS)
         return cuda_fail("cuStreamWaitValue32", rc);
-    sub->wait_pending[slot] = 1;
-    sub->wait_value[slot] = value;
+    book_note(&sub->book, slot, value);
     if (drv.EventRecord(sub->ev_wait[slot], stream) == CIP_CUDA_SUCCESS)
         sub->wait_recorded[slot] = 1;
     else
@@ -2576,25 +3006,45 @@ cip_frame_wait(cip_sub *sub, const cip_frame *frame, void *stream)
 int
 cip_frame_complete(cip_sub *sub, const cip_frame *frame)
 {
-    if (check_held(sub, frame) != CIP_OK || sub->page == NULL)
+    if (sub == NULL || frame == NULL || !sub->gpu || sub->page == NULL ||
+        frame->slot >= sub->info.num_slots || !sub->have_seq || frame->seq < sub->info.next_seq ||
+        frame->seq > sub->last_seq)
         return -1;
-    uint32_t slot = frame->slot, value = sub->held[slot].generation;
-    if (sub->forced[slot] && sub->forced_value[slot] == value)
-        return 0;
-    int state = frame_state(sub, slot, value);
-    if (state >= 0)
-        return state; /* set by the producer's stream, or forced (by us or another survivor) */
-    if (producer_dead(sub)) {
+    int state = cip_flag_state(flag_load(sub->page, frame->slot), frame->generation);
+    if (state < 0 && producer_dead(sub)) {
+        /* it will never be written by the producer: force what we await (a frame not
+         * seen set when received was noted), then the flag answers */
         resolve_waits(sub);
-        return 0; /* it will never be written by the producer */
+        state = cip_flag_state(flag_load(sub->page, frame->slot), frame->generation);
     }
-    return -1;
+    return state;
 }
 
 uint64_t
 cip_sub_forced_flags(const cip_sub *sub)
 {
-    return sub ? sub->forced_count : 0;
+    return sub ? sub->book.forced : 0;
+}
+
+cip_status
+cip_sub_incomplete_frames(cip_sub *sub, uint64_t *seqs, size_t cap, size_t *count)
+{
+    if (sub == NULL || count == NULL || (seqs == NULL && cap))
+        return fail(CIP_ERR_INVALID_ARGUMENT, "cip_sub_incomplete_frames: NULL argument");
+    if (!sub->gpu)
+        return fail(CIP_ERR_RAW_SESSION, "a raw session keeps no record of frame flags");
+    *count = 0;
+    if (sub->page == NULL)
+        return CIP_OK;
+    resolve_waits(sub); /* only once the producer is dead */
+    *count = book_answers(&sub->book, sub->page, seqs, cap, NULL);
+    return CIP_OK;
+}
+
+uint64_t
+cip_sub_untracked_frames(const cip_sub *sub)
+{
+    return sub ? sub->book.untracked : 0;
 }
 
 cip_status
@@ -2640,13 +3090,14 @@ gpu_quiesce(cip_sub *sub)
     }
 }
 
-void
+cip_status
 cip_sub_close(cip_sub *sub)
 {
     if (sub == NULL)
-        return;
-    char saved[sizeof tls_error];
+        return CIP_OK;
+    char saved[sizeof tls_error], why[sizeof tls_error] = "";
     memcpy(saved, tls_error, sizeof saved);
+    cip_status result = CIP_OK;
     if (sub->buf != NULL)
         say_bye_and_close(sub);
     else if (sub->sock >= 0)
@@ -2656,9 +3107,21 @@ cip_sub_close(cip_sub *sub)
         int device = sub->pool ? sub->pool->device : -1;
         int pushed = device >= 0 && ctx_push(device) == CIP_OK;
         keep = !gpu_quiesce(sub);
-        if (!keep) {
-            if (sub->registered)
-                keep = drv.MemHostUnregister((void *)sub->page) != CIP_CUDA_SUCCESS;
+        if (keep) {
+            result = CIP_ERR_TIMEOUT;
+            snprintf(why, sizeof why,
+                     "%s: the sync page and the pool stay mapped (leaked) rather than unmapped "
+                     "under a stream that may still wait on a frame flag",
+                     sub->untracked ? "a flag operation of this subscription could not be tracked"
+                                    : "the flag operations this subscription enqueued did not "
+                                      "finish within 5 s (a producer alive but stalled?)");
+        } else if (sub->registered &&
+                   drv.MemHostUnregister((void *)sub->page) != CIP_CUDA_SUCCESS) {
+            keep = 1;
+            result = CIP_ERR_CUDA;
+            snprintf(why, sizeof why,
+                     "cuMemHostUnregister of the sync page failed: the page and the pool stay "
+                     "mapped (leaked)");
         }
         for (uint32_t s = 0; s < sub->info.num_slots; s++) {
             if (sub->ev_wait && sub->ev_wait[s])
@@ -2673,9 +3136,15 @@ cip_sub_close(cip_sub *sub)
     } else if (sub->page != NULL) {
         munmap((void *)sub->page, sub->page_nbytes);
     }
-    /* a stream that may still wait on the page may still read the slots: keep both */
-    if (!keep)
-        cip_pool_close(sub->pool);
+    /* a stream that may still wait on the page may still read the slots: keep both;
+     * else the pool's close waits for this process's queued work on them */
+    if (!keep) {
+        cip_status st = cip_pool_close(sub->pool);
+        if (st != CIP_OK) {
+            result = st;
+            memcpy(why, tls_error, sizeof why);
+        }
+    }
     if (sub->fds)
         close_fds(sub->fds, sub->nfds);
     if (sub->pidfd >= 0)
@@ -2689,6 +3158,7 @@ cip_sub_close(cip_sub *sub)
     }
     free(sub->held);
     free(sub->backlog);
+    free(sub->owed);
     free(sub->welcome);
     free(sub->fds);
     free(sub->buf);
@@ -2696,10 +3166,10 @@ cip_sub_close(cip_sub *sub)
     free(sub->ev_write);
     free(sub->wait_recorded);
     free(sub->write_recorded);
-    free(sub->wait_pending);
-    free(sub->wait_value);
-    free(sub->forced);
-    free(sub->forced_value);
+    book_free(&sub->book);
     free(sub);
+    if (result != CIP_OK)
+        return fail(result, "%s", why);
     memcpy(tls_error, saved, sizeof saved);
+    return CIP_OK;
 }

@@ -12,6 +12,7 @@
  *                            (its seq as u64, repeated), 0 if not, - if not mapped
  *   check SEQ SLOT           -> ok MATCH (the pattern again, before a release)
  *   release SEQ SLOT         -> ok
+ *   recvrel N TIMEOUT_MS     receive and release N frames -> ok N (or the first error)
  *   parse                    the last frame's payload as a Publisher's FRAME payload,
  *                            against the mapped slot -> ok N META_HEX then per array
  *                            OFFSET:DTYPE:NDIM:SHAPE:STRIDES:NBYTES:FNV (FNV-1a 64 of the
@@ -19,18 +20,25 @@
  *   fds                      -> ok COUNT (open fds of this process)
  *   desc HEX                 -> ok NUM_SLOTS SLOT_NBYTES ALLOC_NBYTES PID UID PATH|-
  *   fetch HEX TRANSPORT      -> ok N HEAD0 HEAD1 ... (first 8 bytes of each fd, hex)
- *   close                    close the subscription
+ *   layout NUM_SLOTS ROWS    -> ok READS_OFFSET NBYTES (cip_sync_layout)
+ *   state WORD GENERATION    -> ok STATE (cip_flag_state: 1, 0 or -1)
+ *   page PATH                map a sync page (a memfd, by /proc/PID/fd/N) shared -> ok NBYTES
+ *   word SLOT                -> ok WORD (frame flag SLOT of the mapped page)
+ *   force SLOT AWAITED       cip_flag_force on it -> ok STORED WORD
+ *   close                    close the subscription -> ok, or the error cip_sub_close reported
  *   quit
  */
 #define _GNU_SOURCE
 #include "cupy_ipcpool.h"
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 static cip_sub *sub;
@@ -40,6 +48,8 @@ static uint8_t last_payload[70000];
 static size_t last_len;
 static uint64_t last_seq;
 static uint32_t last_slot;
+static uint32_t *page;
+static size_t page_nbytes;
 
 static void
 err(cip_status st)
@@ -213,6 +223,66 @@ main(void)
                 err(st);
             else
                 printf("ok\n");
+        } else if (!strcmp(cmd, "recvrel")) {
+            long n = atol(a1), done = 0;
+            st = CIP_OK;
+            for (; done < n; done++) {
+                cip_raw_frame f;
+                if ((st = cip_sub_recv_raw(sub, atoi(a2), &f)) != CIP_OK)
+                    break;
+                if ((st = cip_sub_release_raw(sub, f.seq, f.slot)) != CIP_OK)
+                    break;
+            }
+            if (st != CIP_OK)
+                printf("err %s after %ld frames: %s\n", cip_status_name(st), done,
+                       cip_last_error());
+            else
+                printf("ok %ld\n", done);
+        } else if (!strcmp(cmd, "layout")) {
+            size_t reads = 0, nbytes = 0;
+            st = cip_sync_layout((uint32_t)strtoul(a1, NULL, 10), (uint32_t)strtoul(a2, NULL, 10),
+                                 &reads, &nbytes);
+            if (st != CIP_OK)
+                err(st);
+            else
+                printf("ok %zu %zu\n", reads, nbytes);
+        } else if (!strcmp(cmd, "state")) {
+            printf("ok %d\n", cip_flag_state((uint32_t)strtoul(a1, NULL, 10),
+                                              (uint32_t)strtoul(a2, NULL, 10)));
+        } else if (!strcmp(cmd, "page")) {
+            int fd = open(a1, O_RDWR | O_CLOEXEC);
+            struct stat sb;
+            if (fd < 0 || fstat(fd, &sb) != 0) {
+                printf("err CIP_ERR_TRANSPORT cannot open %s\n", a1);
+                if (fd >= 0)
+                    close(fd);
+                continue;
+            }
+            if (page != NULL)
+                munmap(page, page_nbytes);
+            page_nbytes = (size_t)sb.st_size;
+            page = mmap(NULL, page_nbytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+            close(fd);
+            if (page == MAP_FAILED) {
+                page = NULL;
+                printf("err CIP_ERR_TRANSPORT cannot map %s\n", a1);
+                continue;
+            }
+            printf("ok %zu\n", page_nbytes);
+        } else if (!strcmp(cmd, "word") || !strcmp(cmd, "force")) {
+            size_t slot = strtoul(a1, NULL, 10);
+            if (page == NULL || slot >= page_nbytes / 4) {
+                printf("err CIP_ERR_INVALID_ARGUMENT no page, or slot out of range\n");
+                continue;
+            }
+            int stored = 0;
+            if (!strcmp(cmd, "force"))
+                stored = cip_flag_force(&page[slot], (uint32_t)strtoul(a2, NULL, 10));
+            uint32_t word = __atomic_load_n(&page[slot], __ATOMIC_ACQUIRE);
+            if (!strcmp(cmd, "force"))
+                printf("ok %d %u\n", stored, word);
+            else
+                printf("ok %u\n", word);
         } else if (!strcmp(cmd, "parse")) {
             cip_array arrays[CIP_MAX_ARRAYS];
             cip_frame f;
@@ -278,10 +348,13 @@ main(void)
             }
             printf("\n");
         } else if (!strcmp(cmd, "close")) {
-            cip_sub_close(sub);
+            st = cip_sub_close(sub);
             sub = NULL;
             unmap_all();
-            printf("ok\n");
+            if (st != CIP_OK)
+                err(st);
+            else
+                printf("ok\n");
         } else if (!strcmp(cmd, "quit")) {
             break;
         } else {
@@ -290,5 +363,7 @@ main(void)
     }
     cip_sub_close(sub);
     unmap_all();
+    if (page != NULL)
+        munmap(page, page_nbytes);
     return 0;
 }

@@ -21,7 +21,9 @@
  *   gpu_consumer death SOCKET
  *       Receive one frame, make the stream wait on it, print "waiting"; then receive
  *       again (the test kills the producer meanwhile) and synchronise the stream: it
- *       must return although the producer never wrote the flag.
+ *       must return although the producer never wrote the flag.  Reports what
+ *       cip_frame_complete says of the frame before and after its release, the
+ *       incomplete list (cip_sub_incomplete_frames) and what cip_sub_close returned.
  *
  * Prints "ready" once subscribed, and one JSON line at the end.  Exit status 0 on
  * success.
@@ -325,17 +327,26 @@ death(const char *path)
     int complete = cip_frame_complete(sub, &f);
     uint64_t forced = cip_sub_forced_flags(sub);
     cip_status released = cip_sub_release(sub, &f, stream);
-    cip_sub_close(sub);
+    int complete_released = cip_frame_complete(sub, &f); /* the same answer once released */
+    uint64_t incomplete[8];
+    size_t n_incomplete = 0;
+    cip_status listed = cip_sub_incomplete_frames(sub, incomplete, 8, &n_incomplete);
+    cip_status closed = cip_sub_close(sub);
     stream_destroy(stream);
     alarm(0);
     double recv_s = (double)(t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) / 1e9;
     double waited = (double)(t2.tv_sec - t1.tv_sec) + (t2.tv_nsec - t1.tv_nsec) / 1e9;
     int nafter = list_fds(after_fds, 256);
     printf("{\"end\": \"%s\", \"recv_s\": %.3f, \"sync_rc\": %d, \"sync_s\": %.3f, "
-           "\"release\": \"%s\", \"complete\": %d, \"forced_at_end\": %" PRIu64
-           ", \"forced\": %" PRIu64 ", \"fds_before\": %d, \"fds_after\": %d, \"new_fds\": [",
+           "\"release\": \"%s\", \"complete\": %d, \"complete_released\": %d, "
+           "\"forced_at_end\": %" PRIu64 ", \"forced\": %" PRIu64 ", \"seq\": %" PRIu64
+           ", \"listed\": \"%s\", \"incomplete\": [",
            cip_status_name(end), recv_s, rc, waited, cip_status_name(released), complete,
-           forced_at_end, forced, before, count_fds());
+           complete_released, forced_at_end, forced, f.seq, cip_status_name(listed));
+    for (size_t i = 0; i < n_incomplete && i < 8; i++)
+        printf("%s%" PRIu64, i ? ", " : "", incomplete[i]);
+    printf("], \"close\": \"%s\", \"fds_before\": %d, \"fds_after\": %d, \"new_fds\": [",
+           cip_status_name(closed), before, count_fds());
     int first = 1;
     for (int i = 0; i < nafter; i++) {
         int old = 0;
