@@ -589,6 +589,9 @@ def _soak_consumer(address: str, mode: str, restart_every: int, conn: Any) -> No
         conn.send(("ready",))
         while not done:
             sub = cip.subscribe(address, mode=mode, wait=30)
+            if sessions:
+                # subscribed again: the producer counts its fds only between restarts
+                conn.send(("session", len(sessions)))
             got, last, frame = 0, -1, None
             while True:
                 try:
@@ -636,7 +639,20 @@ def test_soak_100k_frames_block_and_latest_with_restarts(address):
                 assert time.monotonic() < deadline
             marks = []
             for seq in range(SOAK_FRAMES):
-                if seq % SOAK_EVERY == 0 and seq:
+                if seq % SOAK_EVERY == SOAK_EVERY // 2 and seq > SOAK_EVERY:
+                    # Halfway between two restarts of the latest subscriber: wait until it
+                    # has subscribed again after the restart at the last boundary (its next
+                    # restart needs a frame past the next one) and the producer has dropped
+                    # its old connection, so no connection is half open or half closed
+                    # when the producer's fds are counted.
+                    deadline = time.monotonic() + 60
+                    while not lconn.poll(0):
+                        pub.poll(0.01)
+                        assert time.monotonic() < deadline, "the latest subscriber never came back"
+                    assert _expect(lconn) == ("session", seq // SOAK_EVERY)
+                    while len(pub.subscribers) != 2:
+                        pub.poll(0.01)
+                        assert time.monotonic() < deadline, pub.subscribers
                     cp.cuda.Device(0).synchronize()
                     gc.collect()
                     marks.append((fd_count(), device_free()))
