@@ -226,6 +226,11 @@ def _map(handle: Any, size: int, device: int, undo: UndoStack, access: Any = Non
 
 #: Seconds a close waits for this process's queued GPU work before it hands the
 #: unmap to a thread that does it once the work has finished (with a warning).
+#: Longer than the channel's close grace (``channel._settle.CLOSE_GRACE``): this
+#: waits for the user's own kernels, which may run for seconds, and past it the
+#: memory is still freed (later, by the thread), so waiting costs only the close's
+#: time.  One value for the Python package and the C library
+#: (``CIP_WIRE_UNMAP_WAIT_MS``, generated from this by ``c/gen_wire.py``).
 DRAIN_TIMEOUT = 10.0
 
 

@@ -201,10 +201,10 @@ cip_status cip_array_from_handle(cip_pool *pool, const void *bytes, size_t len, 
  * touch the slots: first cuCtxSynchronize on the pool's device (its primary
  * context, pushed and popped: the caller's current context is unchanged), because
  * cuMemUnmap does not wait for kernels as cudaFree does.  If that work has not
- * finished within 10 s, a background thread unmaps once it has, and
- * CIP_ERR_TIMEOUT says so; if the synchronisation fails (a context already broken
- * by an earlier error), the slots are unmapped anyway and CIP_ERR_CUDA names the
- * error.  The handle is freed in every case; NULL is ignored (CIP_OK). */
+ * finished within CIP_WIRE_UNMAP_WAIT_MS (10 s, cupy_ipcpool_wire.h), a
+ * background thread unmaps once it has, and CIP_ERR_TIMEOUT says so; if the
+ * synchronisation fails (a context already broken by an earlier error), the slots
+ * are unmapped anyway and CIP_ERR_CUDA names the error.  The handle is freed in every case; NULL is ignored (CIP_OK). */
 cip_status cip_pool_close(cip_pool *pool);
 
 /* ---- subscriptions ----------------------------------------------------------------- */
@@ -312,8 +312,9 @@ cip_status cip_frame_wait(cip_sub *sub, const cip_frame *frame, void *stream);
  * the frame on `stream` (or order it before) first.  If the publisher has hung
  * up, nothing is written (after an eviction the row may be another
  * subscriber's): as cip_sub_release_raw, except that a hang-up seen here while
- * a stream of ours waits on an unset frame flag waits (at most 5 s) for the
- * producer's pidfd, as cip_sub_recv does, so that the flags are forced first.
+ * a stream of ours waits on an unset frame flag waits (at most
+ * CIP_WIRE_DEATH_WAIT_MS, 5 s) for the producer's pidfd, as cip_sub_recv does, so
+ * that the flags are forced first.
  * On CIP_ERR_CUDA the frame is still held. */
 cip_status cip_sub_release(cip_sub *sub, const cip_frame *frame, void *stream);
 
@@ -353,8 +354,8 @@ int cip_sub_fileno(const cip_sub *sub);
 const char *cip_sub_error(const cip_sub *sub);
 
 /* Send the RELEASEs still owed (if the socket takes them), say BYE and close the
- * socket; wait (up to 5 s) for the flag operations this subscription enqueued to
- * finish -- after the producer's death, first writing from the host every frame
+ * socket; wait (up to CIP_WIRE_CLOSE_WAIT_MS, 5 s) for the flag operations this
+ * subscription enqueued to finish -- after the producer's death, first writing from the host every frame
  * flag a stream of ours still waits on, which the producer will never write --
  * then unregister and unmap the sync page, close the pool (as cip_pool_close: it
  * waits for this process's queued GPU work on the device first) and close every

@@ -85,12 +85,14 @@ CIP_ASSERT(SYS_pidfd_getfd == CIP_WIRE_SYS_PIDFD_GETFD_X86_64, pidfd_getfd_nr);
 
 #define CIP_I32_MAX 0x7FFFFFFFull
 #define CIP_I64_MAX 0x7FFFFFFFFFFFFFFFull
-#define CIP_CLOSE_WAIT_MS 5000
-/* After a hang-up without BYE while a stream of ours waits on a frame flag: how long
- * to wait for the producer's pidfd.  Its sockets close while it exits, before its
- * pidfd says so (a CUDA process's exit takes seconds while the driver tears down its
- * context), and the stream must not be left waiting on a flag nobody will write. */
-#define CIP_DEATH_WAIT_MS 5000
+/* The waits after a death and at close are the Python package's, generated into
+ * cupy_ipcpool_wire.h (channel/_settle.py, _vmm.py say why each is what it is):
+ * CIP_WIRE_CLOSE_WAIT_MS, how long gpu_quiesce waits for our flag operations at
+ * close; CIP_WIRE_DEATH_WAIT_MS, after a hang-up without BYE while a stream of ours
+ * waits on a frame flag, how long to wait for the producer's pidfd (its sockets
+ * close while it exits, before its pidfd says so: a CUDA process's exit takes
+ * seconds while the driver tears down its context, and the stream must not be left
+ * waiting on a flag nobody will write); CIP_WIRE_UNMAP_WAIT_MS, below. */
 
 /* ---- errors ------------------------------------------------------------------------ */
 
@@ -1486,9 +1488,9 @@ cip_array_from_handle(cip_pool *pool, const void *bytes, size_t len, cip_array *
 /* cuMemUnmap does not wait for kernels as cudaFree does: a kernel queued in this
  * process on a slot would fault (and poison the context) if the slot went first.  So
  * a close synchronises the pool's device context, then unmaps -- inline for up to
- * CIP_UNMAP_WAIT_MS, after that in a thread of its own, once the work is done (as
- * the Python package's _vmm.release_after_queued_work). */
-#define CIP_UNMAP_WAIT_MS 10000
+ * CIP_WIRE_UNMAP_WAIT_MS (generated: _vmm.DRAIN_TIMEOUT), after that in a thread of
+ * its own, once the work is done (as the Python package's
+ * _vmm.release_after_queued_work). */
 
 /* cuCtxSynchronize on the pool's device (its primary context, pushed and popped),
  * then unmap and release every slot whatever it said, and free the pool.  On
@@ -1600,7 +1602,12 @@ cip_pool_close(cip_pool *pool)
     }
     struct timespec until;
     clock_gettime(CLOCK_MONOTONIC, &until);
-    until.tv_sec += CIP_UNMAP_WAIT_MS / 1000;
+    until.tv_sec += (time_t)(CIP_WIRE_UNMAP_WAIT_MS / 1000u);
+    until.tv_nsec += (long)(CIP_WIRE_UNMAP_WAIT_MS % 1000u) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec += 1;
+        until.tv_nsec -= 1000000000L;
+    }
     pthread_mutex_lock(&job->lock);
     while (!job->done) {
         if (pthread_cond_timedwait(&job->cond, &job->lock, &until) == ETIMEDOUT)
@@ -1611,10 +1618,10 @@ cip_pool_close(cip_pool *pool)
         pthread_mutex_unlock(&job->lock);
         pthread_detach(thread);
         return fail(CIP_ERR_TIMEOUT,
-                    "GPU work queued in this process on device %d has not finished within %d s; "
+                    "GPU work queued in this process on device %d has not finished within %g s; "
                     "the pool's slots stay mapped until it has, then a background thread unmaps "
                     "them",
-                    device, CIP_UNMAP_WAIT_MS / 1000);
+                    device, CIP_WIRE_UNMAP_WAIT_MS / 1000.0);
     }
     pthread_mutex_unlock(&job->lock);
     pthread_join(thread, NULL);
@@ -2068,7 +2075,7 @@ scan_after_hangup(cip_sub *sub)
         /* its sockets close before its pidfd says it exited: while a stream of ours
          * waits on a flag, give its exit a moment to show, then set that flag */
         if (producer_dead(sub) ||
-            (waits_pending(sub) && producer_dies_within(sub, CIP_DEATH_WAIT_MS))) {
+            (waits_pending(sub) && producer_dies_within(sub, (int)CIP_WIRE_DEATH_WAIT_MS))) {
             resolve_waits(sub);
             sub_end(sub, CIP_ERR_PUBLISHER_GONE,
                     "the publisher (pid %d) exited; frames still queued are dropped (their flags "
@@ -3062,7 +3069,7 @@ gpu_quiesce(cip_sub *sub)
 {
     if (sub->untracked)
         return 0;
-    long long deadline = now_ms() + CIP_CLOSE_WAIT_MS;
+    long long deadline = now_ms() + (long long)CIP_WIRE_CLOSE_WAIT_MS;
     long delay = 50;
     for (;;) {
         int pending = 0;

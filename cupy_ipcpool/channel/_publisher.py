@@ -51,7 +51,15 @@ from ._payload import (
     WELCOME_HEAD,
 )
 from ._publisher_core import PublisherCore
-from ._settle import DepartedReader, PageStreams, close_pidfd, exited, open_pidfd, settle_page
+from ._settle import (
+    CLOSE_GRACE,
+    DepartedReader,
+    PageStreams,
+    close_pidfd,
+    exited,
+    open_pidfd,
+    settle_page,
+)
 from ._syncpage import SyncPage
 
 _TEMPLATES = 1024  # most array geometries whose wire form a publisher keeps
@@ -316,7 +324,7 @@ class Publisher:
             self._leases,
             self._pid,
             _PageState(self),
-            5.0,
+            CLOSE_GRACE,
         )
 
     # -- accept thread / callbacks --
@@ -588,7 +596,7 @@ class Publisher:
 
     # -- teardown --
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = CLOSE_GRACE) -> None:
         """Say goodbye to every subscriber, close the socket, free the sync page.
 
         Subscribers get a clean end of stream after the frames already sent;

@@ -11,7 +11,15 @@ lives, others wait on the same flags for its data.
 
 This module needs no GPU: it works on :class:`~._syncpage.SharedFlags` and
 on stream trackers that answer ``idle()`` and ``synchronize()``; the
-subscriber and the publisher pass theirs.
+subscriber and the publisher pass theirs (:class:`PageStreams`, the one
+tracker both use; only its methods touch CUDA).
+
+It owns the waits of this rule, each one constant, also generated into the
+C library's ``cupy_ipcpool_wire.h`` by ``c/gen_wire.py``: :data:`DEATH_WAIT`
+(a hang-up without BYE, before the peer's pidfd says it exited) and
+:data:`CLOSE_GRACE` (a close waiting for a live peer's flag).  The death
+watch itself is :func:`exited` (one pidfd, with a wait) and
+:func:`settle_if_dead` (force a dead producer's flags).
 """
 
 from __future__ import annotations
@@ -21,12 +29,37 @@ import math
 import os
 import select
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 from .._arrays import cupy_module
 from ._syncpage import FlagLayout, FrameWaits, SharedFlags
 
-#: Most streams a publisher tracks before it forgets idle ones.
+#: Seconds a subscriber waits, after the publisher hung up without BYE while a stream
+#: of its own waits on a frame flag the host does not see set, for the publisher's
+#: pidfd to say it exited (then the flags are forced before the end is reported).
+#: A dying process's sockets close before its pidfd fires, and a CUDA process's exit
+#: takes seconds while the driver tears its context down: 5 s covers that (1 s, as
+#: the Python side had, reported such ends with the flags still unforced), and is
+#: spent only where a stream really waits and the producer, alive, just hung up.
+#: The C library's ``CIP_WIRE_DEATH_WAIT_MS``.
+DEATH_WAIT = 5.0
+
+#: Seconds a close waits for the flag operations queued on its own streams while a
+#: *live* peer still has to set a flag one of them waits on; past it the sync page
+#: (and a subscriber's slot mappings) are kept mapped, with a ``TeardownWarning``,
+#: rather than unmapped under that wait.  A live peer sets such a flag as soon as
+#: its queued work before it has run (milliseconds, usually); 5 s is ample for that
+#: and keeps a close short, and leaking one page is the safe answer past it.  One
+#: value for the Python subscriber (whose close waited its connect ``timeout``,
+#: 10 s by default), the Python publisher (``Publisher.close``'s default) and the
+#: C library (``CIP_WIRE_CLOSE_WAIT_MS``).
+CLOSE_GRACE = 5.0
+
+#: Streams a :class:`PageStreams` holds before a new one makes it forget those with
+#: no work left.  Not a cap: a stream with work left is never forgotten (closing
+#: must wait for it).  16 covers a stream per worker thread or a small stream pool
+#: without any pruning; past it, each new stream costs one ``cudaStreamQuery`` per
+#: tracked stream.  One value for subscribers and publishers (which had 8 and 16).
 STREAMS_KEPT = 16
 
 
@@ -47,9 +80,38 @@ def close_pidfd(pidfd: int) -> None:
             os.close(pidfd)
 
 
-def exited(pidfd: int) -> bool:
-    """True once the process of ``pidfd`` has exited."""
-    return pidfd >= 0 and bool(select.select([pidfd], [], [], 0)[0])
+def exited(pidfd: int, wait: float = 0.0) -> bool:
+    """True once the process of ``pidfd`` has exited, waiting up to ``wait`` seconds.
+
+    The one death watch of the channel: a pidfd is readable once its process
+    exited.  False for -1 (no pidfd: the death cannot be seen).  ``poll``, not
+    ``select``: a pidfd may be numbered past ``FD_SETSIZE``.
+    """
+    if pidfd < 0:
+        return False
+    watch = select.poll()
+    watch.register(pidfd, select.POLLIN)
+    ms = -1 if not math.isfinite(wait) else math.ceil(wait * 1000) if wait > 0 else 0
+    return bool(watch.poll(ms))
+
+
+def settle_if_dead(flags: SharedFlags, waits: FrameWaits, pidfd: int, wait: float = 0.0) -> bool:
+    """If the producer of ``pidfd`` is dead, force the frame flags our streams await.
+
+    ``wait`` (after a hang-up without BYE: :data:`DEATH_WAIT`) is spent only
+    while a stream of ours waits on a frame flag the host does not see set:
+    with nothing awaited there is nothing to force, and no reason to wait.
+    Afterwards no stream of this subscriber waits for the dead producer.
+
+    Returns
+    -------
+    bool
+        True when the producer was seen dead (and its flags forced).
+    """
+    if not exited(pidfd) and not (wait > 0 and waits.pending(flags) and exited(pidfd, wait)):
+        return False
+    waits.resolve(flags)
+    return True
 
 
 class DepartedReader:
@@ -88,43 +150,67 @@ class DepartedReader:
 
 
 class PageStreams:
-    """Raw streams the publisher queued flag operations on (frame-flag writes, read-flag waits).
+    """Streams that queued flag operations on a sync page and may still run them.
 
-    Closing the publisher waits for them before it unmaps the sync page.
+    The one tracker of the subscriber (frame-flag waits, read-flag writes)
+    and of the publisher (frame-flag writes, read-flag waits): closing either
+    synchronizes these before it unmaps the page.  ``ptrs`` maps each raw
+    handle to the stream object it was noted with (None for a raw handle), so
+    a CuPy or torch stream is not destroyed while tracked.  At
+    :data:`STREAMS_KEPT` entries a new stream makes it forget those with no
+    work left (``cudaStreamQuery``); streams with work are always kept.
+
+    On failure one behaviour everywhere: a stream the runtime rejects
+    (``cudaStreamQuery``/``cudaStreamSynchronize`` raise) counts as idle and is
+    skipped, and the others are still waited for.  Such a failure means a
+    context that holds an error (its work will never run again, so nothing
+    more touches the page) or a raw handle its owner destroyed; raising
+    instead would stop the wait half-way, or turn a user's earlier GPU error
+    into a second, misleading one at close.
     """
 
     __slots__ = ("ptrs",)
 
     def __init__(self) -> None:
-        self.ptrs: dict[int, None] = {}
+        self.ptrs: dict[int, Any] = {}
 
-    def note(self, ptr: int) -> None:
+    def note(self, ptr: int, stream: Any = None) -> None:
+        """Track ``ptr`` (and keep ``stream``, its object, alive while tracked)."""
         ptrs = self.ptrs
         if ptr in ptrs:
             return
         if len(ptrs) >= STREAMS_KEPT:
             for known in [p for p in ptrs if self._idle(p)]:
                 del ptrs[known]
-        ptrs[ptr] = None
+        ptrs[ptr] = stream
+
+    def __len__(self) -> int:
+        return len(self.ptrs)
 
     @staticmethod
     def _idle(ptr: int) -> bool:
         try:
             return bool(cupy_module().cuda.runtime.streamQuery(ptr) == 0)
-        except Exception:  # not a valid stream any more
+        except Exception:  # not a valid stream any more: nothing to wait for
             return True
 
     def idle(self) -> bool:
+        """True when no tracked stream has work left (``cudaStreamQuery``)."""
         return all(self._idle(p) for p in self.ptrs)
 
     def synchronize(self) -> None:
+        """Wait for every tracked stream, then forget them all."""
         if not self.ptrs:
             return
         rt = cupy_module().cuda.runtime
         ptrs, self.ptrs = self.ptrs, {}
         for ptr in ptrs:
-            with contextlib.suppress(Exception):  # destroyed meanwhile: nothing to wait for
+            with contextlib.suppress(Exception):  # rejected: see the class docstring
                 rt.streamSynchronize(ptr)
+
+    def clear(self) -> None:
+        """Forget every stream (and drop the objects kept)."""
+        self.ptrs.clear()
 
 
 class Streams(Protocol):
@@ -153,8 +239,7 @@ def settle_streams(
         producer (or one that cannot be watched: no pidfd) left a flag unset
         for ``grace`` seconds while a stream of ours still waits.
     """
-    watch = [pidfd] if pidfd >= 0 else []
-    if watch and select.select(watch, [], [], 0)[0]:
+    if exited(pidfd):
         waits.resolve(flags)
         streams.synchronize()
         return True
@@ -163,8 +248,8 @@ def settle_streams(
     while waits.pending(flags) and not streams.idle():
         if time.monotonic() >= deadline:
             return False
-        if watch:
-            if select.select(watch, [], [], pause)[0]:  # it died: its flags will never come
+        if pidfd >= 0:
+            if exited(pidfd, pause):  # it died: its flags will never come
                 waits.resolve(flags)
                 break
         else:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
@@ -26,70 +25,17 @@ from .._errors import (
 from .._handles import PoolDescriptor
 from .._peer import PeerPool, attach_fds
 from ._payload import FRAME_HEAD, MAX_ARRAYS, MAX_METADATA, WELCOME_HEAD
-from ._settle import settle_streams
+from ._settle import (
+    CLOSE_GRACE,
+    DEATH_WAIT,
+    PageStreams,
+    exited,
+    settle_if_dead,
+    settle_streams,
+)
 from ._subscriber_core import SubscriberCore
 from ._syncpage import FrameWaits, SyncPage, raise_driver_error
 from ._waiting import connect_waiting
-
-#: Most streams a subscriber tracks before it forgets those with no work left.
-_STREAMS_KEPT = 8
-
-
-class _StreamsInUse:
-    """Streams a subscriber enqueued flag operations on, which may still run them.
-
-    Closing the subscriber synchronizes these before it unmaps the sync page.
-    The set stays small: when it reaches ``_STREAMS_KEPT`` entries, streams
-    with no work left (``cudaStreamQuery``) are forgotten.  The stream objects
-    are kept, so that a CuPy or torch stream is not destroyed while tracked.
-    """
-
-    __slots__ = ("_streams",)
-
-    def __init__(self) -> None:
-        self._streams: dict[int, Any] = {}
-
-    def note(self, ptr: int, stream: Any) -> None:
-        streams = self._streams
-        if ptr in streams:
-            return
-        if len(streams) >= _STREAMS_KEPT:
-            rt = cupy_module().cuda.runtime
-            for known in list(streams):
-                try:
-                    idle = rt.streamQuery(known) == 0
-                except Exception:  # not a valid stream any more: nothing to wait for
-                    idle = True
-                if idle:
-                    del streams[known]
-        streams[ptr] = stream
-
-    def __len__(self) -> int:
-        return len(self._streams)
-
-    def idle(self) -> bool:
-        """True when no tracked stream has work left (``cudaStreamQuery``)."""
-        if not self._streams:
-            return True
-        rt = cupy_module().cuda.runtime
-        for ptr in self._streams:
-            try:
-                if rt.streamQuery(ptr) != 0:
-                    return False
-            except Exception:  # not a valid stream any more: nothing to wait for
-                continue
-        return True
-
-    def synchronize(self) -> None:
-        if not self._streams:
-            return
-        rt = cupy_module().cuda.runtime
-        streams, self._streams = self._streams, {}
-        for ptr in streams:
-            rt.streamSynchronize(ptr)
-
-    def clear(self) -> None:
-        self._streams.clear()
 
 
 class FrameLease(Protocol):
@@ -267,9 +213,8 @@ class Subscriber:
         self._peer: PeerPool | None = None
         self._sync: SyncPage | None = None
         self._index = 0
-        self._streams = _StreamsInUse()  # streams this subscriber enqueued flag operations on
+        self._streams = PageStreams()  # streams this subscriber enqueued flag operations on
         self._waits: FrameWaits | None = None  # the frame flags those streams may wait on
-        self._timeout = timeout
         self._last_stream: Any = None  # the stream of the last recv/release, and its handle
         self._last_ptr = 0
         self._core = SubscriberCore(
@@ -280,14 +225,12 @@ class Subscriber:
             allowed_uids=allowed_uids,
             spin_us=spin_us,
         )
-        self._alive = select.poll()
         self._pidfd = -1
         try:
             if self._core.producer_pid > 0:
                 # readable once the producer exits: frames still queued then must not be
                 # used, their flags will never be written
                 self._pidfd = os.pidfd_open(self._core.producer_pid)
-                self._alive.register(self._pidfd, select.POLLIN)
                 # the core's per-frame hang-up check covers the pidfd too: recv looks
                 # at it on its own only once that check has fired (core.alarm)
                 self._core.watch(self._pidfd)
@@ -306,7 +249,7 @@ class Subscriber:
             self._pidfd,
             self._streams,
             self._waits,
-            timeout,
+            CLOSE_GRACE,
             os.getpid(),
         )
 
@@ -422,11 +365,11 @@ class Subscriber:
             raise
         except EndOfStream as exc:
             # hung up without a BYE: the producer is dying (its sockets close just
-            # before its pidfd says so); give it a moment, then settle the flags
-            self._settle_if_dead(0.0 if exc.clean or core.evicted else 1.0)
+            # before its pidfd says so); give it DEATH_WAIT, then settle the flags
+            self._settle_if_dead(0.0 if exc.clean or core.evicted else DEATH_WAIT)
             self._answer(exc)
             raise
-        if core.alarm and self._alive.poll(0):
+        if core.alarm and exited(self._pidfd):
             self.close()
             raise self._answer(
                 EndOfStream(
@@ -459,7 +402,7 @@ class Subscriber:
     def _stream_ptr(self, stream: Any) -> int:
         """``stream``'s raw handle (default: CuPy's current stream), noted as in use.
 
-        The last stream seen is remembered (and held, as :class:`_StreamsInUse`
+        The last stream seen is remembered (and held, as :class:`PageStreams`
         holds it anyway): a loop that passes the same stream object each frame,
         or uses CuPy's current stream, pays one identity check.
         """
@@ -491,24 +434,17 @@ class Subscriber:
 
     # -- the producer's death --
 
-    def _producer_dead(self, wait: float = 0.0) -> bool:
-        """True once the producer process has exited (its pidfd is readable, within ``wait`` s)."""
-        return self._pidfd >= 0 and bool(self._alive.poll(int(wait * 1000)))
-
     def _settle_if_dead(self, wait: float = 0.0) -> None:
         """If the producer died, set the frame flags it never wrote that our streams await.
 
-        Afterwards no stream of this subscriber waits for the dead producer:
-        work on held frames runs (see :attr:`Frame.complete` for what they hold).
+        ``wait``: seconds to wait for its pidfd while such a flag is unset
+        (:func:`~._settle.settle_if_dead`, the death watch).  Afterwards no
+        stream of this subscriber waits for the dead producer: work on held
+        frames runs (see :attr:`Frame.complete` for what they hold).
         """
         sync, waits = self._sync, self._waits
-        if (
-            sync is not None
-            and waits is not None
-            and not sync.flags.closed
-            and self._producer_dead(wait)
-        ):
-            waits.resolve(sync.flags)
+        if sync is not None and waits is not None and not sync.flags.closed:
+            settle_if_dead(sync.flags, waits, self._pidfd, wait)
 
     def _frame_complete(self, slot: int, generation: int) -> bool | None:
         """:attr:`Frame.complete` of the frame of ``generation`` in ``slot``."""
@@ -582,6 +518,9 @@ class Subscriber:
 
         Idempotent; never raises.  Frames still alive keep their slots mapped
         until they are collected; their leases are not returned any more.
+        Where a stream of ours still waits on a flag of a live producer after
+        :data:`~._settle.CLOSE_GRACE` seconds (5), the sync page and the slots'
+        mappings are kept, with a :class:`TeardownWarning`.
         """
         if self._closed:
             return
@@ -601,7 +540,7 @@ class Subscriber:
             self._pidfd,
             self._streams,
             self._waits,
-            self._timeout,
+            CLOSE_GRACE,
             os.getpid(),
         )
 
@@ -631,7 +570,7 @@ def _teardown_subscriber(
     sync: SyncPage | None,
     peer: PeerPool | None,
     pidfd: int,
-    streams: _StreamsInUse,
+    streams: PageStreams,
     waits: FrameWaits | None,
     grace: float,
     pid: int,
