@@ -430,7 +430,7 @@ def test_socket_wrong_token_and_count(memfds: list[int]) -> None:
         assert ei2.value.errno == errno.EPROTO
         got = fetch_fds_over_socket(server.path, TOKEN, 3)
         _close(got)
-        _wait_fd_count(before)
+        assert _wait_fd_count(before) == before
 
 
 def test_socket_many_fds_chunked(memfds: list[int]) -> None:
