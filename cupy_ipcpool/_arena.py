@@ -93,11 +93,6 @@ class SlotArena:
         """Number of blocks allocated and not freed."""
         return sum(1 for b in self._blocks if b[2])
 
-    @property
-    def pending_streams(self) -> int:
-        """Streams whose freed space another stream would have to wait for."""
-        return len(self._fences)
-
     def remaining(self) -> int:
         """Bytes still available above the top (after alignment)."""
         start = -(-self._top // self.alignment) * self.alignment

@@ -47,10 +47,6 @@ class LaneUnavailable(Exception):
     """
 
 
-class VerificationError(Exception):
-    """A frame did not hold the value it was written with."""
-
-
 # --------------------------------------------------------------------- config
 @dataclass(frozen=True)
 class Schedule:

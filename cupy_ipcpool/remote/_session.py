@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .._errors import (
-    EndOfStream,
     EvictedError,
     IpcPoolError,
     PeerRefusedError,
@@ -364,9 +363,4 @@ class ClientSession:
             self.worker.close()
 
 
-def raise_end(ended: tuple[str, bool]) -> None:
-    """Raise the EndOfStream a session ended with."""
-    raise EndOfStream(ended[0], ended[1])
-
-
-__all__ = ["ClientSession", "Received", "Sink", "raise_end"]
+__all__ = ["ClientSession", "Received", "Sink"]
