@@ -19,6 +19,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from ._errors import CompiledPartError
+
 #: What to do about a missing or mismatched build (the same words everywhere).
 FIX = (
     "reinstall the package (pip install . or, in a source tree, pip install -e .), "
@@ -46,21 +48,22 @@ def load(name: str, **expected: object) -> ModuleType:
 
     Raises
     ------
-    ImportError
+    CompiledPartError
         The module is not built or does not load, or it was built from other
         sources than this code (a constant differs or is missing).  The
-        message names the module, what is wrong and :data:`FIX`.
+        message names the module, what is wrong and :data:`FIX`.  Also an
+        ``ImportError``.
     """
     try:
         module = importlib.import_module(name)
     except ImportError as exc:
-        raise ImportError(
+        raise CompiledPartError(
             f"{name}, a compiled part of cupy_ipcpool, is not built or does not load ({exc}): {FIX}"
         ) from None
     for attr, want in expected.items():
         built = getattr(module, attr, None)
         if built != want:
-            raise ImportError(
+            raise CompiledPartError(
                 f"{name} was built from other sources than this code ({attr}: the build has "
                 f"{built!r}, this code {want!r}): rebuild it: {FIX}"
             )

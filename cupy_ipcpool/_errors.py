@@ -152,6 +152,15 @@ class TransportError(IpcPoolError, OSError):
         return (type(self), (self.errno, self.strerror))
 
 
+class TransportTimeoutError(TransportError, TimeoutError):
+    """Moving file descriptors did not finish in time (``ETIMEDOUT``).
+
+    A :class:`TransportError` that is also a :class:`TimeoutError`, so
+    ``except TimeoutError`` keeps catching it: a listen backlog that stayed
+    full until the deadline, or an fd server that did not answer in time.
+    """
+
+
 class PeerRefusedError(TransportError):
     """A peer was refused: its uid is not allowed, or it spoke out of protocol."""
 
@@ -186,6 +195,12 @@ class SlotFullError(IpcPoolError, MemoryError):
 
 class NotShareableError(IpcPoolError, ValueError):
     """The array's memory does not lie inside the pool, so no peer can map it."""
+
+
+class CompiledPartError(IpcPoolError, ImportError):
+    """A compiled part of the package is not built, does not load, or was built
+    from other sources than this code; the message says how to rebuild it.
+    Also an :class:`ImportError`."""
 
 
 class ProtocolError(IpcPoolError):
@@ -281,6 +296,7 @@ class LeaseStateError(IpcPoolError, RuntimeError):
 
 __all__ = [
     "ChannelTimeoutError",
+    "CompiledPartError",
     "CudaError",
     "CudaOutOfMemoryError",
     "CudaUnavailableError",
@@ -300,6 +316,7 @@ __all__ = [
     "StaleHandleError",
     "TeardownWarning",
     "TransportError",
+    "TransportTimeoutError",
     "UnsupportedDeviceError",
     "UsageError",
     "UsageTypeError",

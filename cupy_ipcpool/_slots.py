@@ -26,7 +26,7 @@ The table needs no GPU; a token only reaches CuPy through its pool.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, suppress
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -76,6 +76,24 @@ class LeaseSource(Protocol):
 
 # A source may also offer ``describe(slot) -> str`` naming the peers that hold
 # ``slot``; SlotBusyError messages then say who they are.
+
+
+def first_free_slot(start: int, num_slots: int, busy: Callable[[int], object]) -> int | None:
+    """The ring's one slot-pick rule: the first slot from ``start`` on, round-robin, not ``busy``.
+
+    Looks at ``start % num_slots``, then the next ones modulo ``num_slots``,
+    each once; returns the first for which ``busy(slot)`` is false, or None
+    when every slot is busy.  :meth:`SlotTable.take` (a pool's slots: start
+    after the slot taken last) and the host channel's
+    :meth:`~cupy_ipcpool.channel._leases.LeaseBook.pick_free_slot` (start
+    after the slot published last) both pick with it; what makes a slot busy
+    is each one's own.
+    """
+    for i in range(start, start + num_slots):
+        slot = i % num_slots
+        if not busy(slot):
+            return slot
+    return None
 
 
 class SlotTable(SlotRefs):
@@ -235,29 +253,10 @@ class SlotTable(SlotRefs):
                         self.cond.notify_all()
 
     def _pick(self, slot: int | None) -> int | None:
-        counts, writing = self.counts, self.writing
-        sources = self.sources
+        """``slot`` when it is free, else (no ``slot``) the first free one after :attr:`current`."""
         if slot is not None:
-            candidates: range | tuple[int] = (slot,)
-        else:
-            n = len(counts)
-            start = self.current + 1
-            candidates = range(start, start + n)
-        n = len(counts)
-        views = self.views
-        for i in candidates:
-            s = i % n
-            if counts[s] or writing[s]:
-                continue
-            view = views[s]
-            if view is not None and view.in_use():
-                continue
-            for src in sources:
-                if src.leases(s):
-                    break
-            else:
-                return s
-        return None
+            return None if self.is_busy(slot) else slot
+        return first_free_slot(self.current + 1, len(self.counts), self.is_busy)
 
     def _lease_bound(self, slot: int | None) -> LeaseSource | None:
         """A source whose returned lease would free a slot (only leases hold it), or None."""

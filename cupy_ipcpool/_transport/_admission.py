@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
+from cupy_ipcpool._errors import UsageError
+
 __all__ = [
     "Admission",
 ]
@@ -37,9 +39,9 @@ class Admission:
 
     def __init__(self, per_uid: int, timeout: float) -> None:
         if per_uid < 1:
-            raise ValueError(f"per_uid must be at least 1, not {per_uid}")
+            raise UsageError(f"per_uid must be at least 1, not {per_uid}")
         if not timeout > 0:
-            raise ValueError(f"timeout must be positive, not {timeout}")
+            raise UsageError(f"timeout must be positive, not {timeout}")
         self.per_uid = int(per_uid)
         self.timeout = float(timeout)
         # key -> (group, deadline), in admission order: with one timeout, and moves that
@@ -52,11 +54,11 @@ class Admission:
 
         Raises
         ------
-        ValueError
-            ``key`` is already admitted.
+        UsageError
+            ``key`` is already admitted (also a ``ValueError``).
         """
         if key in self._entries:
-            raise ValueError(f"{key!r} is already admitted")
+            raise UsageError(f"{key!r} is already admitted")
         evicted = self._make_room(uid)
         self._by_group.setdefault(uid, {})[key] = None
         self._entries[key] = (uid, now + self.timeout)

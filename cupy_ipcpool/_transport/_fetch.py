@@ -16,7 +16,12 @@ import socket
 import time
 from collections.abc import Sequence
 
-from cupy_ipcpool._errors import PeerRefusedError, TransportError
+from cupy_ipcpool._errors import (
+    PeerRefusedError,
+    TransportError,
+    TransportTimeoutError,
+    UsageError,
+)
 
 from ._fdserver import (
     _COUNT,
@@ -91,14 +96,16 @@ def fetch_fds_over_socket(
     TransportError
         ``ECONNREFUSED``/``ENOENT``: the exporter has exited or closed its fd
         server; ``EACCES``: the socket's file permissions refuse this user;
-        ``ETIMEDOUT``; ``EBUSY``: the server is serving too many connections
-        of this uid; ``EPROTO``: the reply was malformed or had the wrong
-        number of fds.
+        ``ETIMEDOUT`` (a :class:`TransportTimeoutError`, also a
+        ``TimeoutError``): the connect or the reply did not finish within
+        ``timeout``; ``EBUSY``: the server is serving too many connections of
+        this uid; ``EPROTO``: the reply was malformed or had the wrong number
+        of fds.
     """
     token = _check_token(token)
     count = int(count)
     if not 0 <= count <= MAX_FDS_PER_REPLY:
-        raise ValueError(f"count must be in [0, {MAX_FDS_PER_REPLY}], got {count}")
+        raise UsageError(f"count must be in [0, {MAX_FDS_PER_REPLY}], got {count}")
     deadline = time.monotonic() + timeout
     fds: list[int] = []
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -111,10 +118,10 @@ def fetch_fds_over_socket(
             # refused before the request arrived: the status byte still tells why
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 sock.sendall(MAGIC + bytes([len(token)]) + token)
-            status = _recv_reply(sock, 1, deadline, fds)[0]
+            status = _recv_reply(sock, path, 1, deadline, fds)[0]
             if status != STATUS_OK:
                 raise _refusal(status, path)
-            (announced,) = _COUNT.unpack(_recv_reply(sock, _COUNT.size, deadline, fds))
+            (announced,) = _COUNT.unpack(_recv_reply(sock, path, _COUNT.size, deadline, fds))
             if announced != count:
                 raise TransportError(
                     errno.EPROTO,
@@ -122,7 +129,7 @@ def fetch_fds_over_socket(
                     "(descriptor from a different pool?)",
                 )
             nmsg = -(-count // FDS_PER_MESSAGE)
-            _recv_reply(sock, nmsg, deadline, fds)
+            _recv_reply(sock, path, nmsg, deadline, fds)
             if len(fds) != count:
                 raise TransportError(
                     errno.EPROTO, f"fd server {path} sent {len(fds)} fds, expected {count}"
@@ -131,13 +138,8 @@ def fetch_fds_over_socket(
         except BaseException as exc:
             _close_all(fds)
             if isinstance(exc, TimeoutError):
-                raise TransportError(
+                raise TransportTimeoutError(
                     errno.ETIMEDOUT, f"fd server {path} did not answer within {timeout} s"
-                ) from None
-            if isinstance(exc, EOFError):
-                raise TransportError(
-                    errno.ECONNRESET,
-                    f"fd server {path} closed the connection mid-reply (exporter exiting?)",
                 ) from None
             if isinstance(exc, OSError) and not isinstance(exc, TransportError):
                 err = exc.errno or errno.EIO
@@ -184,14 +186,14 @@ def _check_server(
         )
 
 
-def _recv_reply(sock: socket.socket, n: int, deadline: float, fds: list[int]) -> bytes:
+def _recv_reply(sock: socket.socket, path: str, n: int, deadline: float, fds: list[int]) -> bytes:
     """Read exactly ``n`` bytes, appending every fd that arrives to ``fds``."""
     buf = b""
     reset = False
     while len(buf) < n:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise TimeoutError("timed out")
+            raise TransportTimeoutError(errno.ETIMEDOUT, "timed out")
         sock.settimeout(remaining)
         try:
             chunk, got = recv_fds(sock, n - len(buf), SCM_MAX_FD)
@@ -204,7 +206,10 @@ def _recv_reply(sock: socket.socket, n: int, deadline: float, fds: list[int]) ->
         if len(fds) > MAX_FDS_PER_REPLY:
             raise TransportError(errno.EPROTO, "fd server sent too many fds")
         if not chunk:
-            raise EOFError
+            raise TransportError(
+                errno.ECONNRESET,
+                f"fd server {path} closed the connection mid-reply (exporter exiting?)",
+            )
         buf += chunk
     return buf
 
@@ -220,8 +225,7 @@ def _connect_error(exc: OSError, path: str) -> TransportError:
             "(allowed_uids)"
         )
     elif isinstance(exc, TimeoutError):
-        err = errno.ETIMEDOUT
-        msg = f"connecting to fd server {path} timed out"
+        return TransportTimeoutError(errno.ETIMEDOUT, f"connecting to fd server {path} timed out")
     else:
         msg = f"cannot connect to fd server {path}: {_errname(err)}: {exc.strerror}"
     return TransportError(err, msg)
@@ -300,8 +304,8 @@ def fetch_fds(
 
     Raises
     ------
-    ValueError
-        Unknown ``method``.
+    UsageError
+        Unknown ``method`` (also a ``ValueError``).
     TransportError
         As :func:`pidfd_getfd` or :func:`fetch_fds_over_socket`.  When
         ``"auto"`` fell back and the socket failed too, the error is the
@@ -311,7 +315,7 @@ def fetch_fds(
         offered (``"pidfd"``, or a descriptor without a socket path).
     """
     if method not in ("auto", "pidfd", "socket"):
-        raise ValueError(f'method must be "auto", "pidfd" or "socket", got {method!r}')
+        raise UsageError(f'method must be "auto", "pidfd" or "socket", got {method!r}')
     where = _namespace_of(pid_namespace)
     if method == "socket":
         if socket_path is None:

@@ -16,7 +16,12 @@ import tempfile
 import time
 from collections.abc import Iterable, Sequence
 
-from cupy_ipcpool._errors import PeerRefusedError, TransportError
+from cupy_ipcpool._errors import (
+    PeerRefusedError,
+    TransportError,
+    TransportTimeoutError,
+    UsageError,
+)
 
 __all__ = [
     "SCM_MAX_FD",
@@ -60,16 +65,16 @@ def send_fds(sock: socket.socket, data: bytes, fds: Sequence[int]) -> None:
 
     Raises
     ------
-    ValueError
-        Too many fds, or fds without data.
+    UsageError
+        Too many fds, or fds without data (also a ``ValueError``).
     OSError
         From the socket.
     """
     fds = [int(fd) for fd in fds]
     if len(fds) > SCM_MAX_FD:
-        raise ValueError(f"at most {SCM_MAX_FD} fds fit in one SCM_RIGHTS message, got {len(fds)}")
+        raise UsageError(f"at most {SCM_MAX_FD} fds fit in one SCM_RIGHTS message, got {len(fds)}")
     if fds and not data:
-        raise ValueError("fds need at least one byte of data to travel with")
+        raise UsageError("fds need at least one byte of data to travel with")
     if not fds:
         sock.sendall(data)
         return
@@ -231,8 +236,9 @@ def connect_unix(sock: socket.socket, path: str, deadline: float) -> None:
 
     Raises
     ------
-    TimeoutError
-        The backlog stayed full until ``deadline``.
+    TransportTimeoutError
+        The backlog stayed full until ``deadline`` (``ETIMEDOUT``; also a
+        ``TimeoutError``).
     OSError
         Any other failure of ``connect``.
     """
@@ -240,7 +246,7 @@ def connect_unix(sock: socket.socket, path: str, deadline: float) -> None:
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise TimeoutError(errno.ETIMEDOUT, "the listen backlog stayed full")
+            raise TransportTimeoutError(errno.ETIMEDOUT, "the listen backlog stayed full")
         sock.settimeout(remaining)
         try:
             sock.connect(path)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .._errors import LeaseStateError, ProtocolError, SlotIndexError, UsageError
+from .._slots import first_free_slot
 
 BLOCK = "block"
 LATEST = "latest"
@@ -35,6 +36,15 @@ def default_latest_reserve(num_slots: int) -> int:
 def default_max_credit(num_slots: int) -> int:
     """Default cap on a subscriber's credit: ``num_slots - latest_reserve``, at least 1."""
     return max(1, num_slots - default_latest_reserve(num_slots))
+
+
+def granted_credit(asked: int, max_credit: int) -> int:
+    """The credit granted to a subscriber asking for ``asked``: ``min(asked, max_credit)``, >= 1.
+
+    The channel's one credit rule: the handshake grants it in WELCOME and
+    :meth:`LeaseBook.add_subscriber` keeps it.
+    """
+    return max(1, min(int(asked), int(max_credit)))
 
 
 @dataclass
@@ -113,7 +123,7 @@ class LeaseBook:
         Returns
         -------
         int
-            The credit granted: ``min(credit, max_credit)``.
+            The credit granted: :func:`granted_credit`, ``min(credit, max_credit)``.
 
         Raises
         ------
@@ -126,13 +136,9 @@ class LeaseBook:
             raise UsageError(f"mode must be 'block' or 'latest', not {mode!r}")
         if credit < 1:
             raise UsageError(f"credit must be at least 1, not {credit}")
-        granted = min(int(credit), self.max_credit)
+        granted = granted_credit(credit, self.max_credit)
         self._subs[sub_id] = _Subscriber(mode, granted)
         return granted
-
-    def granted_credit(self, credit: int) -> int:
-        """Return the credit a subscriber asking for ``credit`` is granted."""
-        return max(1, min(int(credit), self.max_credit))
 
     def remove_subscriber(self, sub_id: int) -> list[int]:
         """Forget a subscriber and return all its leases at once.
@@ -447,6 +453,9 @@ class LeaseBook:
     def pick_free_slot(self, start: int) -> int | None:
         """Scan round-robin from ``start`` for a free slot.
 
+        The rule of :func:`~cupy_ipcpool._slots.first_free_slot` (the pool's
+        too); free: no lease and no local hold.
+
         Parameters
         ----------
         start:
@@ -457,18 +466,20 @@ class LeaseBook:
         int or None
             The first free slot, or None when every slot is leased or held.
         """
-        n = self.num_slots
         holders = self._holders
         holds = self._holds
-        for i in range(n):
-            slot = (start + i) % n
-            if not holders[slot] and not holds[slot]:
-                return slot
-        return None
+        return first_free_slot(start, self.num_slots, lambda s: holders[s] or holds[s])
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
             raise SlotIndexError(f"slot {slot} is outside 0..{self.num_slots - 1}")
 
 
-__all__ = ["BLOCK", "LATEST", "LeaseBook", "default_latest_reserve", "default_max_credit"]
+__all__ = [
+    "BLOCK",
+    "LATEST",
+    "LeaseBook",
+    "default_latest_reserve",
+    "default_max_credit",
+    "granted_credit",
+]

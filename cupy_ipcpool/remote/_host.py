@@ -125,9 +125,16 @@ class HostChannelPublisher:
         return self.slots.arrays(slot, specs)
 
     def publish(self, slot: int, specs: tuple[wire.ArraySpec, ...], metadata: bytes = b"") -> int:
-        """Publish reserved ``slot`` holding ``specs``; return the seq."""
+        """Publish reserved ``slot`` holding ``specs``; return the seq.
+
+        Raises
+        ------
+        UsageError
+            ``slot`` was not reserved by :meth:`acquire` (or was published or
+            abandoned since).
+        """
         if slot not in self._reserved:
-            raise RuntimeError(f"slot {slot} was not acquired")
+            raise UsageError(f"slot {slot} was not acquired")
         payload = encode_payload(specs, metadata)
         self._reserved.discard(slot)
         self.core.unhold(slot)
