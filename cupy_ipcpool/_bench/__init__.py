@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
 from typing import Any
 
-from . import report
+from . import gpuclock, report
 from .harness import FAILED, OK, Measurement, MiB, percentile, run_lane, run_pair
 from .interface import BenchConfig, Lane, Schedule
 from .lanes import CHECK_SAMPLES, LANE_NAMES, AttachScanLane, CupyIpcPoolLane, get_lanes
@@ -28,6 +28,7 @@ __all__ = [
     "BenchOptions",
     "BenchResults",
     "add_arguments",
+    "check_args",
     "check_outdir",
     "collect_environment",
     "default_notes",
@@ -39,6 +40,7 @@ __all__ = [
     "run_attach_scan",
     "run_benchmark",
     "run_fanout",
+    "run_gpu_clock",
     "run_paired",
     "write_outputs",
 ]
@@ -111,6 +113,8 @@ def default_notes(lanes: Sequence[Lane] | None = None) -> list[str]:
 def parse_sizes(text: str) -> tuple[int, ...]:
     """``"1,64,1024"`` -> frame sizes in MiB (positive ints; order kept, duplicates dropped).
 
+    A size may carry its unit: ``"1MiB,64MiB,1GiB"`` is the same list.
+
     Raises
     ------
     argparse.ArgumentTypeError
@@ -121,8 +125,14 @@ def parse_sizes(text: str) -> tuple[int, ...]:
         part = part.strip()
         if not part:
             continue
+        scale = 1
+        low = part.lower()
+        if low.endswith("gib"):
+            part, scale = part[:-3].strip(), 1024
+        elif low.endswith("mib"):
+            part = part[:-3].strip()
         try:
-            v = int(part)
+            v = int(part) * scale
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"frame size {part!r} is not an integer (MiB)"
@@ -249,8 +259,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip the scale figures (attach cost, fan-out) in full mode",
     )
+    parser.add_argument(
+        "--gpu-clock",
+        action="store_true",
+        help="instead of the comparison: where a frame's time goes, on the GPU's clock "
+        f"(%%globaltimer), for {', '.join(gpuclock.GPU_CLOCK_LANES)} (the default lanes; "
+        "no others): p50/p90 of the producer's fill end -> the consumer's check start, of "
+        "the round trip, and each side's CPU time per frame; sizes default to "
+        f"{','.join(str(m) for m in gpuclock.GPU_CLOCK_SIZES_MIB)} MiB, --iters to "
+        f"{gpuclock.GPU_CLOCK_ITERS} timed frames; writes gpuclock.md/.json to --outdir "
+        "(--mode does not apply)",
+    )
     # check, then gpu (the device that must exist), are the command line's, before main
-    parser.set_defaults(run=main, check=check_outdir, gpu=lambda args: args.device)
+    parser.set_defaults(run=main, check=check_args, gpu=lambda args: args.device)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """:func:`check_outdir`, and the options ``--gpu-clock`` does not take.
+
+    Raises
+    ------
+    argparse.ArgumentError
+        As :func:`check_outdir`; a lane ``--gpu-clock`` does not measure;
+        ``--paired-passes`` with ``--gpu-clock``.
+    """
+    check_outdir(args)
+    if not getattr(args, "gpu_clock", False):
+        return
+    try:
+        gpuclock.check_lanes(args.lanes)
+    except ValueError as exc:
+        raise argparse.ArgumentError(None, f"argument --lanes: {exc}") from None
+    if getattr(args, "paired_passes", None) is not None:
+        raise argparse.ArgumentError(
+            None, "argument --paired-passes: not with --gpu-clock (it runs no interleaved passes)"
+        )
 
 
 @dataclass(frozen=True)
@@ -265,6 +308,7 @@ class BenchOptions:
     device: int = 0
     scale: bool | None = None  # default: in full mode only
     paired_passes: int | None = None  # default: by mode (PAIRED_PASSES)
+    gpu_clock: bool = False  # the gpu-clock measurement instead of the comparison
 
     def schedule(self) -> Schedule:
         """Frames per phase for this mode, with ``iters`` applied."""
@@ -298,6 +342,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         device=args.device,
         scale=False if getattr(args, "no_scale", False) else None,
         paired_passes=getattr(args, "paired_passes", None),
+        gpu_clock=bool(getattr(args, "gpu_clock", False)),
     )
 
 
@@ -630,6 +675,50 @@ def write_outputs(results: BenchResults, outdir: str) -> list[str]:
     return msgs
 
 
+def run_gpu_clock(
+    opts: BenchOptions, *, progress: Callable[[str], None] = _stderr
+) -> dict[str, Any]:
+    """The ``--gpu-clock`` measurement (:mod:`.gpuclock`) for ``opts``; writes as it goes.
+
+    Lanes: ``opts.lanes`` (default :data:`gpuclock.GPU_CLOCK_LANES`), sizes:
+    ``opts.sizes_mib`` (default :data:`gpuclock.GPU_CLOCK_SIZES_MIB`), timed
+    frames: ``opts.iters`` (default :data:`gpuclock.GPU_CLOCK_ITERS`).  After
+    each lane the results so far are written to ``opts.outdir`` (a run cut
+    short leaves what it measured).
+    """
+    names = gpuclock.check_lanes(opts.lanes)
+    sizes = tuple(int(m) * MiB for m in (opts.sizes_mib or gpuclock.GPU_CLOCK_SIZES_MIB))
+    lanes = get_lanes(names)
+    progress(
+        f"[bench] gpu-clock: {', '.join(names)} at "
+        + ", ".join(report.fmt_size(n) for n in sizes)
+        + f" ({gpuclock.gpu_sharing(opts.device)}) ..."
+    )
+    results = gpuclock.run_gpu_clock(
+        lanes,
+        sizes,
+        iters=opts.iters or gpuclock.GPU_CLOCK_ITERS,
+        device=opts.device,
+        progress=progress,
+        partial=lambda res: gpuclock.write_outputs(res, opts.outdir),
+    )
+    # after the lanes, as run_benchmark does: CuPy's device query stays out of their way
+    results["environment"] = collect_environment(opts.device)
+    return results
+
+
+def _main_gpu_clock(opts: BenchOptions) -> int:
+    results = run_gpu_clock(opts)
+    paths = gpuclock.write_outputs(results, opts.outdir)
+    print(gpuclock.markdown([results]), end="")
+    _stderr(f"[bench] wrote {' and '.join(paths)}")
+    failed = gpuclock.failed_cells(results)
+    if failed:
+        _stderr(f"[bench] {len(failed)} gpu-clock measurement(s) FAILED")
+        return 1
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark from parsed arguments; the exit code is 1 if a lane failed or no GPU."""
     opts = options_from_args(args)
@@ -637,6 +726,8 @@ def main(args: argparse.Namespace) -> int:
     if reason is not None:
         _stderr(f"no GPU: {reason}")
         return 1
+    if opts.gpu_clock:
+        return _main_gpu_clock(opts)
     results = run_benchmark(opts)
     text = results.markdown()
     print(text)

@@ -41,9 +41,23 @@ CHECK_SAMPLES = 64
 FILL_THREADS = 256
 FILL_MAX_BLOCKS = 4096
 
-#: The one fill kernel and the one check kernel every lane and floor uses.
+#: The one fill kernel and the one check kernel every lane and floor uses, and the
+#: same two with a GPU timestamp (``%globaltimer``: nanoseconds, one clock for
+#: every context on the GPU) for the gpu-clock measurement (:class:`GpuClock`):
+#: ``cipbench_fill_clock`` raises ``end_ns[index]`` to the time each block has
+#: issued its last write of the frame (the largest over the blocks: the fill's
+#: end), ``cipbench_check_clock`` writes ``start_ns[index]`` before its first read.
+#: The plain kernels are unchanged by the clocked ones (same bodies, inlined).
 KERNEL_SOURCE = r"""
-extern "C" __global__ void cipbench_fill(int* __restrict__ a, unsigned long long n, int value)
+__device__ __forceinline__ unsigned long long cipbench_globaltimer()
+{
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) :: "memory");
+    return t;
+}
+
+__device__ __forceinline__ void cipbench_fill_body(int* __restrict__ a, unsigned long long n,
+                                                   int value)
 {
     unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -52,8 +66,9 @@ extern "C" __global__ void cipbench_fill(int* __restrict__ a, unsigned long long
 }
 
 // One block of CHECK_SAMPLES threads; thread k reads element k * (n - 1) / (CHECK_SAMPLES - 1).
-extern "C" __global__ void cipbench_check(const int* __restrict__ a, unsigned long long n,
-                                          int value, unsigned long long* __restrict__ errors)
+__device__ __forceinline__ void cipbench_check_body(const int* __restrict__ a,
+                                                    unsigned long long n, int value,
+                                                    unsigned long long* __restrict__ errors)
 {
     unsigned long long k = threadIdx.x;
     unsigned long long idx = (n > 1 && blockDim.x > 1) ? k * (n - 1) / (blockDim.x - 1) : 0;
@@ -61,6 +76,41 @@ extern "C" __global__ void cipbench_check(const int* __restrict__ a, unsigned lo
     int nbad = __syncthreads_count(bad);
     if (threadIdx.x == 0 && nbad)
         atomicAdd(errors, (unsigned long long)nbad);
+}
+
+extern "C" __global__ void cipbench_fill(int* __restrict__ a, unsigned long long n, int value)
+{
+    cipbench_fill_body(a, n, value);
+}
+
+extern "C" __global__ void cipbench_check(const int* __restrict__ a, unsigned long long n,
+                                          int value, unsigned long long* __restrict__ errors)
+{
+    cipbench_check_body(a, n, value, errors);
+}
+
+// The fill, then the time its block issued its last write; end_ns[index] ends as the
+// latest over the blocks (it must start at 0).
+extern "C" __global__ void cipbench_fill_clock(int* __restrict__ a, unsigned long long n,
+                                               int value, unsigned long long* __restrict__ end_ns,
+                                               unsigned int index)
+{
+    cipbench_fill_body(a, n, value);
+    __syncthreads();
+    if (threadIdx.x == 0)
+        atomicMax(end_ns + index, cipbench_globaltimer());
+}
+
+// The time the check starts, before any of its reads, then the check.
+extern "C" __global__ void cipbench_check_clock(const int* __restrict__ a, unsigned long long n,
+                                                int value, unsigned long long* __restrict__ errors,
+                                                unsigned long long* __restrict__ start_ns,
+                                                unsigned int index)
+{
+    if (threadIdx.x == 0)
+        start_ns[index] = cipbench_globaltimer();
+    __syncthreads();
+    cipbench_check_body(a, n, value, errors);
 }
 """
 
@@ -112,6 +162,46 @@ def external_stream(cp: Any, ptr: int, device: int) -> Any:
         return cp.cuda.ExternalStream(ptr, device)
 
 
+class GpuClock:
+    """Per-frame GPU timestamps of one :class:`GpuWork`, in device arrays indexed by frame.
+
+    While :attr:`frame` is a frame index (``0 <= frame < frames``), the work's
+    :meth:`GpuWork.fill` launches ``cipbench_fill_clock``, which leaves in
+    ``fill_end[frame]`` the ``%globaltimer`` time (ns) at which the fill's last
+    block issued its last write, and :meth:`GpuWork.enqueue_check` launches
+    ``cipbench_check_clock``, which writes ``check_start[frame]`` before its
+    first read.  Nothing is read back per frame: :meth:`to_host` copies both
+    arrays once, at the end.  Frames never stamped read 0.
+
+    Each array has one element more than ``frames``: the launch that loads the
+    clocked kernels at :meth:`GpuWork.start_clock` stamps that one.
+    """
+
+    def __init__(self, cp: Any, frames: int, stream: Any) -> None:
+        if frames <= 0:
+            raise ValueError(f"frames must be positive, got {frames}")
+        self.frames = frames
+        self.stream = stream
+        #: The frame the next fill and check stamp; -1: none (plain kernels).
+        self.frame = -1
+        with stream:
+            self.fill_end = cp.zeros(frames + 1, dtype=cp.uint64)
+            self.check_start = cp.zeros(frames + 1, dtype=cp.uint64)
+
+    def index(self) -> int | None:
+        """The element the next stamped launch writes, or None (launch the plain kernel)."""
+        return self.frame if 0 <= self.frame < self.frames else None
+
+    def to_host(self) -> dict[str, list[int]]:
+        """Wait for the stream; both arrays as lists of ints (ns; 0: never stamped)."""
+        self.stream.synchronize()
+        with self.stream:
+            end = self.fill_end[: self.frames].get()
+            start = self.check_start[: self.frames].get()
+        self.stream.synchronize()
+        return {"fill_end_ns": [int(v) for v in end], "check_start_ns": [int(v) for v in start]}
+
+
 class GpuWork:
     """The per-frame GPU work common to every lane, on one stream.
 
@@ -119,7 +209,9 @@ class GpuWork:
     :data:`CHECK_SAMPLES` elements without the host waiting, adding mismatches
     to a device-side counter; :meth:`flush` synchronises the stream once and
     returns the mismatches since the previous flush; :meth:`full_check`
-    compares every element and waits for the answer.
+    compares every element and waits for the answer.  After
+    :meth:`start_clock`, the fill and the check also take GPU timestamps
+    (:class:`GpuClock`).
 
     Parameters
     ----------
@@ -139,28 +231,90 @@ class GpuWork:
         self._fill = mod.get_function("cipbench_fill")
         self._check = mod.get_function("cipbench_check")
         self._counter = MismatchCounter()
+        self.clock: GpuClock | None = None
         with self.stream:
             self.errors = cp.zeros(1, dtype=cp.uint64)
         self.stream.synchronize()
+
+    def start_clock(self, frames: int) -> GpuClock:
+        """Stamp the fills and checks of frames ``0..frames-1`` from now on (:class:`GpuClock`).
+
+        Loads the two clocked kernels now (one launch each on a scratch array,
+        stamping the arrays' spare last element, and a synchronisation): the
+        driver loads a kernel at its first launch, which would otherwise wait
+        for the work queued before it in the first timed frame.
+        """
+        import numpy
+
+        cp = self.cp
+        mod = _kernels(cp)
+        self._fill_clock = mod.get_function("cipbench_fill_clock")
+        self._check_clock = mod.get_function("cipbench_check_clock")
+        clock = GpuClock(cp, frames, self.stream)
+        spare = numpy.uint32(frames)
+        with self.stream:
+            scratch = cp.zeros(CHECK_SAMPLES, dtype=cp.int32)
+            n = numpy.uint64(scratch.size)
+            self._fill_clock(
+                (1,), (FILL_THREADS,), (scratch, n, numpy.int32(0), clock.fill_end, spare)
+            )
+            self._check_clock(
+                (1,),
+                (CHECK_SAMPLES,),
+                (scratch, n, numpy.int32(0), self.errors, clock.check_start, spare),
+            )
+        self.stream.synchronize()
+        del scratch
+        self.clock = clock
+        return clock
 
     def fill(self, a: Any, value: int) -> None:
         """Enqueue the fill of the int32 CuPy array ``a`` with ``value``."""
         import numpy
 
         n = int(a.size)
+        clock = self.clock
+        index = None if clock is None else clock.index()
         with self.stream:
-            self._fill((fill_blocks(n),), (FILL_THREADS,), (a, numpy.uint64(n), numpy.int32(value)))
+            if index is None:
+                self._fill(
+                    (fill_blocks(n),), (FILL_THREADS,), (a, numpy.uint64(n), numpy.int32(value))
+                )
+            else:
+                assert clock is not None
+                self._fill_clock(
+                    (fill_blocks(n),),
+                    (FILL_THREADS,),
+                    (a, numpy.uint64(n), numpy.int32(value), clock.fill_end, numpy.uint32(index)),
+                )
 
     def enqueue_check(self, a: Any, value: int) -> None:
         """Enqueue the sampled comparison of ``a`` with ``value`` (the host does not wait)."""
         import numpy
 
+        clock = self.clock
+        index = None if clock is None else clock.index()
         with self.stream:
-            self._check(
-                (1,),
-                (CHECK_SAMPLES,),
-                (a, numpy.uint64(a.size), numpy.int32(value), self.errors),
-            )
+            if index is None:
+                self._check(
+                    (1,),
+                    (CHECK_SAMPLES,),
+                    (a, numpy.uint64(a.size), numpy.int32(value), self.errors),
+                )
+            else:
+                assert clock is not None
+                self._check_clock(
+                    (1,),
+                    (CHECK_SAMPLES,),
+                    (
+                        a,
+                        numpy.uint64(a.size),
+                        numpy.int32(value),
+                        self.errors,
+                        clock.check_start,
+                        numpy.uint32(index),
+                    ),
+                )
 
     def full_check(self, a: Any, value: int) -> bool:
         """Whether every element of ``a`` equals ``value`` (waits for the answer)."""
