@@ -33,8 +33,10 @@ class Admission:
 
     Notes
     -----
-    Keys are fds; remove a key before its fd is closed, so a recycled fd
-    number is never confused with it.
+    Keys are the caller's: a number of the connection's own (the channel's
+    handshakes), or its fd (the fd server, the remote server), which must then
+    be removed before the fd is closed, so that a recycled fd number is never
+    confused with it.
     """
 
     def __init__(self, per_uid: int, timeout: float) -> None:

@@ -14,8 +14,9 @@ Socket protocol (all integers big-endian)::
 
 The client checks who serves the socket (``SO_PEERCRED``) before it sends the
 token; the server checks the client's uid as soon as it accepts, before it
-reads anything.  One thread serves every connection without blocking, each
-with one overall deadline, at most :data:`MAX_PENDING_PER_UID` per uid.
+reads anything.  One thread (the transport's accept loop, :mod:`._accept_loop`)
+serves every connection without blocking, each with one overall deadline, at
+most :data:`MAX_PENDING_PER_UID` per uid.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from types import TracebackType
 
 from cupy_ipcpool._errors import TeardownWarning, TransportError
 
+from ._accept_loop import AcceptLoop
 from ._admission import Admission
 from ._unix import _close_all, bind_unix, peer_credentials, recv_fds
 
@@ -118,10 +120,6 @@ def _remove_files(path: str | None, ino: tuple[int, int] | None, directory: str 
             warnings.warn(
                 f"FdServer: cannot remove {directory}: {exc}", TeardownWarning, stacklevel=2
             )
-
-
-def _ms_until(deadline: float) -> int:
-    return max(0, int((deadline - time.monotonic()) * 1000.0) + 1)
 
 
 class _FdConn:
@@ -259,10 +257,9 @@ class FdServer:
         self._conns: dict[int, _FdConn] = {}  # owned by the serving thread
         self._dir: str | None = None
         self._sock: socket.socket | None = None
-        self._wake_r = self._wake_w = -1
         self._ino: tuple[int, int] | None = None
         self._finalizer: weakref.finalize[..., FdServer] | None = None
-        self._thread: threading.Thread | None = None
+        self._loop: AcceptLoop[_FdConn] | None = None
         try:
             if path is None:
                 self._dir = tempfile.mkdtemp(prefix="cupy_ipcpool-")  # mode 0700
@@ -278,11 +275,16 @@ class FdServer:
                 os.chmod(self._dir, 0o711)
             self._sock.listen(LISTEN_BACKLOG)
             self._sock.setblocking(False)
-            self._wake_r, self._wake_w = os.pipe()
-            self._thread = threading.Thread(
-                target=self._serve_loop, name=f"cupy_ipcpool-FdServer({self.path})", daemon=True
+            self._loop = AcceptLoop(
+                self._sock,
+                name=f"cupy_ipcpool-FdServer({self.path})",
+                on_accept=self._accepted,
+                on_event=self._step,
+                deadlines=self._admission,
+                on_expired=self._expired,
+                on_exit=self._finish_all,
             )
-            self._thread.start()
+            self._loop.start()
         except BaseException:
             self._teardown()
             raise
@@ -304,113 +306,78 @@ class FdServer:
         else:
             self._ino = bind_unix(self._sock, self.path, mode)
 
-    # -- serving ---------------------------------------------------------------
+    # -- serving: what a connection does once the accept loop accepted it ------
 
-    def _serve_loop(self) -> None:
-        """Accept, read requests and send replies for every client, never blocking on one."""
-        assert self._sock is not None
-        listener = self._sock
-        poller = select.poll()
-        poller.register(listener.fileno(), select.POLLIN)
-        poller.register(self._wake_r, select.POLLIN)
-        admission = self._admission
-        conns = self._conns
+    def _accepted(self, sock: socket.socket, _address: object) -> None:
         try:
-            while not self._closed:
-                deadline = admission.next_deadline()
-                timeout = -1 if deadline is None else _ms_until(deadline)
-                try:
-                    events = poller.poll(timeout)
-                except InterruptedError:
-                    continue
-                if self._closed:
-                    return
-                for fd, ev in events:
-                    if fd == self._wake_r:
-                        return
-                    if fd == listener.fileno():
-                        self._accept_all(listener, poller)
-                        continue
-                    conn = conns.get(fd)
-                    if conn is not None:
-                        self._step(conn, ev, poller)
-                for fd in admission.expired(time.monotonic()):
-                    conn = conns.get(fd)
-                    if conn is not None:
-                        self._finish(conn, poller, STATUS_TOO_SLOW)
-        finally:
-            for conn in list(conns.values()):
-                self._finish(conn, poller, None)
+            _pid, uid, _gid = peer_credentials(sock)
+        except OSError:
+            sock.close()
+            return
+        if uid not in self.allowed_uids:
+            _refuse_now(sock, STATUS_UID_REFUSED)  # costs nothing: nothing is read or kept
+            return
+        conn = _FdConn(sock, uid)
+        for fd in self._admission.admit(conn.fd, uid, time.monotonic()):
+            old = self._conns.get(fd)
+            if old is not None:
+                self._finish(old, STATUS_BUSY)
+        self._conns[conn.fd] = conn
+        assert self._loop is not None
+        self._loop.watch(conn.fd, conn, select.POLLIN)
+        self._step(conn, select.POLLIN)
 
-    def _accept_all(self, listener: socket.socket, poller: select.poll) -> None:
-        for _ in range(64):  # then let the other connections have a turn
-            try:
-                sock, _ = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    time.sleep(0.01)  # out of fds: do not spin on the queued connection
-                return
-            sock.setblocking(False)
-            try:
-                _pid, uid, _gid = peer_credentials(sock)
-            except OSError:
-                sock.close()
-                continue
-            if uid not in self.allowed_uids:
-                _refuse_now(sock, STATUS_UID_REFUSED)  # costs nothing: nothing is read or kept
-                continue
-            conn = _FdConn(sock, uid)
-            for fd in self._admission.admit(conn.fd, uid, time.monotonic()):
-                old = self._conns.get(fd)
-                if old is not None:
-                    self._finish(old, poller, STATUS_BUSY)
-            self._conns[conn.fd] = conn
-            poller.register(conn.fd, select.POLLIN)
-            self._step(conn, select.POLLIN, poller)
+    def _expired(self, fd: int) -> None:
+        conn = self._conns.get(fd)
+        if conn is not None:
+            self._finish(conn, STATUS_TOO_SLOW)
 
-    def _step(self, conn: _FdConn, events: int, poller: select.poll) -> None:
+    def _finish_all(self) -> None:
+        for conn in list(self._conns.values()):
+            self._finish(conn, None)
+
+    def _step(self, conn: _FdConn, events: int) -> None:
         """Advance one connection: read its request, or send more of its reply."""
         try:
             if conn.out:
-                self._send_more(conn, poller)
+                self._send_more(conn)
                 return
             if events & select.POLLIN or events & (select.POLLHUP | select.POLLERR):
                 status = conn.read_request(self._token)
                 if status is None:
                     return  # wait for more bytes
                 if status != STATUS_OK:
-                    self._finish(conn, poller, status)
+                    self._finish(conn, status)
                     return
                 conn.out = [(bytes([STATUS_OK]) + _COUNT.pack(len(self._fds)), [])]
                 for i in range(0, len(self._fds), FDS_PER_MESSAGE):
                     conn.out.append((b"F", list(self._fds[i : i + FDS_PER_MESSAGE])))
-                self._send_more(conn, poller)
+                self._send_more(conn)
         except (EOFError, OSError):
-            self._finish(conn, poller, None)
+            self._finish(conn, None)
 
-    def _send_more(self, conn: _FdConn, poller: select.poll) -> None:
+    def _send_more(self, conn: _FdConn) -> None:
         while conn.out:
             data, fds = conn.out[0]
             try:
                 sent = socket.send_fds(conn.sock, [data], fds) if fds else conn.sock.send(data)
             except BlockingIOError:
-                poller.modify(conn.fd, select.POLLOUT)
+                assert self._loop is not None
+                self._loop.modify(conn.fd, conn, select.POLLOUT)
                 return
             if sent < len(data):
                 conn.out[0] = (data[sent:], [])  # the fds went with the first byte
             else:
                 conn.out.pop(0)
-        self._finish(conn, poller, None)
+        self._finish(conn, None)
 
-    def _finish(self, conn: _FdConn, poller: select.poll, status: int | None) -> None:
+    def _finish(self, conn: _FdConn, status: int | None) -> None:
         """Forget a connection, tell it ``status`` (if any) and close it."""
         self._admission.remove(conn.fd)
         if self._conns.get(conn.fd) is conn:
             del self._conns[conn.fd]
-            with contextlib.suppress(KeyError, ValueError, OSError):
-                poller.unregister(conn.fd)
+        if self._loop is not None:
+            self._loop.forget(conn.fd, conn)
         if status is None:
             conn.sock.close()
         else:
@@ -428,28 +395,15 @@ class FdServer:
             if self._closed:
                 return
             self._closed = True
-        if self._wake_w >= 0:
-            with contextlib.suppress(OSError):
-                os.write(self._wake_w, b"x")
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(5.0)
-            if thread.is_alive():
-                warnings.warn(
-                    f"FdServer({self.path}): serving thread did not stop", TeardownWarning, 2
-                )
         self._teardown()
 
     def _teardown(self) -> None:
         self._closed = True
-        if self._sock is not None:
+        if self._loop is not None:
+            self._loop.stop()  # joins the serving thread, closes the socket
+        elif self._sock is not None:
             self._sock.close()
-            self._sock = None
-        for fd in (self._wake_r, self._wake_w):
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        self._wake_r = self._wake_w = -1
+        self._sock = None
         if self._finalizer is not None:
             self._finalizer()  # runs _remove_files once
         else:

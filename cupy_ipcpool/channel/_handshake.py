@@ -1,7 +1,8 @@
 """The publisher's listening side: binding, the accept thread, the handshake, admission.
 
-:class:`_Acceptor` owns the listening socket and a daemon thread that welcomes
-subscribers for :class:`~._publisher_core.PublisherCore`.  Limits that keep any
+:class:`_Acceptor` owns the listening socket and a daemon thread (the
+transport's :class:`~cupy_ipcpool._transport._accept_loop.AcceptLoop`) that
+welcomes subscribers for :class:`~._publisher_core.PublisherCore`.  Limits that keep any
 client, honest or hostile, from locking others out: a connection's uid is
 checked before anything it sent is read; handshakes run concurrently, each
 with one deadline (:data:`HANDSHAKE_TIMEOUT`), at most
@@ -12,7 +13,9 @@ A connection is known by its object (a handshake by a key of its own), never
 by its fd number: the producer closes the sockets it adopted while this
 thread may still have their numbers in its ``poll`` set, and the kernel gives
 a closed number to the next connection accepted, so every event (a ``poll``
-result, a hang-up, a deadline) is matched to the connection it was raised for.
+result, a hang-up, a deadline) is matched to the connection it was raised for
+(the loop hands a ``poll`` event to the owner watched under its fd when
+``poll`` returned, and only while it still is).
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import contextlib
 import errno
 import itertools
 import os
-import select
 import socket
 import stat
 import threading
@@ -32,11 +34,10 @@ from dataclasses import dataclass
 
 from .._errors import ProtocolError, TransportError, UsageError
 from .._transport import Admission, peer_credentials
+from .._transport._accept_loop import HANDSHAKE_TIMEOUT, AcceptLoop
 from . import _protocol as proto
-from ._sockets import _POLLIN, _POLLRDHUP, MAX_FDS, _ms, _say_bye_and_close, _warn
+from ._sockets import _POLLIN, _POLLRDHUP, MAX_FDS, _say_bye_and_close
 
-#: Seconds a connecting peer has, from accept, to send its HELLO.
-HANDSHAKE_TIMEOUT = 5.0
 #: Most handshakes of one uid in progress at once; one more makes the oldest go.
 MAX_PENDING_PER_UID = 8
 
@@ -194,14 +195,20 @@ class _Acceptor:
         self._keys = itertools.count(1)
         self._admission = Admission(max_pending_per_uid, handshake_timeout)
         self._handshakes: dict[int, _Handshake] = {}  # by key
-        #: the connection each fd of the poll set is registered for: a handshake waiting
-        #: for its HELLO, or a pending subscriber watched for a hang-up
-        self._polled: dict[int, _Handshake | _Conn] = {}
-        self._poller = select.poll()
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._listen_fd = listener.fileno()
-        self._stopped = False
-        self.thread = threading.Thread(target=self._run, name="ipcpool-accept", daemon=True)
+        #: the thread; each fd it polls is watched for one connection: a handshake
+        #: waiting for its HELLO, or a pending subscriber watched for a hang-up.
+        #: ``stopping`` (ours, under ``lock``) is set before the loop is stopped
+        self._loop: AcceptLoop[_Handshake | _Conn] = AcceptLoop(
+            listener,
+            name="ipcpool-accept",
+            on_accept=self._accepted,
+            on_event=self._on_event,
+            deadlines=self._admission,
+            on_expired=self._expired,
+            on_wake=self._unwatch_adopted,
+            on_exit=self._end_handshakes,
+        )
+        self.thread = self._loop.thread
 
     def start(self) -> None:
         self.thread.start()
@@ -218,19 +225,7 @@ class _Acceptor:
         """
         with self.lock:
             self.stopping = True
-        if self._stopped:
-            return []
-        self._stopped = True
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
-        if self.thread.is_alive() and self.thread is not threading.current_thread():
-            self.thread.join(5.0)
-            if self.thread.is_alive():
-                _warn("ipcpool accept thread did not stop in time")
-        self.listener.close()
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        self._loop.stop()  # joins the thread, closes the listener
         with self.lock:
             pending, self.pending = self.pending, []
         return pending
@@ -248,8 +243,7 @@ class _Acceptor:
         subscriber the producer drops would not see the end until the accept
         thread next woke.
         """
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"a")
+        self._loop.wake()
 
     def pending_handshakes(self, uid: int | None = None) -> int:
         """Handshakes in progress (of ``uid``, or in all); for tests and diagnostics."""
@@ -257,117 +251,50 @@ class _Acceptor:
 
     # -- the thread --
 
-    def _run(self) -> None:
-        self._poller.register(self._listen_fd, _POLLIN)
-        self._poller.register(self._wake_r, _POLLIN)
-        try:
-            while self._turn():
-                pass
-        except Exception as exc:  # pragma: no cover - a bug; say so instead of dying silently
-            with contextlib.suppress(Exception):
-                _warn(f"ipcpool accept thread failed: {exc!r}")
-        finally:
-            for hs in list(self._handshakes.values()):
-                _end_handshake(hs.sock)
-            self._handshakes.clear()
-            self._polled.clear()
+    def _on_event(self, owner: _Handshake | _Conn, _events: int) -> None:
+        if isinstance(owner, _Handshake):
+            self._on_hello(owner)
+        else:
+            self._on_hangup(owner)
 
-    def _turn(self) -> bool:
-        """One ``poll`` and what it reported; False when the thread should stop."""
-        if self.stopping:
-            return False
-        admission = self._admission
-        deadline = admission.next_deadline()
-        timeout = -1 if deadline is None else _ms(deadline - time.monotonic())
-        try:
-            events = self._poller.poll(timeout)
-        except OSError:
-            return False
-        if self.stopping:
-            return False
-        # Each event belongs to the connection registered under its fd when poll
-        # returned; handling an earlier event of the batch may end that connection and
-        # give its number to a newcomer, which the later event was not raised for.
-        batch = [(fd, self._polled.get(fd)) for fd, _ev in events]
-        for fd, owner in batch:
-            if fd == self._listen_fd:
-                self._accept_all()
-            elif fd == self._wake_r:
-                with contextlib.suppress(OSError):
-                    os.read(self._wake_r, 4096)
-                if self.stopping:
-                    return False
-                self._unwatch_adopted()
-            elif owner is None or self._polled.get(fd) is not owner:
-                continue  # raised for a connection that is gone
-            elif isinstance(owner, _Handshake):
-                self._on_hello(owner)
-            else:
-                self._on_hangup(owner)
-        for key in admission.expired(time.monotonic()):
-            hs = self._handshakes.pop(key)
-            self._forget(hs)
-            _refuse(hs.sock, f"no HELLO within {self.handshake_timeout} s")
-        return True
+    def _expired(self, key: int) -> None:
+        hs = self._handshakes.pop(key)
+        self._loop.forget(hs.fd, hs)
+        _refuse(hs.sock, f"no HELLO within {self.handshake_timeout} s")
+
+    def _end_handshakes(self) -> None:
+        for hs in list(self._handshakes.values()):
+            _end_handshake(hs.sock)
+        self._handshakes.clear()
 
     def _unwatch_adopted(self) -> None:
         with self.lock:
             ours = {id(c) for c in self.pending}
-        for owner in list(self._polled.values()):
+        for owner in self._loop.watched():
             if isinstance(owner, _Conn) and id(owner) not in ours:
-                self._forget(owner)
+                self._loop.forget(owner.fd, owner)
 
-    def _watch_fd(self, owner: _Handshake | _Conn, events: int) -> None:
-        """Poll ``owner``'s socket for ``events``.
-
-        An entry left under the same number belonged to an adopted connection
-        that the producer has closed since (the kernel reuses a closed
-        number): it is replaced.
-        """
-        self._polled[owner.fd] = owner
-        self._poller.register(owner.fd, events)
-
-    def _forget(self, owner: _Handshake | _Conn) -> None:
-        """Stop polling ``owner``'s socket (if its number is still registered for it)."""
-        if self._polled.get(owner.fd) is owner:
-            del self._polled[owner.fd]
-            with contextlib.suppress(KeyError, ValueError, OSError):
-                self._poller.unregister(owner.fd)
-
-    def _accept_all(self) -> None:
-        for _ in range(64):  # then let the handshakes in progress have a turn
-            try:
-                conn, _ = self.listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except ConnectionAbortedError:
-                continue
-            except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    # Out of fds: back off instead of spinning on the queued connection.
-                    select.select([self._wake_r], [], [], 0.05)
-                return
-            conn.setblocking(False)
-            try:
-                pid, uid, _gid = peer_credentials(conn)
-            except OSError:
-                conn.close()
-                continue
-            if uid not in self.allowed_uids:
-                _refuse(conn, f"uid {uid} is not allowed to subscribe")
-                continue
-            hs = _Handshake(next(self._keys), conn, pid, uid)
-            for old in self._admission.admit(hs.key, uid, time.monotonic()):
-                gone = self._handshakes.pop(old)
-                self._forget(gone)
-                _refuse(
-                    gone.sock,
-                    f"{self._admission.per_uid} handshakes of uid {uid} were in progress; "
-                    "this one, the oldest, made room for a newer one",
-                )
-            self._handshakes[hs.key] = hs
-            self._watch_fd(hs, _POLLIN)
-            self._on_hello(hs)  # the HELLO is often there already
+    def _accepted(self, conn: socket.socket, _address: object) -> None:
+        try:
+            pid, uid, _gid = peer_credentials(conn)
+        except OSError:
+            conn.close()
+            return
+        if uid not in self.allowed_uids:
+            _refuse(conn, f"uid {uid} is not allowed to subscribe")
+            return
+        hs = _Handshake(next(self._keys), conn, pid, uid)
+        for old in self._admission.admit(hs.key, uid, time.monotonic()):
+            gone = self._handshakes.pop(old)
+            self._loop.forget(gone.fd, gone)
+            _refuse(
+                gone.sock,
+                f"{self._admission.per_uid} handshakes of uid {uid} were in progress; "
+                "this one, the oldest, made room for a newer one",
+            )
+        self._handshakes[hs.key] = hs
+        self._loop.watch(hs.fd, hs, _POLLIN)
+        self._on_hello(hs)  # the HELLO is often there already
 
     def _on_hello(self, hs: _Handshake) -> None:
         conn = hs.sock
@@ -379,7 +306,7 @@ class _Acceptor:
             data = b""
         self._admission.remove(hs.key)
         del self._handshakes[hs.key]
-        self._forget(hs)
+        self._loop.forget(hs.fd, hs)
         if not data or self.stopping:
             conn.close()
             return
@@ -472,11 +399,11 @@ class _Acceptor:
                 conn.close()  # hung up (or timed out and left) before the WELCOME
             self._abandon(info)
             return
-        self._watch_fd(c, _POLLRDHUP)
+        self._loop.watch(c.fd, c, _POLLRDHUP)
 
     def _on_hangup(self, c: _Conn) -> None:
         """Pending ``c`` hung up (or was adopted and then closed): reap it if still ours."""
-        self._forget(c)
+        self._loop.forget(c.fd, c)
         with self.lock:
             for i, other in enumerate(self.pending):
                 if other is c:

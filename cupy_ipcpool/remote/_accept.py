@@ -1,8 +1,10 @@
 """The remote server's TCP listener: every handshake on one thread, non-blocking, bounded.
 
-One thread accepts connections and drives every handshake in progress
-(HELLO, CHALLENGE, PROOF) from one ``poll(2)`` set: no thread per peer, no
-blocking read or write.  :class:`~._admission.HandshakeBook` decides who
+One thread (the transport's
+:class:`~cupy_ipcpool._transport._accept_loop.AcceptLoop`, shared with the
+local channel and the fd server) accepts connections and drives every
+handshake in progress (HELLO, CHALLENGE, PROOF) from one ``poll(2)`` set: no
+thread per peer, no blocking read or write.  :class:`~._admission.HandshakeBook` decides who
 waits: at most ``per_address`` handshakes of one source address per stage,
 the oldest of that address and stage going when one more arrives, and one
 deadline per handshake from accept.  A peer that sends a malformed message,
@@ -14,24 +16,19 @@ to the server loop (``on_joined``), which creates the UCX endpoint.
 from __future__ import annotations
 
 import contextlib
-import errno
-import os
 import select
 import socket
-import threading
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .._errors import ProtocolError
+from .._transport._accept_loop import HANDSHAKE_TIMEOUT, AcceptLoop
 from . import _auth as auth
 from . import _io
 from . import _wire as wire
 from ._admission import WAIT_HELLO, WAIT_PROOF, HandshakeBook, address_key
 
-#: Seconds a connecting subscriber has, from accept, to finish the handshake.
-HANDSHAKE_TIMEOUT = 5.0
 #: Most handshakes of one source address waiting in one stage at once.
 MAX_PENDING_PER_ADDRESS = 8
 
@@ -52,6 +49,7 @@ class _Handshake:
     sock: socket.socket
     peer: str
     address: int
+    fd: int
     reader: _io.MessageReader = field(default_factory=_io.MessageReader)
     hello: wire.Hello | None = None
     hello_raw: bytes = b""
@@ -97,14 +95,19 @@ class Acceptor:
         self.secret = secret
         self.on_joined = on_joined
         self.stopping = False
-        #: why the thread ended, when it ended by itself (a bug); None while it runs
-        self.failure: str | None = None
         self.refused = 0
         self._book = HandshakeBook(per_address, timeout)
-        self._handshakes: dict[int, _Handshake] = {}
-        self._poller = select.poll()
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.thread = threading.Thread(target=self._run, name="ipcpool-remote-accept", daemon=True)
+        self._handshakes: dict[int, _Handshake] = {}  # by fd, as the book keys them
+        self._loop: AcceptLoop[_Handshake] = AcceptLoop(
+            listener,
+            name="ipcpool-remote-accept",
+            on_accept=self._accepted,
+            on_event=self._on_event,
+            deadlines=self._book,
+            on_expired=self._expired,
+            on_exit=self._close_handshakes,
+        )
+        self.thread = self._loop.thread
 
     def start(self) -> None:
         """Start the accept thread."""
@@ -113,14 +116,7 @@ class Acceptor:
     def stop(self) -> None:
         """Stop the thread, close the listener and refuse every handshake in progress."""
         self.stopping = True
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
-        if self.thread.is_alive() and self.thread is not threading.current_thread():
-            self.thread.join(5.0)
-        self.listener.close()
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        self._loop.stop()  # joins the thread, closes the listener
 
     def pending(self, address: str | None = None) -> int:
         """Handshakes in progress (from ``address``, or in all); for tests and diagnostics."""
@@ -128,75 +124,41 @@ class Acceptor:
 
     # -- the thread --
 
-    def _run(self) -> None:
-        poller = self._poller
-        listen_fd = self.listener.fileno()
-        poller.register(listen_fd, select.POLLIN)
-        poller.register(self._wake_r, select.POLLIN)
-        book = self._book
-        try:
-            while not self.stopping:
-                deadline = book.next_deadline()
-                timeout = (
-                    -1
-                    if deadline is None
-                    else max(0, int((deadline - time.monotonic()) * 1000) + 1)
-                )
-                events = poller.poll(timeout)
-                if self.stopping:
-                    return
-                for fd, _ev in events:
-                    if fd == listen_fd:
-                        self._accept_all()
-                    elif fd == self._wake_r:
-                        with contextlib.suppress(OSError):
-                            os.read(self._wake_r, 4096)
-                    else:
-                        hs = self._handshakes.get(fd)
-                        if hs is not None:
-                            self._on_readable(fd, hs)
-                for fd in book.expired(time.monotonic()):
-                    self._end(fd, f"no complete handshake within {book.timeout} s")
-        except Exception as exc:  # a bug: say so, and let the server end with the reason
-            self.failure = f"the accept thread failed: {exc!r}"
-            with contextlib.suppress(Exception):
-                warnings.warn(self.failure, RuntimeWarning, stacklevel=1)
-        finally:
-            for fd in list(self._handshakes):
-                self._book.remove(fd)
-                self._handshakes.pop(fd).sock.close()
+    @property
+    def failure(self) -> str | None:
+        """Why the thread ended, when it ended by itself (a bug); None while it runs."""
+        return self._loop.failure
 
-    def _accept_all(self) -> None:
-        for _ in range(64):  # then let the handshakes in progress have a turn
-            try:
-                conn, addr = self.listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    # out of fds or memory: back off instead of spinning on the queued connection
-                    select.select([self._wake_r], [], [], 0.05)
-                    return
-                continue  # a network error of that one connection (accept(2)): the next
-            conn.setblocking(False)
-            _io.configure(conn)
-            host = str(addr[0])
-            peer = f"[{host}]:{addr[1]}" if ":" in host else f"{host}:{addr[1]}"
-            fd = conn.fileno()
-            key = address_key(host)
-            self._before_eviction(key, WAIT_HELLO)
-            for old in self._book.admit(fd, key, time.monotonic()):
-                self._end(
-                    old,
-                    f"{wire.REFUSE_BUSY}{self._book.per_address} handshakes from {host} were "
-                    "waiting; this one, "
-                    "the oldest, made room for a newer one",
-                    booked=False,
-                )
-            hs = _Handshake(conn, peer, key)
-            self._handshakes[fd] = hs
-            self._poller.register(fd, select.POLLIN)
-            self._on_readable(fd, hs)  # the HELLO is often there already
+    def _on_event(self, hs: _Handshake, _events: int) -> None:
+        self._on_readable(hs.fd, hs)
+
+    def _expired(self, fd: int) -> None:
+        self._end(fd, f"no complete handshake within {self._book.timeout} s", booked=False)
+
+    def _close_handshakes(self) -> None:
+        for fd in list(self._handshakes):
+            self._book.remove(fd)
+            self._handshakes.pop(fd).sock.close()
+
+    def _accepted(self, conn: socket.socket, addr: tuple[str, int]) -> None:
+        _io.configure(conn)
+        host = str(addr[0])
+        peer = f"[{host}]:{addr[1]}" if ":" in host else f"{host}:{addr[1]}"
+        fd = conn.fileno()
+        key = address_key(host)
+        self._before_eviction(key, WAIT_HELLO)
+        for old in self._book.admit(fd, key, time.monotonic()):
+            self._end(
+                old,
+                f"{wire.REFUSE_BUSY}{self._book.per_address} handshakes from {host} were "
+                "waiting; this one, "
+                "the oldest, made room for a newer one",
+                booked=False,
+            )
+        hs = _Handshake(conn, peer, key, fd)
+        self._handshakes[fd] = hs
+        self._loop.watch(fd, hs, select.POLLIN)
+        self._on_readable(fd, hs)  # the HELLO is often there already
 
     def _before_eviction(self, address: int, stage: int) -> None:
         """Let the handshakes that one more of ``address`` would push out read what they got.
@@ -266,7 +228,7 @@ class Acceptor:
             return
         self._book.remove(fd)
         del self._handshakes[fd]
-        self._unregister(fd)
+        self._loop.forget(fd, hs)
         if self.stopping:
             refuse(hs.sock, "the server is closing")
             return
@@ -278,13 +240,9 @@ class Acceptor:
         hs = self._handshakes.pop(fd, None)
         if hs is None:
             return
-        self._unregister(fd)
+        self._loop.forget(fd, hs)
         self.refused += 1
         refuse(hs.sock, reason)
-
-    def _unregister(self, fd: int) -> None:
-        with contextlib.suppress(KeyError, ValueError, OSError):
-            self._poller.unregister(fd)
 
 
 __all__ = ["HANDSHAKE_TIMEOUT", "MAX_PENDING_PER_ADDRESS", "Acceptor", "Joined", "refuse"]
