@@ -215,8 +215,13 @@ def test_a_fired_watched_fd_does_not_turn_the_wait_into_a_spin(
 
 
 def test_other_threads_run_while_it_waits(pair: tuple) -> None:
-    a, _b = pair
-    assert_gil_released(lambda: recv_frame(a.fileno(), bytearray(_BUF), 200, True, _hup(a)) is None)
+    a, b = pair
+    got = assert_gil_released(
+        lambda: recv_frame(a.fileno(), bytearray(_BUF), 30_000, True, _hup(a)),
+        ("poll", "ppoll"),
+        wake=lambda: b.send(proto.encode_frame(3, 1, b"woken")),
+    )
+    assert got is not None and got[1:3] == (3, 1)
 
 
 @settings(max_examples=300, deadline=None)
@@ -513,8 +518,13 @@ def test_wait_releases_takes_exactly_what_decode_reads_as_a_release(data: bytes)
 
 
 def test_wait_releases_lets_other_threads_run_and_refuses_bad_arguments(pairs: list) -> None:
-    b = pairs[0][1]
-    assert_gil_released(lambda: wait_releases(_set(b), 200, 1))
+    a, b = pairs[0]
+    got = assert_gil_released(
+        lambda: wait_releases(_set(b), 30_000, 1),
+        ("poll", "ppoll"),
+        wake=lambda: a.send(proto.encode_release(9, 2)),
+    )
+    assert got is not None and [(seq, slot) for _fd, seq, slot in got] == [(9, 2)]
     with pytest.raises(TypeError):
         wait_releases(bytes(_set(b)), 0, 1)
     with pytest.raises(ValueError):
