@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
+import time
 from typing import Any
 
 from ._errors import RemoteUnavailableError
@@ -89,8 +91,17 @@ def is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
+#: Seconds :meth:`Worker.close` waits for its receives still in flight to end.
+CLOSE_TIMEOUT = 5.0
+
+
 class Worker:
     """A UCX context and worker with wakeup (epoll) support, for tag messages.
+
+    The worker keeps the receives it posted until they end: UCX cannot cancel
+    a receive that matched a rendezvous send (its data arriving), and UCXX
+    holds such a request, and the request its worker, until it completes.
+    :meth:`close` therefore waits for them (see there).
 
     Parameters
     ----------
@@ -111,6 +122,8 @@ class Worker:
         )
         self._worker = api.UCXWorker(self._context)
         self._worker.init_blocking_progress_mode()
+        self._recvs: list[Any] = []  # posted receives, not known to have ended
+        self._pruned = 0  # len(self._recvs) after the last pruning
         self._closed = False
 
     def fileno(self) -> int:
@@ -137,8 +150,15 @@ class Worker:
         return _keep_if_empty(endpoint.tag_send(_Array(array), self._api.UCXXTag(tag)))
 
     def recv(self, array: Any, tag: int) -> Any:
-        """Post a tag receive into ``array``; return the request."""
-        return _keep_if_empty(self._worker.tag_recv(_Array(array), self._api.UCXXTag(tag)))
+        """Post a tag receive into ``array``; return the request (kept until :meth:`close`)."""
+        req = _keep_if_empty(self._worker.tag_recv(_Array(array), self._api.UCXXTag(tag)))
+        if req is not None:
+            recvs = self._recvs
+            if len(recvs) >= 2 * self._pruned + 16:
+                recvs[:] = [r for r in recvs if not r.completed]
+                self._pruned = len(recvs)
+            recvs.append(req)
+        return req
 
     def progress(self) -> None:
         """Make all the progress available now."""
@@ -151,16 +171,52 @@ class Worker:
         return bool(self._worker.arm())
 
     def cancel(self) -> None:
-        """Cancel every request still in flight on this worker."""
+        """Cancel the requests UCXX scheduled for cancelling (an endpoint's, once it failed/closed).
+
+        Receives posted on the worker are not among them (UCXX's
+        ``cancel_inflight_requests`` does not touch them): freeing one cancels
+        it, unless it matched a send already (see :meth:`close`).
+        """
         self._worker.cancel_inflight_requests()
 
-    def close(self) -> None:
-        """Drop the worker and the context (endpoints must be closed first)."""
+    def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Drop the worker and the context (endpoints must be closed first).
+
+        Its receives still in flight are progressed until they end, for up to
+        ``timeout`` seconds: one that matched a send (its data partly here)
+        cannot be cancelled, and UCXX keeps the worker (its epoll, eventfd,
+        sockets, shared memory) for as long as such a request lives, so a
+        worker dropped with one would never go.  A peer that closes its
+        endpoint (a server told BYE) completes them.  Then the rest, receives
+        that matched nothing, are cancelled as they are freed.  Call it from
+        the thread that drove the worker, once that thread stopped.
+        """
         if self._closed:
             return
         self._closed = True
-        self._worker = None
-        self._context = None
+        try:
+            self._drain(time.monotonic() + timeout)
+        finally:
+            self._recvs.clear()  # freeing a request cancels it, where UCX still can
+            with contextlib.suppress(Exception):
+                self.progress()
+            self._worker = None
+            self._context = None
+
+    def _drain(self, deadline: float) -> None:
+        """Progress until no posted receive is in flight, or ``deadline``."""
+        if not self._recvs:
+            return
+        poller = select.poll()
+        poller.register(self.fileno(), select.POLLIN)
+        while True:
+            self.progress()
+            self._recvs = [r for r in self._recvs if not r.completed]
+            left = deadline - time.monotonic()
+            if not self._recvs or left <= 0:
+                return
+            if self.arm():
+                poller.poll(max(1, int(min(left, 0.05) * 1000)))
 
 
 def request_state(req: Any) -> str | None:
