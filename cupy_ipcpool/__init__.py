@@ -12,6 +12,7 @@ from ._compat import IPCBufferManager
 from ._connect import follow, subscribe
 from ._errors import (
     ChannelTimeoutError,
+    CompiledPartError,
     CudaError,
     CudaOutOfMemoryError,
     CudaUnavailableError,
@@ -31,6 +32,7 @@ from ._errors import (
     StaleHandleError,
     TeardownWarning,
     TransportError,
+    TransportTimeoutError,
     UnsupportedDeviceError,
     UsageError,
     UsageTypeError,
@@ -46,6 +48,7 @@ from .channel import Follower, Frame, Publisher, PublishFrame, Subscriber
 __all__ = [
     "ArrayHandle",
     "ChannelTimeoutError",
+    "CompiledPartError",
     "CudaError",
     "CudaOutOfMemoryError",
     "CudaUnavailableError",
@@ -77,6 +80,7 @@ __all__ = [
     "Subscriber",
     "TeardownWarning",
     "TransportError",
+    "TransportTimeoutError",
     "UnsupportedDeviceError",
     "UsageError",
     "UsageTypeError",

@@ -288,6 +288,13 @@ def test_transport_timeouts_are_transport_errors_and_timeouts() -> None:
     assert exc.errno == errno.ETIMEDOUT and str(exc) == "[ETIMEDOUT] late"
 
 
+def test_every_etimedout_of_the_fd_fetch_is_a_transport_timeout() -> None:
+    # Status 5: the fd server gave up on this connection after its deadline.
+    exc = _fetch._refusal(_fetch.STATUS_TOO_SLOW, "/x.sock")
+    assert isinstance(exc, TransportTimeoutError) and exc.errno == errno.ETIMEDOUT
+    assert isinstance(exc, TimeoutError)
+
+
 def test_argument_errors_of_the_transport_are_usage_errors() -> None:
     with pytest.raises(UsageError):
         _admission.Admission(0, 1.0)

@@ -251,7 +251,7 @@ def _refusal(status: int, path: str) -> TransportError:
             "uid and dropped this one, the oldest; retry",
         )
     if status == STATUS_TOO_SLOW:
-        return TransportError(
+        return TransportTimeoutError(
             errno.ETIMEDOUT,
             f"fd server {path} gave up on this connection after {REQUEST_TIMEOUT_S} s",
         )
