@@ -40,7 +40,12 @@ import pytest
 
 import cupy_ipcpool as cip
 from cupy_ipcpool import _errors
-from cupy_ipcpool._errors import TransportError, TransportTimeoutError, UsageError
+from cupy_ipcpool._errors import (
+    TransportError,
+    TransportTimeoutError,
+    UsageError,
+    UsageTypeError,
+)
 from cupy_ipcpool._slots import SlotTable, first_free_slot
 from cupy_ipcpool._transport import _admission, _fetch, _unix
 from cupy_ipcpool.channel._leases import LeaseBook, granted_credit
@@ -82,23 +87,7 @@ ALLOWED_BUILTINS: dict[str, tuple[tuple[str, ...] | None, str]] = {
 #: ``raise`` statements outside the model in files this change could not edit
 #: (others edit them now): ``(path, statement's source)``.  Fix them there and
 #: remove them here; they are allowed, not required.
-NOT_YET: set[tuple[str, str]] = {
-    (
-        "_transport/_fdserver.py",
-        "raise TypeError(f'token must be bytes, not {type(token).__name__}')",
-    ),
-    (
-        "_transport/_fdserver.py",
-        "raise ValueError(f'token is {len(token)} bytes; at most {MAX_TOKEN_LEN} allowed')",
-    ),
-    ("_transport/_fdserver.py", "raise ValueError(f'fds must be non-negative, got {self._fds}')"),
-    ("_transport/_fdserver.py", "raise EOFError"),
-    # a new module of another change, not committed yet when this list was written
-    (
-        "_transport/_accept_loop.py",
-        "raise ValueError(f'backoff must be positive, not {backoff}')",
-    ),
-}
+NOT_YET: set[tuple[str, str]] = set()
 
 
 def _sources() -> Iterator[tuple[str, ast.Module]]:
@@ -321,6 +310,44 @@ def test_argument_errors_of_the_transport_are_usage_errors() -> None:
             token=b"t",
             method="carrier pigeon",
         )
+
+
+def test_argument_errors_of_the_fd_server_are_usage_errors(tmp_path: pathlib.Path) -> None:
+    from cupy_ipcpool._transport import FdServer
+
+    path = str(tmp_path / "bad.sock")
+    with pytest.raises(UsageTypeError):
+        FdServer([0], token="not bytes", path=path)  # type: ignore[arg-type]
+    with pytest.raises(UsageError):
+        FdServer([0], token=b"t" * 65, path=path)
+    with pytest.raises(UsageError):
+        FdServer([-1], token=b"t", path=path)
+
+
+@pytest.mark.timeout(30)
+def test_a_client_that_hangs_up_mid_request_is_forgotten(tmp_path: pathlib.Path) -> None:
+    from cupy_ipcpool._transport import FdServer
+
+    r, w = os.pipe()
+    try:
+        with FdServer([r], token=b"t" * 16, path=str(tmp_path / "fds.sock")) as server:
+            for _ in range(3):  # half a request, then gone
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+                    c.connect(server.path)
+                    c.sendall(b"FDS1\x10tt")
+            got = _fetch.fetch_fds_over_socket(server.path, b"t" * 16, 1, timeout=5.0)
+            try:
+                assert len(got) == 1
+            finally:
+                for fd in got:
+                    os.close(fd)
+            deadline = time.monotonic() + 5.0
+            while server._conns and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not server._conns and not server._admission
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 def test_host_publish_of_a_slot_not_acquired_is_a_usage_error(tmp_path: pathlib.Path) -> None:

@@ -37,7 +37,7 @@ import weakref
 from collections.abc import Iterable, Sequence
 from types import TracebackType
 
-from cupy_ipcpool._errors import TeardownWarning, TransportError
+from cupy_ipcpool._errors import TeardownWarning, TransportError, UsageError, UsageTypeError
 
 from ._accept_loop import AcceptLoop
 from ._admission import Admission
@@ -79,6 +79,10 @@ STATUS_BAD_REQUEST = 3
 STATUS_BUSY = 4
 STATUS_TOO_SLOW = 5
 
+#: What :meth:`_FdConn.read_request` returns when the client hung up before its
+#: request was complete (never sent: not a status of the protocol).
+_HUNG_UP = -1
+
 #: Deadline of one connection to the server, from accept to the last fd sent.
 REQUEST_TIMEOUT_S = 5.0
 
@@ -94,9 +98,9 @@ _COUNT = struct.Struct("!I")
 
 def _check_token(token: bytes) -> bytes:
     if not isinstance(token, (bytes, bytearray)):
-        raise TypeError(f"token must be bytes, not {type(token).__name__}")
+        raise UsageTypeError(f"token must be bytes, not {type(token).__name__}")
     if len(token) > MAX_TOKEN_LEN:
-        raise ValueError(f"token is {len(token)} bytes; at most {MAX_TOKEN_LEN} allowed")
+        raise UsageError(f"token is {len(token)} bytes; at most {MAX_TOKEN_LEN} allowed")
     return bytes(token)
 
 
@@ -137,10 +141,7 @@ class _FdConn:
     def read_request(self, token: bytes) -> int | None:
         """Read what has arrived; return a status once the request is complete (None: wait).
 
-        Raises
-        ------
-        EOFError
-            The client hung up before its request was complete.
+        :data:`_HUNG_UP` when the client hung up before its request was complete.
         """
         head = len(MAGIC) + 1
         while True:
@@ -158,7 +159,7 @@ class _FdConn:
                 _close_all(fds)
                 return STATUS_BAD_REQUEST
             if not chunk:
-                raise EOFError
+                return _HUNG_UP
             self.buf += chunk
             if len(self.buf) >= head and (
                 self.buf[: len(MAGIC)] != MAGIC or self.buf[head - 1] > MAX_TOKEN_LEN
@@ -245,7 +246,7 @@ class FdServer:
     ) -> None:
         self._fds = tuple(int(fd) for fd in fds)
         if any(fd < 0 for fd in self._fds):
-            raise ValueError(f"fds must be non-negative, got {self._fds}")
+            raise UsageError(f"fds must be non-negative, got {self._fds}")
         self._token = _check_token(token)
         euid = os.geteuid()
         allowed = {euid} if allowed_uids is None else {int(u) for u in allowed_uids} | {euid}
@@ -346,6 +347,9 @@ class FdServer:
                 status = conn.read_request(self._token)
                 if status is None:
                     return  # wait for more bytes
+                if status == _HUNG_UP:
+                    self._finish(conn, None)  # nobody to tell
+                    return
                 if status != STATUS_OK:
                     self._finish(conn, status)
                     return
@@ -353,7 +357,7 @@ class FdServer:
                 for i in range(0, len(self._fds), FDS_PER_MESSAGE):
                     conn.out.append((b"F", list(self._fds[i : i + FDS_PER_MESSAGE])))
                 self._send_more(conn)
-        except (EOFError, OSError):
+        except OSError:
             self._finish(conn, None)
 
     def _send_more(self, conn: _FdConn) -> None:
