@@ -268,7 +268,7 @@ CODE_FACTS: dict[str, Callable[[], Any]] = {
     "WELCOME_PER_SLOT": lambda: _welcome_size(2) - _welcome_size(1),
     "WELCOME_HEAD_SIZE": lambda: _import("cupy_ipcpool.channel._payload", "WELCOME_HEAD")().size,
     "HANDSHAKE_TIMEOUT": _import("cupy_ipcpool.channel._handshake", "HANDSHAKE_TIMEOUT"),
-    "MAX_PENDING_PER_UID": _import("cupy_ipcpool.channel._handshake", "MAX_PENDING_PER_UID"),
+    "MAX_PENDING_PER_UID": _import("cupy_ipcpool._transport._admission", "MAX_PENDING_PER_UID"),
     "LATEST_RESERVE": lambda: _import("cupy_ipcpool.channel._leases", "default_latest_reserve")()(
         8
     ),

@@ -471,6 +471,32 @@ def test_an_fd_server_that_closes_mid_reply_is_a_transport_error(tmp_path: pathl
 # ----------------------------------------------------------------- one credit rule
 
 
+def test_one_uid_check_and_one_pending_limit_for_both_servers() -> None:
+    from cupy_ipcpool._transport import MAX_PENDING_PER_UID, _admission, _fdserver
+    from cupy_ipcpool.channel import _handshake
+
+    assert _fdserver.MAX_PENDING_PER_UID is _handshake.MAX_PENDING_PER_UID
+    assert MAX_PENDING_PER_UID == _admission.MAX_PENDING_PER_UID == 8
+    refused: list[int] = []
+
+    def refuse(sock: socket.socket, uid: int) -> None:
+        refused.append(uid)
+        sock.close()
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with b:
+        assert _unix.accept_peer(a, frozenset({os.geteuid()}), refuse) == (
+            os.getpid(),
+            os.geteuid(),
+        )
+        assert _unix.accept_peer(a, frozenset(), refuse) is None
+        assert refused == [os.geteuid()] and a.fileno() == -1
+    c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    c.close()  # no credentials to read: closed, not refused
+    assert _unix.accept_peer(c, frozenset({os.geteuid()}), refuse) is None
+    assert refused == [os.geteuid()]
+
+
 def test_one_credit_rule() -> None:
     assert [granted_credit(c, 3) for c in (1, 2, 3, 4, 100)] == [1, 2, 3, 3, 3]
     assert granted_credit(0, 3) == 1  # a HELLO's credit is at least 1 on the wire anyway

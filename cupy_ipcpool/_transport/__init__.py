@@ -20,13 +20,12 @@ and :mod:`._admission` the per-uid admission of waiting connections.
 
 from __future__ import annotations
 
-from ._admission import Admission
+from ._admission import MAX_PENDING_PER_UID, Admission
 from ._fdserver import (
     FDS_PER_MESSAGE,
     LISTEN_BACKLOG,
     MAGIC,
     MAX_FDS_PER_REPLY,
-    MAX_PENDING_PER_UID,
     MAX_TOKEN_LEN,
     REQUEST_TIMEOUT_S,
     STATUS_BAD_REQUEST,
@@ -42,6 +41,7 @@ from ._pidfd import _SYS_PIDFD_GETFD as _SYS_PIDFD_GETFD
 from ._pidfd import pidfd_getfd, process_start_time
 from ._unix import (
     SCM_MAX_FD,
+    accept_peer,
     bind_unix,
     check_peer,
     connect_unix,
@@ -67,6 +67,7 @@ __all__ = [
     "STATUS_UID_REFUSED",
     "Admission",
     "FdServer",
+    "accept_peer",
     "bind_unix",
     "check_peer",
     "connect_unix",

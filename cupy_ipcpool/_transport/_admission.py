@@ -7,8 +7,13 @@ from collections.abc import Hashable
 from cupy_ipcpool._errors import UsageError
 
 __all__ = [
+    "MAX_PENDING_PER_UID",
     "Admission",
 ]
+
+#: Most connections of one uid that wait at once (the fd server's requests, the
+#: channel's handshakes); one more makes the oldest of that uid go.
+MAX_PENDING_PER_UID = 8
 
 
 class Admission:

@@ -40,8 +40,8 @@ from types import TracebackType
 from cupy_ipcpool._errors import TeardownWarning, TransportError, UsageError, UsageTypeError
 
 from ._accept_loop import AcceptLoop
-from ._admission import Admission
-from ._unix import _close_all, bind_unix, peer_credentials, recv_fds
+from ._admission import MAX_PENDING_PER_UID, Admission
+from ._unix import _close_all, accept_peer, bind_unix, recv_fds
 
 __all__ = [
     "FDS_PER_MESSAGE",
@@ -85,10 +85,6 @@ _HUNG_UP = -1
 
 #: Deadline of one connection to the server, from accept to the last fd sent.
 REQUEST_TIMEOUT_S = 5.0
-
-#: Most connections of one uid the server serves at once; a further one makes
-#: the oldest of that uid go (it is told ``STATUS_BUSY``).
-MAX_PENDING_PER_UID = 8
 
 #: Listen backlog of the server.
 LISTEN_BACKLOG = 512
@@ -186,6 +182,10 @@ def _refuse_now(sock: socket.socket, status: int) -> None:
     sock.close()
 
 
+def _refuse_uid(sock: socket.socket, _uid: int) -> None:
+    _refuse_now(sock, STATUS_UID_REFUSED)
+
+
 class FdServer:
     """Serve a fixed list of fds over a Unix socket with ``SCM_RIGHTS``.
 
@@ -195,7 +195,8 @@ class FdServer:
     it), each connection has one overall deadline of
     :data:`REQUEST_TIMEOUT_S`, and at most :data:`MAX_PENDING_PER_UID`
     connections of one uid are served at once (one more makes the oldest of
-    that uid go).  A slow, idle or malformed client never delays another.
+    that uid go: it is told ``STATUS_BUSY``).  A slow, idle or malformed
+    client never delays another.
 
     Parameters
     ----------
@@ -310,14 +311,11 @@ class FdServer:
     # -- serving: what a connection does once the accept loop accepted it ------
 
     def _accepted(self, sock: socket.socket, _address: object) -> None:
-        try:
-            _pid, uid, _gid = peer_credentials(sock)
-        except OSError:
-            sock.close()
+        # a refused uid costs nothing: nothing is read or kept
+        peer = accept_peer(sock, self.allowed_uids, _refuse_uid)
+        if peer is None:
             return
-        if uid not in self.allowed_uids:
-            _refuse_now(sock, STATUS_UID_REFUSED)  # costs nothing: nothing is read or kept
-            return
+        _pid, uid = peer
         conn = _FdConn(sock, uid)
         for fd in self._admission.admit(conn.fd, uid, time.monotonic()):
             old = self._conns.get(fd)

@@ -14,7 +14,7 @@ import socket
 import struct
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from cupy_ipcpool._errors import (
     PeerRefusedError,
@@ -25,6 +25,7 @@ from cupy_ipcpool._errors import (
 
 __all__ = [
     "SCM_MAX_FD",
+    "accept_peer",
     "bind_unix",
     "check_peer",
     "connect_unix",
@@ -137,6 +138,30 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
     pid, uid, gid = _CRED.unpack(raw)
     return pid, uid, gid
+
+
+def accept_peer(
+    sock: socket.socket,
+    allowed_uids: frozenset[int],
+    refuse: Callable[[socket.socket, int], None],
+) -> tuple[int, int] | None:
+    """The ``(pid, uid)`` of a connection just accepted, if its uid is allowed; else None.
+
+    The one uid check of the serving threads (the fd server, the channel's
+    publisher), made before anything the peer sent is read.  When its
+    credentials cannot be read the socket is closed; when its uid is not in
+    ``allowed_uids``, ``refuse(sock, uid)`` tells it so in the caller's
+    protocol and closes it.  Never raises ``OSError``.
+    """
+    try:
+        pid, uid, _gid = peer_credentials(sock)
+    except OSError:
+        sock.close()
+        return None
+    if uid not in allowed_uids:
+        refuse(sock, uid)
+        return None
+    return pid, uid
 
 
 def check_peer(sock: socket.socket, allowed_uids: frozenset[int]) -> tuple[int, int, int]:

@@ -33,13 +33,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .._errors import ProtocolError, TransportError, UsageError
-from .._transport import Admission, peer_credentials
+from .._transport import MAX_PENDING_PER_UID, Admission, accept_peer
 from .._transport._accept_loop import HANDSHAKE_TIMEOUT, AcceptLoop
 from . import _protocol as proto
 from ._sockets import _POLLIN, _POLLRDHUP, MAX_FDS, _say_bye_and_close
-
-#: Most handshakes of one uid in progress at once; one more makes the oldest go.
-MAX_PENDING_PER_UID = 8
 
 
 @dataclass(frozen=True)
@@ -275,14 +272,10 @@ class _Acceptor:
                 self._loop.forget(owner.fd, owner)
 
     def _accepted(self, conn: socket.socket, _address: object) -> None:
-        try:
-            pid, uid, _gid = peer_credentials(conn)
-        except OSError:
-            conn.close()
+        peer = accept_peer(conn, self.allowed_uids, _refuse_uid)
+        if peer is None:
             return
-        if uid not in self.allowed_uids:
-            _refuse(conn, f"uid {uid} is not allowed to subscribe")
-            return
+        pid, uid = peer
         hs = _Handshake(next(self._keys), conn, pid, uid)
         for old in self._admission.admit(hs.key, uid, time.monotonic()):
             gone = self._handshakes.pop(old)
@@ -455,6 +448,10 @@ def _refuse(conn: socket.socket, reason: str) -> None:
     with contextlib.suppress(OSError):
         conn.send(proto.encode_refuse(reason), socket.MSG_DONTWAIT)
     conn.close()
+
+
+def _refuse_uid(conn: socket.socket, uid: int) -> None:
+    _refuse(conn, f"uid {uid} is not allowed to subscribe")
 
 
 __all__ = ["HANDSHAKE_TIMEOUT", "MAX_PENDING_PER_UID", "SubscriberInfo"]
