@@ -471,6 +471,16 @@ def test_an_fd_server_that_closes_mid_reply_is_a_transport_error(tmp_path: pathl
 # ----------------------------------------------------------------- one credit rule
 
 
+def test_the_handshake_grants_the_one_credit_rule() -> None:
+    # the handshake's former inline rule, for every credit a HELLO can carry and more
+    for max_credit in (1, 2, 3, 8, 64):
+        for asked in range(-3, 2 * max_credit + 3):
+            assert granted_credit(asked, max_credit) == max(1, min(asked, max_credit))
+    source = (PACKAGE / "channel" / "_handshake.py").read_text(encoding="utf-8")
+    assert "granted_credit(hello.credit, self.max_credit)" in source
+    assert "max(1, min(" not in source
+
+
 def test_one_uid_check_and_one_pending_limit_for_both_servers() -> None:
     from cupy_ipcpool._transport import MAX_PENDING_PER_UID, _admission, _fdserver
     from cupy_ipcpool.channel import _handshake

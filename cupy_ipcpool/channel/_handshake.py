@@ -36,6 +36,7 @@ from .._errors import ProtocolError, TransportError, UsageError
 from .._transport import MAX_PENDING_PER_UID, Admission, accept_peer
 from .._transport._accept_loop import HANDSHAKE_TIMEOUT, AcceptLoop
 from . import _protocol as proto
+from ._leases import granted_credit
 from ._sockets import _POLLIN, _POLLRDHUP, MAX_FDS, _say_bye_and_close
 
 
@@ -329,7 +330,7 @@ class _Acceptor:
             pid=hs.pid or hello.pid,
             uid=hs.uid,
             mode=proto.MODE_NAMES[hello.mode],
-            credit=max(1, min(hello.credit, self.max_credit)),
+            credit=granted_credit(hello.credit, self.max_credit),
             hello=hello.payload,
             peer_pid=hs.pid,
         )
