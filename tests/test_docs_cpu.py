@@ -238,6 +238,14 @@ def _import(module: str, name: str) -> Callable[[], Any]:
     return get
 
 
+def _c_wire(name: str) -> int:
+    """A constant of the C library's generated header, as C sees it."""
+    header = (ROOT / "c" / "include" / "cupy_ipcpool_wire.h").read_text()
+    m = re.search(rf"^#define {name} (\d+)u?\b", header, re.M)
+    assert m, f"{name} is not defined in c/include/cupy_ipcpool_wire.h"
+    return int(m.group(1))
+
+
 def _proto(name: str) -> Any:
     return _import("cupy_ipcpool.channel._protocol", name)()
 
@@ -268,6 +276,14 @@ CODE_FACTS: dict[str, Callable[[], Any]] = {
     "WELCOME_PER_SLOT": lambda: _welcome_size(2) - _welcome_size(1),
     "WELCOME_HEAD_SIZE": lambda: _import("cupy_ipcpool.channel._payload", "WELCOME_HEAD")().size,
     "HANDSHAKE_TIMEOUT": _import("cupy_ipcpool.channel._handshake", "HANDSHAKE_TIMEOUT"),
+    "DEATH_WAIT": _import("cupy_ipcpool.channel._settle", "DEATH_WAIT"),
+    "CLOSE_GRACE": _import("cupy_ipcpool.channel._settle", "CLOSE_GRACE"),
+    "ACCEPT_BACKOFF_MS": lambda: (
+        _import("cupy_ipcpool._transport._accept_loop", "ACCEPT_BACKOFF_S")() * 1000
+    ),
+    "CIP_WIRE_DEATH_WAIT_MS": lambda: _c_wire("CIP_WIRE_DEATH_WAIT_MS"),
+    "CIP_WIRE_CLOSE_WAIT_MS": lambda: _c_wire("CIP_WIRE_CLOSE_WAIT_MS"),
+    "CIP_WIRE_UNMAP_WAIT_MS": lambda: _c_wire("CIP_WIRE_UNMAP_WAIT_MS"),
     "MAX_PENDING_PER_UID": _import("cupy_ipcpool._transport._admission", "MAX_PENDING_PER_UID"),
     "LATEST_RESERVE": lambda: _import("cupy_ipcpool.channel._leases", "default_latest_reserve")()(
         8
@@ -304,7 +320,11 @@ REQUIRED_FACTS = {
         "Publisher.max_subscribers",
         "Publisher.send_timeout",
         "subscribe.timeout",
+        "DEATH_WAIT",
+        "CLOSE_GRACE",
     },
+    "docs/c.md": {"CIP_WIRE_CLOSE_WAIT_MS", "CIP_WIRE_UNMAP_WAIT_MS", "CIP_WIRE_DEATH_WAIT_MS"},
+    "docs/transports.md": {"ACCEPT_BACKOFF_MS"},
 }
 
 
