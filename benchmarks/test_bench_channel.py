@@ -337,8 +337,8 @@ def test_throughput(tmp_path, mib):
 def test_throughput_deep_ring(tmp_path, mib):
     """Block mode on 32 slots instead of 8 (the target stays on 8 slots).
 
-    Section 10 of docs/performance.md: with 8 slots the GPU's turns between
-    the two processes' contexts, not the host, bound block mode at 64 MiB.
+    docs/performance.md, "Sizing the ring": with 8 slots the GPU's turns
+    between the two processes' contexts, not the host, bound block mode at 64 MiB.
     """
     n = 10_000
     with _channel(tmp_path, mib, slots=32, hold=0) as prod:
@@ -364,7 +364,8 @@ def test_pipelined_throughput_deep_ring(tmp_path, mib):
     The GPU runs the two processes' work in turns, and a turn lasts until a
     cross-process flag dependency forces the switch; the slots the producer
     may run ahead by bound how many frames a turn carries (docs/performance.md,
-    section 9).  With 8 slots and 4 held, that is 4 frames per turn.
+    "The GPU's side: two processes take turns" and "Sizing the ring").  With 8
+    slots and 4 held, that is 4 frames per turn.
     """
     n = 10_000
     with _channel(tmp_path, mib, slots=32, hold=PIPELINE_HOLD) as prod:

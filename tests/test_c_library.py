@@ -536,7 +536,7 @@ def test_wire_header_is_generated_from_the_python_constants() -> None:
     spec.loader.exec_module(gen)
     committed = (C_DIR / "include" / "cupy_ipcpool_wire.h").read_text()
     assert committed == gen.generate(), "run: python c/gen_wire.py --write"
-    # a few values a reader can check by eye against docs/protocol.md
+    # a few values a reader can check by eye against docs/wire.md ("Message layouts")
     assert f"#define CIP_WIRE_FRAME_SIZE {struct.calcsize('<HBBQII')}" in committed
     assert f"#define CIP_WIRE_VERSION {proto.VERSION}u" in committed
 

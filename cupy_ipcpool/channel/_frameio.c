@@ -5,7 +5,8 @@
  * (recv_frame), its release: hang-up check, read-flag write, RELEASE
  * (release_frame); the publisher's FRAME to every receiver (send_frame) and
  * its wait for RELEASEs (wait_releases).  Each is one call instead of several
- * Python layers; docs/performance.md, section 7, says what it bought.  It
+ * Python layers (docs/install.md, "The compiled parts"; what each per-frame
+ * step costs is not in docs/performance.md's committed results).  It
  * knows the two fixed message layouts of cupy_ipcpool.channel._protocol
  * (PROTOCOL below; the session layer refuses to import a build whose
  * constants differ) and nothing of CUDA: the read-flag write is a function

@@ -21,9 +21,10 @@ the frame, and a reader's release long before the producer comes round the
 ring to that slot again — no wait is enqueued at all.  A write is made with a
 memory barrier (the driver's default), so once the host sees the value, the
 work before the write is done and its memory visible to every device.
-(docs/performance.md, section 4, has what this saves.  The page used to be
-VMM device memory, where every frame needed both waits on the GPU; before
-that, interprocess CUDA events made the host block, see git history.)
+In device memory the host could not look at a flag, and every frame would
+need both waits on the GPU; interprocess CUDA events would make a host block.
+(docs/performance.md, "The floors", says where the ordering's cost comes
+from; how much a skipped wait saves is not in its committed results.)
 
 The comparison is the driver's cyclic ``(int32_t)(*flag - value) >= 0``, so
 generations may wrap around 2**32.  The stream memory operations go through

@@ -268,7 +268,7 @@ class OrderedFloorLane(SocketGpuFloorLane):
     its read flag after it.  No slot table, lease book, tokens or payload: it
     measures what a channel with no per-frame bookkeeping at all would, so
     cupy_ipcpool's distance to it is the library's own per-frame cost
-    (docs/performance.md, section 9).  Each process still uses its own memory.
+    (docs/performance.md, "The floors").  Each process still uses its own memory.
     """
 
     name = "ordered_floor"
