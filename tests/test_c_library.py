@@ -333,6 +333,10 @@ class Probe:
             stderr=subprocess.PIPE,
             text=True,
         )
+        # One answer before anything else (the sync layout of cip_probe, harmless in the
+        # other probes, which refuse it): the program runs its loop, past the dynamic
+        # loader's fds, so a test's snapshot of its fd table holds only what it keeps.
+        self("layout 1 1")
 
     def send(self, line: str) -> None:
         assert self.proc.stdin is not None
