@@ -519,24 +519,16 @@ def test_script_fails_clearly_without_a_gpu_or_mps(tmp_path, mps):
     # no GPU here: the time-sliced run fails in one line, MPS cannot start, nothing hangs
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OUT=str(tmp_path / "out"))
     env["PYTHON"] = sys.executable
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
     if mps == "refuses":
-        fake = bindir / "nvidia-cuda-mps-control"
+        fake = tmp_path / "nvidia-cuda-mps-control"
         fake.write_text("#!/bin/sh\necho 'cannot start' >&2\nexit 1\n")
         fake.chmod(0o755)
-        env["PATH"] = f"{bindir}{os.pathsep}{env['PATH']}"
-    else:
-        env["PATH"] = os.pathsep.join(
-            d
-            for d in env["PATH"].split(os.pathsep)
-            if not os.path.exists(os.path.join(d, "nvidia-cuda-mps-control"))
-        )
-    t0 = time.monotonic()
+        env["MPS_CONTROL_BIN"] = str(fake)
+    else:  # the PATH stays whole: where the real one is, bash and the rest are too
+        env["MPS_CONTROL_BIN"] = "cupy-ipcpool-no-such-mps-control"
     out = subprocess.run(
         ["bash", SCRIPT], env=env, capture_output=True, text=True, timeout=150, cwd=tmp_path
     )
-    assert time.monotonic() - t0 < 120
     assert out.returncode == 1, out.stdout + out.stderr
     want = "is not on the PATH" if mps == "missing" else "did not start"
     assert want in out.stderr, out.stderr

@@ -554,56 +554,42 @@ def _child_greedy_latest(conn: Connection, address: str) -> None:
         conn.send(("err", f"{type(exc).__name__}: {exc}"))
 
 
-def _rate(core: PublisherCore, slots: MemfdSlots, seconds: float) -> float:
-    n = 0
-    t0 = time.perf_counter()
-    end = t0 + seconds
-    while True:
+def _publish_without_waiting(core: PublisherCore, slots: MemfdSlots, frames: int) -> None:
+    """Publish ``frames`` frames; SlotBusyError if the producer ever had to wait for a slot."""
+    for n in range(1, frames + 1):
         slot, _ = core.acquire(0.0)  # SlotBusyError if the producer would have to wait
         slots.write(slot, core.next_seq)
         core.publish(slot)
-        n += 1
         if n % 16 == 0:
             core.poll(0.0)
-            if time.perf_counter() >= end:
-                return n / (time.perf_counter() - t0)
 
 
 @pytest.mark.timeout(120)
-def test_greedy_latest_subscriber_leaves_the_producer_rate(
+def test_greedy_latest_subscriber_never_makes_the_producer_wait(
     tmp_path: Any, children: Callable[..., Child]
 ) -> None:
+    """A latest subscriber asking for all the credit there is gets max_credit (6 of 8 slots):
+    the producer, publishing as fast as it can while it holds all 6, never waits for a slot.
+    (What that leaves of the producer's rate is a measurement, not a test: benchmarks/.)"""
     address = str(tmp_path / "chan.sock")
-    # 1 MiB frames: a producer doing real work per frame (~10^4 frames/s, as in the issue)
     with _memfd_channel(address, 8, 1024 * 1024) as (core, slots):
         assert core.max_credit == 6
         greedy = children(_child_greedy_latest, address)
-        ratios, without, with_greedy = [], [], []
-        for _ in range(5):  # adjacent windows see the same load on a shared machine
-            alone = _rate(core, slots, 0.2)
+        for _ in range(5):  # join and leave again: each time the same
+            _publish_without_waiting(core, slots, 500)
             greedy.conn.send("join")
             _until_subscribed(core)
             assert greedy.expect("joined") == 6  # the credit granted, not the one asked
             (info,) = core.subscribers
             assert info.credit == 6
-            together = _rate(core, slots, 0.2)
+            _publish_without_waiting(core, slots, 2000)
             assert core.lease_book.outstanding(info.sub_id) == 6  # it holds all it may
             assert core.lease_book.latest_leased_slots() == 6
             greedy.conn.send("leave")
             assert 1 <= greedy.expect("left") <= 6
             while core.subscribers:
                 core.poll(0.01)
-            without.append(alone)
-            with_greedy.append(together)
-            ratios.append(together / alone)
         greedy.conn.send("stop")
-        ratio = statistics.median(ratios)
-        print(
-            f"\nproducer rate: {statistics.median(without):.0f}/s without, "
-            f"{statistics.median(with_greedy):.0f}/s with a credit-65535 latest subscriber "
-            f"(median ratio {ratio:.2f})"
-        )
-        assert ratio >= 0.9, (without, with_greedy)
 
 
 def _child_stopped_block(conn: Connection, address: str) -> None:
