@@ -14,7 +14,6 @@ import multiprocessing as mp
 import os
 import signal
 import socket
-import statistics
 import tempfile
 import threading
 import time
@@ -38,7 +37,7 @@ from cupy_ipcpool._errors import (
 )
 from cupy_ipcpool._transport import FdServer, bind_unix, fetch_fds, fetch_fds_over_socket
 from cupy_ipcpool.channel import _protocol as proto
-from cupy_ipcpool.channel._handshake import SubscriberInfo
+from cupy_ipcpool.channel._handshake import HANDSHAKE_TIMEOUT, SubscriberInfo
 from cupy_ipcpool.channel._publisher_core import PublisherCore
 from cupy_ipcpool.channel._subscriber_core import SubscriberCore
 
@@ -336,8 +335,9 @@ def test_honest_join_under_attack(
                     joins.append(took)
                     seqs = [consumer.recv(timeout=5.0).seq for _ in range(3)]
                     assert seqs == sorted(seqs)
-            assert min(joins) < 1.0, f"honest joins took {joins} s under attack"
-            assert statistics.median(joins) < 1.0, f"honest joins took {joins} s under attack"
+            # none waited for an attacker's handshake to run out (HANDSHAKE_TIMEOUT): the
+            # honest HELLO is answered whatever the idle and hung-up connections hold
+            assert max(joins) < HANDSHAKE_TIMEOUT, f"honest joins took {joins} s under attack"
         finally:
             for s in idle:
                 s.close()
