@@ -19,7 +19,7 @@ The GPU layer over :mod:`cupy_ipcpool.channel._session` (sockets, leases),
   A slot is reused only when all its leases are back and no local array
   refers to it.
 
-See ``docs/protocol.md`` for the sequence diagram.
+See ``docs/wire.md`` for the sequence of messages and ``docs/protocol.md`` for the guide.
 """
 
 from __future__ import annotations
