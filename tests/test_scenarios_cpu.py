@@ -775,13 +775,7 @@ TABLE: list[tuple[str, Callable[..., None], tuple[Any, ...]]] = [
 ]
 
 #: Where one consumer contradicts the docs: a strict xfail, so a fix shows.
-KNOWN_BUGS = {
-    ("refused_uid_is_sent_nothing", "python"): (
-        "docs/c.md ('What it checks') says the Python subscriber, like the C library, sends "
-        "a publisher of a uid not allowed nothing, not even a BYE; SubscriberCore's close "
-        "after the refusal (_close_subscriber -> _say_bye_and_close) sends it a BYE"
-    ),
-}
+KNOWN_BUGS: dict[tuple[str, str], str] = {}
 
 CASES = [
     pytest.param(

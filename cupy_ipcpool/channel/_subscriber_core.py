@@ -234,6 +234,7 @@ class SubscriberCore:
             ) from None
         self.producer_pid, self.producer_uid, _gid = peer_credentials(sock)
         if self.producer_uid not in allowed:
+            sock.close()  # nothing is sent to a publisher we do not trust, not even a BYE
             raise PeerRefusedError(
                 f"the publisher at {self.address} runs as uid {self.producer_uid}, "
                 f"which is not in allowed_uids {sorted(allowed)}"
