@@ -73,6 +73,30 @@ def _fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def _fds() -> set[str]:
+    """This process's open fds as ``"n=target"`` (a number reused for another file is new)."""
+    out = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out.add(f"{name}={os.readlink(f'/proc/self/fd/{name}')}")
+        except FileNotFoundError:
+            continue  # the listing's own fd, closed by now
+    return out
+
+
+def _new_fds(before: set[str], timeout: float = 5.0) -> set[str]:
+    """The fds open now that were not in ``before``, once there are none (or ``timeout`` s).
+
+    A server thread of this process closes its side just after the client
+    returns, hence the wait.  The set, not the count: an fd an earlier test
+    left to the garbage collector may close meanwhile without hiding a new one.
+    """
+    deadline = time.monotonic() + timeout
+    while (new := _fds() - before) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return new
+
+
 # -- child processes (module level so spawn can import them) -------------------
 
 
@@ -198,12 +222,12 @@ def test_send_recv_fds_roundtrip(memfds: list[int]) -> None:
 def test_recv_fds_ctrunc_closes_fds(memfds: list[int]) -> None:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with a, b:
-        before = _fd_count()
+        before = _fds()
         send_fds(a, b"x", memfds)
         with pytest.raises(TransportError) as ei:
             recv_fds(b, 16, 1)
         assert ei.value.errno == errno.EMSGSIZE
-        assert _fd_count() == before
+        assert not _fds() - before
 
 
 def test_errors_pickle() -> None:
@@ -320,14 +344,14 @@ def test_auto_uses_the_socket_for_a_pid_of_another_namespace(memfds: list[int]) 
         with pytest.raises(TransportError) as ei:
             fetch_fds(**kw, socket_path=None, pid_namespace=other)
         assert ei.value.errno == errno.ESRCH and "socket_path=" in str(ei.value)
-        before = _fd_count()
+        before = _fds()
         got = fetch_fds(**kw, socket_path=server.path, pid_namespace=other)
         try:
             assert _read_all(got) == [_content(i) for i in range(3)]
         finally:
             _close(got)
         # the server's thread (in this process) closes its side just after the client returns
-        assert _wait_fd_count(before) == before
+        assert not _new_fds(before)
         # the socket failing too: both causes, the socket's errno, the fix
         with pytest.raises(PeerRefusedError) as pe:
             fetch_fds(**dict(kw, token=b"wrong"), socket_path=server.path, pid_namespace=other)
@@ -421,7 +445,7 @@ def test_socket_explicit_path(tmp_path: Any, memfds: list[int]) -> None:
 
 def test_socket_wrong_token_and_count(memfds: list[int]) -> None:
     with FdServer(memfds, token=TOKEN) as server:
-        before = _fd_count()
+        before = _fds()
         with pytest.raises(PeerRefusedError) as ei:
             fetch_fds_over_socket(server.path, b"wrong", 3)
         assert "token" in str(ei.value)
@@ -430,7 +454,7 @@ def test_socket_wrong_token_and_count(memfds: list[int]) -> None:
         assert ei2.value.errno == errno.EPROTO
         got = fetch_fds_over_socket(server.path, TOKEN, 3)
         _close(got)
-        assert _wait_fd_count(before) == before
+        assert not _new_fds(before)
 
 
 def test_socket_many_fds_chunked(memfds: list[int]) -> None:
@@ -518,7 +542,7 @@ def test_fetch_fds_methods(memfds: list[int]) -> None:
 
 def test_fetch_fds_pidfd_partial_failure_closes(memfds: list[int]) -> None:
     closed = _unused_fd()
-    before = _fd_count()
+    before = _fds()
     with pytest.raises(TransportError) as ei:
         fetch_fds(
             pid=os.getpid(),
@@ -530,7 +554,7 @@ def test_fetch_fds_pidfd_partial_failure_closes(memfds: list[int]) -> None:
         )
     assert ei.value.errno == errno.EBADF
     assert f"fd={closed}" in str(ei.value)  # the message names the fd that failed
-    assert _fd_count() == before
+    assert not _fds() - before
 
 
 def test_fetch_fds_pidfd_opens_one_pidfd(memfds: list[int], monkeypatch: Any) -> None:
@@ -584,20 +608,12 @@ def test_pidfd_syscall_function_made_once(memfds: list[int]) -> None:
 # -- leaks ---------------------------------------------------------------------
 
 
-def _wait_fd_count(expected: int, timeout: float = 5.0) -> int:
-    """Server handler threads close their side just after the client returns."""
-    deadline = time.monotonic() + timeout
-    while (n := _fd_count()) != expected and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return n
-
-
 @pytest.mark.timeout(60)
 def test_no_fd_leak_over_500_transfers(memfds: list[int]) -> None:
     pid = os.getpid()
     start = process_start_time(pid)
     with FdServer(memfds, token=TOKEN) as server:
-        before = _fd_count()
+        before = _fds()
         for method in ("pidfd", "socket"):
             for _ in range(500):
                 got = fetch_fds(
@@ -611,11 +627,11 @@ def test_no_fd_leak_over_500_transfers(memfds: list[int]) -> None:
                 assert len(got) == 3
                 _close(got)
         # receiver and FdServer live in this process: one count covers both
-        assert _wait_fd_count(before) == before
+        assert not _new_fds(before)
         for _ in range(50):  # refusals do not leak either
             with pytest.raises(PeerRefusedError):
                 fetch_fds_over_socket(server.path, b"bad", 3)
-        assert _wait_fd_count(before) == before
+        assert not _new_fds(before)
 
 
 # -- admission: per-uid cap and deadlines ------------------------------------------------
@@ -641,3 +657,27 @@ def test_admission_caps_per_uid_and_drops_the_oldest() -> None:
     adm.admit(1, 5, 0.0)
     with pytest.raises(ValueError):
         adm.admit(1, 5, 0.0)
+
+
+def test_a_socket_file_is_unlinked_only_while_it_is_ours(tmp_path: Any) -> None:
+    """The fd server's and the publisher's one rule: remove the path if it is still ours."""
+    from cupy_ipcpool._transport._unix import unlink_if_ours
+
+    path, real = str(tmp_path / "s.sock"), str(tmp_path / "real.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.bind(real)
+        st = os.lstat(real)
+        ours = (st.st_dev, st.st_ino)
+        # a symlink to our very socket is not ours (lstat, not stat): it stays
+        os.symlink(real, path)
+        unlink_if_ours(path, ours)
+        assert os.path.lexists(path)
+        os.unlink(path)
+        # another file in its place stays
+        open(path, "w").close()
+        unlink_if_ours(path, ours)
+        assert os.path.exists(path)
+        # ours is removed; already gone is nothing to do
+        unlink_if_ours(real, ours)
+        assert not os.path.lexists(real)
+        unlink_if_ours(real, ours)

@@ -41,7 +41,7 @@ from cupy_ipcpool._errors import TeardownWarning, TransportError, UsageError, Us
 
 from ._accept_loop import AcceptLoop
 from ._admission import MAX_PENDING_PER_UID, Admission
-from ._unix import _close_all, accept_peer, bind_unix, recv_fds
+from ._unix import _close_all, accept_peer, bind_unix, recv_fds, unlink_if_ours
 
 __all__ = [
     "FDS_PER_MESSAGE",
@@ -104,11 +104,7 @@ def _remove_files(path: str | None, ino: tuple[int, int] | None, directory: str 
     """Unlink the server's socket (if it is still ours) and remove its directory."""
     if path is not None and ino is not None:
         try:
-            st = os.stat(path)
-            if (st.st_dev, st.st_ino) == ino:
-                os.unlink(path)
-        except FileNotFoundError:
-            pass
+            unlink_if_ours(path, ino)
         except OSError as exc:
             warnings.warn(f"FdServer: cannot unlink {path}: {exc}", TeardownWarning, stacklevel=2)
     if directory is not None:

@@ -32,6 +32,7 @@ __all__ = [
     "peer_credentials",
     "recv_fds",
     "send_fds",
+    "unlink_if_ours",
 ]
 
 #: Kernel limit on fds in one SCM_RIGHTS message.
@@ -283,3 +284,21 @@ def connect_unix(sock: socket.socket, path: str, deadline: float) -> None:
                 raise
         time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
         delay = min(delay * 2, 0.05)
+
+
+def unlink_if_ours(path: str, ident: tuple[int, int]) -> None:
+    """Remove the socket file at ``path`` if it is still the one bound as ``ident``.
+
+    ``ident`` is ``(st_dev, st_ino)`` of the file right after ``bind``.  The
+    path is looked at with ``lstat``: a file or symlink someone put in its
+    place is not ours and stays.  A file already gone is fine; any other
+    ``OSError`` is the caller's to report (the fd server and the publisher
+    warn with their own words).
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if (st.st_dev, st.st_ino) == ident:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 
 from .._errors import PoolClosedError, ProtocolError, SlotBusyError, UsageError
-from .._transport import bind_unix
+from .._transport._unix import bind_unix, unlink_if_ours
 from . import _protocol as proto
 from . import _sockets
 from ._handshake import (
@@ -62,11 +62,7 @@ _NOTICE_RETRY = 0.05
 def _unlink_ours(address: str, ident: tuple[int, int]) -> None:
     """Remove the socket file at ``address`` if it is still this publisher's; warns on failure."""
     try:
-        st = os.lstat(address)
-        if (st.st_dev, st.st_ino) == ident:
-            os.unlink(address)
-    except FileNotFoundError:
-        pass
+        unlink_if_ours(address, ident)
     except OSError as exc:
         _warn(f"could not remove the socket file {address}: {exc}")
 
