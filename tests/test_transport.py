@@ -69,10 +69,6 @@ def _read_all(fds: list[int]) -> list[bytes]:
     return [os.pread(fd, 4096, 0) for fd in fds]
 
 
-def _fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
 def _fds() -> set[str]:
     """This process's open fds as ``"n=target"`` (a number reused for another file is new)."""
     out = set()
@@ -572,17 +568,18 @@ def test_fetch_fds_pidfd_opens_one_pidfd(memfds: list[int], monkeypatch: Any) ->
 
     pid = os.getpid()
     start = real_start(pid)
-    gc.collect()  # fds of earlier tests' garbage must not close during the counts below
+    gc.collect()  # no earlier test's fd closes (and frees its number) during the look below
     monkeypatch.setattr(os, "pidfd_open", counting_open)
     monkeypatch.setattr(_pidfd, "process_start_time", counting_start)
-    before = _fd_count()
+    before = _fds()
     got = fetch_fds(
         pid=pid, start_time=start, fds=memfds * 4, socket_path=None, token=TOKEN, method="pidfd"
     )
     try:
         assert calls == {"pidfd_open": 1, "process_start_time": 1}
         assert _read_all(got) == [_content(i) for i in range(3)] * 4
-        assert _fd_count() == before + len(got)  # the pidfd itself is closed
+        new = {int(entry.split("=", 1)[0]) for entry in _fds() - before}
+        assert new == set(got)  # the pidfd itself is closed
     finally:
         _close(got)
     # nothing to fetch: no pidfd at all, as before
@@ -594,7 +591,7 @@ def test_fetch_fds_pidfd_opens_one_pidfd(memfds: list[int], monkeypatch: Any) ->
             pid=pid, start_time=start + 1, fds=memfds, socket_path=None, token=TOKEN, method="pidfd"
         )
     assert ei.value.errno == errno.ESRCH and "reused" in str(ei.value)
-    assert _fd_count() == before
+    assert not _fds() - before
 
 
 def test_pidfd_syscall_function_made_once(memfds: list[int]) -> None:

@@ -108,7 +108,7 @@ def settle_if_dead(flags: SharedFlags, waits: FrameWaits, pidfd: int, wait: floa
     bool
         True when the producer was seen dead (and its flags forced).
     """
-    if not exited(pidfd) and not (wait > 0 and waits.pending(flags) and exited(pidfd, wait)):
+    if not exited(pidfd, wait if wait > 0 and waits.pending(flags) else 0.0):
         return False
     waits.resolve(flags)
     return True
