@@ -28,6 +28,7 @@ def subscribe(
     insecure: bool = False,
     spin_us: float = 0.0,
     wait: float = 0.0,
+    depth: int | None = None,
 ) -> Subscriber | RemoteSubscriber:
     """Connect to a publisher and receive its frames.
 
@@ -66,6 +67,9 @@ def subscribe(
         yet (no socket, or a dead publisher's socket file) instead of failing
         at once; ``math.inf``: no limit.  Default 0.  To keep receiving across
         publisher restarts, see :func:`follow`.
+    depth:
+        Local publishers, ``mode="ahead"`` only: most frames handed out ahead
+        of their messages (see :func:`cupy_ipcpool.channel.subscribe`).
 
     Raises
     ------
@@ -82,6 +86,8 @@ def subscribe(
             raise UsageError(
                 "wait applies to local publishers; a ucx:// subscriber connects at once"
             )
+        if depth is not None:
+            raise UsageError("depth (mode='ahead') applies to local publishers")
         from .remote import subscribe as subscribe_remote
 
         kwargs: dict[str, Any] = {} if credit is None else {"slots": credit}
@@ -107,6 +113,7 @@ def subscribe(
         allowed_uids=allowed_uids,
         spin_us=spin_us,
         wait=wait,
+        depth=depth,
     )
 
 
@@ -138,7 +145,8 @@ def follow(
         After a clean close too, wait for the next publisher.
     **options:
         :func:`subscribe`'s options for each subscription (``mode``,
-        ``credit``, ``device``, ``timeout``, ``allowed_uids``, ``spin_us``).
+        ``credit``, ``device``, ``timeout``, ``allowed_uids``, ``spin_us``,
+        ``depth``).
 
     Notes
     -----

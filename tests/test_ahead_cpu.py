@@ -303,12 +303,6 @@ def test_a_void_frame_by_message_keeps_the_layout_seen_before() -> None:
     check_entry(schedule.predict(), 5, 1, gen_of(1) + 2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="AheadSchedule.received() notes a void frame's generation from the FRAME head "
-    "(32 bits) instead of carrying the slot's 64-bit generation on, as confirm() does: "
-    "past 2**32 the next prediction packs handles whose generation lost its high bits",
-)
 def test_a_void_frame_by_message_past_2_to_the_32_keeps_the_full_generation() -> None:
     base = (1 << 32) + 5
     schedule = AheadSchedule(2, 1)

@@ -60,7 +60,7 @@ def test_max_sizes_round_trip() -> None:
     [
         lambda: proto.encode_frame(0, 0, b"x" * (proto.MAX_FRAME_PAYLOAD + 1)),
         lambda: proto.encode_hello(0, 1, 1, b"x" * (proto.MAX_HELLO_PAYLOAD + 1)),
-        lambda: proto.encode_hello(2, 1, 1),
+        lambda: proto.encode_hello(3, 1, 1),
         lambda: proto.encode_hello(0, 0, 1),
         lambda: proto.encode_hello(0, 70000, 1),
         lambda: proto.encode_welcome(1, 0, 0),
@@ -86,7 +86,7 @@ def test_encode_rejects_out_of_range(call: object) -> None:
         struct.pack("<HBBQII", proto.MAGIC, 2, proto.FRAME, 0, 0, proto.MAX_FRAME_PAYLOAD + 1),
         struct.pack("<HBBQII", proto.MAGIC, 2, proto.FRAME, 0, 0, 5) + b"abcd",
         struct.pack("<HBBQII", proto.MAGIC, 2, proto.FRAME, 0, 0, 3) + b"abcd",
-        struct.pack("<HBBBHII", proto.MAGIC, 2, proto.HELLO, 2, 1, 1, 0),
+        struct.pack("<HBBBHII", proto.MAGIC, 2, proto.HELLO, 3, 1, 1, 0),
         struct.pack("<HBBBHII", proto.MAGIC, 2, proto.HELLO, 0, 0, 1, 0),
         struct.pack("<HBBIIQHII", proto.MAGIC, 2, proto.WELCOME, 1, 0, 0, 1, 0, 0),
         struct.pack("<HBBIIQHII", proto.MAGIC, 2, proto.WELCOME, 1, 1, 0, 0, 0, 0),

@@ -67,9 +67,10 @@ def test_the_subscriber_takes_the_definitions_keywords_but_wait() -> None:
 
 
 def test_the_session_core_takes_them_but_the_device() -> None:
-    """The GPU-free core under both (``hello``: its own, the HELLO payload's extra bytes)."""
+    """The GPU-free core under both (``hello``: its own, the HELLO payload's extra bytes;
+    ``depth``: the GPU layer's, frames handed out ahead of their messages)."""
     assert _params(SubscriberCore.__init__, drop=("hello",)) == _params(
-        DEFINITION, drop=(*WAITING, "device")
+        DEFINITION, drop=(*WAITING, "device", "depth")
     )
 
 

@@ -433,6 +433,29 @@ class ArrayHandle:
         return _U64.pack(generation)
 
     @staticmethod
+    def parts_at(data: bytes | memoryview, pos: int = 0) -> tuple[bytes, bytes, int, int]:
+        """One packed handle at ``pos`` split as :meth:`pack_parts` splits it, without decoding.
+
+        Returns
+        -------
+        (head, tail, generation, end)
+            ``head + pack_generation(g) + tail`` is the same handle with
+            generation ``g``; ``end`` is the position after the handle.
+
+        Raises
+        ------
+        DescriptorError
+            The data ends before the handle does.
+        """
+        _geometry, generation, end = ArrayHandle.peek(data, pos)
+        return (
+            bytes(data[pos : pos + _GENERATION_AT]),
+            bytes(data[pos + _OFFSET_AT : end]),
+            generation,
+            end,
+        )
+
+    @staticmethod
     def peek(data: bytes | memoryview, pos: int = 0) -> tuple[bytes, int, int]:
         """Split one packed handle at ``pos`` without decoding it (the per-frame cache key).
 

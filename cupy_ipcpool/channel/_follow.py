@@ -224,8 +224,8 @@ def follow(
     except TypeError as exc:
         raise UsageError(f"follow(): {exc}") from None
     mode = options.get("mode", "block")
-    if mode not in ("block", "latest"):
-        raise UsageError(f"mode must be 'block' or 'latest', not {mode!r}")
+    if mode not in ("block", "latest", "ahead"):
+        raise UsageError(f"mode must be 'block', 'latest' or 'ahead', not {mode!r}")
     return Follower(
         lambda: subscribe(text, **options), text, wait=wait, restart_on_close=restart_on_close
     )

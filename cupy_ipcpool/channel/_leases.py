@@ -22,6 +22,8 @@ from .._slots import first_free_slot
 
 BLOCK = "block"
 LATEST = "latest"
+#: A ``"block"`` subscriber that takes frames ahead of their messages: the same leases.
+AHEAD = "ahead"
 
 
 def default_latest_reserve(num_slots: int) -> int:
@@ -132,8 +134,10 @@ class LeaseBook:
         """
         if sub_id in self._subs:
             raise UsageError(f"subscriber {sub_id} is already registered")
-        if mode not in (BLOCK, LATEST):
-            raise UsageError(f"mode must be 'block' or 'latest', not {mode!r}")
+        if mode not in (BLOCK, LATEST, AHEAD):
+            raise UsageError(f"mode must be 'block', 'latest' or 'ahead', not {mode!r}")
+        if mode == AHEAD:
+            mode = BLOCK
         if credit < 1:
             raise UsageError(f"credit must be at least 1, not {credit}")
         granted = granted_credit(credit, self.max_credit)

@@ -46,7 +46,11 @@ BYE = 6
 
 MODE_BLOCK = 0
 MODE_LATEST = 1
-MODE_NAMES = {MODE_BLOCK: "block", MODE_LATEST: "latest"}
+#: ``"block"`` on the wire and in the lease book, and the subscriber takes frames ahead
+#: of their FRAME messages: only a publisher made with ``ahead=True`` admits it
+#: (docs/protocol.md, "Frames handed out ahead").  The C library does not send it.
+MODE_AHEAD = 2
+MODE_NAMES = {MODE_BLOCK: "block", MODE_LATEST: "latest", MODE_AHEAD: "ahead"}
 MODE_CODES = {name: code for code, name in MODE_NAMES.items()}
 
 MAX_HELLO_PAYLOAD = 64 * 1024
@@ -83,8 +87,10 @@ class Hello:
     Attributes
     ----------
     mode:
-        ``MODE_BLOCK`` (every frame, the producer waits) or ``MODE_LATEST``
-        (frames are skipped while ``credit`` frames are outstanding).
+        ``MODE_BLOCK`` (every frame, the producer waits), ``MODE_LATEST``
+        (frames are skipped while ``credit`` frames are outstanding) or
+        ``MODE_AHEAD`` (as block; the consumer takes frames ahead of their
+        FRAME messages).
     credit:
         Most frames the consumer holds at once (1..65535).
     pid:
@@ -183,7 +189,7 @@ def encode_hello(mode: int, credit: int, pid: int, payload: bytes = b"") -> byte
     Parameters
     ----------
     mode:
-        ``MODE_BLOCK`` or ``MODE_LATEST``.
+        ``MODE_BLOCK``, ``MODE_LATEST`` or ``MODE_AHEAD``.
     credit:
         Most outstanding frames, 1..65535.
     pid:
@@ -202,7 +208,7 @@ def encode_hello(mode: int, credit: int, pid: int, payload: bytes = b"") -> byte
         A field is out of range.
     """
     if mode not in MODE_NAMES:
-        raise UsageError(f"mode must be {MODE_BLOCK} (block) or {MODE_LATEST} (latest), not {mode}")
+        raise UsageError(f"mode must be one of {sorted(MODE_NAMES)} ({MODE_NAMES}), not {mode}")
     if not 1 <= credit <= MAX_CREDIT:
         raise UsageError(f"credit must be in 1..{MAX_CREDIT}, not {credit}")
     _check_len("hello payload", len(payload), MAX_HELLO_PAYLOAD)
@@ -439,6 +445,7 @@ __all__ = [
     "FRAME",
     "HELLO",
     "MAGIC",
+    "MODE_AHEAD",
     "MODE_BLOCK",
     "MODE_LATEST",
     "REFUSE",

@@ -134,7 +134,7 @@ class PublishFrame:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._publisher._end_write(self.token)
+        self._publisher._give_back(self.token)
 
 
 class _PublisherLeases:
@@ -233,6 +233,17 @@ class Publisher:
         Microseconds :meth:`poll` (and a waiting ``acquire``) busy-polls the
         subscribers' sockets before sleeping; default 0 (no CPU while waiting).
         See docs/performance.md for what it buys.
+    ahead:
+        Keep a fixed schedule, so that ``"ahead"`` subscribers can take frames
+        before their FRAME messages (docs/protocol.md, "Frames handed out
+        ahead"): frame *k + 1* is written in the slot after frame *k*'s
+        (round-robin, waiting for exactly that slot), every frame has the
+        array layout of the first, and a frame taken and not published is
+        sent as a *void* frame (no arrays; its subscribers' ``Frame.complete``
+        is False).  Every write to the pool goes through this publisher.
+        ``"latest"`` subscribers are refused (a fixed slot order would make
+        the producer wait for them).  Default False: ``"ahead"`` subscribers
+        are refused.
 
     Notes
     -----
@@ -254,6 +265,7 @@ class Publisher:
         max_credit: int | None = None,
         lease_timeout: float | None = None,
         spin_us: float = 0.0,
+        ahead: bool = False,
     ) -> None:
         n = pool.num_slots
         if n > MAX_CHANNEL_SLOTS:
@@ -274,6 +286,11 @@ class Publisher:
         self._max_subscribers = max_subscribers
         self._closed = False
         self._token: SlotToken | None = None  # the slot being written
+        # ahead=True: the slot the next frame must take, and the layout every frame has
+        # (the wire form of each array after its slot and generation)
+        self._ahead = bool(ahead)
+        self._next_slot: int | None = None
+        self._layout: tuple[bytes, ...] | None = None
         self._published = [0] * n  # generation of each slot's last published frame
         # a pidfd per welcomed subscriber (its death means its read-flag writes never
         # come), the adopted ones, and those that left while our streams may still
@@ -334,6 +351,16 @@ class Publisher:
         # as late as possible (its last flag writes may still be in flight).
         # A departed subscriber's row is not reused while our streams may wait on it,
         # unless no other row is free: then the oldest such row is forced and taken.
+        if info.mode == "ahead" and not self._ahead:
+            raise PeerRefusedError(
+                "this publisher keeps no fixed slot schedule: 'ahead' subscribers need a "
+                "Publisher made with ahead=True (subscribe with mode='block')"
+            )
+        if info.mode == "latest" and self._ahead:
+            raise PeerRefusedError(
+                "this publisher keeps a fixed slot schedule (ahead=True), for which a "
+                "'latest' subscriber would make it wait: subscribe with mode='block' or 'ahead'"
+            )
         with self._lock:
             used = {row for row, _ in self._rows.values()}
             held = {d.index for d in self._departed}
@@ -443,6 +470,27 @@ class Publisher:
         if self._token is token:
             self._token = None
 
+    def _give_back(self, token: SlotToken) -> None:
+        """A slot taken and not published: give it back (``ahead``: publish it void)."""
+        if self._ahead and self._token is token and not self._closed:
+            # "ahead" subscribers may already have handed this frame out: it is sent,
+            # with no arrays, so that their waits on its flag end and they know
+            self._publish((), b"", None, token.stream_ptr)
+        else:
+            self._end_write(token)
+
+    def _take(self, timeout: float | None, stream: Any) -> SlotToken:
+        """The pool's next slot for a frame (``ahead``: exactly the one after the last)."""
+        previous = self._token
+        if previous is not None:
+            self._give_back(previous)
+        if self._ahead and self._next_slot is not None:
+            token = self._pool.acquire(timeout=timeout, stream=stream, slot=self._next_slot)
+        else:
+            token = self._pool.acquire(timeout=timeout, stream=stream)
+        self._token = token
+        return token
+
     # -- hot path --
 
     def acquire(self, timeout: float | None = DEFAULT_TIMEOUT, *, stream: Any = None) -> int:
@@ -472,28 +520,19 @@ class Publisher:
 
     def _acquire(self, timeout: float | None, stream: Any) -> SlotToken:
         self._check()
-        previous = self._token
-        if previous is not None:
-            self._end_write(previous)
-        token = self._pool.acquire(timeout=timeout, stream=stream)
-        self._token = token
-        return token
+        return self._take(timeout, stream)
 
     def frame(self, timeout: float | None = DEFAULT_TIMEOUT, *, stream: Any = None) -> PublishFrame:
         """:meth:`acquire` a slot and return a :class:`PublishFrame` for it.
 
         Use as ``with pub.frame() as f: ...; f.publish(y)``; allocations under
         ``f.allocating()`` (or ``pool.allocating()``) inside the block land in
-        ``f.slot``.  Leaving the block without publishing gives the slot back.
+        ``f.slot``.  Leaving the block without publishing gives the slot back
+        (with ``ahead=True`` it is published as a void frame).
         """
-        # _acquire written out (per frame)
         if self._closed:
             raise PoolClosedError("the Publisher is closed")
-        previous = self._token
-        if previous is not None:
-            self._end_write(previous)
-        token = self._token = self._pool.acquire(timeout=timeout, stream=stream)
-        return PublishFrame(self, token, stream)
+        return PublishFrame(self, self._take(timeout, stream), stream)
 
     def publish(self, *arrays: Any, metadata: bytes = b"", stream: Any = None) -> int:
         """Publish ``arrays`` (all in the slot taken by :meth:`acquire`) as one frame.
@@ -564,6 +603,8 @@ class Publisher:
             parts.append(gen)
             parts.append(parts_of[1])
         parts.append(metadata)
+        if self._ahead:
+            self._keep_schedule(slot, arrays, parts)
         sptr = stream_ptr(stream) if stream_raw is None else stream_raw
         self._write_flag(sptr, self._frame_flags[slot], generation)
         if sptr not in self._streams.ptrs:
@@ -572,7 +613,25 @@ class Publisher:
         with self._leases.lock:
             seq = self._core.publish(slot, b"".join(parts))
         self._end_write(token)
+        if self._ahead:
+            self._next_slot = (slot + 1) % len(self._ptrs)
         return seq
+
+    def _keep_schedule(self, slot: int, arrays: tuple[Any, ...], parts: list[bytes]) -> None:
+        """``ahead``: raise, before anything is written or sent, if this frame breaks the
+        schedule subscribers rely on (a layout other than the first frame's)."""
+        if not arrays:
+            return  # a void frame: no arrays to lay out
+        # parts: FRAME head, then per array (slot, generation, the rest of its wire form)
+        layout = tuple(parts[3::3])
+        if self._layout is None:
+            self._layout = layout
+        elif layout != self._layout:
+            raise UsageError(
+                f"with ahead=True every frame has the layout of the first (the same arrays at "
+                f"the same offsets, shapes, strides and dtypes); this frame in slot {slot} "
+                "differs, and subscribers have queued work on the first layout"
+            )
 
     def poll(self, timeout: float | None = 0.0) -> int:
         """Adopt new subscribers and collect returned leases; return how many came back.

@@ -29,6 +29,7 @@ import math
 import os
 import select
 import time
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 from .._arrays import cupy_module
@@ -112,6 +113,48 @@ def settle_if_dead(flags: SharedFlags, waits: FrameWaits, pidfd: int, wait: floa
         return False
     waits.resolve(flags)
     return True
+
+
+def settle_unpublished(
+    flags: SharedFlags, layout: FlagLayout, frames: Iterable[AheadFrame], grace: float
+) -> bool:
+    """After a clean end (BYE): force the frame flags of frames handed out ahead, never published.
+
+    A subscriber in ``"ahead"`` mode hands frames out before the producer
+    writes them (channel/_ahead.py); when the producer then closes, its
+    streams still set the flags of the frames it did publish (its close waits
+    for them), and the frames after those never come.  For each frame in
+    ``frames`` the slot's flag must first show the generation before the
+    predicted one (the last published there): the host waits for that, at most
+    ``grace`` seconds, sleeping 1 ms between looks (an end of a session, not
+    a frame's path).  Then no write of the producer is left for those slots,
+    and :meth:`SharedFlags.force_frame` makes each such flag say "never
+    written" (:func:`~._syncpage.frame_state` False) and ends every wait on it.
+
+    Returns
+    -------
+    bool
+        True when forced; False when the producer's flags did not come within
+        ``grace`` (nothing forced: a stream of it is stuck, and a close then
+        keeps the page mapped rather than unmapping under the waits).
+    """
+    frames = list(frames)
+    bases = {f.slot: (f.generation - 1) & 0xFFFFFFFF for f in frames}
+    deadline = time.monotonic() + grace
+    while not all(flags.reached(layout.frame_offset(s), g) for s, g in bases.items()):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+    for f in frames:
+        flags.force_frame(layout.frame_offset(f.slot), f.generation & 0xFFFFFFFF)
+    return True
+
+
+class AheadFrame(Protocol):
+    """What :func:`settle_unpublished` needs of a frame handed out ahead."""
+
+    slot: int
+    generation: int
 
 
 class DepartedReader:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
@@ -16,14 +17,17 @@ from typing import Any, Protocol
 
 from .._arrays import cupy_module, stream_ptr
 from .._errors import (
+    ChannelTimeoutError,
     DescriptorError,
     EndOfStream,
     PoolClosedError,
     ProtocolError,
     TeardownWarning,
+    UsageError,
 )
 from .._handles import PoolDescriptor
 from .._peer import PeerPool, attach_fds
+from ._ahead import AheadSchedule, Predicted
 from ._payload import FRAME_HEAD, MAX_ARRAYS, MAX_METADATA, WELCOME_HEAD
 from ._settle import (
     CLOSE_GRACE,
@@ -32,6 +36,7 @@ from ._settle import (
     exited,
     settle_if_dead,
     settle_streams,
+    settle_unpublished,
 )
 from ._subscriber_core import SubscriberCore
 from ._syncpage import FrameWaits, SyncPage, raise_driver_error
@@ -76,10 +81,27 @@ class _Lease:
     unmaps memory that a frame's arrays still use.
     """
 
-    __slots__ = ("__weakref__", "generation", "pin", "released", "seq", "slot", "subscriber")
+    __slots__ = (
+        "__weakref__",
+        "confirmed",
+        "generation",
+        "pin",
+        "released",
+        "released_on",
+        "seq",
+        "slot",
+        "subscriber",
+        "void",
+    )
 
     def __init__(
-        self, subscriber: Subscriber, seq: int, slot: int, generation: int, pin: object
+        self,
+        subscriber: Subscriber,
+        seq: int,
+        slot: int,
+        generation: int,
+        pin: object,
+        confirmed: bool = True,
     ) -> None:
         self.subscriber = subscriber
         self.seq = seq
@@ -87,15 +109,24 @@ class _Lease:
         self.generation = generation
         self.pin = pin
         self.released = False
+        #: False while the frame was handed out ahead of its message ("ahead" mode)
+        self.confirmed = confirmed
+        self.released_on = 0  # ahead of its message: the stream its read flag was written on
+        self.void = False  # confirmed by a message with no arrays: never written
 
     def release(self, stream: Any = None) -> None:
         if self.released:
             return
         self.released = True
-        self.subscriber._release(self.seq, self.slot, self.generation, stream)
+        if self.confirmed:
+            self.subscriber._release(self.seq, self.slot, self.generation, stream)
+        else:
+            self.released_on = self.subscriber._release_ahead(self.slot, self.generation, stream)
 
     @property
     def complete(self) -> bool | None:
+        if self.void:
+            return False
         return self.subscriber._frame_complete(self.slot, self.generation)
 
     def __del__(self) -> None:
@@ -120,7 +151,9 @@ class Frame:
         (no copy).  The current stream at :meth:`Subscriber.recv` already waits
         for the producer's writes.
     metadata:
-        The user bytes sent with the frame.
+        The user bytes sent with the frame.  A frame handed out ahead of its
+        message (``mode="ahead"``) has ``b""`` until the message arrives
+        (:attr:`confirmed`; a later ``recv`` takes it in).
 
     Notes
     -----
@@ -158,6 +191,15 @@ class Frame:
         return self._lease.released
 
     @property
+    def confirmed(self) -> bool:
+        """False while the frame was handed out ahead of its FRAME message (``mode="ahead"``).
+
+        Its arrays and its stream's wait are already right; the message brings
+        :attr:`metadata` (and whether the frame is void).  True otherwise.
+        """
+        return bool(getattr(self._lease, "confirmed", True))
+
+    @property
     def complete(self) -> bool | None:
         """Whether the producer's stream set this frame's flag, i.e. finished writing it.
 
@@ -167,7 +209,9 @@ class Frame:
         subscriber or another) set the flag itself so that queued waits end:
         the arrays hold whatever the producer's kernels had written by then
         (partly the new frame, partly older data), and work queued on them
-        ran on that.  None: not known yet (the producer is alive, or not seen
+        ran on that; also False for a *void* frame of an ``ahead=True``
+        publisher (taken and not published: the slot's old contents).  None:
+        not known yet (the producer is alive, or not seen
         dead, and its stream has not set the flag yet; work on the stream of
         :meth:`Subscriber.recv` waits for it on the GPU).  Exact for every
         frame received, held or released, also after the subscriber closed
@@ -206,7 +250,12 @@ class Subscriber:
         timeout: float = 10.0,
         allowed_uids: Iterable[int] | None = None,
         spin_us: float = 0.0,
+        depth: int | None = None,
     ) -> None:
+        if depth is not None and (mode != "ahead" or isinstance(depth, bool) or depth < 1):
+            raise UsageError(
+                f"depth={depth!r}: a positive number of frames, and only with mode='ahead'"
+            )
         cp = cupy_module()
         self._cp = cp
         self._closed = False
@@ -240,6 +289,12 @@ class Subscriber:
             raise
         self.mode = mode
         self.address = self._core.address
+        #: mode="ahead": the schedule predicted, and messages taken before their frame
+        self._ahead: AheadSchedule | None = None
+        self._early: list[tuple[int, int, bytes]] = []
+        if mode == "ahead":
+            n = self._core.num_slots
+            self._ahead = AheadSchedule(n, min(n, depth if depth is not None else n))
         self._finalizer = weakref.finalize(
             self,
             _teardown_subscriber,
@@ -354,10 +409,17 @@ class Subscriber:
         """
         if self._closed:
             raise PoolClosedError("the Subscriber is closed")
-        core = self._core
         peer = self._peer
         assert peer is not None
         peer._drop_idle_owners()  # frames dropped without release() go back now, as collected
+        if self._ahead is not None:
+            return self._recv_ahead(timeout, stream)
+        seq, slot, payload = self._message(timeout)  # payload: valid until the next recv
+        return self._hand_out(seq, slot, payload, stream)
+
+    def _message(self, timeout: float | None) -> tuple[int, int, memoryview | bytes]:
+        """The next FRAME message from the core; every way the session ends, answered."""
+        core = self._core
         try:
             seq, slot, payload = core.recv_view(timeout)  # payload: valid until the next recv
         except ProtocolError:
@@ -367,6 +429,8 @@ class Subscriber:
             # hung up without a BYE: the producer is dying (its sockets close just
             # before its pidfd says so); give it DEATH_WAIT, then settle the flags
             self._settle_if_dead(0.0 if exc.clean or core.evicted else DEATH_WAIT)
+            if self._ahead is not None:
+                self._end_ahead()
             self._answer(exc)
             raise
         if core.alarm and exited(self._pidfd):
@@ -378,9 +442,22 @@ class Subscriber:
                     False,
                 )
             )
+        return seq, slot, payload
+
+    def _hand_out(
+        self, seq: int, slot: int, payload: memoryview | bytes, stream: Any, lease: Any = None
+    ) -> Frame:
+        """Frame ``seq`` from its payload: its arrays, and ``stream`` made to wait for its flag.
+
+        ``lease``: given for a frame handed out ahead of its message (its payload
+        predicted), else made here.
+        """
+        peer = self._peer
+        assert peer is not None
         try:
             generation, count, meta_len = _frame_head(seq, slot, payload)
-            lease = _Lease(self, seq, slot, generation, peer._pin(slot))
+            if lease is None:
+                lease = _Lease(self, seq, slot, generation, peer._pin(slot))
             try:
                 arrays, pos = peer._arrays_from_wire(payload, FRAME_HEAD.size, count, lease)
             except DescriptorError as exc:
@@ -398,6 +475,111 @@ class Subscriber:
         elif self._record:
             self._prune(self._flags)
         return Frame(seq, slot, tuple(arrays), bytes(payload[pos:]), lease)
+
+    # -- mode="ahead": frames handed out ahead of their messages (channel/_ahead.py) --
+
+    def _recv_ahead(self, timeout: float | None, stream: Any) -> Frame:
+        """The next frame: from a message already here, else predicted, else the next message."""
+        ahead = self._ahead
+        assert ahead is not None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._take_confirmations(0.0)  # what arrived meanwhile: metadata, deferred releases
+        while True:
+            if self._early:
+                seq, slot, payload = self._early.pop(0)
+                ahead.received(seq, slot, payload)
+                return self._hand_out(seq, slot, payload, stream)
+            entry = ahead.predict()
+            if entry is not None:
+                return self._hand_out_ahead(entry, stream)
+            # depth frames are out ahead (or nothing can be predicted): wait for a message
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._take_confirmations(left, at_least_one=True)
+
+    def _take_confirmations(self, timeout: float | None, at_least_one: bool = False) -> None:
+        """Take in the FRAME messages that have arrived (waiting up to ``timeout`` for one
+        when ``at_least_one``): each confirms the oldest frame handed out ahead, or waits
+        in ``_early`` to be handed out."""
+        ahead = self._ahead
+        assert ahead is not None
+        wait = timeout if at_least_one else 0.0
+        while True:
+            try:
+                seq, slot, payload = self._message(wait)
+            except ChannelTimeoutError:
+                if wait == 0.0 and not at_least_one:
+                    return
+                raise
+            wait, at_least_one = 0.0, False
+            if not ahead.outstanding:
+                self._early.append((seq, slot, bytes(payload)))
+                continue
+            try:
+                entry = ahead.confirm(seq, slot, payload)
+            except ProtocolError:
+                self.close()
+                raise
+            self._confirmed(entry)
+
+    def _hand_out_ahead(self, entry: Predicted, stream: Any) -> Frame:
+        """Frame ``entry`` before its message: arrays from the predicted handles."""
+        peer = self._peer
+        assert peer is not None
+        generation = entry.generation & 0xFFFFFFFF
+        lease = _Lease(self, entry.seq, entry.slot, generation, peer._pin(entry.slot), False)
+        payload = FRAME_HEAD.pack(entry.slot, generation, entry.count, 0) + entry.handles
+        frame = self._hand_out(entry.seq, entry.slot, payload, stream, lease)
+        entry.frame = frame
+        return frame
+
+    def _release_ahead(self, slot: int, generation: int, stream: Any) -> int:
+        """Release a frame handed out ahead: its read flag now, on ``stream``; the RELEASE
+        once its message is here (:meth:`_confirmed`).  Returns the stream's handle."""
+        if self._closed:
+            return 0
+        sptr = self._stream_ptr(stream)
+        assert self._sync is not None
+        self._sync.write(sptr, self._read_flags[slot], generation)
+        return sptr
+
+    def _confirmed(self, entry: Predicted) -> None:
+        """Frame ``entry``'s message arrived: its metadata; its RELEASE if released already."""
+        frame = entry.frame
+        entry.frame = None
+        if frame is None:
+            return
+        lease = frame._lease
+        generation = (entry.confirmed_generation or entry.generation) & 0xFFFFFFFF
+        frame.metadata = entry.metadata
+        lease.void = entry.void
+        if generation != lease.generation:
+            # a later generation than predicted (the pool was used outside the publisher):
+            # the wait was still exact (channel/_ahead.py); the read flag must say this one
+            lease.generation = generation
+            if self._waits is not None and not entry.void:
+                self._waits.note(entry.slot, generation)
+            if lease.released and lease.released_on and self._sync is not None:
+                self._sync.write(lease.released_on, self._read_flags[entry.slot], generation)
+        lease.confirmed = True
+        if lease.released:
+            try:
+                self._core.release(entry.seq, entry.slot)
+            except EndOfStream:
+                self._settle_if_dead()
+
+    def _end_ahead(self) -> None:
+        """The publisher is gone: end the waits on frames handed out ahead that never came.
+
+        After a death :meth:`_settle_if_dead` forced every awaited flag.  After
+        a clean end (BYE), :func:`~._settle.settle_unpublished` forces the flags
+        of the frames never published, so no stream waits for them and their
+        :attr:`Frame.complete` is False.
+        """
+        ahead, sync = self._ahead, self._sync
+        if ahead is None or not ahead.outstanding or sync is None or sync.flags.closed:
+            return
+        if settle_unpublished(sync.flags, sync.layout, ahead.outstanding, CLOSE_GRACE):
+            ahead.outstanding.clear()
 
     def _stream_ptr(self, stream: Any) -> int:
         """``stream``'s raw handle (default: CuPy's current stream), noted as in use.
@@ -524,6 +706,10 @@ class Subscriber:
         """
         if self._closed:
             return
+        if self._ahead is not None and self._ahead.outstanding:
+            # frames handed out ahead: a BYE already here lets their waits end now
+            with contextlib.suppress(Exception):
+                self._take_confirmations(0.0)
         self._closed = True
         fin = getattr(self, "_finalizer", None)
         if fin is not None:
@@ -637,6 +823,7 @@ def subscribe(
     allowed_uids: Iterable[int] | None = None,
     spin_us: float = 0.0,
     wait: float = 0.0,
+    depth: int | None = None,
 ) -> Subscriber:
     """Connect to a :class:`Publisher` and map its pool; frames arrive with ``recv()``.
 
@@ -648,7 +835,11 @@ def subscribe(
         ``"block"``: receive every frame; the producer waits (with a timeout)
         for a free slot when this subscriber holds them all.  ``"latest"``:
         the producer never waits for this subscriber; frames published while
-        it holds ``credit`` of them are skipped.
+        it holds ``credit`` of them are skipped.  ``"ahead"`` (a publisher
+        made with ``ahead=True``): as ``"block"``, and ``recv`` hands frames
+        out before their messages arrive, up to ``depth`` of them, with the
+        stream already waiting on the GPU for each frame's data; the host never
+        waits for the producer's host (docs/protocol.md, "Frames handed out ahead").
     credit:
         Most frames held at once (default 1 for ``latest``).
     device:
@@ -667,6 +858,9 @@ def subscribe(
         ``address``, or one left by a publisher that exited), or that goes
         away during the handshake; ``math.inf``: no limit.  Default 0: fail
         at once.
+    depth:
+        ``mode="ahead"`` only: most frames handed out ahead of their messages
+        at once (default and most: the ring's slots).
 
     Raises
     ------
@@ -687,6 +881,7 @@ def subscribe(
             timeout=timeout,
             allowed_uids=allowed_uids,
             spin_us=spin_us,
+            depth=depth,
         ),
         os.fspath(address),
         wait,

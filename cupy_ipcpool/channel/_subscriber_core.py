@@ -83,9 +83,11 @@ class SubscriberCore:
         Filesystem path of the publisher's socket.
     mode:
         ``"block"``: receive every frame, the producer waits for releases;
-        ``"latest"``: frames are skipped while ``credit`` are held.
+        ``"latest"``: frames are skipped while ``credit`` are held;
+        ``"ahead"``: as ``"block"`` here (the GPU layer takes frames ahead of
+        their messages).
     credit:
-        Most frames held at once; default 1 for ``"latest"``, 64 for ``"block"``.
+        Most frames held at once; default 1 for ``"latest"``, 64 otherwise.
         The publisher may grant less (its ``max_credit``): :attr:`credit` is
         the credit granted.
     hello:
@@ -138,7 +140,7 @@ class SubscriberCore:
     ) -> None:
         _sockets._load_frameio()
         if mode not in proto.MODE_CODES:
-            raise UsageError(f"mode must be 'block' or 'latest', not {mode!r}")
+            raise UsageError(f"mode must be 'block', 'latest' or 'ahead', not {mode!r}")
         self.spin_ns = _spin_ns(spin_us)
         if credit is None:
             credit = 1 if mode == "latest" else DEFAULT_BLOCK_CREDIT

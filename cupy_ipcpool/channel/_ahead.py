@@ -1,0 +1,224 @@
+"""Frames handed out ahead of their FRAME messages: the schedule a subscriber predicts.
+
+A publisher made with ``ahead=True`` keeps a fixed schedule: frame *k + 1* is
+written in the slot after frame *k*'s (round-robin), every frame has the
+array layout of the first, and the slot's generation grows by one per use.
+A subscriber in ``"ahead"`` mode therefore knows frame *k + n* (``n`` slots)
+once it has received frame *k* by message: the same slot, the same arrays,
+the next generation.  It hands that frame out at once, its stream waiting on
+the GPU for the frame flag to reach the predicted generation, and its host
+never waits for the message; the message arrives later and *confirms* the
+prediction (:meth:`AheadSchedule.confirm`), bringing the metadata.
+
+Why the wait is exact: the flag of slot *s* holds the generation the
+producer's stream wrote last.  A frame is predicted only from a frame of the
+same slot that this subscriber received by message (so its generation ``g``
+is the real one), as ``g + 1``; the producer's next write there is frame
+*k + n*'s, at ``g + 1`` or later (a generation may grow by more when the pool
+was used outside the publisher), and it comes only after this subscriber's
+read flag of frame *k*.  So the wait ends at frame *k + n*'s write and no
+other: not at the previous use (``g < g + 1``), and not at a later one (the
+producer waits, before that, for the read flag this subscriber writes after
+its work on frame *k + n*).  A confirmation with a higher generation than
+predicted is therefore sound; the subscriber then writes its read flag with
+the real one.
+
+This module is the bookkeeping only, no GPU: the predicted frames' wire
+form (their handles, as the publisher would pack them), and the check of each
+confirmation.  :class:`~._subscriber.Subscriber` does the GPU part.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._errors import ProtocolError, UsageError
+from .._handles import ArrayHandle
+from ._payload import FRAME_HEAD
+
+_MASK = 0xFFFFFFFF
+_HALF = 1 << 31
+
+
+@dataclass
+class Predicted:
+    """A frame handed out ahead of its message.
+
+    ``handles``: the frame's array handles as the publisher packs them (for
+    the arrays and to check the confirmation); ``frame``: what the GPU layer
+    handed out (kept until the confirmation, which brings its metadata).
+    """
+
+    seq: int
+    slot: int
+    generation: int
+    count: int
+    handles: bytes
+    frame: Any = None
+    #: set by :meth:`AheadSchedule.confirm`: the generation the message names
+    confirmed_generation: int | None = None
+    #: set by :meth:`AheadSchedule.confirm`: the message carried no arrays (void frame)
+    void: bool = False
+    #: set by :meth:`AheadSchedule.confirm`: the frame's metadata
+    metadata: bytes = b""
+
+
+@dataclass
+class _SlotState:
+    """The last frame of one slot that this subscriber received by message."""
+
+    seq: int
+    generation: int
+    #: per array, the handle split around its generation (None: a void frame, no layout)
+    parts: list[tuple[bytes, bytes]] | None = field(default=None)
+
+
+def split_handles(
+    payload: bytes | memoryview, count: int, meta_len: int
+) -> tuple[list[tuple[bytes, bytes]], list[int]]:
+    """The ``count`` handles of a FRAME payload, each as ``(head, tail)``, and their generations.
+
+    Raises
+    ------
+    ProtocolError
+        A handle is truncated, or the handles and metadata do not fill the payload.
+    """
+    pos = FRAME_HEAD.size
+    parts, generations = [], []
+    try:
+        for _ in range(count):
+            head, tail, generation, pos = ArrayHandle.parts_at(payload, pos)
+            parts.append((head, tail))
+            generations.append(generation)
+    except Exception as exc:
+        raise ProtocolError(f"bad array handle in a frame: {exc}") from None
+    if len(payload) - pos != meta_len:
+        raise ProtocolError("frame: metadata length does not match")
+    return parts, generations
+
+
+class AheadSchedule:
+    """What an ``"ahead"`` subscriber predicts, and the check of each confirmation.
+
+    Parameters
+    ----------
+    num_slots:
+        The ring's slots.
+    depth:
+        Most frames handed out ahead of their messages at once (1 or more);
+        at most ``num_slots`` are ever predicted (a frame is predicted only
+        from the previous use of its slot received by message).
+    """
+
+    def __init__(self, num_slots: int, depth: int) -> None:
+        if num_slots < 1:
+            raise UsageError(f"num_slots must be at least 1, not {num_slots}")
+        if depth < 1:
+            raise UsageError(f"depth must be at least 1, not {depth}")
+        self.num_slots = num_slots
+        self.depth = depth
+        self._slots: list[_SlotState | None] = [None] * num_slots
+        #: frames handed out ahead and not confirmed yet, oldest first
+        self.outstanding: deque[Predicted] = deque()
+        self._last: tuple[int, int] | None = None  # (seq, slot) of the last frame handed out
+
+    def received(self, seq: int, slot: int, payload: bytes | memoryview) -> None:
+        """Frame ``seq`` was received by message before any prediction of it, and handed out.
+
+        ``payload`` is its FRAME payload (head checked by the caller).
+        """
+        if self.outstanding:
+            raise ProtocolError(
+                f"frame {seq} handed out from its message while frame "
+                f"{self.outstanding[0].seq} waits for its own"
+            )
+        _flag, generation, count, meta_len = FRAME_HEAD.unpack_from(payload, 0)
+        parts, gens = split_handles(payload, count, meta_len)
+        if not gens:  # a void frame: only the low 32 bits of its generation are on the wire
+            state = self._slots[slot]
+            if state is not None:
+                generation = state.generation + ((generation - state.generation) & _MASK)
+        self._note(seq, slot, gens[0] if gens else generation, parts if count else None)
+        self._last = (seq, slot)
+
+    def _note(
+        self, seq: int, slot: int, generation: int, parts: list[tuple[bytes, bytes]] | None
+    ) -> None:
+        state = self._slots[slot]
+        if parts is None and state is not None:
+            parts = state.parts  # a void frame: the layout stays the one seen before
+        self._slots[slot] = _SlotState(seq, generation, parts)
+
+    def predict(self) -> Predicted | None:
+        """The next frame, if it can be handed out ahead now; it then counts as outstanding.
+
+        None while ``depth`` frames are outstanding, before the first message,
+        or when the previous use of the next slot was not received by message
+        (the first ``num_slots`` frames after joining, a void first use).
+        """
+        last = self._last
+        if last is None or len(self.outstanding) >= self.depth:
+            return None
+        seq = last[0] + 1
+        slot = (last[1] + 1) % self.num_slots
+        state = self._slots[slot]
+        if state is None or state.parts is None or state.seq != seq - self.num_slots:
+            return None
+        generation = state.generation + 1
+        gen = ArrayHandle.pack_generation(generation)
+        handles = b"".join(head + gen + tail for head, tail in state.parts)
+        entry = Predicted(seq, slot, generation, len(state.parts), handles)
+        self.outstanding.append(entry)
+        self._last = (seq, slot)
+        return entry
+
+    def confirm(self, seq: int, slot: int, payload: bytes | memoryview) -> Predicted:
+        """Match FRAME ``seq``'s message with the oldest frame handed out ahead.
+
+        Returns the :class:`Predicted` entry, no longer outstanding, with
+        ``confirmed_generation``, ``void`` and ``metadata`` set.
+
+        Raises
+        ------
+        ProtocolError
+            The message is not the frame predicted: another seq or slot, a
+            generation below the predicted one, or other arrays.  The
+            publisher broke the schedule it promised (``ahead=True``).
+        """
+        if not self.outstanding:
+            raise ProtocolError(f"frame {seq} confirms no frame handed out ahead")
+        entry = self.outstanding[0]
+        if len(payload) < FRAME_HEAD.size:
+            raise ProtocolError(f"frame {seq}: payload too short")
+        flag, gen32, count, meta_len = FRAME_HEAD.unpack_from(payload, 0)
+        if seq != entry.seq or slot != entry.slot or flag != slot:
+            raise ProtocolError(
+                f"frame {seq} came in slot {slot}; the publisher's schedule (ahead=True) "
+                f"put frame {entry.seq} in slot {entry.slot}"
+            )
+        if ((gen32 - entry.generation) & _MASK) >= _HALF:
+            raise ProtocolError(
+                f"frame {seq} in slot {slot} is of generation {gen32}, below the "
+                f"{entry.generation & _MASK} its previous use in that slot implies"
+            )
+        parts, gens = split_handles(payload, count, meta_len)
+        if count:
+            expected = self._slots[slot]
+            if len(parts) != entry.count or expected is None or parts != expected.parts:
+                raise ProtocolError(
+                    f"frame {seq}: its arrays differ from the layout of the frames before "
+                    "(a publisher with ahead=True keeps one layout)"
+                )
+            if any(g != gens[0] for g in gens) or (gens[0] & _MASK) != gen32:
+                raise ProtocolError(f"frame {seq}: its arrays name different generations")
+            generation = gens[0]
+        else:
+            generation = entry.generation + ((gen32 - entry.generation) & _MASK)
+        self.outstanding.popleft()
+        entry.confirmed_generation = generation
+        entry.void = count == 0
+        entry.metadata = bytes(payload[len(payload) - meta_len :]) if meta_len else b""
+        self._note(seq, slot, generation, parts if count else None)
+        return entry
