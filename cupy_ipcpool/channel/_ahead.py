@@ -24,17 +24,21 @@ predicted is therefore sound; the subscriber then writes its read flag with
 the real one.
 
 This module is the bookkeeping only, no GPU: the predicted frames' wire
-form (their handles, as the publisher would pack them), and the check of each
-confirmation.  :class:`~._subscriber.Subscriber` does the GPU part.
+form (their handles, as the publisher would pack them), the check of each
+confirmation (:class:`AheadSchedule`), and the order in which frames are
+handed out and the stream ends (:class:`AheadInbox`).
+:class:`~._subscriber.Subscriber` does the GPU part.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._errors import ProtocolError, UsageError
+from .._errors import ChannelTimeoutError, EndOfStream, ProtocolError, UsageError
 from .._handles import ArrayHandle
 from ._payload import FRAME_HEAD
 
@@ -222,3 +226,92 @@ class AheadSchedule:
         entry.metadata = bytes(payload[len(payload) - meta_len :]) if meta_len else b""
         self._note(seq, slot, generation, parts if count else None)
         return entry
+
+
+#: The next FRAME message within ``timeout`` seconds, as ``(seq, slot, payload)``
+#: (the payload valid until the next call); raises ChannelTimeoutError or EndOfStream.
+MessageSource = Callable[[float | None], tuple[int, int, "bytes | memoryview"]]
+
+
+class AheadInbox:
+    """What an ``"ahead"`` subscriber hands out next: a frame by message, or one predicted.
+
+    Messages are taken as they come: each confirms the oldest frame handed out
+    ahead (``confirmed`` is called with its :class:`Predicted` entry), or,
+    with nothing outstanding, waits here to be handed out from its message.
+    A clean end (BYE) taken while such messages wait is held back until they
+    are handed out: every frame published before the BYE is handed out, as in
+    ``"block"`` mode.  After an unclean end (the producer died, eviction)
+    nothing more is handed out, as in ``"block"`` mode.
+
+    Parameters
+    ----------
+    schedule:
+        The predictions and their checks.
+    message:
+        The next FRAME message (see :data:`MessageSource`); after an end it
+        raises that end again.
+    confirmed:
+        Called with each entry a message confirmed.
+    """
+
+    def __init__(
+        self,
+        schedule: AheadSchedule,
+        message: MessageSource,
+        confirmed: Callable[[Predicted], None],
+    ) -> None:
+        self.schedule = schedule
+        self._message = message
+        self._confirmed = confirmed
+        #: messages taken with nothing outstanding, to hand out in order
+        self._early: deque[tuple[int, int, bytes]] = deque()
+        self._ended = False  # a clean end was taken behind the messages in _early
+
+    def next(self, timeout: float | None) -> tuple[int, int, bytes] | Predicted:
+        """The next frame: ``(seq, slot, payload)`` from its message, or a prediction.
+
+        Raises what ``message`` raises: :class:`ChannelTimeoutError` when no
+        frame can be handed out within ``timeout`` (``depth`` frames are out
+        ahead, or nothing can be predicted, and no message came), the
+        :class:`EndOfStream` once every frame published before it was handed
+        out; :class:`ProtocolError` for a message that breaks the schedule.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.take()  # what arrived meanwhile: confirmations, frames to hand out
+        while True:
+            if self._early:
+                seq, slot, payload = self._early.popleft()
+                self.schedule.received(seq, slot, payload)
+                return seq, slot, payload
+            if self._ended:
+                self._message(0.0)  # raises the end, answered as of now
+                raise AssertionError("the message source went on after its end")
+            entry = self.schedule.predict()
+            if entry is not None:
+                return entry
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self.take(left, at_least_one=True)
+
+    def take(self, timeout: float | None = 0.0, at_least_one: bool = False) -> None:
+        """Take the messages that have arrived; with ``at_least_one``, wait up to
+        ``timeout`` for the first (else :class:`ChannelTimeoutError`)."""
+        wait = timeout if at_least_one else 0.0
+        schedule = self.schedule
+        while not self._ended:
+            try:
+                seq, slot, payload = self._message(wait)
+            except ChannelTimeoutError:
+                if at_least_one:
+                    raise
+                return
+            except EndOfStream as end:
+                if end.clean and self._early:
+                    self._ended = True  # raised again once _early is handed out
+                    return
+                raise
+            wait, at_least_one = 0.0, False
+            if schedule.outstanding:
+                self._confirmed(schedule.confirm(seq, slot, payload))
+            else:
+                self._early.append((seq, slot, bytes(payload)))

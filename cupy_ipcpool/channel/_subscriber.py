@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
@@ -17,7 +16,6 @@ from typing import Any, Protocol
 
 from .._arrays import cupy_module, stream_ptr
 from .._errors import (
-    ChannelTimeoutError,
     DescriptorError,
     EndOfStream,
     PoolClosedError,
@@ -27,7 +25,7 @@ from .._errors import (
 )
 from .._handles import PoolDescriptor
 from .._peer import PeerPool, attach_fds
-from ._ahead import AheadSchedule, Predicted
+from ._ahead import AheadInbox, AheadSchedule, Predicted
 from ._payload import FRAME_HEAD, MAX_ARRAYS, MAX_METADATA, WELCOME_HEAD
 from ._settle import (
     CLOSE_GRACE,
@@ -289,12 +287,13 @@ class Subscriber:
             raise
         self.mode = mode
         self.address = self._core.address
-        #: mode="ahead": the schedule predicted, and messages taken before their frame
+        #: mode="ahead": the schedule predicted, and the messages taken (channel/_ahead.py)
         self._ahead: AheadSchedule | None = None
-        self._early: list[tuple[int, int, bytes]] = []
+        self._inbox: AheadInbox | None = None
         if mode == "ahead":
             n = self._core.num_slots
             self._ahead = AheadSchedule(n, min(n, depth if depth is not None else n))
+            self._inbox = AheadInbox(self._ahead, self._message, self._confirmed)
         self._finalizer = weakref.finalize(
             self,
             _teardown_subscriber,
@@ -480,46 +479,15 @@ class Subscriber:
 
     def _recv_ahead(self, timeout: float | None, stream: Any) -> Frame:
         """The next frame: from a message already here, else predicted, else the next message."""
-        ahead = self._ahead
-        assert ahead is not None
-        deadline = None if timeout is None else time.monotonic() + timeout
-        self._take_confirmations(0.0)  # what arrived meanwhile: metadata, deferred releases
-        while True:
-            if self._early:
-                seq, slot, payload = self._early.pop(0)
-                ahead.received(seq, slot, payload)
-                return self._hand_out(seq, slot, payload, stream)
-            entry = ahead.predict()
-            if entry is not None:
-                return self._hand_out_ahead(entry, stream)
-            # depth frames are out ahead (or nothing can be predicted): wait for a message
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            self._take_confirmations(left, at_least_one=True)
-
-    def _take_confirmations(self, timeout: float | None, at_least_one: bool = False) -> None:
-        """Take in the FRAME messages that have arrived (waiting up to ``timeout`` for one
-        when ``at_least_one``): each confirms the oldest frame handed out ahead, or waits
-        in ``_early`` to be handed out."""
-        ahead = self._ahead
-        assert ahead is not None
-        wait = timeout if at_least_one else 0.0
-        while True:
-            try:
-                seq, slot, payload = self._message(wait)
-            except ChannelTimeoutError:
-                if wait == 0.0 and not at_least_one:
-                    return
-                raise
-            wait, at_least_one = 0.0, False
-            if not ahead.outstanding:
-                self._early.append((seq, slot, bytes(payload)))
-                continue
-            try:
-                entry = ahead.confirm(seq, slot, payload)
-            except ProtocolError:
-                self.close()
-                raise
-            self._confirmed(entry)
+        assert self._inbox is not None
+        try:
+            got = self._inbox.next(timeout)
+        except ProtocolError:
+            self.close()
+            raise
+        if isinstance(got, Predicted):
+            return self._hand_out_ahead(got, stream)
+        return self._hand_out(*got, stream)
 
     def _hand_out_ahead(self, entry: Predicted, stream: Any) -> Frame:
         """Frame ``entry`` before its message: arrays from the predicted handles."""
@@ -706,10 +674,10 @@ class Subscriber:
         """
         if self._closed:
             return
-        if self._ahead is not None and self._ahead.outstanding:
+        if self._inbox is not None and self._inbox.schedule.outstanding:
             # frames handed out ahead: a BYE already here lets their waits end now
             with contextlib.suppress(Exception):
-                self._take_confirmations(0.0)
+                self._inbox.take()
         self._closed = True
         fin = getattr(self, "_finalizer", None)
         if fin is not None:

@@ -1,0 +1,188 @@
+"""The order an ``"ahead"`` subscriber hands frames out in, and how its stream ends; CPU only.
+
+:class:`AheadInbox` (``channel/_ahead.py``) takes the FRAME messages of a real
+:class:`SubscriberCore` over a real socket from a real :class:`PublisherCore`
+(its slots memfds, ``tests/_memfd_backend.py``): each message confirms the
+oldest frame handed out ahead, or, with none outstanding, is handed out
+itself.  What a user relies on: every frame published before the BYE is
+handed out, once, in order; the frames handed out ahead past the last one
+published are still outstanding at the end (so ``_settle.settle_unpublished``
+ends their waits); a frame predicted is released only once its message has
+confirmed it.  The GPU tier is ``tests/test_ahead_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from cupy_ipcpool._errors import ChannelTimeoutError, EndOfStream
+from cupy_ipcpool.channel._ahead import AheadInbox, AheadSchedule, Predicted
+from cupy_ipcpool.channel._subscriber_core import SubscriberCore
+from tests._memfd_backend import MemfdProducer
+from tests.test_ahead_cpu import frame, gen_of
+
+SLOTS = 4
+
+
+class Consumer:
+    """A core in ``"ahead"`` mode and an inbox over it; releases as the GPU subscriber does."""
+
+    def __init__(self, address: str, depth: int = SLOTS) -> None:
+        self.core = SubscriberCore(address, mode="ahead", timeout=10)
+        for fd in self.core.take_fds():  # the memfds: not mapped here, the order is the test
+            import os
+
+            os.close(fd)
+        self.inbox = AheadInbox(AheadSchedule(SLOTS, depth), self._message, self._confirmed)
+        #: per frame handed out: (seq, "message" or "ahead"); the seqs confirmed, in order
+        self.handed_out: list[tuple[int, str]] = []
+        self.confirmed: list[int] = []
+        self._released_ahead: set[int] = set()
+
+    def _message(self, timeout: float | None) -> tuple[int, int, bytes | memoryview]:
+        return self.core.recv_view(timeout)
+
+    def _confirmed(self, entry: Predicted) -> None:
+        self.confirmed.append(entry.seq)
+        if entry.seq in self._released_ahead:  # the deferred RELEASE
+            self.core.release(entry.seq, entry.slot)
+
+    def next(self, timeout: float = 10.0) -> None:
+        """Hand out the next frame and release it at once (a fast consumer)."""
+        got = self.inbox.next(timeout)
+        if isinstance(got, Predicted):
+            self.handed_out.append((got.seq, "ahead"))
+            self._released_ahead.add(got.seq)
+        else:
+            seq, slot, _payload = got
+            self.handed_out.append((seq, "message"))
+            self.core.release(seq, slot)
+
+    def until_the_end(self) -> EndOfStream:
+        with pytest.raises(EndOfStream) as end:
+            while True:
+                self.next()
+        return end.value
+
+    def close(self) -> None:
+        self.core.close()
+
+
+def publish(producer: MemfdProducer, count: int) -> None:
+    """Frames ``next_seq .. + count - 1`` in the round-robin schedule of ``ahead=True``."""
+    for _ in range(count):
+        slot, _readers = producer.core.acquire(10.0)
+        seq = producer.core.next_seq
+        assert slot == seq % SLOTS
+        producer.slots.write(slot, seq)
+        producer.core.publish(slot, frame(slot, gen_of(slot) + seq // SLOTS, metadata=b"m%d" % seq))
+
+
+@pytest.fixture
+def channel(tmp_path) -> Iterator[tuple[MemfdProducer, Consumer]]:
+    producer = MemfdProducer(str(tmp_path / "ahead.sock"), SLOTS)
+    consumer = None
+    try:
+        consumer = Consumer(producer.core.address)
+        producer.wait_subscribers(1)
+        yield producer, consumer
+    finally:
+        if consumer is not None:
+            consumer.close()
+        producer.close()
+
+
+def check_the_end(consumer: Consumer, end: EndOfStream, published: int) -> None:
+    """Every frame published handed out once, in order; the rest ahead and outstanding."""
+    assert end.clean
+    seqs = [seq for seq, _how in consumer.handed_out]
+    assert seqs == list(range(len(seqs)))
+    assert len(seqs) >= published
+    beyond = consumer.handed_out[published:]
+    assert all(how == "ahead" for _seq, how in beyond)
+    outstanding = [entry.seq for entry in consumer.inbox.schedule.outstanding]
+    assert outstanding == [seq for seq, _how in beyond]
+    ahead_published = [seq for seq, how in consumer.handed_out[:published] if how == "ahead"]
+    assert consumer.confirmed == ahead_published
+
+
+def test_frames_queued_before_the_bye_are_handed_out_before_the_end(channel) -> None:
+    """Messages and the BYE all waiting when ``next`` runs: the frames come first."""
+    producer, consumer = channel
+    publish(producer, SLOTS)
+    for _ in range(SLOTS):
+        consumer.next()  # by message, released at once
+    publish(producer, SLOTS)  # the next round, into the slots just released
+    producer.core.close()  # BYE behind them
+    end = consumer.until_the_end()
+    check_the_end(consumer, end, 2 * SLOTS)
+    assert consumer.handed_out[SLOTS:] == [(s, "message") for s in range(SLOTS, 2 * SLOTS)]
+
+
+def test_confirmations_and_then_frames_queued_before_the_bye(channel) -> None:
+    """Frames out ahead, then their messages, more frames and the BYE at once: the
+    messages confirm what is out, the frames after are handed out, then the end."""
+    producer, consumer = channel
+    publish(producer, SLOTS)
+    for _ in range(2 * SLOTS):
+        consumer.next()  # 0..3 by message, 4..7 ahead (their RELEASE deferred)
+    assert [how for _s, how in consumer.handed_out[SLOTS:]] == ["ahead"] * SLOTS
+    with pytest.raises(ChannelTimeoutError):
+        consumer.next(timeout=0.2)  # depth frames out ahead and no message: nothing to hand out
+    assert consumer.confirmed == []
+    # 4..7 into the slots of 0..3; 8.. need the RELEASEs of 4..7, sent when their messages
+    # confirm them; then the BYE
+    thread = threading.Thread(target=lambda: (publish(producer, SLOTS + 3), producer.core.close()))
+    thread.start()
+    try:
+        end = consumer.until_the_end()
+    finally:
+        thread.join(10)
+    assert consumer.confirmed[:SLOTS] == list(range(SLOTS, 2 * SLOTS))
+    check_the_end(consumer, end, 2 * SLOTS + 3)
+
+
+@pytest.mark.parametrize("depth", [1, 2, SLOTS])
+@pytest.mark.parametrize("count", [1, SLOTS - 1, SLOTS, 3 * SLOTS + 1, 200])
+def test_a_producer_running_free_then_closing(tmp_path, depth: int, count: int) -> None:
+    """Producer and consumer run side by side and the producer closes at any point of
+    the schedule: every frame published is handed out, in order, then the end."""
+    with MemfdProducer(str(tmp_path / "free.sock"), SLOTS) as producer:
+        consumer = Consumer(producer.core.address, depth)
+        try:
+            producer.wait_subscribers(1)
+            thread = threading.Thread(
+                target=lambda: (publish(producer, count), producer.core.close())
+            )
+            thread.start()
+            try:
+                end = consumer.until_the_end()
+            finally:
+                thread.join(10)
+            check_the_end(consumer, end, count)
+            assert len(consumer.inbox.schedule.outstanding) <= depth
+        finally:
+            consumer.close()
+
+
+def test_an_unclean_end_hands_out_nothing_more() -> None:
+    """After the producer died or evicted us, frames whose messages were taken are not
+    handed out (their flags may never be set, as in "block" mode) and the end is raised."""
+    script: list[object] = [
+        (0, 0, frame(0, gen_of(0))),
+        EndOfStream("the publisher died", False),
+    ]
+
+    def message(timeout: float | None) -> tuple[int, int, bytes]:
+        item = script[0] if len(script) == 1 else script.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item  # type: ignore[return-value]
+
+    inbox = AheadInbox(AheadSchedule(SLOTS, SLOTS), message, lambda entry: None)
+    with pytest.raises(EndOfStream) as end:
+        inbox.next(1.0)
+    assert not end.value.clean
