@@ -13,6 +13,7 @@ confirmed it.  The GPU tier is ``tests/test_ahead_gpu.py``.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 
@@ -33,8 +34,6 @@ class Consumer:
     def __init__(self, address: str, depth: int = SLOTS) -> None:
         self.core = SubscriberCore(address, mode="ahead", timeout=10)
         for fd in self.core.take_fds():  # the memfds: not mapped here, the order is the test
-            import os
-
             os.close(fd)
         self.inbox = AheadInbox(AheadSchedule(SLOTS, depth), self._message, self._confirmed)
         #: per frame handed out: (seq, "message" or "ahead"); the seqs confirmed, in order
@@ -79,6 +78,12 @@ def publish(producer: MemfdProducer, count: int) -> None:
         assert slot == seq % SLOTS
         producer.slots.write(slot, seq)
         producer.core.publish(slot, frame(slot, gen_of(slot) + seq // SLOTS, metadata=b"m%d" % seq))
+
+
+def publish_and_close(producer: MemfdProducer, count: int) -> None:
+    """:func:`publish` ``count`` frames, then the BYE."""
+    publish(producer, count)
+    producer.core.close()
 
 
 @pytest.fixture
@@ -135,7 +140,7 @@ def test_confirmations_and_then_frames_queued_before_the_bye(channel) -> None:
     assert consumer.confirmed == []
     # 4..7 into the slots of 0..3; 8.. need the RELEASEs of 4..7, sent when their messages
     # confirm them; then the BYE
-    thread = threading.Thread(target=lambda: (publish(producer, SLOTS + 3), producer.core.close()))
+    thread = threading.Thread(target=publish_and_close, args=(producer, SLOTS + 3))
     thread.start()
     try:
         end = consumer.until_the_end()
@@ -154,9 +159,7 @@ def test_a_producer_running_free_then_closing(tmp_path, depth: int, count: int) 
         consumer = Consumer(producer.core.address, depth)
         try:
             producer.wait_subscribers(1)
-            thread = threading.Thread(
-                target=lambda: (publish(producer, count), producer.core.close())
-            )
+            thread = threading.Thread(target=publish_and_close, args=(producer, count))
             thread.start()
             try:
                 end = consumer.until_the_end()
