@@ -32,7 +32,8 @@ Keys recorded (``record_value``): ``roundtrip_p50_{1,64,1024}MiB`` and
 the round trip's tail taken apart (``roundtrip_p99_{1,64,1024}MiB_settled``,
 ``roundtrip_slow_after_drain_{1,64,1024}MiB``, ``roundtrip_drain_{1,64,1024}MiB``:
 see :func:`_tail_by_drain`), ``throughput_fps_{1,64}MiB``,
-``throughput_fps_{1,64}MiB_32slots``, ``pipelined_fps_{1,64}MiB``,
+``throughput_fps_{1,64}MiB_32slots``, ``throughput_fps_{1,64}MiB_ahead``,
+``pipelined_fps_{1,64}MiB``,
 ``pipelined_fps_{1,64}MiB_32slots``,
 ``fanout_p50_{1,2,4,8}`` / ``fanout_p99_*``, ``idle_subscriber_cpu_fraction``,
 ``idle_subscriber_cpu_fraction_spin``, ``socket_floor_p50`` / ``socket_floor_p99``.
@@ -118,15 +119,47 @@ def _consume(address: str, nelem: int, hold: int, spin_us: int | None, ready: An
     return {"frames": frames, "bad_frames": bad, "mismatches": work.flush()}
 
 
+def _consume_ahead(address: str, nelem: int, frames: int, ready: Any) -> dict:
+    """``mode="ahead"``: receive ``frames`` frames, each handed out as soon as its host
+    asks (its check queued behind the GPU wait for its data), released at once."""
+    import cupy as cp
+
+    work = GpuWork(cp, 0)
+    stream = work.stream
+    bad = ahead = 0
+    with cip.subscribe(address, mode="ahead") as sub:
+        ready.put("ready")
+        for i in range(frames):
+            f = sub.recv(timeout=RECV_TIMEOUT, stream=stream)
+            ahead += not f.confirmed
+            a = f.arrays[0]
+            if f.seq != i or not frame_shape_ok(a, nelem):
+                bad += 1
+            work.enqueue_check(a, f.seq + 1)  # the producer's values are 1, 2, 3, ...
+            del a
+            f.release(stream=stream)
+    return {"frames": frames, "bad_frames": bad, "mismatches": work.flush(), "ahead": ahead}
+
+
 def _consumer(
-    address: str, nelem: int, hold: int, spin_us: int | None, ready: Any, results: Any
+    address: str,
+    nelem: int,
+    hold: int,
+    spin_us: int | None,
+    ready: Any,
+    results: Any,
+    ahead_frames: int = 0,
 ) -> None:
     """Receive until the publisher closes; report frames, bad frames and mismatching samples.
 
     ``hold``: frames kept after each ``recv`` (0: release each before the next ``recv``).
+    ``ahead_frames``: subscribe in ``"ahead"`` mode and receive that many frames.
     """
     try:
-        out = _consume(address, nelem, hold, spin_us, ready)
+        if ahead_frames:
+            out = _consume_ahead(address, nelem, ahead_frames, ready)
+        else:
+            out = _consume(address, nelem, hold, spin_us, ready)
     except BaseException:
         out = {"error": traceback.format_exc()}
         ready.put("failed")
@@ -212,19 +245,23 @@ def _channel(
     consumers: int = 1,
     hold: int = 0,
     spin_us: int | None = None,
+    ahead_frames: int = 0,
 ) -> Iterator[_Producer]:
-    """A publisher with ``consumers`` subscriber processes; checks their reports at the end."""
+    """A publisher with ``consumers`` subscriber processes; checks their reports at the end.
+
+    ``ahead_frames``: the publisher keeps the fixed schedule (``ahead=True``) and the
+    subscribers take that many frames in ``"ahead"`` mode (publish exactly that many).
+    """
     nbytes = mib * MiB
     address = str(tmp_path / "ch.sock")
     ready, results = SPAWN.Queue(), SPAWN.Queue()
-    procs = [
-        SPAWN.Process(target=_consumer, args=(address, nbytes // 4, hold, spin_us, ready, results))
-        for _ in range(consumers)
-    ]
+    args = (address, nbytes // 4, hold, spin_us, ready, results, ahead_frames)
+    procs = [SPAWN.Process(target=_consumer, args=args) for _ in range(consumers)]
+    extra: dict[str, Any] = {"ahead": True} if ahead_frames else {}
     try:
         with (
             cip.IpcPool(slots, nbytes) as pool,
-            cip.Publisher(pool, address, **_spin_kwargs(spin_us)) as pub,
+            cip.Publisher(pool, address, **_spin_kwargs(spin_us), **extra) as pub,
         ):
             _start(procs, ready, results)
             while len(pub.subscribers) < consumers:
@@ -331,6 +368,17 @@ def test_throughput(tmp_path, mib):
         _stream(prod, 1000)
         elapsed = _stream(prod, n)
     record_value(f"throughput_fps_{mib}MiB", n / elapsed)  # frames per second (not seconds)
+
+
+@pytest.mark.parametrize("mib", [1, 64])
+def test_throughput_ahead(tmp_path, mib):
+    """test_throughput with the consumer in ``"ahead"`` mode: frames handed out before
+    their messages, on 8 slots (the same ring, the same kernels, the same checks)."""
+    n = 10_000
+    with _channel(tmp_path, mib, slots=8, ahead_frames=1000 + n) as prod:
+        _stream(prod, 1000)
+        elapsed = _stream(prod, n)
+    record_value(f"throughput_fps_{mib}MiB_ahead", n / elapsed)  # frames per second
 
 
 @pytest.mark.parametrize("mib", [1, 64])

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+import time
 import traceback
 from typing import Any
+
+import pytest
+
+SPAWN = mp.get_context("spawn")
 
 FILL_SRC = r"""
 extern "C" __global__ void fill(unsigned int* out, unsigned long long n, unsigned int seed) {
@@ -14,7 +20,52 @@ extern "C" __global__ void fill(unsigned int* out, unsigned long long n, unsigne
 }
 """
 
+#: Kernels that spin ``cycles`` clock ticks first, so that one side of a channel runs
+#: behind the other on the GPU: ``spin_fill`` writes ``value`` into ``out``;
+#: ``spin_check`` adds the words of ``a`` other than ``value`` into ``*bad``.
+SPIN_SRC = r"""
+extern "C" __global__ void spin_fill(unsigned int* out, unsigned long long n,
+                                     unsigned int value, long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    for (; i < n; i += (unsigned long long)gridDim.x * blockDim.x) out[i] = value;
+}
+extern "C" __global__ void spin_check(const unsigned int* a, unsigned long long n,
+                                      unsigned int value, long long cycles,
+                                      unsigned int* bad) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+    unsigned int wrong = 0;
+    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    for (; i < n; i += (unsigned long long)gridDim.x * blockDim.x) wrong += a[i] != value;
+    if (wrong) atomicAdd(bad, wrong);
+}
+"""
+
 _kernels: dict[str, Any] = {}
+
+
+def spin_kernel(name: str) -> Any:
+    """``spin_fill`` or ``spin_check`` of :data:`SPIN_SRC`, its module loaded and run once.
+
+    A module is loaded when first launched, and loading waits for the
+    context's queued work: a test that loads it in the middle of a stream
+    (behind a producer's wait) would stall there.
+    """
+    import cupy as cp
+
+    k = _kernels.get(name)
+    if k is None:
+        module = _kernels.get("spin module")
+        if module is None:
+            module = _kernels["spin module"] = cp.RawModule(code=SPIN_SRC)
+        k = _kernels[name] = module.get_function(name)
+        scratch = cp.zeros(256, dtype=cp.uint32)
+        args: tuple[Any, ...] = (scratch, cp.uint64(256), cp.uint32(0), cp.int64(0))
+        k((1,), (32,), args if name == "spin_fill" else (*args, scratch[:1]))
+        cp.cuda.Device().synchronize()
+    return k
 
 
 def fill(array: Any, seed: int) -> None:
@@ -118,3 +169,27 @@ def run_consumer_tracking_arrays(address: str, frames: int, release: bool, queue
         queue.put((values, reused))
     except BaseException:
         report_exception(queue)
+
+
+def start_child(target: Any, *args: Any) -> tuple[Any, Any]:
+    """Start ``target(*args, queue)`` in a spawned process; returns ``(process, queue)``."""
+    q = SPAWN.Queue()
+    p = SPAWN.Process(target=target, args=(*args, q))
+    p.start()
+    return p, q
+
+
+def child_message(q: Any, timeout: float = 120) -> Any:
+    """The child's next message; a child's exception (:func:`report_exception`) fails the test."""
+    msg = q.get(timeout=timeout)
+    if msg[0] == "error":
+        pytest.fail(f"child raised {msg[1]}: {msg[2]}\n{msg[3]}")
+    return msg
+
+
+def wait_subscribers(pub: Any, n: int, timeout: float = 60) -> None:
+    """Poll ``pub`` until ``n`` subscribers joined (fails the test after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while len(pub.subscribers) < n:
+        pub.poll(0.05)
+        assert time.monotonic() < deadline, "subscribers did not join"

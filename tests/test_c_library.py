@@ -1479,10 +1479,21 @@ def _fd_table(pid: int) -> dict[int, tuple[str, tuple[int, int]]]:
     return table
 
 
-def _mapped_inodes(pid: int) -> set[int]:
-    """Inodes of the files process ``pid`` has mapped."""
+def _mapped_files(pid: int) -> set[tuple[int, int]]:
+    """The files process ``pid`` has mapped, as ``(st_dev, st_ino)``.
+
+    The device counts: an inode number alone names a file only within one
+    filesystem, and memfds' small numbers recur on others (a library, a device
+    file), which once made this check see a memfd mapped that was not.
+    """
+    found = set()
     with open(f"/proc/{pid}/maps") as f:
-        return {int(line.split()[4]) for line in f if len(line.split()) >= 6}
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6:
+                major, minor = (int(x, 16) for x in fields[3].split(":"))
+                found.add((os.makedev(major, minor), int(fields[4])))
+    return found
 
 
 def _library_fds(
@@ -1541,7 +1552,7 @@ def test_gpu_welcome_checked_before_anything_is_mapped(
             finally:
                 fake.close()
             tables.append(_fd_table(pid))
-            assert not {ino for _, ino in sent} & _mapped_inodes(pid), "a page is left mapped"
+            assert not sent & _mapped_files(pid), "a page is left mapped"
         after = tables[0]
         left = {fd: after[fd] for fd in after.keys() - base.keys()}
         kept = _library_fds(left, sent)

@@ -22,7 +22,7 @@ import pytest
 
 import cupy_ipcpool as cip
 from cupy_ipcpool.channel import _protocol as proto
-from tests.gpu_helpers import report_exception
+from tests.gpu_helpers import child_message, report_exception
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180)]
 
@@ -96,13 +96,6 @@ def _honest_consumer(address, frames, q):
         report_exception(q)
 
 
-def _get(q, timeout=120):
-    msg = q.get(timeout=timeout)
-    if msg[0] == "error":
-        pytest.fail(f"child raised {msg[1]}: {msg[2]}\n{msg[3]}")
-    return msg
-
-
 def test_honest_join_under_attack_with_real_slots():
     import cupy as cp
 
@@ -120,7 +113,7 @@ def test_honest_join_under_attack_with_real_slots():
             p = SPAWN.Process(target=_nobody_idle, args=(address, 50, q_nobody), daemon=True)
             p.start()
             procs.append(p)
-            assert _get(q_nobody)[0] == "ready"
+            assert child_message(q_nobody)[0] == "ready"
             _hello_and_hang_up(address, 200)  # more than the 64 rows of the sync page
             for _ in range(20):  # subscribers that give up during the handshake
                 with contextlib.suppress(OSError):
@@ -234,7 +227,7 @@ def test_stopped_subscriber_never_gets_a_frame_whose_slot_was_reused(spin_us):
                 seq += 1
 
             for n in range(rounds):
-                assert _get(q)[0] == "waiting"
+                assert child_message(q)[0] == "waiting"
                 deadline = time.monotonic() + 30
                 while not pub.subscribers:
                     assert time.monotonic() < deadline, "the victim was not adopted"
@@ -257,11 +250,11 @@ def test_stopped_subscriber_never_gets_a_frame_whose_slot_was_reused(spin_us):
                         publish()
                 finally:
                     os.kill(victim.pid, signal.SIGCONT)
-                calls = _get(q)[1]
+                calls = child_message(q)[1]
                 assert calls[-1] == ("raised", "EvictedError"), calls
                 frames = [c for c in calls if c[0] == "frame"]
                 assert not frames, f"a frame queued before the eviction was handed out: {calls}"
-            assert _get(q)[0] == "done"
+            assert child_message(q)[0] == "done"
             assert pub.evictions == rounds
             victim.join(30)
     finally:

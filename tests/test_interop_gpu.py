@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import cupy_ipcpool as cip
-from tests.gpu_helpers import report_exception
+from tests.gpu_helpers import child_message, report_exception, wait_subscribers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(150)]
 
@@ -32,20 +32,6 @@ def torch():
 @pytest.fixture
 def address(tmp_path):
     return str(tmp_path / "chan.sock")
-
-
-def _get(q, timeout=120):
-    msg = q.get(timeout=timeout)
-    if msg[0] == "error":
-        pytest.fail(f"child raised {msg[1]}: {msg[2]}\n{msg[3]}")
-    return msg
-
-
-def _wait_subscribers(pub, n, timeout=60):
-    deadline = time.monotonic() + timeout
-    while len(pub.subscribers) < n:
-        pub.poll(0.05)
-        assert time.monotonic() < deadline, "subscribers did not join"
 
 
 # ------------------------------------------------------------------ in process
@@ -121,14 +107,14 @@ def test_torch_tensor_published_and_received(address, cp, torch):
         q = SPAWN.Queue()
         proc = SPAWN.Process(target=_torch_consumer, args=(address, q))
         proc.start()
-        assert _get(q)[0] == "ready"
-        _wait_subscribers(pub, 1)
+        assert child_message(q)[0] == "ready"
+        wait_subscribers(pub, 1)
         stream = torch.cuda.current_stream()
         with pub.frame(stream=stream) as f:
             t = torch.as_tensor(f.array((1000,), cp.float32), device="cuda")
             t.copy_(torch.arange(1000, dtype=torch.float32, device="cuda") * 0.5)
             f.publish(t)  # a torch tensor, flag set on torch's stream
-        _, kind, zero_copy, values = _get(q)
+        _, kind, zero_copy, values = child_message(q)
         proc.join(30)
     assert kind == "ndarray" and zero_copy
     np.testing.assert_array_equal(values, np.arange(1000, dtype=np.float32) * 0.5)
@@ -155,12 +141,12 @@ def test_pool_next_works_with_a_publisher_open(address, cp):
         proc = SPAWN.Process(target=_holding_two, args=(address, 1.0, q))
         proc.start()
         try:
-            assert _get(q)[0] == "ready"
-            _wait_subscribers(pub, 1)
+            assert child_message(q)[0] == "ready"
+            wait_subscribers(pub, 1)
             for _ in range(2):
                 with pub.frame() as f:
                     f.publish(f.array((16,), cp.float32))
-            assert _get(q)[0] == "holding"
+            assert child_message(q)[0] == "holding"
             assert pool.remote_leases(0) == pool.remote_leases(1) == 1
             with pytest.raises(cip.SlotBusyError, match="peer lease"):
                 pool.next(timeout=0)
@@ -169,7 +155,7 @@ def test_pool_next_works_with_a_publisher_open(address, cp):
             waited = time.monotonic() - t0
             assert 0.5 < waited < 10, waited
             assert pool.remote_leases(slot) == 0 and pool.current == slot
-            assert _get(q)[0] == "released"
+            assert child_message(q)[0] == "released"
         finally:
             proc.kill()
             proc.join(30)

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from tests.gpu_helpers import fill, report_exception
+from tests.gpu_helpers import child_message, fill, report_exception
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(240)]
 
@@ -115,25 +115,18 @@ def consumer(address: str, frames: int, device: int, tls: str, mode: str, q) -> 
         report_exception(q)
 
 
-def _get(q, timeout=180):
-    msg = q.get(timeout=timeout)
-    if msg[0] == "error":
-        pytest.fail(f"child raised {msg[1]}: {msg[2]}\n{msg[3]}")
-    return msg
-
-
 def _run_pair(tmp_path, *, frames: int, pdev: int, cdev: int, tls: str, mode: str = "block"):
     address = str(tmp_path / "remote.sock")
     pq, cq = SPAWN.Queue(), SPAWN.Queue()
     prod = SPAWN.Process(target=producer, args=(address, frames, pdev, tls, pq))
     prod.start()
     try:
-        kind, remote = _get(pq)
+        kind, remote = child_message(pq, 180)
         assert kind == "addr"
         cons = SPAWN.Process(target=consumer, args=(remote, frames, cdev, tls, mode, cq))
         cons.start()
         try:
-            result = _get(cq)
+            result = child_message(cq, 180)
         finally:
             cons.join(60)
         return result
@@ -197,7 +190,7 @@ def test_relay_feeds_two_local_subscribers(tmp_path) -> None:
     prod.start()
     readers = []
     try:
-        _kind, remote = _get(pq)
+        _kind, remote = child_message(pq, 180)
         relay = Relay(remote, local, secret=SECRET, memory="device", device=0, slots=4)
         try:
             for _ in range(2):
@@ -206,14 +199,14 @@ def test_relay_feeds_two_local_subscribers(tmp_path) -> None:
                 p.start()
                 readers.append((p, q))
             for _p, q in readers:
-                assert _get(q)[0] == "joined"
+                assert child_message(q, 180)[0] == "joined"
             deadline = time.monotonic() + 60
             while len(relay.subscribers) < 2 and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert len(relay.subscribers) == 2
             go.set()  # both local readers are in: publish
             for _p, q in readers:
-                _ok, seqs, bad = _get(q)
+                _ok, seqs, bad = child_message(q, 180)
                 assert bad == []
                 assert seqs == list(range(frames))  # every frame, in order, to both
             assert relay.relayed == frames

@@ -43,7 +43,7 @@ from test_c_library import (
     Producer,
     RecordingPeer,
     _fd_table,
-    _mapped_inodes,
+    _mapped_files,
     _memfds,
     _welcome,
     build_c_program,
@@ -468,7 +468,7 @@ def malformed_welcome(c: Consumer, env: Env, case: str) -> None:
     fake.close()  # its end of the connection too: what is left below is the consumer's
     assert got.word == C_WORDS[c_status], got
     assert words in got.message, got
-    assert not {ino for _, ino in sent} & _mapped_inodes(c.pid), "a memfd was mapped"
+    assert not sent & _mapped_files(c.pid), "a memfd was mapped"
     assert {key for _, _, key in c.leaked()} & sent == set(), "a memfd stayed open"
     assert c.leaked() == set()
     hello = proto.decode(fake.hello)

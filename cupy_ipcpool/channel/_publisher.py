@@ -238,7 +238,8 @@ class Publisher:
         before their FRAME messages (docs/protocol.md, "Frames handed out
         ahead"): frame *k + 1* is written in the slot after frame *k*'s
         (round-robin, waiting for exactly that slot), every frame has the
-        array layout of the first, and a frame taken and not published is
+        array layout of the first (another layout, or none, raises
+        :class:`~cupy_ipcpool.UsageError`), and a frame taken and not published is
         sent as a *void* frame (no arrays; its subscribers' ``Frame.complete``
         is False).  Every write to the pool goes through this publisher.
         ``"latest"`` subscribers are refused (a fixed slot order would make
@@ -475,7 +476,7 @@ class Publisher:
         if self._ahead and self._token is token and not self._closed:
             # "ahead" subscribers may already have handed this frame out: it is sent,
             # with no arrays, so that their waits on its flag end and they know
-            self._publish((), b"", None, token.stream_ptr)
+            self._publish((), b"", None, token.stream_ptr, void=True)
         else:
             self._end_write(token)
 
@@ -556,7 +557,12 @@ class Publisher:
         return self._publish(arrays, metadata, stream, None)
 
     def _publish(
-        self, arrays: tuple[Any, ...], metadata: bytes, stream: Any, stream_raw: int | None
+        self,
+        arrays: tuple[Any, ...],
+        metadata: bytes,
+        stream: Any,
+        stream_raw: int | None,
+        void: bool = False,
     ) -> int:
         if self._closed:
             raise PoolClosedError("the Publisher is closed")
@@ -604,7 +610,7 @@ class Publisher:
             parts.append(parts_of[1])
         parts.append(metadata)
         if self._ahead:
-            self._keep_schedule(slot, arrays, parts)
+            self._keep_schedule(slot, arrays, parts, void)
         sptr = stream_ptr(stream) if stream_raw is None else stream_raw
         self._write_flag(sptr, self._frame_flags[slot], generation)
         if sptr not in self._streams.ptrs:
@@ -617,11 +623,20 @@ class Publisher:
             self._next_slot = (slot + 1) % len(self._ptrs)
         return seq
 
-    def _keep_schedule(self, slot: int, arrays: tuple[Any, ...], parts: list[bytes]) -> None:
+    def _keep_schedule(
+        self, slot: int, arrays: tuple[Any, ...], parts: list[bytes], void: bool
+    ) -> None:
         """``ahead``: raise, before anything is written or sent, if this frame breaks the
         schedule subscribers rely on (a layout other than the first frame's)."""
+        if void:
+            return  # a frame taken and not published: no arrays to lay out
         if not arrays:
-            return  # a void frame: no arrays to lay out
+            raise UsageError(
+                "with ahead=True every frame has the arrays of the first; a frame without "
+                "arrays is how subscribers learn that a frame was taken and not published "
+                "(void, Frame.complete False): publish the arrays, or leave the frame block "
+                "without publishing"
+            )
         # parts: FRAME head, then per array (slot, generation, the rest of its wire form)
         layout = tuple(parts[3::3])
         if self._layout is None:

@@ -487,7 +487,10 @@ class Subscriber:
             raise
         if isinstance(got, Predicted):
             return self._hand_out_ahead(got, stream)
-        return self._hand_out(*got, stream)
+        frame = self._hand_out(*got, stream)
+        if not frame.arrays:  # ahead=True sends no arrays only for a frame not published
+            frame._lease.void = True  # type: ignore[attr-defined]
+        return frame
 
     def _hand_out_ahead(self, entry: Predicted, stream: Any) -> Frame:
         """Frame ``entry`` before its message: arrays from the predicted handles."""
