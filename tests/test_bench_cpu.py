@@ -187,6 +187,7 @@ def test_bad_options_are_refused(argv, capsys):
 def test_lane_registry():
     assert bench.LANE_NAMES == (
         "cupy_ipcpool",
+        "cupy_ipcpool_ahead",
         "host_staging",
         "legacy_ipc",
         "torch_mp",

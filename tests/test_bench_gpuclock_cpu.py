@@ -174,8 +174,13 @@ def test_gpu_clock_option_defaults():
     args = _parser().parse_args(["--gpu-clock"])
     opts = bench.options_from_args(args)
     assert opts.gpu_clock and opts.lanes is None
-    bench.check_args(args)  # the default lanes are the three
-    assert gpuclock.check_lanes(None) == ("cupy_ipcpool", "ordered_floor", "inprocess_floor")
+    bench.check_args(args)  # the default lanes are the channel's two modes and two floors
+    assert gpuclock.check_lanes(None) == (
+        "cupy_ipcpool",
+        "cupy_ipcpool_ahead",
+        "ordered_floor",
+        "inprocess_floor",
+    )
     assert not bench.options_from_args(_parser().parse_args([])).gpu_clock
 
 

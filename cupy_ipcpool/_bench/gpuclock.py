@@ -1,8 +1,8 @@
 """Where a frame's time goes, on the GPU's own clock: ``python -m cupy_ipcpool bench --gpu-clock``.
 
-For the channel lane (block mode), the ordered floor and the in-process floor
-this measures, per frame size, over the latency phase's frames (warm-up
-excluded):
+For the channel's lanes (block mode, and frames handed out ahead), the ordered
+floor and the in-process floor this measures, per frame size, over the latency
+phase's frames (warm-up excluded):
 
 (a) **one way on the GPU**: the producer's fill kernel done → the consumer's
     check kernel starting, both read from ``%globaltimer`` (ns; one clock for
@@ -56,7 +56,7 @@ from .interface import (
 MiB = 1 << 20
 
 #: The lanes the measurement covers, in report order.
-GPU_CLOCK_LANES = ("cupy_ipcpool", "ordered_floor", "inprocess_floor")
+GPU_CLOCK_LANES = ("cupy_ipcpool", "cupy_ipcpool_ahead", "ordered_floor", "inprocess_floor")
 GPU_CLOCK_SIZES_MIB = (1, 64)
 #: Timed frames per lane and size (``--iters``), warm-up frames before them.
 GPU_CLOCK_ITERS = 2000

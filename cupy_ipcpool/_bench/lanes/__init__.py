@@ -43,7 +43,7 @@ from ._floors import (
     wire_sizes,
 )
 from ._frameworks import CudaCoreLane, TorchQueueLane, ipc_api_missing
-from ._ipcpool import AttachScanLane, CupyIpcPoolLane
+from ._ipcpool import AttachScanLane, CupyIpcPoolAheadLane, CupyIpcPoolLane
 from ._registry import ALL_LANES, LANE_NAMES, get_lanes
 
 __all__ = [
@@ -55,6 +55,7 @@ __all__ = [
     "LANE_NAMES",
     "AttachScanLane",
     "CudaCoreLane",
+    "CupyIpcPoolAheadLane",
     "CupyIpcPoolLane",
     "GpuWork",
     "HostStagingLane",

@@ -1,4 +1,5 @@
-"""cupy_ipcpool's own lanes: publish/subscribe over a ring of slots, and the attach scan."""
+"""cupy_ipcpool's own lanes: publish/subscribe over a ring of slots (block mode and frames
+handed out ahead), and the attach scan."""
 
 from __future__ import annotations
 
@@ -47,11 +48,36 @@ class CupyIpcPoolLane(Lane):
         return _CipConsumer(link, cfg, nbytes)
 
 
+class CupyIpcPoolAheadLane(CupyIpcPoolLane):
+    """The channel with frames handed out ahead of their messages (``mode="ahead"``)."""
+
+    name = "cupy_ipcpool_ahead"
+    title = "cupy_ipcpool, frames handed out ahead"
+    sync_note = (
+        "none per frame, and the consumer's host does not wait for the FRAME message: the "
+        "publisher keeps a fixed slot schedule (ahead=True), so recv() hands frame k+n out "
+        "once frame k of the same slot came by message, its stream waiting on the GPU for the "
+        "frame flag of the next generation; the message confirms it later (its metadata, its "
+        "RELEASE). The value checked is the first frame's (by message) plus the sequence "
+        "number, and the metadata once confirmed."
+    )
+
+    def open_producer(
+        self, links: Sequence[Connection], cfg: BenchConfig, nbytes: int
+    ) -> ProducerSide:
+        return _CipProducer(links, cfg, nbytes, ahead=True)
+
+    def open_consumer(self, link: Connection, cfg: BenchConfig, nbytes: int) -> ConsumerSide:
+        return _CipAheadConsumer(link, cfg, nbytes)
+
+
 class _CipProducer(ProducerSide):
     # Per frame: acquire a slot (its stream waits on the subscribers' read flags
     # of the slot's previous frame), fill it, publish (writes the frame flag).
     # No host synchronisation: the sync page's flags order both directions.
-    def __init__(self, links: Sequence[Connection], cfg: BenchConfig, nbytes: int) -> None:
+    def __init__(
+        self, links: Sequence[Connection], cfg: BenchConfig, nbytes: int, *, ahead: bool = False
+    ) -> None:
         super().__init__()
         import cupy
 
@@ -66,7 +92,7 @@ class _CipProducer(ProducerSide):
         self.pool = cip.IpcPool(cfg.num_slots, nbytes, device=cfg.device)
         self.pub: Any = None
         try:
-            self.pub = cip.Publisher(self.pool, address)
+            self.pub = cip.Publisher(self.pool, address, ahead=ahead)
             for link in links:
                 link.send_bytes(b"listening " + address.encode())
             for link in links:
@@ -109,6 +135,8 @@ class _CipProducer(ProducerSide):
 class _CipConsumer(ConsumerSide):
     # Per frame: recv (the stream waits on the frame event), enqueue the check,
     # release (records the read event after the check). No host synchronisation.
+    mode = "block"
+
     def __init__(self, link: Connection, cfg: BenchConfig, nbytes: int) -> None:
         import cupy
 
@@ -118,7 +146,7 @@ class _CipConsumer(ConsumerSide):
         self.timeout = cfg.frame_timeout
         self.work = GpuWork(cupy, cfg.device)
         address = expect(link, b"listening ", self.timeout)[len(b"listening ") :].decode()
-        self.sub = cip.subscribe(address, mode="block")
+        self.sub = cip.subscribe(address, mode=self.mode)
         link.send_bytes(b"subscribed")
 
     def step(self, *, full: bool) -> tuple[int, bool]:
@@ -139,6 +167,63 @@ class _CipConsumer(ConsumerSide):
     def close(self) -> None:
         self.work.stream.synchronize()
         self.sub.close()
+
+
+class _CipAheadConsumer(_CipConsumer):
+    # Per frame: recv (handed out ahead once the slot's previous frame came by message: no
+    # wait for the FRAME message), enqueue the check, release (the read flag now, the RELEASE
+    # once the message is here). The producer's values are consecutive within a size, so a
+    # frame's value is the first frame's plus its sequence number; the first frame always
+    # comes by message (nothing predicts it), and each confirmed frame's metadata must agree.
+    mode = "ahead"
+
+    def __init__(self, link: Connection, cfg: BenchConfig, nbytes: int) -> None:
+        super().__init__(link, cfg, nbytes)
+        self.base: int | None = None
+        self.mismatched: list[str] = []
+        self.unconfirmed: list[tuple[Any, int]] = []  # handed out ahead, metadata still due
+
+    def step(self, *, full: bool) -> tuple[int, bool]:
+        stream = self.work.stream
+        f = self.sub.recv(timeout=self.timeout, stream=stream)
+        try:
+            if f.confirmed:
+                (value,) = VALUE.unpack(bytes(f.metadata)[: VALUE.size])
+                if self.base is None:
+                    self.base = value - f.seq
+            elif self.base is None:
+                raise RuntimeError(f"frame {f.seq} handed out ahead before any came by message")
+            expected = self.base + f.seq
+            if f.confirmed and value != expected:
+                return value, False
+            if not f.confirmed:
+                self.unconfirmed.append((f, expected))
+            self._settle_confirmations()
+            a = f.arrays[0]
+            ok = check_frame(self.work, a, expected, self.nelem, full=full)
+            del a
+        finally:
+            f.release(stream=stream)
+        return expected, ok
+
+    def _settle_confirmations(self) -> None:
+        """The metadata of frames handed out ahead and confirmed since: it must agree."""
+        while self.unconfirmed and self.unconfirmed[0][0].confirmed:
+            f, expected = self.unconfirmed.pop(0)
+            (value,) = VALUE.unpack(bytes(f.metadata)[: VALUE.size])
+            if value != expected:
+                self.mismatched.append(f"frame {f.seq}: handed out as {expected}, sent {value}")
+
+    def flush_checks(self) -> int:
+        mismatches = self.work.flush()
+        self._settle_confirmations()
+        if self.mismatched:
+            raise RuntimeError("; ".join(self.mismatched[:5]))
+        return mismatches
+
+    def close(self) -> None:
+        self.unconfirmed.clear()  # frames never confirmed: the size ended with them
+        super().close()
 
 
 class AttachScanLane(Lane):
