@@ -58,8 +58,8 @@ class CupyIpcPoolAheadLane(CupyIpcPoolLane):
         "publisher keeps a fixed slot schedule (ahead=True), so recv() hands frame k+n out "
         "once frame k of the same slot came by message, its stream waiting on the GPU for the "
         "frame flag of the next generation; the message confirms it later (its metadata, its "
-        "RELEASE). The value checked is the first frame's (by message) plus the sequence "
-        "number, and the metadata once confirmed."
+        "RELEASE). depth=1: one frame ahead of its message at most. The value checked is the "
+        "first frame's (by message) plus the sequence number, and the metadata once confirmed."
     )
 
     def open_producer(
@@ -136,6 +136,7 @@ class _CipConsumer(ConsumerSide):
     # Per frame: recv (the stream waits on the frame event), enqueue the check,
     # release (records the read event after the check). No host synchronisation.
     mode = "block"
+    subscribe_options: dict[str, Any] = {}
 
     def __init__(self, link: Connection, cfg: BenchConfig, nbytes: int) -> None:
         import cupy
@@ -146,7 +147,7 @@ class _CipConsumer(ConsumerSide):
         self.timeout = cfg.frame_timeout
         self.work = GpuWork(cupy, cfg.device)
         address = expect(link, b"listening ", self.timeout)[len(b"listening ") :].decode()
-        self.sub = cip.subscribe(address, mode=self.mode)
+        self.sub = cip.subscribe(address, mode=self.mode, **self.subscribe_options)
         link.send_bytes(b"subscribed")
 
     def step(self, *, full: bool) -> tuple[int, bool]:
@@ -176,6 +177,13 @@ class _CipAheadConsumer(_CipConsumer):
     # frame's value is the first frame's plus its sequence number; the first frame always
     # comes by message (nothing predicts it), and each confirmed frame's metadata must agree.
     mode = "ahead"
+    # One frame ahead at most: the RELEASE of a frame handed out ahead goes with the recv()
+    # that takes its message in, and the harness's producer waits for each latency frame's
+    # lease before it writes the next, while the consumer waits for its checks (flush_checks)
+    # at the end of a phase.  Deeper, the consumer would wait on the GPU for frames the
+    # producer has not written, and the producer for a RELEASE the consumer sends only at
+    # its next recv() (docs/protocol.md, "Frames handed out ahead").
+    subscribe_options: dict[str, Any] = {"depth": 1}
 
     def __init__(self, link: Connection, cfg: BenchConfig, nbytes: int) -> None:
         super().__init__(link, cfg, nbytes)
