@@ -5,9 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import warnings
 import weakref
-from types import TracebackType
 from typing import Any
 
 from . import _driver
@@ -18,12 +16,12 @@ from ._errors import (
     PoolClosedError,
     SlotIndexError,
     StaleHandleError,
-    TeardownWarning,
     UnsupportedDeviceError,
     UsageTypeError,
 )
 from ._handles import ArrayHandle, PoolDescriptor
 from ._transport import fetch_fds
+from ._transport._closing import FinalizedResource
 from ._vmm import Allocation, UndoStack, release_after_queued_work
 
 _CacheKey = tuple[bytes, int, int, int]
@@ -158,7 +156,7 @@ def _import_all(
                 os.close(fd)
 
 
-class PeerPool:
+class PeerPool(FinalizedResource):
     """A pool exported by another process, mapped into this one.
 
     Made by :func:`attach`.  Hands out ``cupy.ndarray`` views from
@@ -199,11 +197,6 @@ class PeerPool:
     def device(self) -> int:
         """The local device ordinal the slots are mapped for."""
         return self._device
-
-    @property
-    def closed(self) -> bool:
-        """True after :meth:`close`."""
-        return self._closed
 
     def _check(self) -> None:
         if self._closed:
@@ -363,22 +356,7 @@ class PeerPool:
         self._closed = True
         self._views.clear()  # kept arrays in use live on with their owners
         self._lent.clear()
-        try:
-            self._finalizer()
-        except Exception as exc:  # pragma: no cover - teardown never raises
-            warnings.warn(f"closing PeerPool failed: {exc}", TeardownWarning, stacklevel=2)
-
-    def __enter__(self) -> PeerPool:
-        self._check()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+        self._finalize("PeerPool")
 
     def __repr__(self) -> str:
         return (

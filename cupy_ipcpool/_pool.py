@@ -14,11 +14,9 @@ from __future__ import annotations
 import os
 import secrets
 import threading
-import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
-from types import TracebackType
 from typing import Any
 
 import numpy
@@ -41,13 +39,13 @@ from ._errors import (
     PoolClosedError,
     SlotIndexError,
     StaleHandleError,
-    TeardownWarning,
     UsageError,
     UsageTypeError,
 )
 from ._handles import MAX_SLOT_NBYTES, MAX_SLOTS, ArrayHandle, PoolDescriptor
 from ._slots import LeaseSource, SlotTable, SlotToken
 from ._transport import FdServer, process_start_time
+from ._transport._closing import FinalizedResource
 from ._vmm import Allocation, UndoStack, release_after_queued_work, round_up
 
 #: Seconds :meth:`IpcPool.acquire`, :meth:`IpcPool.next` and ``Publisher.acquire``
@@ -117,7 +115,7 @@ class _PoolMemory:
         release_after_queued_work(self.allocations)
 
 
-class IpcPool:
+class IpcPool(FinalizedResource):
     """A ring of ``num_slots`` shareable device buffers of ``slot_nbytes`` each.
 
     Each slot is one ``cuMemCreate`` allocation with the POSIX file-descriptor
@@ -276,11 +274,6 @@ class IpcPool:
     def pool_id(self) -> bytes:
         """16 random bytes identifying this pool instance."""
         return self._pool_id
-
-    @property
-    def closed(self) -> bool:
-        """True after :meth:`close`."""
-        return self._closed
 
     @property
     def current(self) -> int:
@@ -613,22 +606,7 @@ class IpcPool:
         if self._closed:
             return
         self._closed = True
-        try:
-            self._finalizer()
-        except Exception as exc:  # pragma: no cover - defensive; teardown never raises
-            warnings.warn(f"closing IpcPool failed: {exc}", TeardownWarning, stacklevel=2)
-
-    def __enter__(self) -> IpcPool:
-        self._check()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+        self._finalize("IpcPool")
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"current={self._table.current}"

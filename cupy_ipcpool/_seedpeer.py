@@ -21,7 +21,6 @@ import os
 import warnings
 import weakref
 from collections.abc import Iterable, Sequence
-from types import TracebackType
 from typing import Any, Literal
 
 import numpy
@@ -41,6 +40,7 @@ from ._errors import (
 )
 from ._handles import MAX_SLOT_NBYTES, MAX_SLOTS
 from ._transport import fetch_fds
+from ._transport._closing import FinalizedResource
 from ._vmm import Allocation, UndoStack, release_after_queued_work, round_up
 
 __all__ = ["SeedBuffers", "fetch_seed_fds", "import_seed_buffers", "seed_alloc_nbytes"]
@@ -250,7 +250,7 @@ class _SeedMemory:
         release_after_queued_work(self.allocations)
 
 
-class SeedBuffers:
+class SeedBuffers(FinalizedResource):
     """Buffers of another process, imported from ``{pid, fd}`` pairs and mapped here.
 
     Made by :func:`import_seed_buffers`.  Buffer ``i`` is the one of
@@ -317,11 +317,6 @@ class SeedBuffers:
     def device(self) -> int:
         """The local device ordinal the buffers are mapped for."""
         return self._device
-
-    @property
-    def closed(self) -> bool:
-        """True after :meth:`close`."""
-        return self._closed
 
     def __len__(self) -> int:
         return len(self._ptrs)
@@ -416,22 +411,7 @@ class SeedBuffers:
         if self._closed:
             return
         self._closed = True
-        try:
-            self._finalizer()
-        except Exception as exc:  # pragma: no cover - teardown never raises
-            warnings.warn(f"closing SeedBuffers failed: {exc}", TeardownWarning, stacklevel=2)
-
-    def __enter__(self) -> SeedBuffers:
-        self._check()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+        self._finalize("SeedBuffers")
 
     def __repr__(self) -> str:
         return (
