@@ -257,7 +257,9 @@ class HostChannelSubscriber:
                     if os.fstat(fd).st_size < self.slot_nbytes:
                         raise ProtocolError("a host channel slot is smaller than announced")
                     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-                    m = mmap.mmap(fd, self.slot_nbytes, prot=prot)
+                    m = mmap.mmap(
+                        fd, self.slot_nbytes, mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=prot
+                    )
                     self._bases.append(numpy.frombuffer(m, dtype=numpy.uint8))
             finally:
                 for fd in fds:

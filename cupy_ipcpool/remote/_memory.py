@@ -80,6 +80,9 @@ def _view(
 class HostSlots:
     """Slots in host memory: one memfd per slot, mapped read-write.
 
+    The pages are committed when the slots are made, not at a frame's first
+    write or receive into them.
+
     The memfds (:attr:`fds`) let a host relay hand the same pages to local
     subscribers (see :class:`cupy_ipcpool.remote.HostChannelPublisher`).
     """
@@ -99,7 +102,9 @@ class HostSlots:
                 fd = os.memfd_create(f"ipcpool-remote{i}", os.MFD_CLOEXEC)
                 self.fds.append(fd)
                 os.ftruncate(fd, slot_nbytes)
-                m = mmap.mmap(fd, slot_nbytes)
+                # Committed now (MAP_POPULATE): a first lap of frames that faults in
+                # fresh pages costs more than the transfer itself at 256 MiB.
+                m = mmap.mmap(fd, slot_nbytes, mmap.MAP_SHARED | mmap.MAP_POPULATE)
                 self._maps.append(m)
                 self._bases.append(numpy.frombuffer(m, dtype=numpy.uint8))
         except BaseException:
