@@ -165,24 +165,23 @@ def parse_lanes(text: str) -> tuple[str, ...]:
     return names
 
 
-def _positive_int(text: str) -> int:
+def _int_at_least(text: str, low: int, bound: str) -> int:
+    """``text`` as an int of at least ``low`` (``bound`` says so in the error)."""
     try:
         v = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {v}")
+    if v < low:
+        raise argparse.ArgumentTypeError(f"must be {bound}, got {v}")
     return v
+
+
+def _positive_int(text: str) -> int:
+    return _int_at_least(text, 1, "positive")
 
 
 def _non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
+    return _int_at_least(text, 0, ">= 0")
 
 
 def check_outdir(args: argparse.Namespace) -> None:
@@ -570,6 +569,13 @@ def run_paired(
     return rows
 
 
+def _scale_outcome(row: dict[str, Any]) -> str:
+    """A scale figure's row for the progress lines: its p50, or its status and reason."""
+    if row["status"] == OK:
+        return f"p50 {report.fmt_num(row['p50_us'])} us"
+    return f"{row['status']}: {row.get('reason', '')}"
+
+
 def run_benchmark(opts: BenchOptions, *, progress: Callable[[str], None] = _stderr) -> BenchResults:
     """Run the lanes (and, in full mode, the scale figures) and evaluate the targets.
 
@@ -616,25 +622,11 @@ def run_benchmark(opts: BenchOptions, *, progress: Callable[[str], None] = _stde
         progress("[bench] scale: attach cost against slot count ...")
         scale["attach"] = run_attach_scan(opts.device)
         for row in scale["attach"]:
-            progress(
-                f"[bench] attach {row['slots']:>5} slots: "
-                + (
-                    f"p50 {report.fmt_num(row['p50_us'])} us"
-                    if row["status"] == OK
-                    else f"{row['status']}: {row.get('reason', '')}"
-                )
-            )
+            progress(f"[bench] attach {row['slots']:>5} slots: {_scale_outcome(row)}")
         progress("[bench] scale: fan-out ...")
         scale["fanout"] = run_fanout(opts.device)
         for row in scale["fanout"]:
-            progress(
-                f"[bench] fan-out {row['subscribers']} subscriber(s): "
-                + (
-                    f"p50 {report.fmt_num(row['p50_us'])} us"
-                    if row["status"] == OK
-                    else f"{row['status']}: {row['reason']}"
-                )
-            )
+            progress(f"[bench] fan-out {row['subscribers']} subscriber(s): {_scale_outcome(row)}")
     config = {
         "mode": opts.mode,
         "sizes_mib": [s / MiB for s in sizes],

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -341,45 +341,62 @@ def targets_text(results: Sequence[TargetResult], *, nbytes: int = TARGET_NBYTES
     return "\n".join(lines)
 
 
+def _scale_table(
+    title: str,
+    header: str,
+    key: str,
+    rows: Sequence[dict[str, Any]],
+    line: Callable[[dict[str, Any]], str],
+) -> list[str]:
+    """One scale table: ``title``, the ``header`` row, then a row per entry of ``rows``.
+
+    ``line(row)`` is a measured row's line; a row whose status is not OK shows
+    ``row[key]``, then its status and reason in the third column.
+    """
+    ncols = header.count("|") - 1
+    parts = [title, "", header, "|" + "---:|" * ncols]
+    for row in rows:
+        if row.get("status", OK) != OK:
+            blanks = " |" * (ncols - 3)
+            parts.append(f"| {row[key]} | | {row['status']}: {row.get('reason', '')} |{blanks}")
+        else:
+            parts.append(line(row))
+    parts.append("")
+    return parts
+
+
+#: The scale tables: (key in the scale figures, title, header row, key of a row, a row's line).
+_SCALE_TABLES: tuple[tuple[str, str, str, str, Callable[[dict[str, Any]], str]], ...] = (
+    (
+        "attach",
+        "### Attach cost against slot count (`cip.attach(desc)` + `close()`)",
+        "| slots | slot size | p50 µs | p99 µs | p50 per slot µs |",
+        "slots",
+        lambda row: (
+            f"| {row['slots']} | {fmt_size(row['slot_nbytes'])} | {fmt_num(row['p50_us'])} "
+            f"| {fmt_num(row['p99_us'])} | {fmt_num(row['p50_us'] / row['slots'], digits=2)} |"
+        ),
+    ),
+    (
+        "fanout",
+        "### Fan-out (cupy_ipcpool; the producer waits for every subscriber's release)",
+        "| subscribers | frame | p50 µs | p99 µs |",
+        "subscribers",
+        lambda row: (
+            f"| {row['subscribers']} | {fmt_size(row['nbytes'])} | {fmt_num(row['p50_us'])} "
+            f"| {fmt_num(row['p99_us'])} |"
+        ),
+    ),
+)
+
+
 def scale_markdown(scale: dict[str, Any]) -> str:
     """Tables of the scale figures (attach cost vs slots, fan-out); empty when none ran."""
     parts = []
-    attach = scale.get("attach") or []
-    if attach:
-        parts += [
-            "### Attach cost against slot count (`cip.attach(desc)` + `close()`)",
-            "",
-            "| slots | slot size | p50 µs | p99 µs | p50 per slot µs |",
-            "|---:|---:|---:|---:|---:|",
-        ]
-        for row in attach:
-            if row.get("status", OK) != OK:
-                parts.append(f"| {row['slots']} | | {row['status']}: {row.get('reason', '')} | | |")
-                continue
-            parts.append(
-                f"| {row['slots']} | {fmt_size(row['slot_nbytes'])} | {fmt_num(row['p50_us'])} "
-                f"| {fmt_num(row['p99_us'])} | {fmt_num(row['p50_us'] / row['slots'], digits=2)} |"
-            )
-        parts.append("")
-    fanout = scale.get("fanout") or []
-    if fanout:
-        parts += [
-            "### Fan-out (cupy_ipcpool; the producer waits for every subscriber's release)",
-            "",
-            "| subscribers | frame | p50 µs | p99 µs |",
-            "|---:|---:|---:|---:|",
-        ]
-        for row in fanout:
-            if row.get("status", OK) != OK:
-                parts.append(
-                    f"| {row['subscribers']} | | {row['status']}: {row.get('reason', '')} | |"
-                )
-                continue
-            parts.append(
-                f"| {row['subscribers']} | {fmt_size(row['nbytes'])} | {fmt_num(row['p50_us'])} "
-                f"| {fmt_num(row['p99_us'])} |"
-            )
-        parts.append("")
+    for name, title, header, key, line in _SCALE_TABLES:
+        rows = scale.get(name) or []
+        if rows:
+            parts += _scale_table(title, header, key, rows, line)
     return "\n".join(parts)
 
 

@@ -13,7 +13,7 @@ import contextlib
 import os
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
@@ -179,13 +179,17 @@ class SocketGpuFloorLane(Lane):
     def available(self) -> str | None:
         return None if has_module("cupy") else "cupy is not installed"
 
+    def sides(self) -> tuple[type[_SocketGpuFloorProducer], type[_SocketGpuFloorConsumer]]:
+        """The producer's and the consumer's side classes (OrderedFloorLane names its own)."""
+        return _SocketGpuFloorProducer, _SocketGpuFloorConsumer
+
     def open_producer(
         self, links: Sequence[Connection], cfg: BenchConfig, nbytes: int
     ) -> ProducerSide:
-        return _SocketGpuFloorProducer(links, cfg, nbytes)
+        return self.sides()[0](links, cfg, nbytes)
 
     def open_consumer(self, link: Connection, cfg: BenchConfig, nbytes: int) -> ConsumerSide:
-        return _SocketGpuFloorConsumer(link, cfg, nbytes)
+        return self.sides()[1](link, cfg, nbytes)
 
 
 def _own_int32(cfg: BenchConfig, nelem: int, *, zeroed: bool) -> tuple[GpuWork, Any]:
@@ -196,6 +200,18 @@ def _own_int32(cfg: BenchConfig, nelem: int, *, zeroed: bool) -> tuple[GpuWork, 
         arr = cp.zeros(nelem, dtype=cp.int32) if zeroed else cp.empty(nelem, dtype=cp.int32)
     work.stream.synchronize()
     return work, arr
+
+
+def _close_gpu_side(side: Any, close_socket: Callable[[], None], array: str) -> None:
+    """Close a GPU floor side: its stream synchronised, then its socket, its ``array`` dropped.
+
+    The socket is closed and the array dropped even when the synchronisation fails.
+    """
+    try:
+        side.work.stream.synchronize()
+    finally:
+        close_socket()
+        setattr(side, array, None)
 
 
 class _SocketGpuFloorProducer(_SocketFloorProducer):
@@ -218,11 +234,7 @@ class _SocketGpuFloorProducer(_SocketFloorProducer):
         return int(self.work.flush())
 
     def close(self) -> None:
-        try:
-            self.work.stream.synchronize()
-        finally:
-            super().close()
-            self.arr = None
+        _close_gpu_side(self, super().close, "arr")
 
 
 class _SocketGpuFloorConsumer(_SocketFloorConsumer):
@@ -246,11 +258,7 @@ class _SocketGpuFloorConsumer(_SocketFloorConsumer):
         return int(self.work.flush())
 
     def close(self) -> None:
-        try:
-            self.work.stream.synchronize()
-        finally:
-            super().close()
-            self.local = None
+        _close_gpu_side(self, super().close, "local")
 
 
 class OrderedFloorLane(SocketGpuFloorLane):
@@ -281,16 +289,8 @@ class OrderedFloorLane(SocketGpuFloorLane):
         "flag before its check and writes its read flag after it. No host wait per frame."
     )
 
-    def available(self) -> str | None:
-        return None if has_module("cupy") else "cupy is not installed"
-
-    def open_producer(
-        self, links: Sequence[Connection], cfg: BenchConfig, nbytes: int
-    ) -> ProducerSide:
-        return _OrderedFloorProducer(links, cfg, nbytes)
-
-    def open_consumer(self, link: Connection, cfg: BenchConfig, nbytes: int) -> ConsumerSide:
-        return _OrderedFloorConsumer(link, cfg, nbytes)
+    def sides(self) -> tuple[type[_SocketGpuFloorProducer], type[_SocketGpuFloorConsumer]]:
+        return _OrderedFloorProducer, _OrderedFloorConsumer
 
 
 class _Flags(Protocol):
@@ -318,6 +318,19 @@ def ring_position(frame: int, slots: int) -> tuple[int, int]:
     return frame % slots, frame // slots + 1
 
 
+def _stream_handle(work: GpuWork) -> int:
+    """The raw handle of ``work``'s stream, for the sync page's flag operations."""
+    return int(work.stream.ptr)
+
+
+def _close_flags(side: _OrderedFloorProducer | _OrderedFloorConsumer) -> None:
+    """Close an ordered floor side's sync page, once (after its stream is synchronised)."""
+    flags = getattr(side, "flags", None)
+    if flags is not None:
+        flags.close()
+        side.flags = None  # type: ignore[assignment]
+
+
 class _OrderedFloorProducer(_SocketGpuFloorProducer):
     # Per frame: order after the slot's last readers, fill, write the frame flag, send.
     def __init__(self, links: Sequence[Connection], cfg: BenchConfig, nbytes: int) -> None:
@@ -342,7 +355,7 @@ class _OrderedFloorProducer(_SocketGpuFloorProducer):
 
     def stream_handle(self) -> int:
         """The raw handle of the work's stream (overridden by the CPU tests)."""
-        return int(self.work.stream.ptr)
+        return _stream_handle(self.work)
 
     def send(self, value: int) -> None:
         slot, gen = ring_position(self.frames, self.slots)
@@ -359,10 +372,7 @@ class _OrderedFloorProducer(_SocketGpuFloorProducer):
         try:
             super().close()  # synchronises the stream first: no wait left on the page
         finally:
-            flags = getattr(self, "flags", None)
-            if flags is not None:
-                flags.close()
-                self.flags = None  # type: ignore[assignment]
+            _close_flags(self)
 
 
 class _OrderedFloorConsumer(_SocketGpuFloorConsumer):
@@ -396,7 +406,7 @@ class _OrderedFloorConsumer(_SocketGpuFloorConsumer):
 
     def stream_handle(self) -> int:
         """The raw handle of the work's stream (overridden by the CPU tests)."""
-        return int(self.work.stream.ptr)
+        return _stream_handle(self.work)
 
     def step(self, *, full: bool) -> tuple[int, bool]:
         value, ok = self.receive()
@@ -413,10 +423,7 @@ class _OrderedFloorConsumer(_SocketGpuFloorConsumer):
         try:
             super().close()  # synchronises the stream first
         finally:
-            flags = getattr(self, "flags", None)
-            if flags is not None:
-                flags.close()
-                self.flags = None  # type: ignore[assignment]
+            _close_flags(self)
 
 
 class InProcessFloorLane(Lane):

@@ -154,13 +154,23 @@ class _CipConsumer(ConsumerSide):
         stream = self.work.stream
         f = self.sub.recv(timeout=self.timeout, stream=stream)
         try:
-            (value,) = VALUE.unpack(bytes(f.metadata)[: VALUE.size])
+            value, agrees = self.frame_value(f)
+            if not agrees:
+                return value, False
             a = f.arrays[0]
             ok = check_frame(self.work, a, value, self.nelem, full=full)
             del a
         finally:
             f.release(stream=stream)
         return value, ok
+
+    def frame_value(self, f: Any) -> tuple[int, bool]:
+        """The value frame ``f`` must hold (its metadata's), and whether it is the one expected.
+
+        ``(value, False)``: ``value`` is not what was expected; the frame is not checked.
+        """
+        (value,) = VALUE.unpack(bytes(f.metadata)[: VALUE.size])
+        return value, True
 
     def flush_checks(self) -> int:
         return self.work.flush()
@@ -191,28 +201,20 @@ class _CipAheadConsumer(_CipConsumer):
         self.mismatched: list[str] = []
         self.unconfirmed: list[tuple[Any, int]] = []  # handed out ahead, metadata still due
 
-    def step(self, *, full: bool) -> tuple[int, bool]:
-        stream = self.work.stream
-        f = self.sub.recv(timeout=self.timeout, stream=stream)
-        try:
-            if f.confirmed:
-                (value,) = VALUE.unpack(bytes(f.metadata)[: VALUE.size])
-                if self.base is None:
-                    self.base = value - f.seq
-            elif self.base is None:
-                raise RuntimeError(f"frame {f.seq} handed out ahead before any came by message")
-            expected = self.base + f.seq
-            if f.confirmed and value != expected:
-                return value, False
-            if not f.confirmed:
-                self.unconfirmed.append((f, expected))
-            self._settle_confirmations()
-            a = f.arrays[0]
-            ok = check_frame(self.work, a, expected, self.nelem, full=full)
-            del a
-        finally:
-            f.release(stream=stream)
-        return expected, ok
+    def frame_value(self, f: Any) -> tuple[int, bool]:
+        if f.confirmed:
+            (value,) = VALUE.unpack(bytes(f.metadata)[: VALUE.size])
+            if self.base is None:
+                self.base = value - f.seq
+        elif self.base is None:
+            raise RuntimeError(f"frame {f.seq} handed out ahead before any came by message")
+        expected = self.base + f.seq
+        if f.confirmed and value != expected:
+            return value, False
+        if not f.confirmed:
+            self.unconfirmed.append((f, expected))
+        self._settle_confirmations()
+        return expected, True
 
     def _settle_confirmations(self) -> None:
         """The metadata of frames handed out ahead and confirmed since: it must agree."""
