@@ -315,6 +315,14 @@ def _own_gpu(mib: int, *, zeroed: bool) -> tuple[Any, Any]:
     return work, arr
 
 
+def _ring_flags(sync: Any, slots: int, work: Any) -> tuple[list[int], list[int], int]:
+    """The ordered floor's flag addresses (frame flags, the one consumer's read flags) of a
+    ring of ``slots``, and the raw handle of ``work``'s stream that orders on them."""
+    frame_flags = [sync.frame_flag(i) for i in range(slots)]
+    read_flags = [sync.read_flag(0, i) for i in range(slots)]
+    return frame_flags, read_flags, work.stream.ptr
+
+
 def _floor_consumer(
     path: str, mib: int, q: Any, cpu: int | None, spin_us: float, ordered: int = 0
 ) -> None:
@@ -331,9 +339,7 @@ def _floor_consumer(
         head, fds, _flags, _addr = socket.recv_fds(s, 16, 1)
         sync = SyncPage.import_fd(fds[0], int.from_bytes(head, "little"), ordered, 1, 0)
         os.close(fds[0])
-        frame_flags = [sync.frame_flag(i) for i in range(ordered)]
-        read_flags = [sync.read_flag(0, i) for i in range(ordered)]
-        sptr = work.stream.ptr
+        frame_flags, read_flags, sptr = _ring_flags(sync, ordered, work)
     reply = bytes(16)
     rows: list[tuple[int, ...]] = []
     spin_ns = int(spin_us * 1000)
@@ -396,9 +402,7 @@ def _floor_round(
 
         sync = SyncPage.create(ordered, 1, 0)
         socket.send_fds(conn, [sync.nbytes.to_bytes(8, "little")], [sync.fd])
-        frame_flags = [sync.frame_flag(i) for i in range(ordered)]
-        read_flags = [sync.read_flag(0, i) for i in range(ordered)]
-        sptr = work.stream.ptr
+        frame_flags, read_flags, sptr = _ring_flags(sync, ordered, work)
     msg = bytes(96)
     rows: list[tuple[int, ...]] = []
     for k in range(frames + WARMUP):
