@@ -35,12 +35,12 @@ import time
 import warnings
 import weakref
 from collections.abc import Iterable, Sequence
-from types import TracebackType
 
 from cupy_ipcpool._errors import TeardownWarning, TransportError, UsageError, UsageTypeError
 
 from ._accept_loop import AcceptLoop
 from ._admission import MAX_PENDING_PER_UID, Admission
+from ._closing import ClosesOnExit
 from ._unix import _close_all, accept_peer, bind_unix, recv_fds, unlink_if_ours
 
 __all__ = [
@@ -182,7 +182,7 @@ def _refuse_uid(sock: socket.socket, _uid: int) -> None:
     _refuse_now(sock, STATUS_UID_REFUSED)
 
 
-class FdServer:
+class FdServer(ClosesOnExit):
     """Serve a fixed list of fds over a Unix socket with ``SCM_RIGHTS``.
 
     The exporter side of the socket transport.  One daemon thread serves every
@@ -407,17 +407,6 @@ class FdServer:
         else:
             _remove_files(None, None, self._dir)
         self._dir = None
-
-    def __enter__(self) -> FdServer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

@@ -16,10 +16,10 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator
-from types import TracebackType
 from typing import Any, Generic, Protocol, TypeVar
 
 from .._errors import ChannelTimeoutError, EndOfStream, PoolClosedError, UsageError
+from .._transport._closing import ClosedFlag
 from ._subscriber import subscribe
 from ._waiting import check_wait, connect_waiting
 
@@ -33,7 +33,7 @@ class _Receiver(Protocol):
 S = TypeVar("S", bound=_Receiver)
 
 
-class Follower(Generic[S]):
+class Follower(ClosedFlag, Generic[S]):
     """Frames from whichever publisher serves an address, across its restarts.
 
     Made by :func:`cupy_ipcpool.follow`.  It subscribes at the first
@@ -102,11 +102,6 @@ class Follower(Generic[S]):
     def reconnects(self) -> int:
         """Subscriptions made after the first."""
         return max(0, self._sessions - 1)
-
-    @property
-    def closed(self) -> bool:
-        """True after :meth:`close`."""
-        return self._closed
 
     def recv(self, timeout: float | None = None, **kwargs: Any) -> Any:
         """The next frame, from this publisher or the next one.
@@ -193,17 +188,6 @@ class Follower(Generic[S]):
             return
         self._closed = True
         self._drop(None)
-
-    def __enter__(self) -> Follower[S]:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "subscribed" if self._sub is not None else "waiting"

@@ -30,7 +30,6 @@ import time
 import warnings
 import weakref
 from collections.abc import Iterable
-from types import TracebackType
 from typing import Any
 
 from .._arrays import cupy_module, stream_ptr
@@ -42,6 +41,7 @@ from .._errors import (
 )
 from .._handles import ArrayHandle
 from .._pool import DEFAULT_TIMEOUT, IpcPool, SlotToken
+from .._transport._closing import ClosedFlag
 from ._handshake import SubscriberInfo
 from ._payload import (
     FRAME_HEAD,
@@ -205,7 +205,7 @@ class _PublisherLeases:
         return "; ".join(parts)
 
 
-class Publisher:
+class Publisher(ClosedFlag):
     """Publish frames from an :class:`IpcPool` to subscriber processes.
 
     Parameters
@@ -453,11 +453,6 @@ class Publisher:
         return self._core.subscribers
 
     @property
-    def closed(self) -> bool:
-        """True after :meth:`close`."""
-        return self._closed
-
-    @property
     def evictions(self) -> int:
         """Subscribers evicted so far (``lease_timeout`` passed, or a full socket)."""
         return int(self._core.evictions)
@@ -692,17 +687,6 @@ class Publisher:
         _close_publisher(
             self._core, self._sync, self._pool, self._leases, self._pid, _PageState(self), timeout
         )
-
-    def __enter__(self) -> Publisher:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 class _PageState:

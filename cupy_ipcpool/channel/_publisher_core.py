@@ -28,9 +28,9 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
-from types import TracebackType
 
 from .._errors import PoolClosedError, ProtocolError, SlotBusyError, UsageError
+from .._transport._closing import ClosedFlag
 from .._transport._unix import bind_unix, unlink_if_ours
 from . import _protocol as proto
 from . import _sockets
@@ -89,7 +89,7 @@ def _close_publisher(
     _unlink_ours(address, ident)
 
 
-class PublisherCore:
+class PublisherCore(ClosedFlag):
     """The producer side of a channel: listen, welcome, lease slots, publish frames.
 
     Parameters
@@ -240,17 +240,6 @@ class PublisherCore:
 
     # -- context manager / teardown --
 
-    def __enter__(self) -> PublisherCore:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
     def close(self, linger: float = 0.0) -> bool:
         """Stop accepting, say BYE to every subscriber, close every socket.
 
@@ -292,11 +281,6 @@ class PublisherCore:
         all_gone = _linger([c.sock for c in self._conns.values()], linger)
         self._finalizer()
         return all_gone
-
-    @property
-    def closed(self) -> bool:
-        """True after :meth:`close`."""
-        return self._closed
 
     def _check_open(self) -> None:
         if self._closed:

@@ -11,7 +11,6 @@ import os
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
-from types import TracebackType
 from typing import Any, Protocol
 
 from .._arrays import cupy_module, stream_ptr
@@ -25,6 +24,7 @@ from .._errors import (
 )
 from .._handles import PoolDescriptor
 from .._peer import PeerPool, attach_fds
+from .._transport._closing import ClosedFlag
 from ._ahead import AheadInbox, AheadSchedule, Predicted
 from ._payload import FRAME_HEAD, MAX_ARRAYS, MAX_METADATA, WELCOME_HEAD
 from ._settle import (
@@ -235,7 +235,7 @@ class Frame:
         return f"{type(self).__name__}(seq={self.seq}, slot={self.slot}, arrays=[{shapes}])"
 
 
-class Subscriber:
+class Subscriber(ClosedFlag):
     """The consumer end of a channel; made by :func:`subscribe`."""
 
     def __init__(
@@ -373,11 +373,6 @@ class Subscriber:
     def held(self) -> dict[int, int]:
         """Frames received and not released, as ``{seq: slot}``."""
         return self._core.held
-
-    @property
-    def closed(self) -> bool:
-        """True after :meth:`close`."""
-        return self._closed
 
     # -- hot path --
 
@@ -700,17 +695,6 @@ class Subscriber:
             CLOSE_GRACE,
             os.getpid(),
         )
-
-    def __enter__(self) -> Subscriber:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 #: Sync pages and slot mappings kept because a live but silent producer might still

@@ -24,7 +24,6 @@ import struct
 import time
 import weakref
 from collections.abc import Iterable
-from types import TracebackType
 from typing import NoReturn
 
 from .._errors import (
@@ -38,6 +37,7 @@ from .._errors import (
     UsageError,
 )
 from .._transport import connect_unix, peer_credentials
+from .._transport._closing import ClosedFlag
 from . import _protocol as proto
 from . import _sockets
 from ._protocol import Frame
@@ -74,7 +74,7 @@ def _close_subscriber(sock: socket.socket, fds: list[int]) -> None:
             _warn(f"closing slot fd {fd} failed: {exc}")
 
 
-class SubscriberCore:
+class SubscriberCore(ClosedFlag):
     """The consumer side of a channel: subscribe, receive frames, release them.
 
     Parameters
@@ -308,28 +308,12 @@ class SubscriberCore:
 
     # -- context manager / teardown --
 
-    def __enter__(self) -> SubscriberCore:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
     def close(self) -> None:
         """Say BYE, close the socket and every fd not taken. Idempotent; never raises."""
         if self._closed:
             return
         self._closed = True
         self._finalizer()
-
-    @property
-    def closed(self) -> bool:
-        """True after :meth:`close`."""
-        return self._closed
 
     def fileno(self) -> int:
         """The socket's fd, readable when a frame (or the end) is waiting."""

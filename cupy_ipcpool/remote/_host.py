@@ -27,6 +27,7 @@ from typing import Any
 import numpy
 
 from .._errors import EndOfStream, ProtocolError, UsageError
+from .._transport._closing import ClosesOnExit
 from ..channel._handshake import SubscriberInfo
 from ..channel._publisher_core import PublisherCore
 from ..channel._subscriber_core import SubscriberCore
@@ -66,7 +67,7 @@ def decode_payload(payload: bytes, slot_nbytes: int) -> tuple[tuple[wire.ArraySp
     return specs, bytes(view[used:])
 
 
-class HostChannelPublisher:
+class HostChannelPublisher(ClosesOnExit):
     """Publish host frames to local :class:`HostChannelSubscriber` processes.
 
     Parameters
@@ -171,12 +172,6 @@ class HostChannelPublisher:
         self.core.close(linger=linger)
         self.slots.close()
 
-    def __enter__(self) -> HostChannelPublisher:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 class HostFrame:
     """A received host frame: read-only NumPy views of the shared slot, under a lease."""
@@ -217,7 +212,7 @@ class HostFrame:
         self.release()
 
 
-class HostChannelSubscriber:
+class HostChannelSubscriber(ClosesOnExit):
     """Subscribe to a :class:`HostChannelPublisher`; frames are NumPy views of its memfds.
 
     Parameters
@@ -326,9 +321,3 @@ class HostChannelSubscriber:
         """Say BYE and close the socket; mappings stay while frames use them."""
         self.core.close()
         self._bases = []
-
-    def __enter__(self) -> HostChannelSubscriber:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

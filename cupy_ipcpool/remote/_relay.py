@@ -25,6 +25,7 @@ from .._errors import (
     SlotFullError,
     UsageError,
 )
+from .._transport._closing import ClosesOnExit
 from . import _wire as wire
 from ._credit import ClientBook
 from ._session import ClientSession, Received
@@ -153,7 +154,7 @@ class _DeviceSink:
             self.pool.close()
 
 
-class Relay:
+class Relay(ClosesOnExit):
     """Receive ``remote`` once and republish it at the local socket ``path``.
 
     Parameters
@@ -283,12 +284,6 @@ class Relay:
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
-
-    def __enter__(self) -> Relay:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def relay(remote: str, path: str | os.PathLike[str], **kwargs: Any) -> Relay:

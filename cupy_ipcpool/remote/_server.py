@@ -40,6 +40,7 @@ from .._errors import (
     TransportError,
     UsageError,
 )
+from .._transport._closing import ClosesOnExit
 from . import _auth as auth
 from . import _io
 from . import _ucx as ucx
@@ -100,7 +101,7 @@ class _Send:
     requests: list[Any]
 
 
-class RemoteServer:
+class RemoteServer(ClosesOnExit):
     """Serve a local channel's frames to remote subscribers over UCX.
 
     Parameters
@@ -647,12 +648,6 @@ class RemoteServer:
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
-
-    def __enter__(self) -> RemoteServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 __all__ = ["FrameSource", "RemoteInfo", "RemoteServer", "SourceFrame"]

@@ -19,6 +19,7 @@ from .._errors import (
     ProtocolError,
     UsageError,
 )
+from .._transport._closing import ClosedFlag
 from ..channel import Frame
 from . import _wire as wire
 from ._credit import ClientBook
@@ -80,7 +81,7 @@ class RemoteFrame(Frame):
     __slots__ = ()
 
 
-class RemoteSubscriber:
+class RemoteSubscriber(ClosedFlag):
     """Receive a :class:`~cupy_ipcpool.remote.RemoteServer`'s frames; made by :func:`subscribe`.
 
     Frames land in a receive ring of ``slots`` slots (an
@@ -192,11 +193,6 @@ class RemoteSubscriber:
     # -- user API --
 
     @property
-    def closed(self) -> bool:
-        """True after :meth:`close`."""
-        return self._closed
-
-    @property
     def memory(self) -> DeviceSlots | HostSlots:
         """The receive ring."""
         assert self._memory is not None
@@ -304,12 +300,6 @@ class RemoteSubscriber:
                 os.close(fd)
         if self._memory is not None:
             self._memory.close()
-
-    def __enter__(self) -> RemoteSubscriber:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def subscribe(
