@@ -1040,6 +1040,43 @@ connect_unix(const char *path, int type, long long deadline, int *out, int *err)
     return CIP_OK;
 }
 
+/* One recvmsg (MSG_CMSG_CLOEXEC | MSG_DONTWAIT) of up to `n` bytes into `buf`, its control
+ * data into `control` (`control_len` bytes).  The fds of its SCM_RIGHTS go to fds[*nfds]
+ * on, `maxfds` in all at most; those beyond are closed and `*excess` set.  Returns
+ * recvmsg's result (when negative, errno says why and no fd came); `*msg_flags` gets the
+ * message's flags (MSG_CTRUNC, MSG_TRUNC) when it is not. */
+static ssize_t
+recv_with_fds(int s, void *buf, size_t n, void *control, size_t control_len, int *fds,
+              size_t *nfds, size_t maxfds, int *excess, int *msg_flags)
+{
+    struct iovec iov = {buf, n};
+    struct msghdr msg;
+    memset(&msg, 0, sizeof msg);
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = control_len;
+    ssize_t k = recvmsg(s, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+    if (k < 0)
+        return k;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c != NULL; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+            continue;
+        size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        int *in = (int *)CMSG_DATA(c);
+        for (size_t i = 0; i < count; i++) {
+            if (*nfds < maxfds) {
+                fds[(*nfds)++] = in[i];
+            } else {
+                close(in[i]);
+                *excess = 1;
+            }
+        }
+    }
+    *msg_flags = msg.msg_flags;
+    return k;
+}
+
 /* Receive exactly n bytes of a stream socket, appending arriving fds to fds[*nfds]. */
 static cip_status
 recv_exact(int s, uint8_t *buf, size_t n, long long deadline, int *fds, size_t *nfds,
@@ -1058,14 +1095,9 @@ recv_exact(int s, uint8_t *buf, size_t n, long long deadline, int *fds, size_t *
             continue;
         if (r == 0)
             return fail(CIP_ERR_TRANSPORT, "fd server %s did not answer in time", path);
-        struct iovec iov = {buf + got, n - got};
-        struct msghdr msg;
-        memset(&msg, 0, sizeof msg);
-        msg.msg_iov = &iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control.buf;
-        msg.msg_controllen = sizeof control.buf;
-        ssize_t k = recvmsg(s, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+        int flags = 0;
+        ssize_t k = recv_with_fds(s, buf + got, n - got, control.buf, sizeof control.buf, fds,
+                                  nfds, maxfds, &excess, &flags);
         if (k < 0) {
             if (errno == EAGAIN || errno == EINTR)
                 continue;
@@ -1075,23 +1107,9 @@ recv_exact(int s, uint8_t *buf, size_t n, long long deadline, int *fds, size_t *
             }
             return fail(CIP_ERR_TRANSPORT, "fd server %s: %s", path, strerror(errno));
         }
-        for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c != NULL; c = CMSG_NXTHDR(&msg, c)) {
-            if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
-                continue;
-            size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-            int *in = (int *)CMSG_DATA(c);
-            for (size_t i = 0; i < count; i++) {
-                if (*nfds < maxfds) {
-                    fds[(*nfds)++] = in[i];
-                } else {
-                    close(in[i]);
-                    excess = 1;
-                }
-            }
-        }
         if (excess)
             return fail(CIP_ERR_TRANSPORT, "fd server %s sent more fds than expected", path);
-        if (msg.msg_flags & MSG_CTRUNC)
+        if (flags & MSG_CTRUNC)
             return fail(CIP_ERR_TRANSPORT,
                         "fd server %s sent more fds than fit (control data truncated)", path);
         if (k == 0)
@@ -1698,6 +1716,28 @@ struct seen_frame {
     uint32_t slot, generation;
 };
 
+/* The rings of this file (the book's record, the backlog of messages, the RELEASEs owed)
+ * grow alike: the `len` entries of `size` bytes from `*head` of a ring of `*alloc`
+ * entries at `old` are copied, in order, to the start of a new buffer of `new_alloc`
+ * entries, `old` is freed, `*head` becomes 0 and `*alloc` new_alloc.  Returns the new
+ * buffer, or NULL without memory (the ring kept as it was). */
+static void *
+ring_regrow(void *old, size_t size, size_t *head, size_t len, size_t *alloc, size_t new_alloc)
+{
+    uint8_t *r = (uint8_t *)malloc(new_alloc * size);
+    if (r == NULL)
+        return NULL;
+    if (len) {
+        size_t first = *alloc - *head < len ? *alloc - *head : len; /* up to the ring's end */
+        memcpy(r, (uint8_t *)old + *head * size, first * size);
+        memcpy(r + first * size, old, (len - first) * size);
+    }
+    free(old);
+    *head = 0;
+    *alloc = new_alloc;
+    return r;
+}
+
 /* What a GPU subscription knows of the frame flags (the Python FrameWaits, rule for
  * rule): per slot the generation a stream of ours may wait for, and a bounded record,
  * oldest first, of the frames received whose flag the host did not see set by the
@@ -1783,17 +1823,13 @@ book_received(struct frame_book *b, volatile uint32_t *flags, uint64_t seq, uint
         size_t alloc = b->rec_alloc ? 2 * b->rec_alloc : 64;
         if (alloc > b->rec_cap)
             alloc = b->rec_cap;
-        struct seen_frame *r = (struct seen_frame *)malloc(alloc * sizeof *r);
+        struct seen_frame *r = (struct seen_frame *)ring_regrow(
+            b->rec, sizeof *r, &b->rec_head, b->rec_len, &b->rec_alloc, alloc);
         if (r == NULL) {
             b->untracked++; /* no memory: not recorded, and counted as such */
             return 0;
         }
-        for (size_t i = 0; i < b->rec_len; i++)
-            r[i] = b->rec[(b->rec_head + i) % b->rec_alloc];
-        free(b->rec);
         b->rec = r;
-        b->rec_alloc = alloc;
-        b->rec_head = 0;
     }
     struct seen_frame *f = &b->rec[(b->rec_head + b->rec_len) % b->rec_alloc];
     f->seq = seq;
@@ -1932,15 +1968,11 @@ backlog_push(cip_sub *sub, const uint8_t *data, size_t len)
 {
     if (sub->bl_len == sub->bl_cap) {
         size_t cap = sub->bl_cap ? 2 * sub->bl_cap : 16;
-        struct msgbuf *b = (struct msgbuf *)malloc(cap * sizeof *b);
+        struct msgbuf *b = (struct msgbuf *)ring_regrow(sub->backlog, sizeof *b, &sub->bl_head,
+                                                        sub->bl_len, &sub->bl_cap, cap);
         if (b == NULL)
             return -1;
-        for (size_t i = 0; i < sub->bl_len; i++)
-            b[i] = sub->backlog[(sub->bl_head + i) % sub->bl_cap];
-        free(sub->backlog);
         sub->backlog = b;
-        sub->bl_cap = cap;
-        sub->bl_head = 0;
     }
     uint8_t *copy = (uint8_t *)malloc(len ? len : 1);
     if (copy == NULL)
@@ -2213,16 +2245,12 @@ owe_release(cip_sub *sub, uint64_t seq, uint32_t slot)
     }
     if (sub->owed_len == sub->owed_alloc) {
         size_t alloc = sub->owed_alloc ? 2 * sub->owed_alloc : 16;
-        struct owed_release *r = (struct owed_release *)malloc(alloc * sizeof *r);
+        struct owed_release *r = (struct owed_release *)ring_regrow(
+            sub->owed, sizeof *r, &sub->owed_head, sub->owed_len, &sub->owed_alloc, alloc);
         if (r == NULL)
             return sub_end(sub, CIP_ERR_NO_MEMORY,
                            "out of memory keeping a RELEASE the publisher's socket did not take");
-        for (size_t i = 0; i < sub->owed_len; i++)
-            r[i] = sub->owed[(sub->owed_head + i) % sub->owed_alloc];
-        free(sub->owed);
         sub->owed = r;
-        sub->owed_alloc = alloc;
-        sub->owed_head = 0;
     }
     struct owed_release *o = &sub->owed[(sub->owed_head + sub->owed_len) % sub->owed_alloc];
     o->seq = seq;
@@ -2482,9 +2510,9 @@ handshake(cip_sub *sub, const cip_sub_options *o)
     } control;
     int fds[CIP_WIRE_MAX_FDS + 1];
     size_t nfds = 0;
-    int reset = 0;
+    int reset = 0, excess = 0; /* excess: not looked at (more fds than fit: MSG_CTRUNC) */
     ssize_t n;
-    int flags;
+    int flags = 0;
     for (;;) {
         struct pollfd p = {sub->sock, POLLIN, 0};
         int r = poll(&p, 1, left_ms(deadline));
@@ -2495,14 +2523,8 @@ handshake(cip_sub *sub, const cip_sub_options *o)
             return fail(CIP_ERR_TIMEOUT, "the publisher at %s did not answer within %d ms",
                         sub->path, o->timeout_ms);
         }
-        struct iovec iov = {buf, cap};
-        struct msghdr msg;
-        memset(&msg, 0, sizeof msg);
-        msg.msg_iov = &iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control.buf;
-        msg.msg_controllen = sizeof control.buf;
-        n = recvmsg(sub->sock, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+        n = recv_with_fds(sub->sock, buf, cap, control.buf, sizeof control.buf, fds, &nfds,
+                          CIP_WIRE_MAX_FDS, &excess, &flags);
         if (n < 0 && (errno == EAGAIN || errno == EINTR))
             continue;
         if (n < 0 && errno == ECONNRESET && !reset) {
@@ -2520,19 +2542,6 @@ handshake(cip_sub *sub, const cip_sub_options *o)
             return fail(CIP_ERR_TRANSPORT, "the handshake with %s failed: %s", sub->path,
                         strerror(e));
         }
-        for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c != NULL; c = CMSG_NXTHDR(&msg, c)) {
-            if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
-                continue;
-            size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-            int *in = (int *)CMSG_DATA(c);
-            for (size_t i = 0; i < k; i++) {
-                if (nfds < CIP_WIRE_MAX_FDS)
-                    fds[nfds++] = in[i];
-                else
-                    close(in[i]);
-            }
-        }
-        flags = msg.msg_flags;
         break;
     }
     st = CIP_OK;
