@@ -30,6 +30,7 @@
  */
 #define _GNU_SOURCE
 #include "cupy_ipcpool.h"
+#include "probe_util.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -64,33 +65,6 @@ hex(const uint8_t *p, size_t n)
         fputs("-", stdout);
     for (size_t i = 0; i < n; i++)
         printf("%02x", p[i]);
-}
-
-static size_t
-unhex(const char *s, uint8_t *out, size_t cap)
-{
-    size_t n = strlen(s) / 2;
-    if (n > cap)
-        n = cap;
-    for (size_t i = 0; i < n; i++) {
-        unsigned v;
-        sscanf(s + 2 * i, "%2x", &v);
-        out[i] = (uint8_t)v;
-    }
-    return n;
-}
-
-static int
-count_fds(void)
-{
-    DIR *d = opendir("/proc/self/fd");
-    int n = 0;
-    struct dirent *e;
-    while ((e = readdir(d)) != NULL)
-        if (e->d_name[0] != '.')
-            n++;
-    closedir(d);
-    return n - 1; /* the directory's own fd */
 }
 
 static const char *

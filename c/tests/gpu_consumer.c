@@ -30,6 +30,7 @@
  */
 #define _GNU_SOURCE
 #include "cupy_ipcpool.h"
+#include "probe_util.h"
 
 #include <dirent.h>
 #include <inttypes.h>
@@ -55,19 +56,6 @@ static alloc_host_t alloc_host;
 static free_host_t free_host;
 
 #define SAMPLE 4096u
-
-static int
-count_fds(void)
-{
-    DIR *d = opendir("/proc/self/fd");
-    int n = 0;
-    struct dirent *e;
-    while ((e = readdir(d)) != NULL)
-        if (e->d_name[0] != '.')
-            n++;
-    closedir(d);
-    return n - 1;
-}
 
 /* The targets of this process's fds, "fd=target" each, into fds (at most cap). */
 static int
@@ -145,6 +133,35 @@ open_sub(const char *path, int mode, cip_status *st)
     return sub;
 }
 
+/* The next frame of the stream into *f: 1, 0 at the end of the stream, or -1 (reported)
+ * when the receive failed. */
+static int
+next_frame(cip_sub *sub, cip_frame *f)
+{
+    cip_status st = cip_sub_recv(sub, 60000, f);
+    if (st == CIP_ERR_END_OF_STREAM)
+        return 0;
+    if (st != CIP_OK) {
+        die("recv", st);
+        return -1;
+    }
+    return 1;
+}
+
+/* The end of a receive loop that stopped with next_frame's `got`: 1 if on a failed
+ * receive (reported already), else 0 once the stream is synchronised, the subscription
+ * closed and the stream destroyed. */
+static int
+finish(cip_sub *sub, void *stream, int got)
+{
+    if (got < 0)
+        return 1;
+    stream_sync(stream);
+    cip_sub_close(sub);
+    stream_destroy(stream);
+    return 0;
+}
+
 static int
 check(const char *path, int mode, long full_every)
 {
@@ -164,14 +181,9 @@ check(const char *path, int mode, long full_every)
     printf("ready\n");
     fflush(stdout);
     uint64_t frames = 0, full = 0, bad = 0, checked = 0, order = 0, last_seq = 0, gaps = 0;
-    int have = 0;
-    for (;;) {
-        cip_frame f;
-        st = cip_sub_recv(sub, 60000, &f);
-        if (st == CIP_ERR_END_OF_STREAM)
-            break;
-        if (st != CIP_OK)
-            return die("recv", st);
+    int have = 0, got;
+    cip_frame f;
+    while ((got = next_frame(sub, &f)) > 0) {
         if (have && f.seq != last_seq + 1)
             gaps++;
         if (have && f.seq <= last_seq)
@@ -221,9 +233,8 @@ check(const char *path, int mode, long full_every)
             return die("release", st);
         frames++;
     }
-    stream_sync(stream);
-    cip_sub_close(sub);
-    stream_destroy(stream);
+    if (finish(sub, stream, got))
+        return 1;
     free_host(samples);
     if (host)
         free_host(host);
@@ -248,13 +259,9 @@ bench(const char *path)
     fflush(stdout);
     int64_t last = 0;
     uint64_t frames = 0, bad = 0;
-    for (;;) {
-        cip_frame f;
-        st = cip_sub_recv(sub, 60000, &f);
-        if (st == CIP_ERR_END_OF_STREAM)
-            break;
-        if (st != CIP_OK)
-            return die("recv", st);
+    int got;
+    cip_frame f;
+    while ((got = next_frame(sub, &f)) > 0) {
         int64_t value = 0;
         if (f.metadata_len >= 8)
             memcpy(&value, f.metadata, 8);
@@ -267,9 +274,8 @@ bench(const char *path)
             return die("release", st);
         frames++;
     }
-    stream_sync(stream);
-    cip_sub_close(sub);
-    stream_destroy(stream);
+    if (finish(sub, stream, got))
+        return 1;
     printf("{\"frames\": %" PRIu64 ", \"bad_frames\": %" PRIu64 ", \"mismatches\": 0}\n", frames,
            bad);
     return 0;
@@ -359,20 +365,6 @@ death(const char *path)
     }
     printf("]}\n");
     return 0;
-}
-
-static size_t
-unhex(const char *s, uint8_t *out, size_t cap)
-{
-    size_t n = strlen(s) / 2;
-    if (n > cap)
-        n = cap;
-    for (size_t i = 0; i < n; i++) {
-        unsigned v;
-        sscanf(s + 2 * i, "%2x", &v);
-        out[i] = (uint8_t)v;
-    }
-    return n;
 }
 
 static int
