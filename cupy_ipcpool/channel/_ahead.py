@@ -202,6 +202,21 @@ class AheadSchedule:
                 f"frame {seq} came in slot {slot}; the publisher's schedule (ahead=True) "
                 f"put frame {entry.seq} in slot {entry.slot}"
             )
+        handles = entry.handles
+        end = FRAME_HEAD.size + len(handles)
+        if (
+            count == entry.count
+            and gen32 == entry.generation & _MASK
+            and len(payload) - end == meta_len
+            and payload[FRAME_HEAD.size : end] == handles
+        ):
+            # the frame as predicted, to the byte (every frame but the rare ones below):
+            # its handles are the slot's layout at the predicted generation
+            self.outstanding.popleft()
+            entry.confirmed_generation = entry.generation
+            entry.metadata = bytes(payload[end:]) if meta_len else b""
+            self._last_confirmed(seq, slot, entry.generation)
+            return entry
         if ((gen32 - entry.generation) & _MASK) >= _HALF:
             raise ProtocolError(
                 f"frame {seq} in slot {slot} is of generation {gen32}, below the "
@@ -226,6 +241,12 @@ class AheadSchedule:
         entry.metadata = bytes(payload[len(payload) - meta_len :]) if meta_len else b""
         self._note(seq, slot, generation, parts if count else None)
         return entry
+
+    def _last_confirmed(self, seq: int, slot: int, generation: int) -> None:
+        """Frame ``seq`` confirmed as predicted: the slot's layout stays, at ``generation``."""
+        state = self._slots[slot]
+        assert state is not None  # a prediction was made from it
+        state.seq, state.generation = seq, generation
 
 
 #: The next FRAME message within ``timeout`` seconds, as ``(seq, slot, payload)``
