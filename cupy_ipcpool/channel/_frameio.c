@@ -58,6 +58,61 @@ as_fd(PyObject *obj, const char *name)
     return (int)fd;
 }
 
+/* A wait's timeout_ms argument: -1 (without limit) or more.  0, or -1 with an exception. */
+static inline int
+as_timeout(PyObject *obj, const char *name, long *timeout_ms)
+{
+    *timeout_ms = PyLong_AsLong(obj);
+    if (*timeout_ms == -1 && PyErr_Occurred())
+        return -1;
+    if (*timeout_ms < -1) {
+        PyErr_Format(PyExc_ValueError, "%s: timeout_ms %ld (-1 waits without limit)", name,
+                     *timeout_ms);
+        return -1;
+    }
+    return 0;
+}
+
+/* A frame's seq (u64) and slot (u32) arguments.  0, or -1 with an exception. */
+static inline int
+as_seq_slot(PyObject *seq_obj, PyObject *slot_obj, const char *name, unsigned long long *seq,
+            unsigned long *slot)
+{
+    *seq = PyLong_AsUnsignedLongLong(seq_obj);
+    if (*seq == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    *slot = PyLong_AsUnsignedLong(slot_obj);
+    if (*slot == (unsigned long)-1 && PyErr_Occurred())
+        return -1;
+    if (*slot > 0xFFFFFFFFul) {
+        PyErr_Format(PyExc_OverflowError, "%s: slot does not fit in 32 bits", name);
+        return -1;
+    }
+    return 0;
+}
+
+/* The head every FRAME and RELEASE starts with: header (magic, version, `type`), seq, slot. */
+static inline void
+put_head(unsigned char *p, unsigned int type, unsigned long long seq, unsigned long slot)
+{
+    p[0] = CIP_MAGIC & 0xFF;
+    p[1] = CIP_MAGIC >> 8;
+    p[2] = CIP_VERSION;
+    p[3] = (unsigned char)type;
+    for (int i = 0; i < 8; i++)
+        p[4 + i] = (unsigned char)(seq >> (8 * i));
+    for (int i = 0; i < 4; i++)
+        p[12 + i] = (unsigned char)(slot >> (8 * i));
+}
+
+/* Whether the header at `p` (4 bytes there at least) is this protocol's, of `type`. */
+static inline int
+is_header(const unsigned char *p, unsigned int type)
+{
+    return p[0] == (CIP_MAGIC & 0xFF) && p[1] == (CIP_MAGIC >> 8) && p[2] == CIP_VERSION &&
+           p[3] == type;
+}
+
 /* A pollfd set made by pollfds(): copied (poll writes revents), count returned. */
 static int
 load_pollfds(PyObject *obj, struct pollfd *out, nfds_t *count, const char *name)
@@ -210,14 +265,9 @@ frameio_recv_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
         PyErr_SetString(PyExc_TypeError, "recv_frame: buf must be a bytearray");
         return NULL;
     }
-    long timeout_ms = PyLong_AsLong(args[2]);
-    if (timeout_ms == -1 && PyErr_Occurred())
+    long timeout_ms;
+    if (as_timeout(args[2], "recv_frame", &timeout_ms) < 0)
         return NULL;
-    if (timeout_ms < -1) {
-        PyErr_Format(PyExc_ValueError, "recv_frame: timeout_ms %ld (-1 waits without limit)",
-                     timeout_ms);
-        return NULL;
-    }
     int poll_first = PyObject_IsTrue(args[3]);
     if (poll_first < 0)
         return NULL;
@@ -323,8 +373,7 @@ frameio_recv_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
     long long seq = -1;
     unsigned int slot = 0;
     const unsigned char *p = (const unsigned char *)buf;
-    if (n >= CIP_FRAME_MSG_HEAD && (size_t)n <= size && p[0] == (CIP_MAGIC & 0xFF) &&
-        p[1] == (CIP_MAGIC >> 8) && p[2] == CIP_VERSION && p[3] == CIP_FRAME) {
+    if (n >= CIP_FRAME_MSG_HEAD && (size_t)n <= size && is_header(p, CIP_FRAME)) {
         unsigned int length = le32(p + 16);
         if (length <= CIP_MAX_FRAME_PAYLOAD &&
             (size_t)n == CIP_FRAME_MSG_HEAD + (size_t)length) {
@@ -395,16 +444,10 @@ frameio_release_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssi
     unsigned int value, flags;
     if (value_and_flags(args[5], args[6], "release_frame", &value, &flags) < 0)
         return NULL;
-    unsigned long long seq = PyLong_AsUnsignedLongLong(args[7]);
-    if (seq == (unsigned long long)-1 && PyErr_Occurred())
+    unsigned long long seq;
+    unsigned long slot;
+    if (as_seq_slot(args[7], args[8], "release_frame", &seq, &slot) < 0)
         return NULL;
-    unsigned long slot = PyLong_AsUnsignedLong(args[8]);
-    if (slot == (unsigned long)-1 && PyErr_Occurred())
-        return NULL;
-    if (slot > 0xFFFFFFFFul) {
-        PyErr_SetString(PyExc_OverflowError, "release_frame: slot does not fit in 32 bits");
-        return NULL;
-    }
     int ready = any_ready(hup, nhup);
     if (ready < 0)
         return NULL;
@@ -417,14 +460,7 @@ frameio_release_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssi
     if (rc != 0)
         return PyLong_FromLong(rc);
     unsigned char msg[CIP_RELEASE_SIZE];
-    msg[0] = CIP_MAGIC & 0xFF;
-    msg[1] = CIP_MAGIC >> 8;
-    msg[2] = CIP_VERSION;
-    msg[3] = CIP_RELEASE;
-    for (int i = 0; i < 8; i++)
-        msg[4 + i] = (unsigned char)(seq >> (8 * i));
-    for (int i = 0; i < 4; i++)
-        msg[12 + i] = (unsigned char)(slot >> (8 * i));
+    put_head(msg, CIP_RELEASE, seq, slot);
     for (;;) {
         ssize_t sent = send(fd, msg, sizeof msg, MSG_DONTWAIT | MSG_NOSIGNAL);
         if (sent == (ssize_t)sizeof msg)
@@ -468,16 +504,10 @@ frameio_send_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
         PyErr_SetString(PyExc_TypeError, "send_frame: fds must be a tuple");
         return NULL;
     }
-    unsigned long long seq = PyLong_AsUnsignedLongLong(args[1]);
-    if (seq == (unsigned long long)-1 && PyErr_Occurred())
+    unsigned long long seq;
+    unsigned long slot;
+    if (as_seq_slot(args[1], args[2], "send_frame", &seq, &slot) < 0)
         return NULL;
-    unsigned long slot = PyLong_AsUnsignedLong(args[2]);
-    if (slot == (unsigned long)-1 && PyErr_Occurred())
-        return NULL;
-    if (slot > 0xFFFFFFFFul) {
-        PyErr_SetString(PyExc_OverflowError, "send_frame: slot does not fit in 32 bits");
-        return NULL;
-    }
     if (!PyBytes_Check(args[3])) {
         PyErr_SetString(PyExc_TypeError, "send_frame: payload must be bytes");
         return NULL;
@@ -505,16 +535,9 @@ frameio_send_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
         }
     }
     unsigned char head[CIP_FRAME_MSG_HEAD];
-    head[0] = CIP_MAGIC & 0xFF;
-    head[1] = CIP_MAGIC >> 8;
-    head[2] = CIP_VERSION;
-    head[3] = CIP_FRAME;
-    for (int i = 0; i < 8; i++)
-        head[4 + i] = (unsigned char)(seq >> (8 * i));
-    for (int i = 0; i < 4; i++) {
-        head[12 + i] = (unsigned char)(slot >> (8 * i));
+    put_head(head, CIP_FRAME, seq, slot);
+    for (int i = 0; i < 4; i++)
         head[16 + i] = (unsigned char)((unsigned long)length >> (8 * i));
-    }
     struct iovec iov[2] = {{head, sizeof head}, {PyBytes_AS_STRING(args[3]), (size_t)length}};
     struct msghdr mh;
     memset(&mh, 0, sizeof mh);
@@ -603,14 +626,9 @@ frameio_wait_releases(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssi
                      len);
         return NULL;
     }
-    long timeout_ms = PyLong_AsLong(args[1]);
-    if (timeout_ms == -1 && PyErr_Occurred())
+    long timeout_ms;
+    if (as_timeout(args[1], "wait_releases", &timeout_ms) < 0)
         return NULL;
-    if (timeout_ms < -1) {
-        PyErr_Format(PyExc_ValueError, "wait_releases: timeout_ms %ld (-1 waits without limit)",
-                     timeout_ms);
-        return NULL;
-    }
     long limit = PyLong_AsLong(args[2]);
     if (limit == -1 && PyErr_Occurred())
         return NULL;
@@ -679,8 +697,7 @@ frameio_wait_releases(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssi
                     goto error;
                 break;
             }
-            if (n == CIP_RELEASE_SIZE && buf[0] == (CIP_MAGIC & 0xFF) &&
-                buf[1] == (CIP_MAGIC >> 8) && buf[2] == CIP_VERSION && buf[3] == CIP_RELEASE) {
+            if (n == CIP_RELEASE_SIZE && is_header(buf, CIP_RELEASE)) {
                 if (append_triple(out, fd, PyLong_FromUnsignedLongLong(le64(buf + 4)),
                                   PyLong_FromUnsignedLong(le32(buf + 12))) < 0)
                     goto error;
