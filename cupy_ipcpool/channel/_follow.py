@@ -20,6 +20,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from .._errors import ChannelTimeoutError, EndOfStream, PoolClosedError, UsageError
 from .._transport._closing import ClosedFlag
+from ._iterate import frames_until_clean_end
 from ._subscriber import subscribe
 from ._waiting import check_wait, connect_waiting
 
@@ -173,14 +174,7 @@ class Follower(ClosedFlag, Generic[S]):
 
     def __iter__(self) -> Iterator[Any]:
         """Yield frames until a publisher closes cleanly (or forever, with ``restart_on_close``)."""
-        while True:
-            try:
-                frame = self.recv()
-            except EndOfStream as exc:
-                if exc.clean:
-                    return
-                raise  # pragma: no cover - recv reconnects on every unclean end
-            yield frame
+        return frames_until_clean_end(self.recv)
 
     def close(self) -> None:
         """Close the current subscription and stop.  Idempotent; never raises."""

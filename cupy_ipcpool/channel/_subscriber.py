@@ -26,6 +26,7 @@ from .._handles import PoolDescriptor
 from .._peer import PeerPool, attach_fds
 from .._transport._closing import ClosedFlag
 from ._ahead import AheadInbox, AheadSchedule, Predicted
+from ._iterate import frames_until_clean_end
 from ._payload import FRAME_HEAD, MAX_ARRAYS, MAX_METADATA, WELCOME_HEAD
 from ._settle import (
     CLOSE_GRACE,
@@ -650,14 +651,7 @@ class Subscriber(ClosedFlag):
         :class:`EndOfStream` with ``clean=False``; a malformed message raises
         :class:`ProtocolError` and closes this subscriber.
         """
-        while True:
-            try:
-                frame = self.recv()
-            except EndOfStream as exc:
-                if exc.clean:
-                    return
-                raise
-            yield frame
+        return frames_until_clean_end(self.recv)
 
     # -- teardown --
 

@@ -29,6 +29,7 @@ import numpy
 from .._errors import EndOfStream, ProtocolError, UsageError
 from .._transport._closing import ClosesOnExit
 from ..channel._handshake import SubscriberInfo
+from ..channel._iterate import frames_until_clean_end
 from ..channel._publisher_core import PublisherCore
 from ..channel._subscriber_core import SubscriberCore
 from . import _wire as wire
@@ -303,14 +304,7 @@ class HostChannelSubscriber(ClosesOnExit):
 
     def __iter__(self) -> Iterator[HostFrame]:
         """Frames until the publisher closes cleanly (an unclean end raises EndOfStream)."""
-        while True:
-            try:
-                frame = self.recv()
-            except EndOfStream as exc:
-                if exc.clean:
-                    return
-                raise
-            yield frame
+        return frames_until_clean_end(self.recv)
 
     @property
     def closed(self) -> bool:

@@ -21,6 +21,7 @@ from .._errors import (
 )
 from .._transport._closing import ClosedFlag
 from ..channel import Frame
+from ..channel._iterate import frames_until_clean_end
 from . import _wire as wire
 from ._credit import ClientBook
 from ._memory import DeviceSlots, HostSlots
@@ -274,14 +275,7 @@ class RemoteSubscriber(ClosedFlag):
 
     def __iter__(self) -> Iterator[RemoteFrame]:
         """Frames until the server closes cleanly; a lost connection raises EndOfStream."""
-        while True:
-            try:
-                frame = self.recv()
-            except EndOfStream as exc:
-                if exc.clean:
-                    return
-                raise
-            yield frame
+        return frames_until_clean_end(self.recv)
 
     def close(self) -> None:
         """Say BYE, stop the session thread, free the ring once no frame uses it. Idempotent."""
