@@ -34,7 +34,25 @@ from ._session import ClientSession, Received
 _SLACK = 64 * 1024
 
 
-class _HostSink:
+class _PublisherSink:
+    """What both sinks share: a local publisher ``pub`` (None until :meth:`setup`)."""
+
+    pub: Any
+
+    def service(self) -> None:
+        self.pub.poll(0.0)
+
+    @property
+    def subscribers(self) -> list[Any]:
+        return [] if self.pub is None else self.pub.subscribers
+
+    def close(self, linger: float) -> None:
+        """Close the local publisher (if set up), giving its subscribers ``linger`` seconds."""
+        if self.pub is not None:
+            self.pub.close(linger)
+
+
+class _HostSink(_PublisherSink):
     """Republish into a :class:`HostChannelPublisher` (memfd slots): several slots in flight."""
 
     def __init__(self, path: str, num_slots: int, kwargs: dict[str, Any]) -> None:
@@ -71,19 +89,8 @@ class _HostSink:
     def abandon(self, slot: int) -> None:
         self.pub.abandon(slot)
 
-    def service(self) -> None:
-        self.pub.poll(0.0)
 
-    @property
-    def subscribers(self) -> list[Any]:
-        return [] if self.pub is None else self.pub.subscribers
-
-    def close(self, linger: float) -> None:
-        if self.pub is not None:
-            self.pub.close(linger)
-
-
-class _DeviceSink:
+class _DeviceSink(_PublisherSink):
     """Republish into a :class:`cupy_ipcpool.Publisher` over an IpcPool: one slot in flight.
 
     The publisher hands out one slot at a time (``acquire`` then ``publish``),
@@ -139,17 +146,9 @@ class _DeviceSink:
     def abandon(self, slot: int) -> None:
         self._frame = None
 
-    def service(self) -> None:
-        self.pub.poll(0.0)
-
-    @property
-    def subscribers(self) -> list[Any]:
-        return [] if self.pub is None else self.pub.subscribers
-
     def close(self, linger: float) -> None:
         self._frame = None
-        if self.pub is not None:
-            self.pub.close(linger)
+        super().close(linger)
         if self.pool is not None:
             self.pool.close()
 
