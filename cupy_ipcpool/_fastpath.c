@@ -32,20 +32,12 @@ PyDoc_STRVAR(memop_doc,
 static PyObject *
 fastpath_memop(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError,
-                     "memop(fn, stream, addr, value, flags) takes 5 arguments (%zd given)",
-                     nargs);
+    if (check_nargs(nargs, 5, "memop(fn, stream, addr, value, flags)") < 0)
         return NULL;
-    }
     void *fn, *stream;
-    if (fn_and_stream(args, "memop", &fn, &stream) < 0)
-        return NULL;
-    unsigned long long addr = PyLong_AsUnsignedLongLong(args[2]);
-    if (addr == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
+    unsigned long long addr;
     unsigned int value, flags;
-    if (value_and_flags(args[3], args[4], "memop", &value, &flags) < 0)
+    if (memop_args(args, "memop", &fn, &stream, &addr, &value, &flags) < 0)
         return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
@@ -100,12 +92,8 @@ PyDoc_STRVAR(wait_all_doc,
 static PyObject *
 fastpath_wait_all(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError,
-                     "wait_all(fn, stream, addrs, value, flags) takes 5 arguments (%zd given)",
-                     nargs);
+    if (check_nargs(nargs, 5, "wait_all(fn, stream, addrs, value, flags)") < 0)
         return NULL;
-    }
     void *fn, *stream;
     if (fn_and_stream(args, "wait_all", &fn, &stream) < 0)
         return NULL;

@@ -56,4 +56,28 @@ value_and_flags(PyObject *value_obj, PyObject *flags_obj, const char *name,
     return 0;
 }
 
+/* A METH_FASTCALL function's argument count: `signature` ("memop(fn, stream, ...)")
+ * takes `want`.  0, or -1 with a TypeError. */
+static inline int
+check_nargs(Py_ssize_t nargs, Py_ssize_t want, const char *signature)
+{
+    if (nargs == want)
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", signature, want, nargs);
+    return -1;
+}
+
+/* A memory operation's five arguments, args[0..4]: fn, stream, addr, value, flags. */
+static inline int
+memop_args(PyObject *const *args, const char *name, void **fn, void **stream,
+           unsigned long long *addr, unsigned int *value, unsigned int *flags)
+{
+    if (fn_and_stream(args, name, fn, stream) < 0)
+        return -1;
+    *addr = PyLong_AsUnsignedLongLong(args[2]);
+    if (*addr == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    return value_and_flags(args[3], args[4], name, value, flags);
+}
+
 #endif /* CUPY_IPCPOOL_MEMOP_ARGS_H */

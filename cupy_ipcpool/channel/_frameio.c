@@ -251,13 +251,8 @@ PyDoc_STRVAR(recv_frame_doc,
 static PyObject *
 frameio_recv_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError,
-                     "recv_frame(fd, buf, timeout_ms, poll_first, hup) takes 5 arguments "
-                     "(%zd given)",
-                     nargs);
+    if (check_nargs(nargs, 5, "recv_frame(fd, buf, timeout_ms, poll_first, hup)") < 0)
         return NULL;
-    }
     int fd = as_fd(args[0], "recv_frame");
     if (fd < 0)
         return NULL;
@@ -421,13 +416,9 @@ PyDoc_STRVAR(release_frame_doc,
 static PyObject *
 frameio_release_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 9) {
-        PyErr_Format(PyExc_TypeError,
-                     "release_frame(fd, hup, fn, stream, addr, value, flags, seq, slot) takes 9 "
-                     "arguments (%zd given)",
-                     nargs);
+    if (check_nargs(nargs, 9,
+                    "release_frame(fd, hup, fn, stream, addr, value, flags, seq, slot)") < 0)
         return NULL;
-    }
     int fd = as_fd(args[0], "release_frame");
     if (fd < 0)
         return NULL;
@@ -436,13 +427,9 @@ frameio_release_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssi
     if (load_pollfds(args[1], hup, &nhup, "release_frame") < 0)
         return NULL;
     void *fn, *stream;
-    if (fn_and_stream(args + 2, "release_frame", &fn, &stream) < 0)
-        return NULL;
-    unsigned long long addr = PyLong_AsUnsignedLongLong(args[4]);
-    if (addr == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
+    unsigned long long addr;
     unsigned int value, flags;
-    if (value_and_flags(args[5], args[6], "release_frame", &value, &flags) < 0)
+    if (memop_args(args + 2, "release_frame", &fn, &stream, &addr, &value, &flags) < 0)
         return NULL;
     unsigned long long seq;
     unsigned long slot;
@@ -495,11 +482,8 @@ PyDoc_STRVAR(send_frame_doc,
 static PyObject *
 frameio_send_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 4) {
-        PyErr_Format(PyExc_TypeError,
-                     "send_frame(fds, seq, slot, payload) takes 4 arguments (%zd given)", nargs);
+    if (check_nargs(nargs, 4, "send_frame(fds, seq, slot, payload)") < 0)
         return NULL;
-    }
     if (!PyTuple_Check(args[0])) {
         PyErr_SetString(PyExc_TypeError, "send_frame: fds must be a tuple");
         return NULL;
@@ -609,12 +593,8 @@ append_triple(PyObject *list, int fd, PyObject *a, PyObject *b)
 static PyObject *
 frameio_wait_releases(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError,
-                     "wait_releases(pollset, timeout_ms, limit) takes 3 arguments (%zd given)",
-                     nargs);
+    if (check_nargs(nargs, 3, "wait_releases(pollset, timeout_ms, limit)") < 0)
         return NULL;
-    }
     if (!PyByteArray_Check(args[0])) {
         PyErr_SetString(PyExc_TypeError,
                         "wait_releases: the poll set must be a bytearray of pollfds()");
