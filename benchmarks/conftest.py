@@ -85,6 +85,18 @@ RATIOS += [
     for memory in ("device", "host")
     for mib in (1, 64, 256)
 ]
+# the same against raw UCXX between IpcPool slots (the channel's VMM memory; UCX may move
+# it by another transport than the cupy.ones buffers of the row above)
+RATIOS += [
+    (
+        f"remote device channel/raw UCXX on VMM slots {mib} MiB",
+        f"remote_device_ucxx_vmm_{mib}MiB",
+        f"remote_device_channel_{mib}MiB",
+        ">=",
+        0.9,
+    )
+    for mib in (1, 64, 256)
+]
 
 #: Units of recorded values: seconds (printed in µs), a rate, or a plain fraction.
 SECONDS, PER_SECOND, FRACTION = "s", "/s", "fraction"

@@ -11,7 +11,10 @@ UCXX):
 * ``ucxx``: raw UCXX tag send/recv of buffers of the same size, same worker
   setup, the receiver cycling through the same number of receive buffers;
 * ``tcp``: the hand-written alternative: ``sendall`` / ``recv_into`` over a
-  TCP socket on 127.0.0.1 (host staging; device frames copied to host first).
+  TCP socket on 127.0.0.1 (host staging; device frames copied to host first);
+* ``ucxx_vmm`` (device memory only): raw UCXX as ``ucxx``, between buffers in
+  :class:`~cupy_ipcpool.IpcPool` slots (the VMM memory the channel uses), since
+  UCX may move such memory by another transport than ``cupy.ones`` buffers.
 
 Run ``python -m cupy_ipcpool._bench.remote [--memory device]`` or
 ``benchmarks/test_bench_remote.py``.  ``UCX_TLS`` decides the transport.
@@ -63,6 +66,20 @@ def _alloc(memory: str, nbytes: int, device: int) -> Any:
         return cp.ones(nbytes, cp.uint8)
 
 
+def _vmm_buffers(count: int, nbytes: int, device: int) -> tuple[Any, list[Any]]:
+    """``count`` device buffers in the slots of one IpcPool (VMM memory, as the channel's)."""
+    import cupy as cp
+
+    from cupy_ipcpool import IpcPool
+
+    cp.cuda.Device(device).use()
+    pool = IpcPool(count, nbytes, device=device)
+    bufs = [pool.array((nbytes,), cp.uint8, slot=i) for i in range(count)]
+    for b in bufs:
+        b.fill(1)
+    return pool, bufs
+
+
 # -- children -----------------------------------------------------------------------
 
 
@@ -80,7 +97,9 @@ def _child_channel(conn: Connection, address: str, frames: int, memory: str, dev
         conn.send(time.perf_counter() - t0)
 
 
-def _child_ucxx(conn: Connection, frames: int, nbytes: int, memory: str, dev: int) -> None:
+def _child_ucxx(
+    conn: Connection, frames: int, nbytes: int, memory: str, dev: int, vmm: bool = False
+) -> None:
     import select
 
     from cupy_ipcpool.remote import _ucx as ucx
@@ -90,7 +109,11 @@ def _child_ucxx(conn: Connection, frames: int, nbytes: int, memory: str, dev: in
 
         cp.cuda.Device(dev).use()
     worker = ucx.Worker(loopback_only=True)
-    bufs = [_alloc(memory, nbytes, dev) for _ in range(4)]
+    pool = None
+    if vmm:
+        pool, bufs = _vmm_buffers(4, nbytes, dev)
+    else:
+        bufs = [_alloc(memory, nbytes, dev) for _ in range(4)]
     conn.send(worker.address)
     poller = select.poll()
     poller.register(worker.fileno(), select.POLLIN)
@@ -112,6 +135,9 @@ def _child_ucxx(conn: Connection, frames: int, nbytes: int, memory: str, dev: in
             poller.poll(100)
     conn.send(time.perf_counter() - t0)
     conn.recv()
+    del bufs, pending
+    if pool is not None:
+        pool.close()
 
 
 def _child_tcp(conn: Connection, port: int, frames: int, nbytes: int) -> None:
@@ -190,20 +216,24 @@ def _channel(nbytes: int, frames: int, memory: str, device: int) -> float:
     return elapsed / max(frames - 1, 1)
 
 
-def _ucxx(nbytes: int, frames: int, memory: str, device: int) -> float:
+def _ucxx(nbytes: int, frames: int, memory: str, device: int, vmm: bool = False) -> float:
     import select
 
     from cupy_ipcpool.remote import _ucx as ucx
 
     parent, child = CTX.Pipe()
-    proc = CTX.Process(target=_child_ucxx, args=(child, frames, nbytes, memory, device))
+    proc = CTX.Process(target=_child_ucxx, args=(child, frames, nbytes, memory, device, vmm))
     proc.start()
     try:
         assert parent.poll(120)
         address = parent.recv()
         worker = ucx.Worker(loopback_only=True)
         ep = worker.connect(address)
-        buf = _alloc(memory, nbytes, device)
+        pool = None
+        if vmm:
+            pool, (buf,) = _vmm_buffers(1, nbytes, device)
+        else:
+            buf = _alloc(memory, nbytes, device)
         poller = select.poll()
         poller.register(worker.fileno(), select.POLLIN)
         inflight: list[Any] = []
@@ -220,6 +250,9 @@ def _ucxx(nbytes: int, frames: int, memory: str, device: int) -> float:
         parent.send("bye")
         ucx.close_endpoint(ep)
         worker.progress()
+        del buf, inflight
+        if pool is not None:
+            pool.close()
     finally:
         proc.join(60)
     return elapsed / max(frames - 1, 1)
@@ -247,7 +280,14 @@ def _tcp(nbytes: int, frames: int, memory: str, device: int) -> float:
     return elapsed / max(frames - 1, 1)
 
 
+def _ucxx_vmm(nbytes: int, frames: int, memory: str, device: int) -> float:
+    return _ucxx(nbytes, frames, memory, device, vmm=True)
+
+
 LANES = {"channel": _channel, "ucxx": _ucxx, "tcp": _tcp}
+#: device memory only: raw UCXX between buffers in IpcPool slots (the VMM memory the
+#: channel sends from and receives into), beside ``ucxx``'s ``cupy.ones`` buffers
+DEVICE_LANES = {"ucxx_vmm": _ucxx_vmm}
 
 
 def run(
@@ -262,7 +302,8 @@ def run(
     out = []
     for nbytes in sizes:
         frames = max(4, min(200, budget_bytes // nbytes))
-        for lane, fn in LANES.items():
+        lanes = {**LANES, **DEVICE_LANES} if memory == "device" else LANES
+        for lane, fn in lanes.items():
             secs = [fn(nbytes, frames, memory, device) for _ in range(repeats)]
             out.append(Result(lane, nbytes, frames, statistics.median(secs) * frames))
     return out
