@@ -83,22 +83,32 @@ def test_a_second_mapping_sees_the_same_flags_and_owns_its_fd(fd_count) -> None:
     assert fd_count() == before
 
 
+def _in_another_process(page: SharedFlags, body: str) -> None:
+    """Run ``body`` in a child Python with ``page`` (4096 bytes) mapped there as ``page``.
+
+    The child opens the page from its fd (passed at exec) and closes it after
+    ``body``; a failed assertion there fails the run (``check=True``).
+    """
+    os.set_inheritable(page.fd, True)
+    code = (
+        "from cupy_ipcpool.channel._syncpage import SharedFlags\n"
+        f"page = SharedFlags.open({page.fd}, 4096)\n" + textwrap.dedent(body) + "page.close()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, pass_fds=[page.fd], timeout=60)
+
+
 def test_another_process_maps_the_page_from_its_fd() -> None:
     """The flag a child process stores is what this process loads (fd passed at exec)."""
     page = SharedFlags.create(4096)
     try:
-        os.set_inheritable(page.fd, True)
-        code = textwrap.dedent(
-            f"""
-            from cupy_ipcpool.channel._syncpage import SharedFlags
-            page = SharedFlags.open({page.fd}, 4096)
+        page.store(16, 5)
+        _in_another_process(
+            page,
+            """
             assert page.load(16) == 5
             page.store(20, 0xDEADBEEF)
-            page.close()
-            """
+            """,
         )
-        page.store(16, 5)
-        subprocess.run([sys.executable, "-c", code], check=True, pass_fds=[page.fd], timeout=60)
         assert page.load(20) == 0xDEADBEEF
     finally:
         page.close()
@@ -290,17 +300,13 @@ def test_force_frame_in_another_process_is_seen_here() -> None:
 
     page = SharedFlags.create(4096)
     try:
-        os.set_inheritable(page.fd, True)
-        code = textwrap.dedent(
-            f"""
-            from cupy_ipcpool.channel._syncpage import SharedFlags
-            page = SharedFlags.open({page.fd}, 4096)
-            assert page.force_frame(8, 0xFFFFFFFF)  # awaited, wrapped past the last real one
-            page.close()
-            """
-        )
         page.store(8, 0xFFFFFFFD)
-        subprocess.run([sys.executable, "-c", code], check=True, pass_fds=[page.fd], timeout=60)
+        _in_another_process(
+            page,
+            """
+            assert page.force_frame(8, 0xFFFFFFFF)  # awaited, wrapped past the last real one
+            """,
+        )
         word = page.load(8)
         assert word == (0xFFFFFFFD + FORCED) & _M
         assert frame_state(word, 0xFFFFFFFD) is True
