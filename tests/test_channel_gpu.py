@@ -205,13 +205,19 @@ def _holding_consumer(address, hold, q):
         report_exception(q)
 
 
+def _start_holding_both(pub, address):
+    """Start a subscriber holding 2 frames, publish 2 to it; ``(process, queue)`` once it does."""
+    proc, q = start_child(_holding_consumer, address, 2)
+    assert child_message(q)[0] == "ready"
+    wait_subscribers(pub, 1)
+    _produce(pub, 2)
+    assert child_message(q)[0] == "holding"
+    return proc, q
+
+
 def test_block_mode_backpressure_times_out_clearly(address):
     with cip.IpcPool(2, 1 << 16) as pool, cip.Publisher(pool, address) as pub:
-        proc, q = start_child(_holding_consumer, address, 2)
-        assert child_message(q)[0] == "ready"
-        wait_subscribers(pub, 1)
-        _produce(pub, 2)
-        assert child_message(q)[0] == "holding"
+        proc, _q = _start_holding_both(pub, address)
         with pytest.raises(cip.SlotBusyError, match=r"1 peer lease\(s\) \(subscriber \d+, pid"):
             pub.acquire(timeout=0.3)
         proc.kill()
@@ -220,11 +226,7 @@ def test_block_mode_backpressure_times_out_clearly(address):
 
 def test_subscriber_sigkill_returns_its_leases_within_a_second(address):
     with cip.IpcPool(2, 1 << 16) as pool, cip.Publisher(pool, address) as pub:
-        proc, q = start_child(_holding_consumer, address, 2)
-        assert child_message(q)[0] == "ready"
-        wait_subscribers(pub, 1)
-        _produce(pub, 2)
-        assert child_message(q)[0] == "holding"
+        proc, _q = _start_holding_both(pub, address)
         assert pub.leases(0) == pub.leases(1) == 1
         os.kill(proc.pid, signal.SIGKILL)
         t0 = time.monotonic()

@@ -159,10 +159,15 @@ def test_honest_join_under_attack_with_real_slots():
             if p.is_alive():
                 p.kill()
             p.join(10)
-        with contextlib.suppress(OSError):
-            for name in os.listdir(public):
-                os.unlink(os.path.join(public, name))
-            os.rmdir(public)
+        _remove_dir(public)
+
+
+def _remove_dir(path):
+    """Remove ``path`` and the files in it, as far as it can (errors are ignored)."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(path):
+            os.unlink(os.path.join(path, name))
+        os.rmdir(path)
 
 
 def _proc_state(pid):
@@ -262,7 +267,4 @@ def test_stopped_subscriber_never_gets_a_frame_whose_slot_was_reused(spin_us):
             os.kill(victim.pid, signal.SIGCONT)
             victim.kill()
         victim.join(10)
-        with contextlib.suppress(OSError):
-            for name in os.listdir(tmp):
-                os.unlink(os.path.join(tmp, name))
-            os.rmdir(tmp)
+        _remove_dir(tmp)
