@@ -43,6 +43,22 @@ extern "C" __global__ void spin_check(const unsigned int* a, unsigned long long 
 }
 """
 
+#: How long the late kernel (:data:`LATE_SRC`) waits before it touches memory: 200 ms.
+DELAY_NS = 200_000_000
+
+#: ``late(mem, out, ns)`` waits ``ns`` on the GPU's clock, then reads the first word of
+#: ``mem`` and writes it + 1 into ``out`` (a plain allocation), and 7 into ``mem[0]``: the
+#: tests of a close under queued work queue it on memory the close would unmap.
+LATE_SRC = r"""
+extern "C" __global__ void late(unsigned int* mem, unsigned int* out, unsigned long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+    out[0] = mem[0] + 1u;
+    mem[0] = 7u;
+}
+"""
+
 _kernels: dict[str, Any] = {}
 
 
@@ -193,3 +209,18 @@ def wait_subscribers(pub: Any, n: int, timeout: float = 60) -> None:
     while len(pub.subscribers) < n:
         pub.poll(0.05)
         assert time.monotonic() < deadline, "subscribers did not join"
+
+
+def publish_41s_to_first_subscriber(pub: Any, who: str) -> None:
+    """Wait (60 s at most) for ``who`` to subscribe to ``pub``; publish one frame of 1024 41s."""
+    import cupy as cp
+
+    deadline = time.monotonic() + 60
+    while not pub.subscribers:
+        pub.poll(0.01)
+        assert time.monotonic() < deadline, f"{who} never joined"
+    with pub.frame(timeout=10) as f:
+        a = f.array((1024,), cp.uint32)
+        a.fill(41)
+        f.publish(a)
+        del a

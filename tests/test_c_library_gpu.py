@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gpu_helpers import DELAY_NS, LATE_SRC, publish_41s_to_first_subscriber
 from test_c_library import C_DIR, build_c_library, build_c_program
 
 pytestmark = pytest.mark.gpu
@@ -305,23 +306,9 @@ def test_c_attach_and_array_from_handle(consumer_exe: Path, transport: str) -> N
 
 # ---------------------------------------------------------------- close under queued work
 
-DELAY_NS = 200_000_000
-
-#: waits DELAY_NS on the GPU's clock, then reads the first word of the slot's memory and
-#: writes it + 1 into ``out`` (a plain allocation), and 7 into the slot
-LATE_SRC = r"""
-extern "C" __global__ void late(unsigned int* mem, unsigned int* out, unsigned long long ns) {
-    unsigned long long t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
-    out[0] = mem[0] + 1u;
-    mem[0] = 7u;
-}
-"""
-
 
 def _late_kernel() -> Any:
-    """The late kernel, loaded (a module load waits for queued work: do it first)."""
+    """The late kernel (LATE_SRC), loaded (a module load waits for queued work: do it first)."""
     import cupy as cp
 
     kernel = cp.RawKernel(LATE_SRC, "late")
@@ -331,17 +318,26 @@ def _late_kernel() -> Any:
     return kernel
 
 
+def _late_case_start(lib_path: str) -> tuple[Any, Any, Any]:
+    """In a case's child: device 0 in use; ``(C library, late kernel, its output buffer)``."""
+    import cupy as cp
+    from test_c_library import CLib
+
+    cp.cuda.Device(0).use()
+    lib = CLib(lib_path)
+    kernel = _late_kernel()
+    out = cp.zeros(1, cp.uint32)
+    cp.cuda.Device(0).synchronize()
+    return lib, kernel, out
+
+
 def _c_pool_case(lib_path: str, desc: bytes, where: str, queue: Any) -> None:
     """Attach with cip_pool_attach, queue the late kernel on slot 0, cip_pool_close at once."""
     try:
         import cupy as cp
-        from test_c_library import CIP_TRANSPORT_AUTO, CLib
+        from test_c_library import CIP_TRANSPORT_AUTO
 
-        cp.cuda.Device(0).use()
-        lib = CLib(lib_path)
-        kernel = _late_kernel()
-        out = cp.zeros(1, cp.uint32)
-        cp.cuda.Device(0).synchronize()
+        lib, kernel, out = _late_case_start(lib_path)
         pool = ctypes.c_void_p()
         lib.check(
             lib.cip_pool_attach(desc, len(desc), -1, CIP_TRANSPORT_AUTO, ctypes.byref(pool)),
@@ -367,13 +363,9 @@ def _c_subscriber_case(lib_path: str, address: str, where: str, queue: Any) -> N
     """Receive a frame with the C library, queue the late kernel on it, release, close."""
     try:
         import cupy as cp
-        from test_c_library import CipFrame, CLib
+        from test_c_library import CipFrame
 
-        cp.cuda.Device(0).use()
-        lib = CLib(lib_path)
-        kernel = _late_kernel()
-        out = cp.zeros(1, cp.uint32)
-        cp.cuda.Device(0).synchronize()
+        lib, kernel, out = _late_case_start(lib_path)
         sub = lib.subscribe(address)
         stream = cp.cuda.Stream(non_blocking=True)
         f = CipFrame()
@@ -441,8 +433,6 @@ def test_c_subscriber_close_waits_for_queued_work(
 ) -> None:
     import queue as queue_mod
 
-    import cupy as cp
-
     import cupy_ipcpool as cip
 
     with cip.IpcPool(4, 4 * MiB) as pool, cip.Publisher(pool, address) as pub:
@@ -452,15 +442,7 @@ def test_c_subscriber_close_waits_for_queued_work(
         )
         proc.start()
         try:
-            deadline = time.monotonic() + 60
-            while not pub.subscribers:
-                pub.poll(0.01)
-                assert time.monotonic() < deadline, "the C subscriber never joined"
-            with pub.frame(timeout=10) as f:
-                a = f.array((1024,), cp.uint32)
-                a.fill(41)
-                f.publish(a)
-                del a
+            publish_41s_to_first_subscriber(pub, "the C subscriber")
             result = None
             deadline = time.monotonic() + 90
             while result is None:

@@ -20,25 +20,17 @@ from typing import Any
 import pytest
 
 import cupy_ipcpool as cip
-from tests.gpu_helpers import report_exception
+from tests.gpu_helpers import (
+    DELAY_NS,
+    LATE_SRC,
+    publish_41s_to_first_subscriber,
+    report_exception,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
 
 MiB = 1 << 20
-DELAY_NS = 200_000_000
 CTX = mp.get_context("spawn")
-
-#: waits DELAY_NS on the GPU's clock, then reads the first word and writes it + 1 into
-#: ``out`` (a plain allocation) and 7 into the first word of the slot's memory
-LATE_SRC = r"""
-extern "C" __global__ void late(unsigned int* mem, unsigned int* out, unsigned long long ns) {
-    unsigned long long t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
-    out[0] = mem[0] + 1u;
-    mem[0] = 7u;
-}
-"""
 
 
 def _late(array: Any, stream: Any) -> Any:
@@ -203,7 +195,6 @@ def test_seed_import_close_waits_for_queued_work() -> None:
 
 @pytest.mark.parametrize("where", ["current", "side"])
 def test_subscriber_close_waits_for_queued_work(where: str, tmp_path: Any) -> None:
-    import cupy as cp
 
     address = str(tmp_path / "pub.sock")
     with cip.IpcPool(4, 4 * MiB) as pool, cip.Publisher(pool, address) as pub:
@@ -211,15 +202,7 @@ def test_subscriber_close_waits_for_queued_work(where: str, tmp_path: Any) -> No
         proc = CTX.Process(target=_subscriber_case, args=(address, where, queue))
         proc.start()
         try:
-            deadline = time.monotonic() + 60
-            while not pub.subscribers:
-                pub.poll(0.01)
-                assert time.monotonic() < deadline, "the subscriber never joined"
-            with pub.frame(timeout=10) as f:
-                a = f.array((1024,), cp.uint32)
-                a.fill(41)
-                f.publish(a)
-                del a
+            publish_41s_to_first_subscriber(pub, "the subscriber")
             result = None
             while result is None:
                 pub.poll(0.01)
