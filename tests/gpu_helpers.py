@@ -59,6 +59,110 @@ extern "C" __global__ void late(unsigned int* mem, unsigned int* out, unsigned l
 }
 """
 
+# -- the death case: a producer SIGKILLed with hundreds of frames not yet written ------
+# Block mode, 8 slots of 1 MiB, a consumer whose GPU check is slower than the
+# producer's fill; the consumer SIGKILLs the producer after DEATH_KILL_AT frames.
+# test_death_answers_gpu.py (the Python subscriber) and test_c_library_gpu.py (the
+# C one) each check the library's answers against what the checks saw.
+
+DEATH_SLOTS, DEATH_SLOT_BYTES = 8, 1 << 20
+DEATH_N = DEATH_SLOT_BYTES // 4  # uint32 elements per frame
+DEATH_KILL_AT = 1500  # frames received when the consumer SIGKILLs the producer
+DEATH_CAP = 1 << 16  # entries of the result array (more than can be received)
+DEATH_CHECK_US = 300  # the check kernel's spin: far slower than the producer's 1 MiB fill
+
+#: result[seq]: bit 0: the check ran; bit 1: the slot did not hold frame seq's values
+SLOW_CHECK_SRC = r"""
+extern "C" __global__ void slow_check(const unsigned int* a, unsigned long long n,
+                                      unsigned int seed, long long cycles,
+                                      unsigned int* result, unsigned long long seq,
+                                      unsigned long long cap) {
+    if (seq >= cap) return;
+    if (threadIdx.x == 0) {
+        long long start = clock64();
+        while (clock64() - start < cycles) { }
+    }
+    __syncthreads();
+    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (; i < n; i += stride) {
+        if (a[i] != seed * 2654435761u + (unsigned int)i) { atomicOr(&result[seq], 2u); break; }
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(&result[seq], 1u);
+}
+"""
+
+
+class PipeQueue:
+    """A pipe's end with a queue's ``put``: :func:`death_producer` reports through a pipe."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    def put(self, msg: Any) -> None:
+        self.conn.send(msg)
+
+
+def death_producer(address: str, queue: Any) -> None:
+    """Publish frames (frame i filled with seed i + 1, sent as metadata) until killed.
+
+    Puts ``("ready",)`` once its fill kernel is loaded; it publishes once a
+    subscriber joined.
+    """
+    try:
+        import struct
+
+        import cupy as cp
+
+        import cupy_ipcpool as cip
+
+        stream = cp.cuda.Stream(non_blocking=True)
+        with cip.IpcPool(DEATH_SLOTS, DEATH_SLOT_BYTES) as pool, stream:
+            pub = cip.Publisher(pool, address)
+            warm = cp.zeros(DEATH_N, cp.uint32)
+            fill(warm, 0)  # load the kernel now: a first launch waits for queued work
+            cp.cuda.Device().synchronize()
+            del warm
+            queue.put(("ready",))
+            deadline = time.monotonic() + 60
+            while not pub.subscribers:
+                pub.poll(0.01)
+                assert time.monotonic() < deadline, "no subscriber"
+            for i in range(DEATH_CAP):  # SIGKILLed long before the end
+                with pub.frame(timeout=60, stream=stream) as f:
+                    a = f.array((DEATH_N,), cp.uint32)
+                    fill(a, i + 1)
+                    f.publish(a, metadata=struct.pack("<I", i + 1))
+                del a
+            queue.put(("published all",))
+            time.sleep(300)
+    except BaseException:
+        report_exception(queue)
+
+
+def slow_check_kernel(dev: Any) -> tuple[Any, int, int, Any]:
+    """The death case's check on ``dev``, loaded: ``(kernel, grid, cycles, result)``.
+
+    ``grid``: one block per SM (the spins overlap); ``cycles``: DEATH_CHECK_US of
+    its clock; ``result``: DEATH_CAP zeros.  Launch it as ``kernel((grid,), (256,),
+    (data, uint64(DEATH_N), uint32(seed), int64(cycles), result, uint64(seq),
+    uint64(DEATH_CAP)))``.
+    """
+    import cupy as cp
+
+    grid = int(dev.attributes["MultiProcessorCount"])  # one block per SM: the spins overlap
+    cycles = int(DEATH_CHECK_US * 1e-6 * dev.attributes["ClockRate"] * 1000)
+    check = cp.RawKernel(SLOW_CHECK_SRC, "slow_check")
+    result = cp.zeros(DEATH_CAP, cp.uint32)
+    dummy = cp.zeros(DEATH_N, cp.uint32)
+    # load the kernel before any wait is queued (module loading waits for queued work)
+    no_seq = cp.uint64(DEATH_CAP)  # seq >= cap: the kernel returns at once
+    args = (dummy, cp.uint64(DEATH_N), cp.uint32(0), cp.int64(0), result, no_seq, no_seq)
+    check((grid,), (256,), args)
+    dev.synchronize()
+    return check, grid, cycles, result
+
+
 _kernels: dict[str, Any] = {}
 
 

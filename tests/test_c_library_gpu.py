@@ -56,7 +56,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gpu_helpers import DELAY_NS, LATE_SRC, publish_41s_to_first_subscriber
+from gpu_helpers import (
+    DEATH_CAP,
+    DEATH_KILL_AT,
+    DEATH_N,
+    DELAY_NS,
+    LATE_SRC,
+    death_producer,
+    publish_41s_to_first_subscriber,
+    slow_check_kernel,
+)
 from test_c_library import C_DIR, build_c_library, build_c_program
 
 pytestmark = pytest.mark.gpu
@@ -461,66 +470,7 @@ def test_c_subscriber_close_waits_for_queued_work(
 
 # ---------------------------------------------------------------- exact answers after a death
 
-DEATH_SLOTS, DEATH_SLOT_BYTES = 8, MiB
-DEATH_N = DEATH_SLOT_BYTES // 4  # uint32 elements per frame
-KILL_AT = 1500  # frames received when the consumer SIGKILLs the producer
-CAP = 1 << 16  # entries of the result array (more than can be received)
-CHECK_US = 300  # the check kernel's spin: far slower than the producer's 1 MiB fill
-
-# result[seq]: bit 0: the check ran; bit 1: the slot did not hold frame seq's values
-CHECK_SRC = r"""
-extern "C" __global__ void slow_check(const unsigned int* a, unsigned long long n,
-                                      unsigned int seed, long long cycles,
-                                      unsigned int* result, unsigned long long seq,
-                                      unsigned long long cap) {
-    if (seq >= cap) return;
-    if (threadIdx.x == 0) {
-        long long start = clock64();
-        while (clock64() - start < cycles) { }
-    }
-    __syncthreads();
-    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
-    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    for (; i < n; i += stride) {
-        if (a[i] != seed * 2654435761u + (unsigned int)i) { atomicOr(&result[seq], 2u); break; }
-    }
-    if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(&result[seq], 1u);
-}
-"""
-
-
-def _death_producer(address: str, queue: Any) -> None:
-    """Publish frames (frame i filled with seed i + 1, sent as metadata) until killed."""
-    try:
-        import cupy as cp
-        from gpu_helpers import fill
-
-        import cupy_ipcpool as cip
-
-        stream = cp.cuda.Stream(non_blocking=True)
-        with cip.IpcPool(DEATH_SLOTS, DEATH_SLOT_BYTES) as pool, stream:
-            pub = cip.Publisher(pool, address)
-            warm = cp.zeros(DEATH_N, cp.uint32)
-            fill(warm, 0)  # load the kernel now: a first launch waits for queued work
-            cp.cuda.Device().synchronize()
-            del warm
-            queue.put(("ready",))
-            deadline = time.monotonic() + 60
-            while not pub.subscribers:
-                pub.poll(0.01)
-                assert time.monotonic() < deadline, "no subscriber"
-            for i in range(CAP):  # SIGKILLed long before the end
-                with pub.frame(timeout=60, stream=stream) as f:
-                    a = f.array((DEATH_N,), cp.uint32)
-                    fill(a, i + 1)
-                    f.publish(a, metadata=struct.pack("<I", i + 1))
-                del a
-            queue.put(("published all",))
-            time.sleep(300)
-    except BaseException:
-        from gpu_helpers import report_exception
-
-        report_exception(queue)
+KILL_AT, CAP = DEATH_KILL_AT, DEATH_CAP  # the death case of gpu_helpers.py
 
 
 def _death_consumer(lib_path: str, address: str, producer_pid: int, queue: Any) -> None:
@@ -538,16 +488,7 @@ def _death_consumer(lib_path: str, address: str, producer_pid: int, queue: Any) 
         dev = cp.cuda.Device(0)
         dev.use()
         lib = CLib(lib_path)
-        grid = int(dev.attributes["MultiProcessorCount"])  # one block per SM
-        cycles = int(CHECK_US * 1e-6 * dev.attributes["ClockRate"] * 1000)
-        check = cp.RawKernel(CHECK_SRC, "slow_check")
-        result = cp.zeros(CAP, cp.uint32)
-        dummy = cp.zeros(DEATH_N, cp.uint32)
-        # load the kernel before any wait is queued (module loading waits for queued work)
-        no_seq = cp.uint64(CAP)  # seq >= cap: the kernel returns at once
-        args = (dummy, cp.uint64(DEATH_N), cp.uint32(0), cp.int64(0), result, no_seq, no_seq)
-        check((grid,), (256,), args)
-        dev.synchronize()
+        check, grid, cycles, result = slow_check_kernel(dev)
         sub = lib.subscribe(address, CIP_MODE_BLOCK)
         stream = cp.cuda.Stream(non_blocking=True)
         frames: list[tuple[int, int, int]] = []  # (seq, slot, generation)
@@ -621,7 +562,7 @@ def test_c_complete_matches_the_gpu_check_of_every_frame_after_a_sigkill(
     import queue as queue_mod
 
     pq, cq = SPAWN.Queue(), SPAWN.Queue()
-    producer = SPAWN.Process(target=_death_producer, args=(address, pq), daemon=True)
+    producer = SPAWN.Process(target=death_producer, args=(address, pq), daemon=True)
     producer.start()
     consumer = None
     try:

@@ -24,75 +24,21 @@ from typing import Any
 import pytest
 
 import cupy_ipcpool as cip
-from tests.gpu_helpers import fill, report_exception
+from tests.gpu_helpers import (
+    DEATH_CAP,
+    DEATH_KILL_AT,
+    DEATH_N,
+    PipeQueue,
+    death_producer,
+    slow_check_kernel,
+)
 
 pytestmark = [pytest.mark.gpu]
 
 SPAWN = mp.get_context("spawn")
-SLOTS, SLOT_BYTES = 8, 1 << 20
-N = SLOT_BYTES // 4  # uint32 elements per frame
-KILL_AT = 1500  # frames received when the consumer SIGKILLs the producer
-CAP = 1 << 16  # entries of the result array (more than can be received)
-CHECK_US = 300  # the check kernel's spin: far slower than the producer's 1 MiB fill
+# the death case of gpu_helpers.py: block mode, 8 slots of 1 MiB, a slow check
+N, KILL_AT, CAP = DEATH_N, DEATH_KILL_AT, DEATH_CAP
 SEED = struct.Struct("<I")
-
-# result[seq]: bit 0: the check ran; bit 1: the slot did not hold frame seq's values
-CHECK_SRC = r"""
-extern "C" __global__ void slow_check(const unsigned int* a, unsigned long long n,
-                                      unsigned int seed, long long cycles,
-                                      unsigned int* result, unsigned long long seq,
-                                      unsigned long long cap) {
-    if (seq >= cap) return;
-    if (threadIdx.x == 0) {
-        long long start = clock64();
-        while (clock64() - start < cycles) { }
-    }
-    __syncthreads();
-    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
-    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    for (; i < n; i += stride) {
-        if (a[i] != seed * 2654435761u + (unsigned int)i) { atomicOr(&result[seq], 2u); break; }
-    }
-    if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(&result[seq], 1u);
-}
-"""
-
-
-class _Pipe:
-    def __init__(self, conn: Any) -> None:
-        self.conn = conn
-
-    def put(self, msg: Any) -> None:
-        self.conn.send(msg)
-
-
-def _producer(address: str, conn: Any) -> None:
-    """Publish frames (frame i filled with seed i + 1, sent as metadata) until killed."""
-    try:
-        import cupy as cp
-
-        stream = cp.cuda.Stream(non_blocking=True)
-        with cip.IpcPool(SLOTS, SLOT_BYTES) as pool, stream:
-            pub = cip.Publisher(pool, address)
-            warm = cp.zeros(N, cp.uint32)
-            fill(warm, 0)  # load the kernel now: a first launch waits for queued work
-            cp.cuda.Device().synchronize()
-            del warm
-            conn.send(("ready",))
-            deadline = time.monotonic() + 60
-            while not pub.subscribers:
-                pub.poll(0.01)
-                assert time.monotonic() < deadline, "no subscriber"
-            for i in range(CAP):  # SIGKILLed long before the end
-                with pub.frame(timeout=60, stream=stream) as f:
-                    a = f.array((N,), cp.uint32)
-                    fill(a, i + 1)
-                    f.publish(a, metadata=SEED.pack(i + 1))
-                del a
-            conn.send(("published all",))
-            conn.recv()
-    except BaseException:
-        report_exception(_Pipe(conn))
 
 
 def _expect(conn: Any, timeout: float = 120.0) -> Any:
@@ -109,20 +55,9 @@ def test_complete_matches_the_gpu_check_of_every_frame_after_a_sigkill(tmp_path:
 
     address = str(tmp_path / "chan.sock")
     dev = cp.cuda.Device()
-    grid = int(dev.attributes["MultiProcessorCount"])  # one block per SM: the spins overlap
-    cycles = int(CHECK_US * 1e-6 * dev.attributes["ClockRate"] * 1000)
-    check = cp.RawKernel(CHECK_SRC, "slow_check")
-    result = cp.zeros(CAP, cp.uint32)
-    dummy = cp.zeros(N, cp.uint32)
-    # load the kernel before any wait is queued (module loading waits for queued work)
-    check(
-        (grid,),
-        (256,),
-        (dummy, cp.uint64(N), cp.uint32(0), cp.int64(0), result, cp.uint64(CAP), cp.uint64(CAP)),
-    )
-    dev.synchronize()
+    check, grid, cycles, result = slow_check_kernel(dev)
     parent, child = SPAWN.Pipe()
-    proc = SPAWN.Process(target=_producer, args=(address, child), daemon=True)
+    proc = SPAWN.Process(target=death_producer, args=(address, PipeQueue(child)), daemon=True)
     proc.start()
     child.close()
     assert proc.pid is not None
