@@ -7,31 +7,13 @@ processes of those tests starts in a fraction of a second.
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
 
 from _memfd_backend import MemfdConsumer, MemfdProducer
+from _pipe_child import open_fd_count, run_body
 
 from cupy_ipcpool._errors import EndOfStream, TransportError
-
-
-def _run(conn: Connection, body: Callable[[], Any]) -> None:
-    """Run ``body``; send back ("ok", result) or ("err", type name, message)."""
-    try:
-        result = body()
-    except BaseException as exc:
-        conn.send(("err", type(exc).__name__, str(exc)))
-    else:
-        conn.send(("ok", result))
-    finally:
-        conn.close()
-
-
-def _fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 def _memfd_mappings() -> int:
@@ -47,10 +29,10 @@ def child_publish_until_killed(conn: Connection, address: str, frames: int) -> N
             producer.wait_subscribers(1)
             for _ in range(frames):
                 producer.publish_next(timeout=10.0)
-            conn.send(("msg", _fd_count()))
+            conn.send(("msg", open_fd_count()))
             conn.recv()  # the parent SIGKILLs this process meanwhile
 
-    _run(conn, body)
+    run_body(conn, body)
 
 
 def child_outlive_publishers(conn: Connection, address: str, cycles: int, hold: int) -> None:
@@ -83,9 +65,9 @@ def child_outlive_publishers(conn: Connection, address: str, cycles: int, hold: 
                 for frame in held:  # the memory outlives its publisher
                     consumer.check(frame)
                     consumer.release(frame)  # only forgets it locally now
-            conn.send(("msg", (_fd_count(), _memfd_mappings())))
+            conn.send(("msg", (open_fd_count(), _memfd_mappings())))
 
-    _run(conn, body)
+    run_body(conn, body)
 
 
 def child_hold_until_killed(conn: Connection, address: str) -> None:
@@ -99,4 +81,4 @@ def child_hold_until_killed(conn: Connection, address: str) -> None:
             conn.send(("msg", "holding"))
             conn.recv()
 
-    _run(conn, body)
+    run_body(conn, body)

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _pipe_child import PipeChild
 
 from cupy_ipcpool._handles import ArrayHandle, PoolDescriptor
 from cupy_ipcpool._transport import process_start_time
@@ -466,16 +467,11 @@ def _producer_main(
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
-class Producer:
+class Producer(PipeChild):
     """The spawned publisher process."""
 
     def __init__(self, address: str, num_slots: int = 4, slot_size: int = 4096, **kw: Any) -> None:
-        self.conn, child = SPAWN.Pipe()
-        self.proc = SPAWN.Process(
-            target=_producer_main, args=(child, address, num_slots, slot_size, kw), daemon=True
-        )
-        self.proc.start()
-        child.close()
+        super().__init__(_producer_main, address, num_slots, slot_size, kw)
         if not self.conn.poll(60):
             raise TimeoutError("the publisher process did not start")
         tag, self.pid = self.conn.recv()
@@ -497,11 +493,7 @@ class Producer:
         if self.proc.is_alive():
             with contextlib.suppress(Exception):
                 self("close", timeout=10)
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-        self.conn.close()
+        self.finish()
 
 
 @pytest.fixture

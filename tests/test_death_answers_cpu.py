@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import itertools
 import mmap
-import multiprocessing as mp
 import os
 import pickle
 import signal
 import struct
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -51,9 +50,9 @@ from cupy_ipcpool.channel._syncpage import (
 )
 from cupy_ipcpool.channel._waiting import connect_waiting
 from tests._memfd_backend import MemfdSlots, pattern
+from tests._pipe_child import PipeChild
 
 M = 0xFFFFFFFF
-CTX = mp.get_context("spawn")
 
 
 # -- the decode table -------------------------------------------------------------------
@@ -480,27 +479,15 @@ def select_readable(fd: int, timeout: float) -> bool:
     return bool(select.select([fd], [], [], timeout)[0])
 
 
-class _Child:
-    def __init__(self, target: Callable[..., None], *args: Any) -> None:
-        self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=target, args=(child, *args), daemon=True)
-        self.proc.start()
-        child.close()
+class _Child(PipeChild):
+    """A child that sends ``(what, *values)``, or ``("error", type name, message)``."""
 
     def expect(self, what: str, timeout: float = 60.0) -> Any:
-        assert self.conn.poll(timeout), f"{what}: nothing within {timeout} s"
-        msg = self.conn.recv()
+        msg = self.recv(timeout, f"{what}: nothing within {timeout} s")
         if msg[0] == "error":
             raise AssertionError(f"child failed: {msg[1]}: {msg[2]}")
         assert msg[0] == what, msg
         return msg[1:]
-
-    def finish(self) -> None:
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-        self.conn.close()
 
 
 @pytest.fixture

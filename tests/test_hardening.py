@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import multiprocessing as mp
 import os
 import signal
 import socket
@@ -24,6 +23,7 @@ from typing import Any
 import pytest
 from _memfd_backend import MemfdConsumer, MemfdSlots
 from _memop_recorder import MemopRecorder
+from _pipe_child import PipeChild, started
 
 from cupy_ipcpool._errors import (
     ChannelTimeoutError,
@@ -41,7 +41,6 @@ from cupy_ipcpool.channel._handshake import HANDSHAKE_TIMEOUT, SubscriberInfo
 from cupy_ipcpool.channel._publisher_core import PublisherCore
 from cupy_ipcpool.channel._subscriber_core import SubscriberCore
 
-CTX = mp.get_context("spawn")
 NOBODY = 65534
 
 needs_root = pytest.mark.skipif(
@@ -249,41 +248,24 @@ def _child_dribble_as(conn: Connection, uid: int, path: str, period: float) -> N
         conn.send(("err", f"{type(exc).__name__}: {exc}"))
 
 
-class Child:
-    def __init__(self, target: Callable[..., None], *args: Any) -> None:
-        self.conn, child_end = CTX.Pipe()
-        self.proc = CTX.Process(target=target, args=(child_end, *args), daemon=True)
-        self.proc.start()
-        child_end.close()
+class Child(PipeChild):
+    """A child that sends ``(what, value)`` messages and ends when told "stop"."""
 
     def expect(self, what: str, timeout: float = 30.0) -> Any:
-        assert self.conn.poll(timeout), f"child sent nothing within {timeout} s"
-        msg = self.conn.recv()
+        msg = self.recv(timeout, f"child sent nothing within {timeout} s")
         assert msg[0] == what, msg
         return msg[1]
 
     def finish(self) -> None:
         with contextlib.suppress(OSError):
             self.conn.send("stop")
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-        self.conn.close()
+        super().finish()
 
 
 @pytest.fixture
 def children() -> Iterator[Callable[..., Child]]:
-    started: list[Child] = []
-
-    def start(target: Callable[..., None], *args: Any) -> Child:
-        child = Child(target, *args)
-        started.append(child)
-        return child
-
-    yield start
-    for child in started:
-        child.finish()
+    with started(Child) as start:
+        yield start
 
 
 def _timed_join(address: str, **kwargs: Any) -> tuple[float, MemfdConsumer]:
@@ -1190,9 +1172,7 @@ def test_binding_never_changes_the_umask(tmp_path: Any) -> None:
 @pytest.mark.timeout(60)
 def test_every_received_fd_is_close_on_exec(tmp_path: Any) -> None:
     address = str(tmp_path / "chan.sock")
-    slots = MemfdSlots(3)
-    core = PublisherCore(address, 3, welcome=slots.welcome)
-    try:
+    with _memfd_channel(address, 3) as (_core, slots):
         with SubscriberCore(address, timeout=5) as sub:
             fds = sub.take_fds()
             assert len(fds) == 3
@@ -1203,9 +1183,6 @@ def test_every_received_fd_is_close_on_exec(tmp_path: Any) -> None:
             for fd in fetch_fds_over_socket(server.path, b"k", 3):
                 assert fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
                 os.close(fd)
-    finally:
-        core.close()
-        slots.close()
 
 
 def _child_fake_publisher(conn: Connection, address: str, behaviour: str) -> None:
@@ -1256,32 +1233,27 @@ def test_handshake_failures_are_documented_errors(
 @pytest.mark.timeout(60)
 def test_session_errors_are_library_errors(tmp_path: Any) -> None:
     address = str(tmp_path / "chan.sock")
-    slots = MemfdSlots(2)
-    core = PublisherCore(address, 2, welcome=slots.welcome)
-    try:
-        with SubscriberCore(address, timeout=5) as sub:
-            _until_subscribed(core)
-            with pytest.raises(ChannelTimeoutError):
-                sub.recv(timeout=0.05)
-            slot, _ = core.acquire(1)
-            core.publish(slot)
-            with pytest.raises(LeaseStateError):
-                core.publish(slot)  # still leased
-            with pytest.raises(LeaseStateError):
-                core.unhold(slot)
-            assert issubclass(LeaseStateError, RuntimeError)
-    finally:
-        core.close()
-        slots.close()
+    with (
+        _memfd_channel(address, 2) as (core, _slots),
+        SubscriberCore(address, timeout=5) as sub,
+    ):
+        _until_subscribed(core)
+        with pytest.raises(ChannelTimeoutError):
+            sub.recv(timeout=0.05)
+        slot, _ = core.acquire(1)
+        core.publish(slot)
+        with pytest.raises(LeaseStateError):
+            core.publish(slot)  # still leased
+        with pytest.raises(LeaseStateError):
+            core.unhold(slot)
+        assert issubclass(LeaseStateError, RuntimeError)
 
 
 @pytest.mark.timeout(60)
 def test_refused_uid_costs_nothing(tmp_path: Any) -> None:
     """A refused peer is told at once, whatever it sends or does not send."""
     address = str(tmp_path / "chan.sock")
-    slots = MemfdSlots(1)
-    core = PublisherCore(address, 1, welcome=slots.welcome, allowed_uids={os.geteuid() + 1})
-    try:
+    with _memfd_channel(address, 1, allowed_uids={os.geteuid() + 1}) as (core, _slots):
         socks = _idle_connections(address, 20)
         for s in socks:
             s.setblocking(True)
@@ -1292,6 +1264,3 @@ def test_refused_uid_costs_nothing(tmp_path: Any) -> None:
         assert core._acc.pending_handshakes() == 0
         with pytest.raises(PeerRefusedError, match="not allowed"):
             SubscriberCore(address, timeout=5)
-    finally:
-        core.close()
-        slots.close()

@@ -20,7 +20,6 @@ The GPU side (a real ``cuStreamWaitValue32`` released by a forced flag) is in
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import os
 import signal
 import struct
@@ -58,8 +57,8 @@ from cupy_ipcpool.channel._syncpage import (
 )
 from cupy_ipcpool.channel._waiting import check_wait, connect_waiting
 from tests._memfd_backend import MemfdSlots, pattern
+from tests._pipe_child import PipeChild, open_fd_count, run_body, started
 
-CTX = mp.get_context("spawn")
 # WELCOME payload of these tests: slot size, slots, rows, this subscriber's row
 HEAD = struct.Struct("<QIII")
 GEN = struct.Struct("<I")
@@ -130,20 +129,14 @@ def _producer(conn: Connection, address: str, frames: int, set_first: int, base:
         page.close()
 
 
-class Producer:
+class Producer(PipeChild):
     """A producer process and the pipe to it."""
 
     def __init__(self, address: str, frames: int, set_first: int, base: int = 0) -> None:
-        self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(
-            target=_producer, args=(child, address, frames, set_first, base), daemon=True
-        )
-        self.proc.start()
-        child.close()
+        super().__init__(_producer, address, frames, set_first, base)
 
     def expect(self, what: str, timeout: float = 30.0) -> None:
-        assert self.conn.poll(timeout), f"producer sent nothing within {timeout} s"
-        got = self.conn.recv()
+        got = self.recv(timeout, f"producer sent nothing within {timeout} s")
         assert got[0] == what, got
 
     def kill(self) -> None:
@@ -248,56 +241,24 @@ def _mappings() -> int:
         return sum("memfd:ipcpool-slot" in line or "memfd:cupy_ipcpool-sync" in line for line in f)
 
 
-def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
 def _run(conn: Connection, body: Callable[[], Any]) -> None:
-    try:
-        conn.send(("ok", body()))
-    except BaseException as exc:
-        import traceback
-
-        conn.send(("err", type(exc).__name__, f"{exc}\n{traceback.format_exc()}"))
-    finally:
-        conn.close()
+    run_body(conn, body, with_traceback=True)
 
 
-class Child:
-    """A spawned test process and the pipe to it."""
-
-    def __init__(self, target: Callable[..., None], *args: Any) -> None:
-        self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=target, args=(child, *args), daemon=True)
-        self.proc.start()
-        child.close()
+class Child(PipeChild):
+    """A spawned test process (its target answers through :func:`_run`) and the pipe to it."""
 
     def expect(self, timeout: float = 60.0) -> Any:
-        assert self.conn.poll(timeout), f"child sent nothing within {timeout} s"
-        msg = self.conn.recv()
+        msg = self.recv(timeout, f"child sent nothing within {timeout} s")
         if msg[0] == "err":
             raise AssertionError(f"child failed: {msg[1]}: {msg[2]}")
         return msg[1]
 
-    def finish(self) -> None:
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-        self.conn.close()
-
 
 @pytest.fixture
 def spawn() -> Iterator[Callable[..., Child]]:
-    children: list[Child] = []
-
-    def start(target: Callable[..., None], *args: Any) -> Child:
-        children.append(Child(target, *args))
-        return children[-1]
-
-    yield start
-    for child in children:
-        child.finish()
+    with started(Child) as start:
+        yield start
 
 
 @pytest.fixture
@@ -341,7 +302,7 @@ def _outlive(conn: Connection, address: str, cycles: int) -> None:
             forced = sub.waits.forced
             sub.close()
             assert [f.complete for f in held] == [True] * SET_FIRST + [False] * (HOLD - SET_FIRST)
-            counts.append((_fds(), _mappings(), forced))
+            counts.append((open_fd_count(), _mappings(), forced))
             conn.send(("msg", counts[-1]))
         return counts
 
@@ -392,12 +353,12 @@ def _follow(conn: Connection, address: str, restart_on_close: bool, sessions: in
                     for f in old:  # frames of a publisher that died since: no error
                         f.release()
                     old.clear()
-                    report.append((follower.reconnects, _fds(), _mappings()))
+                    report.append((follower.reconnects, open_fd_count(), _mappings()))
                     conn.send(("msg", "session done"))
                     if len(report) == sessions:
                         break
             assert follower.subscriber is not None or not restart_on_close
-        report.append((follower.reconnects, _fds(), _mappings()))
+        report.append((follower.reconnects, open_fd_count(), _mappings()))
         return [seen, report, follower.closed]
 
     _run(conn, body)

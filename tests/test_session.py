@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -19,6 +18,7 @@ from typing import Any
 
 import pytest
 from _memfd_backend import MemfdConsumer, MemfdProducer
+from _pipe_child import PipeChild, open_fd_count, run_body, started
 from _restart_children import (
     child_hold_until_killed,
     child_outlive_publishers,
@@ -39,26 +39,7 @@ from cupy_ipcpool.channel._publisher_core import PublisherCore
 from cupy_ipcpool.channel._subscriber_core import SubscriberCore
 from tests.skips import drops_to_uid
 
-CTX = mp.get_context("spawn")
-
-
 # -- child side -------------------------------------------------------------------
-
-
-def _run(conn: Connection, body: Callable[[], Any]) -> None:
-    """Run ``body`` in a child; send back ("ok", result) or ("err", type name, message)."""
-    try:
-        result = body()
-    except BaseException as exc:
-        conn.send(("err", type(exc).__name__, str(exc)))
-    else:
-        conn.send(("ok", result))
-    finally:
-        conn.close()
-
-
-def _fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 def child_consume(conn: Connection, address: str, kwargs: dict[str, Any], opts: dict[str, Any]):
@@ -87,13 +68,13 @@ def child_consume(conn: Connection, address: str, kwargs: dict[str, Any], opts: 
                 if len(seqs) == opts.get("report_after"):
                     conn.send(("msg", len(seqs)))
                 if len(seqs) == opts.get("fd_check_after"):
-                    fds_mid = _fd_count()
+                    fds_mid = open_fd_count()
                 if not opts.get("never_release"):
                     consumer.release(frame)
             held = consumer.core.held
             for seq, slot in held.items():  # still readable after the end
                 consumer.check(proto.Frame(seq, slot))
-            fds_end = _fd_count()
+            fds_end = open_fd_count()
         return {
             "seqs": seqs,
             "consecutive": all(b == a + 1 for a, b in itertools.pairwise(seqs)),
@@ -101,7 +82,7 @@ def child_consume(conn: Connection, address: str, kwargs: dict[str, Any], opts: 
             "fds": (fds_mid, fds_end),
         }
 
-    _run(conn, body)
+    run_body(conn, body)
 
 
 def child_produce(conn: Connection, address: str, frames: int) -> None:
@@ -118,7 +99,7 @@ def child_produce(conn: Connection, address: str, frames: int) -> None:
             assert command == "close"
         return "closed"
 
-    _run(conn, body)
+    run_body(conn, body)
 
 
 def child_subscribe_as(conn: Connection, address: str, uid: int, producer_uid: int) -> None:
@@ -131,20 +112,14 @@ def child_subscribe_as(conn: Connection, address: str, uid: int, producer_uid: i
         with SubscriberCore(address, timeout=5.0, allowed_uids={producer_uid}) as sub:
             return f"subscribed as {sub.sub_id}"
 
-    _run(conn, body)
+    run_body(conn, body)
 
 
 # -- parent side ------------------------------------------------------------------
 
 
-class Child:
-    """A spawned child process and the pipe to it."""
-
-    def __init__(self, target: Callable[..., None], *args: Any) -> None:
-        self.conn, child_end = CTX.Pipe()
-        self.proc = CTX.Process(target=target, args=(child_end, *args), daemon=True)
-        self.proc.start()
-        child_end.close()
+class Child(PipeChild):
+    """A spawned child process (its target answers through :func:`run_body`) and the pipe to it."""
 
     @property
     def pid(self) -> int:
@@ -152,16 +127,13 @@ class Child:
         return self.proc.pid
 
     def expect(self, timeout: float = 30.0) -> Any:
-        if not self.conn.poll(timeout):
-            raise AssertionError(f"child {self.pid} sent nothing within {timeout} s")
-        msg = self.conn.recv()
+        msg = self.recv(timeout, f"child {self.pid} sent nothing within {timeout} s")
         if msg[0] == "err":
             raise AssertionError(f"child {self.pid} failed: {msg[1]}: {msg[2]}")
         return msg[1]
 
     def expect_error(self, timeout: float = 30.0) -> tuple[str, str]:
-        assert self.conn.poll(timeout), f"child {self.pid} sent nothing within {timeout} s"
-        msg = self.conn.recv()
+        msg = self.recv(timeout, f"child {self.pid} sent nothing within {timeout} s")
         assert msg[0] == "err", f"child {self.pid} succeeded: {msg}"
         return msg[1], msg[2]
 
@@ -169,26 +141,14 @@ class Child:
         self.conn.send(obj)
 
     def finish(self) -> None:
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
+        super().finish()
         self.proc.close()
-        self.conn.close()
 
 
 @pytest.fixture
 def spawn() -> Iterator[Callable[..., Child]]:
-    children: list[Child] = []
-
-    def start(target: Callable[..., None], *args: Any) -> Child:
-        child = Child(target, *args)
-        children.append(child)
-        return child
-
-    yield start
-    for child in children:
-        child.finish()
+    with started(Child) as start:
+        yield start
 
 
 @pytest.fixture
@@ -421,11 +381,11 @@ def test_no_fd_growth(address: str, spawn: Callable[..., Child]) -> None:
         for _ in range(100):
             producer.publish_next()
         _wait_all_released(producer.core)
-        before = _fd_count()
+        before = open_fd_count()
         for _ in range(4900):
             producer.publish_next()
         _wait_all_released(producer.core)
-        assert _fd_count() == before
+        assert open_fd_count() == before
     result = child.expect()
     mid, end = result["fds"]
     assert len(result["seqs"]) == 5000
@@ -487,8 +447,8 @@ def test_publisher_outlives_many_subscriber_deaths(address: str) -> None:
                 producer.core.poll(0.05)
             _wait_all_released(producer.core)
             if before is None:
-                before = _fd_count()
-            assert _fd_count() == before, n
+                before = open_fd_count()
+            assert open_fd_count() == before, n
         assert len(left) == 30 and producer.core.evictions == 0
 
 
