@@ -15,12 +15,12 @@ import socket
 import struct
 import tempfile
 import time
-from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 import pytest
+from _remote import SECRET, remote_sub, served_host_channel, wait_for
 from skips import needs_ucx
 
 from cupy_ipcpool import EndOfStream, IpcPoolError, PeerRefusedError, ProtocolError, SlotBusyError
@@ -29,7 +29,6 @@ from cupy_ipcpool.remote import _wire as wire
 from cupy_ipcpool.remote._credit import ClientBook, ServerBook
 
 CTX = mp.get_context("spawn")
-SECRET = "correct horse battery staple 42"
 N_BYTES = 40_000  # above UCX's rendezvous threshold: zero-copy into the receive slot
 N_FLOATS = 300
 
@@ -258,40 +257,11 @@ def publish(pub: Any, timeout: float = 5.0) -> int:
     return seq
 
 
-@contextlib.contextmanager
-def producer(num_slots: int = 4, **kwargs: Any) -> Iterator[tuple[Any, Any]]:
-    """A host channel and its remote server, both in this process."""
-    from cupy_ipcpool.remote import HostChannelPublisher, serve
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "cam.sock")
-        pub = HostChannelPublisher(path, num_slots, 1 << 17)
-        try:
-            kwargs.setdefault("secret", SECRET)
-            server = serve(path, memory="host", listen="127.0.0.1:0", **kwargs)
-            try:
-                yield pub, server
-            finally:
-                server.close()
-        finally:
-            pub.close()
-
-
-def wait_for(cond: Any, timeout: float = 10.0, poll: Any = None) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met in time")
-        if poll is not None:
-            poll()
-        time.sleep(0.005)
-
-
-def remote_sub(address: str, **kwargs: Any) -> Any:
-    from cupy_ipcpool.remote import subscribe
-
-    kwargs.setdefault("secret", SECRET)
-    return subscribe(address, memory="host", **kwargs)
+def producer(
+    num_slots: int = 4, **kwargs: Any
+) -> contextlib.AbstractContextManager[tuple[Any, Any]]:
+    """A host channel (slots of 128 KiB) and its remote server, both in this process."""
+    return served_host_channel(1 << 17, num_slots, **kwargs)
 
 
 def drive(pub: Any, seconds: float) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _remote import SECRET, remote_sub, served_host_channel, wait_for
 from skips import needs_ucx
 
 from cupy_ipcpool import EndOfStream, SlotBusyError, UsageError
@@ -41,7 +42,6 @@ from cupy_ipcpool.remote._admission import WAIT_PROOF, HandshakeBook, address_ke
 from cupy_ipcpool.remote._credit import ServerBook
 
 CTX = mp.get_context("spawn")
-SECRET = "correct horse battery staple 42"
 SECRET_ENV = "CUPY_IPCPOOL_SECRET"
 N_BYTES = 1 << 20  # rendezvous on every transport: a send completes only when the peer takes it
 
@@ -144,42 +144,11 @@ def publish(pub: Any, timeout: float = 5.0) -> int:
     return int(seq)
 
 
-def wait_for(cond: Any, timeout: float = 10.0, poll: Any = None, what: Any = None) -> None:
-    """Wait for ``cond()``; on a timeout the error says ``what()`` (the state), if given."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"condition not met in {timeout} s" + ("" if what is None else f": {what()}")
-            )
-        if poll is not None:
-            poll()
-        time.sleep(0.005)
-
-
-@contextlib.contextmanager
-def producer(num_slots: int = 4, **kwargs: Any) -> Iterator[tuple[Any, Any]]:
-    """A host channel and its remote server, both in this process."""
-    from cupy_ipcpool.remote import HostChannelPublisher, serve
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "cam.sock")
-        pub = HostChannelPublisher(path, num_slots, 2 * N_BYTES)
-        try:
-            server = serve(path, memory="host", listen="127.0.0.1:0", secret=SECRET, **kwargs)
-            try:
-                yield pub, server
-            finally:
-                server.close()
-        finally:
-            pub.close()
-
-
-def remote_sub(address: str, **kwargs: Any) -> Any:
-    from cupy_ipcpool.remote import subscribe
-
-    kwargs.setdefault("secret", SECRET)
-    return subscribe(address, memory="host", **kwargs)
+def producer(
+    num_slots: int = 4, **kwargs: Any
+) -> contextlib.AbstractContextManager[tuple[Any, Any]]:
+    """A host channel (slots of 2 * N_BYTES) and its remote server, both in this process."""
+    return served_host_channel(2 * N_BYTES, num_slots, **kwargs)
 
 
 def leases_back(pub: Any) -> bool:
@@ -308,29 +277,11 @@ def test_silent_connections_from_one_address_lock_no_one_out(source: str) -> Non
         assert max(joins) < 3.0, joins  # each one joined within a bound, none was refused
 
 
-def latest_child(conn: Connection, address: str, slots: int) -> None:
-    """A ``latest`` subscriber that takes and releases frames until told to stop."""
+def mode_child(conn: Connection, address: str, slots: int, mode: str) -> None:
+    """A ``mode`` subscriber that takes and releases frames until told to stop."""
     got = 0
     try:
-        with remote_sub(address, mode="latest", slots=slots) as sub:
-            conn.send(("joined", sub.sub_id))
-            while not conn.poll(0):
-                try:
-                    with sub.recv(timeout=0.2) as f:
-                        check(f)
-                        got += 1
-                except TimeoutError:
-                    continue
-            conn.send(("stopped", got, ""))
-    except BaseException as exc:
-        conn.send(("error", got, type(exc).__name__))
-
-
-def block_child(conn: Connection, address: str, slots: int) -> None:
-    """A ``block`` subscriber that takes and releases frames until told to stop."""
-    got = 0
-    try:
-        with remote_sub(address, mode="block", slots=slots) as sub:
+        with remote_sub(address, mode=mode, slots=slots) as sub:
             conn.send(("joined", sub.sub_id))
             while not conn.poll(0):
                 try:
@@ -358,9 +309,10 @@ def _rate(pub: Any, seconds: float) -> tuple[float, int]:
 
 
 @contextlib.contextmanager
-def _child(target: Any, address: str, slots: int) -> Iterator[tuple[Any, Connection]]:
+def _child(target: Any, address: str, slots: int, *args: Any) -> Iterator[tuple[Any, Connection]]:
+    """Start ``target(conn, address, slots, *args)``; yield once it sent ("joined", ...)."""
     parent, child = CTX.Pipe()
-    proc = CTX.Process(target=target, args=(child, address, slots))
+    proc = CTX.Process(target=target, args=(child, address, slots, *args))
     proc.start()
     child.close()
     try:
@@ -386,7 +338,7 @@ def test_stopped_latest_subscriber_does_not_stall_the_producer() -> None:
     # never complete while it is stopped; they may retain 2 slots, never the last ones.
     with (
         producer(num_slots=4, send_timeout=30.0) as (pub, server),
-        _child(latest_child, server.address, 4) as (proc, conn),
+        _child(mode_child, server.address, 4, "latest") as (proc, conn),
     ):
         wait_for(lambda: server.subscribers)
         base, busy0 = _rate(pub, 1.5)
@@ -408,11 +360,11 @@ def test_stopped_latest_subscriber_does_not_stall_the_producer() -> None:
 
 @needs_ucx
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("child", [latest_child, block_child], ids=["latest", "block"])
-def test_send_timeout_evicts_a_stopped_subscriber_and_gives_back(child: Any) -> None:
+@pytest.mark.parametrize("mode", ["latest", "block"])
+def test_send_timeout_evicts_a_stopped_subscriber_and_gives_back(mode: str) -> None:
     with producer(num_slots=4) as (pub, server):  # the default send_timeout: 5 s
         timeout = getattr(server, "send_timeout", 5.0)
-        with _child(child, server.address, 2) as (proc, conn):
+        with _child(mode_child, server.address, 2, mode) as (proc, conn):
             wait_for(lambda: server.subscribers, what=lambda: _state(pub, server))
             sub_id = server.subscribers[0].sub_id
             # its whole ring is offered
