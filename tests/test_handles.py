@@ -7,6 +7,7 @@ forkserver), real fds (memfd_create) and report the child's exception as
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import mmap
@@ -797,6 +798,22 @@ def _finish(proc: Any) -> None:
     assert proc.exitcode == 0
 
 
+@contextlib.contextmanager
+def _queue_child(target: Any, *args: Any, method: str = "spawn") -> Iterator[tuple[Any, Any]]:
+    """Start ``target(in_q, out_q, *args)``; yield ``(in_q, out_q)``; then the child must exit 0."""
+    ctx = multiprocessing.get_context(method)
+    in_q, out_q = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=target, args=(in_q, out_q, *args))
+    proc.start()
+    try:
+        yield in_q, out_q
+    finally:
+        _finish(proc)
+        for q in (in_q, out_q):
+            q.close()
+            q.join_thread()
+
+
 def _check_read(result: tuple[Any, ...], memfds: list[tuple[int, bytes]]) -> None:
     _, contents, mapped, second_take = result
     assert contents is not None, "the child received no fds"
@@ -822,28 +839,15 @@ def test_pickle_as_spawn_process_argument(memfds: list[tuple[int, bytes]]) -> No
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_pickle_through_queue(method: str, memfds: list[tuple[int, bytes]]) -> None:
-    ctx = multiprocessing.get_context(method)
-    in_q, out_q = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=child_read_queue, args=(in_q, out_q, NBYTES))
-    proc.start()
-    try:
+    with _queue_child(child_read_queue, NBYTES, method=method) as (in_q, out_q):
         in_q.put(exporter_desc(memfds))
         _check_read(_get(out_q), memfds)
-    finally:
-        _finish(proc)
-        for q in (in_q, out_q):
-            q.close()
-            q.join_thread()
 
 
 @pytest.mark.timeout(60)
 def test_unpickled_descriptor_forwards_its_local_fds(memfds: list[tuple[int, bytes]]) -> None:
     """A non-exporter that holds untaken fds passes them on when it re-pickles."""
-    ctx = multiprocessing.get_context("spawn")
-    in_q, out_q = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=child_echo, args=(in_q, out_q))
-    proc.start()
-    try:
+    with _queue_child(child_echo) as (in_q, out_q):
         desc = exporter_desc(memfds)
         in_q.put(desc)
         _, back = _get(out_q)
@@ -858,27 +862,13 @@ def test_unpickled_descriptor_forwards_its_local_fds(memfds: list[tuple[int, byt
             for fd in fds:
                 os.close(fd)
         in_q.put("done")
-    finally:
-        _finish(proc)
-        for q in (in_q, out_q):
-            q.close()
-            q.join_thread()
 
 
 @pytest.mark.timeout(60)
 def test_untaken_fds_closed_in_child(memfds: list[tuple[int, bytes]]) -> None:
-    ctx = multiprocessing.get_context("spawn")
-    in_q, out_q = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=child_count_fds, args=(in_q, out_q))
-    proc.start()
-    try:
+    with _queue_child(child_count_fds) as (in_q, out_q):
         in_q.put(exporter_desc(memfds))
         assert _get(out_q) == ("ok", len(memfds))
-    finally:
-        _finish(proc)
-        for q in (in_q, out_q):
-            q.close()
-            q.join_thread()
 
 
 def test_same_pid_in_another_pid_namespace_is_not_the_exporter(

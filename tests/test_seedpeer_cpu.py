@@ -167,17 +167,22 @@ def test_pairs_in_another_order_give_the_buffers_in_that_order(producer: Produce
             os.close(fd)
 
 
+def _fetch_as_attach(pairs: list[list[int]]) -> list[int]:
+    """What the attach() path does for these (pid, fd) pairs: ``fetch_fds`` by pidfd."""
+    return fetch_fds(
+        pid=pairs[0][0],
+        start_time=None,
+        fds=[fd for _, fd in pairs],
+        socket_path=None,
+        token=b"",
+        method="pidfd",
+    )
+
+
 def test_exited_producer_is_esrch_worded_as_attach(exited_producer: Producer) -> None:
     pairs = exited_producer.pairs
     with pytest.raises(TransportError) as attach_err:
-        fetch_fds(
-            pid=pairs[0][0],
-            start_time=None,
-            fds=[fd for _, fd in pairs],
-            socket_path=None,
-            token=b"",
-            method="pidfd",
-        )
+        _fetch_as_attach(pairs)
     before = _fd_count()
     with pytest.raises(TransportError) as ei:
         fetch_seed_fds(pairs)
@@ -242,14 +247,7 @@ def _fetch_both_ways(pairs: list[list[int]]) -> tuple[str, str]:
     """The attach() path's message and fetch_seed_fds's, both for the same pairs."""
     messages = []
     for fetch in (
-        lambda: fetch_fds(
-            pid=pairs[0][0],
-            start_time=None,
-            fds=[fd for _, fd in pairs],
-            socket_path=None,
-            token=b"",
-            method="pidfd",
-        ),
+        lambda: _fetch_as_attach(pairs),
         lambda: fetch_seed_fds(pairs),
     ):
         try:
