@@ -15,16 +15,22 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
+from _namespaces import (
+    CHECKOUT,
+    CONSUMER_HEAD,
+    DROP_UID,
+    NOBODY,
+    UNSHARE,
+    shared_socket_dir,
+    unshare_skip_reason,
+)
 
 from cupy_ipcpool._errors import PeerRefusedError, TransportError
 from cupy_ipcpool._handles import PoolDescriptor, own_pid_namespace
@@ -32,29 +38,18 @@ from cupy_ipcpool._transport import FdServer, fetch_fds, process_start_time
 
 pytestmark = pytest.mark.timeout(120)
 
-NOBODY = 65534
-CHECKOUT = str(Path(__file__).resolve().parents[1])
-UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc"]
 CHILD_TIMEOUT_S = 60
 
 #: The consumer: drop to the uid asked for, import this checkout, fetch as told, report JSON.
-CHILD = r"""
-import json, os, sys
-args = json.loads(sys.argv[1])
-out = {"pid": os.getpid(), "pid_namespace": os.stat("/proc/self/ns/pid").st_ino}
-try:
-    # imported first: the interpreter's own files may be private to root (a pyenv in
+CHILD = (
+    CONSUMER_HEAD
+    + r"""    # imported first: the interpreter's own files may be private to root (a pyenv in
     # /root); what the fetch does after the drop runs as that uid
     from cupy_ipcpool._handles import PoolDescriptor
     from cupy_ipcpool._transport import fetch_fds
-    if args["uid"] is not None:
-        os.setgroups([])
-        os.setgid(args["uid"])
-        os.setuid(args["uid"])
-    with open("/proc/self/status") as f:
-        out["cap_eff"] = next(l.split()[1] for l in f if l.startswith("CapEff:"))
-    out["uid"] = os.geteuid()
-    desc = PoolDescriptor.from_bytes(bytes.fromhex(args["desc"]))
+"""
+    + DROP_UID
+    + r"""    desc = PoolDescriptor.from_bytes(bytes.fromhex(args["desc"]))
     kw = dict(pid=desc.exporter_pid, start_time=desc.exporter_start_time, fds=desc.fds,
               socket_path=desc.socket_path, token=desc.pool_id, method=args["method"],
               exporter_uid=desc.exporter_uid)
@@ -77,6 +72,7 @@ except BaseException as exc:
     out["crash"] = f"{type(exc).__name__}: {exc}"
 print(json.dumps(out))
 """
+)
 
 
 def _content(i: int) -> bytes:
@@ -96,21 +92,10 @@ def _unshare(*command: str, prefix: tuple[str, ...] = ()) -> subprocess.Complete
     )
 
 
-def _namespace_skip_reason() -> str | None:
-    if shutil.which("unshare") is None:
-        return "unshare (util-linux) is not installed"
-    try:
-        probe = _unshare(sys.executable, "-c", "import os; print(os.getpid())")
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"unshare --pid --fork --mount-proc cannot run here: {exc}"
-    if probe.returncode != 0 or probe.stdout.strip() != "1":
-        return f"unshare --pid --fork --mount-proc is refused here: {probe.stderr.strip()}"
-    return None
-
-
 @pytest.fixture(scope="module")
 def namespaces() -> None:
-    reason = _namespace_skip_reason()
+    env = {**os.environ, "PYTHONPATH": CHECKOUT}
+    reason = unshare_skip_reason(CHILD_TIMEOUT_S, env=env, cwd="/")
     if reason is not None:
         pytest.skip(reason)
 
@@ -141,10 +126,8 @@ def consumer_uid(request: pytest.FixtureRequest, namespaces: None) -> int | None
 @pytest.fixture
 def shared_dir() -> Iterator[str]:
     """The socket directory both namespaces see, traversable by uid 65534."""
-    path = tempfile.mkdtemp(prefix="ipcpool-ns-")
-    os.chmod(path, 0o711)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with shared_socket_dir("ipcpool-ns-") as path:
+        yield path
 
 
 class MemfdExporter:

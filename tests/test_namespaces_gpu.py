@@ -12,26 +12,29 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from _namespaces import (
+    CHECKOUT,
+    CONSUMER_HEAD,
+    DROP_UID,
+    NOBODY,
+    UNSHARE,
+    shared_socket_dir,
+    unshare_skip_reason,
+)
 
 import cupy_ipcpool as cip
 from tests.gpu_helpers import fill
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180)]
 
-NOBODY = 65534
-CHECKOUT = str(Path(__file__).resolve().parents[1])
-UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc"]
 CHILD_TIMEOUT_S = 90
 SLOTS = 3
 SLOT_NBYTES = 1 << 20
@@ -39,24 +42,16 @@ FRAMES = 40
 
 #: The consumer.  Imports first (the interpreter may live in root's 0700 home), then
 #: drops to the uid asked for; every CUDA call and every fd fetch runs as that uid.
-CHILD = r"""
-import json, os, sys
-args = json.loads(sys.argv[1])
-out = {"pid": os.getpid(), "pid_namespace": os.stat("/proc/self/ns/pid").st_ino}
-try:
-    import numpy as np
+CHILD = (
+    CONSUMER_HEAD
+    + r"""    import numpy as np
     import cupy as cp
     import cupy_ipcpool as cip
     from cupy_ipcpool import _driver
     from tests.gpu_helpers import expected  # what fill() wrote
-    if args["uid"] is not None:
-        os.setgroups([])
-        os.setgid(args["uid"])
-        os.setuid(args["uid"])
-    with open("/proc/self/status") as f:
-        out["cap_eff"] = next(l.split()[1] for l in f if l.startswith("CapEff:"))
-    out["uid"] = os.geteuid()
-    try:
+"""
+    + DROP_UID
+    + r"""    try:
         _driver.require_vmm_device(0)
     except Exception as exc:
         out["no_gpu"] = f"{type(exc).__name__}: {exc}"
@@ -89,32 +84,14 @@ except BaseException as exc:
     out["crash"] = traceback.format_exc()
 print(json.dumps(out), flush=True)
 """
-
-
-def _skip_reason(uid: int | None) -> str | None:
-    if shutil.which("unshare") is None:
-        return "unshare (util-linux) is not installed"
-    if os.geteuid() != 0:
-        return "unshare of a PID namespace (and the drop to uid 65534) needs root"
-    probe = subprocess.run(
-        [*UNSHARE, sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        timeout=CHILD_TIMEOUT_S,
-        check=False,
-    )
-    if probe.returncode != 0 or probe.stdout.strip() != "1":
-        return f"unshare --pid --fork --mount-proc is refused here: {probe.stderr.strip()}"
-    return None
+)
 
 
 @pytest.fixture
 def shared_dir() -> Iterator[str]:
     """The socket directory both namespaces see, traversable by uid 65534."""
-    path = tempfile.mkdtemp(prefix="ipcpool-ns-gpu-")
-    os.chmod(path, 0o711)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with shared_socket_dir("ipcpool-ns-gpu-") as path:
+        yield path
 
 
 def _report(out: str, err: str) -> dict[str, Any]:
@@ -145,7 +122,7 @@ def test_attach_and_subscribe_from_another_pid_and_mount_namespace(
 ) -> None:
     import cupy as cp
 
-    reason = _skip_reason(uid)
+    reason = unshare_skip_reason(CHILD_TIMEOUT_S, needs_root=True)
     if reason is not None:
         pytest.skip(reason)
     allowed = {os.geteuid(), NOBODY}  # the publisher allows exactly these
