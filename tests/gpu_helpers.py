@@ -299,6 +299,23 @@ def start_child(target: Any, *args: Any) -> tuple[Any, Any]:
     return p, q
 
 
+def run_child_for_result(target: Any, *args: Any, timeout: float = 90) -> tuple[Any, Any]:
+    """Run ``target(*args, queue)`` in a spawned process; ``(its one message, its exit code)``.
+
+    Waits ``timeout`` seconds for the message, then up to 30 s for the exit (killed after).
+    """
+    q = SPAWN.Queue()
+    p = SPAWN.Process(target=target, args=(*args, q))
+    p.start()
+    try:
+        result = q.get(timeout=timeout)
+    finally:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    return result, p.exitcode
+
+
 def child_message(q: Any, timeout: float = 120) -> Any:
     """The child's next message; a child's exception (:func:`report_exception`) fails the test."""
     msg = q.get(timeout=timeout)

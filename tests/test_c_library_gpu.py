@@ -64,6 +64,7 @@ from gpu_helpers import (
     LATE_SRC,
     death_producer,
     publish_41s_to_first_subscriber,
+    run_child_for_result,
     slow_check_kernel,
 )
 from test_c_library import C_DIR, build_c_library, build_c_program
@@ -422,16 +423,8 @@ def test_c_pool_close_waits_for_queued_work(clib_path: Path, where: str) -> None
         cp.cuda.Device(0).synchronize()
         del a
         desc = pool.descriptor(transport="auto").to_bytes()
-        queue = SPAWN.Queue()
-        proc = SPAWN.Process(target=_c_pool_case, args=(str(clib_path), desc, where, queue))
-        proc.start()
-        try:
-            result = queue.get(timeout=90)
-        finally:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-    assert proc.exitcode == 0, (proc.exitcode, result)
+        result, exitcode = run_child_for_result(_c_pool_case, str(clib_path), desc, where)
+    assert exitcode == 0, (exitcode, result)
     _check_waited(result)
 
 

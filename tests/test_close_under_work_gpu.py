@@ -25,6 +25,7 @@ from tests.gpu_helpers import (
     LATE_SRC,
     publish_41s_to_first_subscriber,
     report_exception,
+    run_child_for_result,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
@@ -142,17 +143,9 @@ def _subscriber_case(address: str, where: str, queue: Any) -> None:
 
 
 def _run(target: Any, *args: Any) -> tuple[str, ...]:
-    queue = CTX.Queue()
-    proc = CTX.Process(target=target, args=(*args, queue))
-    proc.start()
-    try:
-        result = queue.get(timeout=90)
-    finally:
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
+    result, exitcode = run_child_for_result(target, *args)
     assert result[0] == "ok", result
-    assert proc.exitcode == 0, f"child exit code {proc.exitcode}"
+    assert exitcode == 0, f"child exit code {exitcode}"
     return result
 
 
