@@ -73,6 +73,21 @@ RATIOS += [
     )
     for mib in (1, 64)
 ]
+# frames handed out ahead with the producer's host busy-polling its leases (which end at
+# the read flags): the round trip against the in-process floor's, the same run.  The
+# target (1.5x) is for MPS; time-sliced, the GPU's turns between the two contexts are in
+# every cross-process lane and the ratio is information (docs/performance.md, "The GPU's
+# side")
+RATIOS += [
+    (
+        f"gpu-clock round trip ahead+spin / in-process floor {mib} MiB",
+        f"gpuclock_cupy_ipcpool_ahead_spin_round_trip_p50_{mib}MiB",
+        f"gpuclock_inprocess_floor_round_trip_p50_{mib}MiB",
+        "<=",
+        1.5,
+    )
+    for mib in (1, 64)
+]
 # remote lane (issue 12): channel rate / raw UCXX rate on the same transport, per size
 RATIOS += [
     (

@@ -35,7 +35,9 @@ see :func:`_tail_by_drain`), ``throughput_fps_{1,64}MiB``,
 ``throughput_fps_{1,64}MiB_32slots``, ``throughput_fps_{1,64}MiB_ahead``,
 ``pipelined_fps_{1,64}MiB``,
 ``pipelined_fps_{1,64}MiB_32slots``,
-``fanout_p50_{1,2,4,8}`` / ``fanout_p99_*``, ``idle_subscriber_cpu_fraction``,
+``fanout_p50_{1,2,4,8}`` / ``fanout_p99_*``,
+``producer_step_{frame,array,fill,publish,exit}_1MiB``,
+``producer_step_fill_plain_1MiB``, ``idle_subscriber_cpu_fraction``,
 ``idle_subscriber_cpu_fraction_spin``, ``socket_floor_p50`` / ``socket_floor_p99``.
 """
 
@@ -379,6 +381,57 @@ def test_throughput_ahead(tmp_path, mib):
         _stream(prod, 1000)
         elapsed = _stream(prod, n)
     record_value(f"throughput_fps_{mib}MiB_ahead", n / elapsed)  # frames per second
+
+
+#: The producer's per-frame steps that :func:`test_producer_steps_ahead` times.
+PRODUCER_STEPS = ("frame", "array", "fill", "publish", "exit")
+
+
+def test_producer_steps_ahead(tmp_path):
+    """The producer's host time per frame, step by step, streaming to an ``"ahead"`` subscriber.
+
+    ``pub.frame()`` (the slot, its stream ordered after the read flags), ``f.array``,
+    the fill kernel's launch, ``f.publish`` (the frame flag's write, the FRAME message)
+    and leaving the block, timed apart (medians over the stream's frames: a frame()
+    that waits for a slot is in the tail, not the median); beside them the same
+    fill launched on a plain CuPy array (``producer_step_fill_plain``), the baseline
+    for what the library adds around one launch.
+    """
+    import cupy as cp
+
+    n = 5000
+    steps: dict[str, list[int]] = {k: [] for k in PRODUCER_STEPS}
+    clock = time.perf_counter_ns
+    with _channel(tmp_path, 1, slots=8, ahead_frames=n) as prod:
+        pub, work = prod.pub, prod.work
+        for _ in range(n):
+            prod.value += 1
+            t0 = clock()
+            f = pub.frame(timeout=FRAME_TIMEOUT, stream=work.stream)
+            t1 = clock()
+            f.__enter__()
+            a = f.array((prod.nelem,), cp.int32)
+            t2 = clock()
+            work.fill(a, prod.value)
+            t3 = clock()
+            f.publish(a, metadata=_VALUE.pack(prod.value))
+            t4 = clock()
+            del a
+            f.__exit__(None, None, None)
+            t5 = clock()
+            deltas = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)
+            for name, dt in zip(PRODUCER_STEPS, deltas, strict=True):
+                steps[name].append(dt)
+        plain = cp.empty((prod.nelem,), cp.int32)
+        launches = []
+        for i in range(n):
+            t0 = clock()
+            work.fill(plain, i)
+            launches.append(clock() - t0)
+        work.stream.synchronize()
+    for name, times in steps.items():
+        record_value(f"producer_step_{name}_1MiB", statistics.median(times) / 1e9)
+    record_value("producer_step_fill_plain_1MiB", statistics.median(launches) / 1e9)
 
 
 @pytest.mark.parametrize("mib", [1, 64])

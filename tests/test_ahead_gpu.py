@@ -154,6 +154,63 @@ def test_every_frame_handed_out_ahead_holds_its_own_data(
     assert not set(incomplete) & set(range(n))
 
 
+def _lockstep_consumer(address, frames, q):
+    """Take frames two at a time, ahead of their messages where it can, check and release
+    both, then wait on the host for the stream (so for the producer's writes of both)."""
+    try:
+        import cupy as cp
+
+        spin_kernel("spin_check")
+        bad = cp.zeros(1 << 16, dtype=cp.uint32)
+        stream = cp.cuda.get_current_stream()
+        seen = []
+        with cip.subscribe(address, mode="ahead", depth=4, timeout=30) as sub:
+            q.put(("ready",))
+            while len(seen) < frames:
+                for _ in range(2):
+                    frame = sub.recv(timeout=60)
+                    seen.append((frame.seq, frame.confirmed))
+                    _check(frame, bad)
+                    frame.release()
+                stream.synchronize()
+            counts = cp.asnumpy(bad)
+        q.put(("done", [(seq, ahead, int(counts[seq])) for seq, ahead in seen]))
+    except BaseException:
+        report_exception(q)
+
+
+def test_a_producer_waiting_for_each_lease_sees_it_at_the_read_flag(tmp_path):
+    """Lock step with frames handed out ahead: the consumer waits on its host for frame
+    k + 1's write, after releasing frame k, whose RELEASE message it sends only at its
+    next recv(); the producer waits for frame k's lease before it writes frame k + 1.
+    The lease ends at frame k's read flag, which the consumer's stream wrote after its
+    check, so neither waits for the other's host.  The producer paces its frames (a
+    camera's), so the consumer asks for each frame before it is published: ahead."""
+    import time
+
+    address = str(tmp_path / "lockstep.sock")
+    n = 400
+    with cip.IpcPool(4, WORDS * 4) as pool, cip.Publisher(pool, address, ahead=True) as pub:
+        spin_kernel("spin_fill")
+        proc, q = start_child(_lockstep_consumer, address, n)
+        assert child_message(q)[0] == "ready"
+        wait_subscribers(pub, 1)
+        for seq in range(n):
+            time.sleep(0.002)
+            _produce(pub, seq, 1)
+            deadline = time.monotonic() + 10
+            while pub.leases(seq % 4):
+                assert time.monotonic() < deadline, f"frame {seq}'s lease did not come back"
+                pub.poll(timeout=1.0)
+        _, report = child_message(q)
+        proc.join(30)
+    assert [r[0] for r in report] == list(range(n))
+    assert [(s, c) for s, _a, c in report if c] == []
+    ahead = sum(1 for r in report if not r[1])
+    print(f"{ahead} of {n} frames handed out ahead of their messages")
+    assert ahead >= n // 2, f"only {ahead} of {n} handed out ahead: the case is not tested"
+
+
 def test_a_killed_subscriber_never_stalls_the_producer_nor_one_joining_mid_stream(tmp_path):
     """An "ahead" subscriber slow on the GPU is SIGKILLed with frames out ahead; another
     joins mid-stream.  The producer goes on (its stream does not wait for the dead one's

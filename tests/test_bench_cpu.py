@@ -188,6 +188,7 @@ def test_lane_registry():
     assert bench.LANE_NAMES == (
         "cupy_ipcpool",
         "cupy_ipcpool_ahead",
+        "cupy_ipcpool_ahead_spin",
         "host_staging",
         "legacy_ipc",
         "torch_mp",

@@ -178,6 +178,7 @@ def test_gpu_clock_option_defaults():
     assert gpuclock.check_lanes(None) == (
         "cupy_ipcpool",
         "cupy_ipcpool_ahead",
+        "cupy_ipcpool_ahead_spin",
         "ordered_floor",
         "inprocess_floor",
     )

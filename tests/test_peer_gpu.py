@@ -12,7 +12,14 @@ import pytest
 
 import cupy_ipcpool as cip
 from cupy_ipcpool import _driver, _peer
-from tests.gpu_helpers import device_free, expected, fd_count, fill, report_exception
+from tests.gpu_helpers import (
+    device_free,
+    expected,
+    fd_count,
+    fill,
+    report_exception,
+    run_child_for_result,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
 
@@ -44,15 +51,8 @@ def _child_read_write(desc_bytes, transport, queue):
 
 
 def _run_child(target, *args, timeout=90):
-    queue = SPAWN.Queue()
-    proc = SPAWN.Process(target=target, args=(*args, queue))
-    proc.start()
-    try:
-        result = queue.get(timeout=timeout)
-    finally:
-        proc.join(timeout)
-        if proc.is_alive():
-            proc.kill()
+    """The child's one message (:func:`run_child_for_result`); its exception fails the test."""
+    result, _exitcode = run_child_for_result(target, *args, timeout=timeout)
     if result[0] == "error":
         pytest.fail(f"child raised {result[1]}: {result[2]}\n{result[3]}")
     return result

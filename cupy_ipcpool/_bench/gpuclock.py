@@ -56,7 +56,13 @@ from .interface import (
 MiB = 1 << 20
 
 #: The lanes the measurement covers, in report order.
-GPU_CLOCK_LANES = ("cupy_ipcpool", "cupy_ipcpool_ahead", "ordered_floor", "inprocess_floor")
+GPU_CLOCK_LANES = (
+    "cupy_ipcpool",
+    "cupy_ipcpool_ahead",
+    "cupy_ipcpool_ahead_spin",
+    "ordered_floor",
+    "inprocess_floor",
+)
 GPU_CLOCK_SIZES_MIB = (1, 64)
 #: Timed frames per lane and size (``--iters``), warm-up frames before them.
 GPU_CLOCK_ITERS = 2000

@@ -4,7 +4,9 @@
 is *free* when no subscriber holds a lease on it and the producer holds no local
 reference to it (``hold``/``unhold``); only free slots are handed out for
 writing.  Leases are created by :meth:`LeaseBook.publishing` and returned by
-:meth:`LeaseBook.release` or, all at once, by :meth:`LeaseBook.remove_subscriber`.
+:meth:`LeaseBook.release` (the RELEASE message), :meth:`LeaseBook.settle` (the
+subscriber's read flag, seen first) or, all at once, by
+:meth:`LeaseBook.remove_subscriber`.
 
 Two rules keep ``"latest"`` subscribers from ever making the producer wait:
 each one's credit is capped at ``max_credit``, and together they never lease
@@ -15,6 +17,7 @@ subscribers that hold a lease longer than a timeout; the clock is the caller's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .._errors import LeaseStateError, ProtocolError, SlotIndexError, UsageError
@@ -55,6 +58,10 @@ class _Subscriber:
     credit: int
     leases: dict[int, int] = field(default_factory=dict)  # seq -> slot, oldest first
     suspended: bool = False  # keeps its leases, receives nothing, is never overdue
+    # slot -> the newest seq of that slot whose lease ended at its read flag
+    # (:meth:`LeaseBook.settle`): its RELEASE message, still due, is then no news
+    settled: dict[int, int] = field(default_factory=dict)
+    due: int = 0  # leases settled whose RELEASE message has not come yet
 
 
 class LeaseBook:
@@ -104,6 +111,9 @@ class LeaseBook:
         self._seq: list[int | None] = [None] * num_slots
         self._holds: list[int] = [0] * num_slots
         self._readers: list[list[int]] = [[] for _ in range(num_slots)]
+        #: Leases ended at their read flag whose RELEASE message has not come yet, over
+        #: every subscriber: messages the owner must still read from the sockets.
+        self.releases_due = 0
 
     # -- subscribers -------------------------------------------------------
 
@@ -163,6 +173,7 @@ class LeaseBook:
                 readers.remove(sub_id)
         if sub is None:
             return []
+        self.releases_due -= sub.due
         freed = []
         for slot in sorted(set(sub.leases.values())):
             if sub.mode == LATEST:
@@ -289,7 +300,7 @@ class LeaseBook:
         if count == 0:
             self._latest_slots -= 1
 
-    def release(self, sub_id: int, seq: int, slot: int) -> bool:
+    def release(self, sub_id: int, seq: int, slot: int) -> bool | None:
         """Return subscriber ``sub_id``'s lease on frame ``seq`` in ``slot``.
 
         Parameters
@@ -299,8 +310,9 @@ class LeaseBook:
 
         Returns
         -------
-        bool
-            True when the slot became free.
+        bool or None
+            True when the slot became free; None when that lease had ended
+            already at its read flag (:meth:`settle`: nothing changes).
 
         Raises
         ------
@@ -313,11 +325,64 @@ class LeaseBook:
             raise ProtocolError(f"release from unknown subscriber {sub_id}")
         held = sub.leases.get(seq)
         if held is None:
+            if seq <= sub.settled.get(slot, -1):
+                if sub.due:  # the lease ended at its read flag already (settle)
+                    sub.due -= 1
+                    self.releases_due -= 1
+                return None
             raise ProtocolError(f"subscriber {sub_id} released frame {seq}, which it does not hold")
         if held != slot:
             raise ProtocolError(
                 f"subscriber {sub_id} released frame {seq} as slot {slot}, but it is in slot {held}"
             )
+        return self._end_lease(sub_id, sub, seq, slot)
+
+    def settle(self, sub_id: int, slot: int) -> bool:
+        """End subscriber ``sub_id``'s lease on ``slot``'s frame: its read flag says it released it.
+
+        The RELEASE message that the subscriber still sends for that frame is
+        then no news: :meth:`release` answers it with None.  The caller looks
+        at the flag (the sync page is host memory): the subscriber's stream
+        writes it at release, after its work on the frame, so a flag at the
+        frame's generation means what the message would.
+
+        Returns
+        -------
+        bool
+            True when the slot became free.
+
+        Raises
+        ------
+        LeaseStateError
+            The subscriber holds no lease on the slot's frame (a bug in the caller).
+        """
+        sub = self._subs.get(sub_id)
+        seq = self._seq[slot]
+        if sub is None or seq is None or sub.leases.get(seq) != slot:
+            raise LeaseStateError(f"subscriber {sub_id} holds no lease on slot {slot}")
+        sub.settled[slot] = seq
+        sub.due += 1
+        self.releases_due += 1
+        return self._end_lease(sub_id, sub, seq, slot)
+
+    def settle_flagged(self, reached: Callable[[int, int], bool], slot: int | None = None) -> int:
+        """:meth:`settle` every lease for which ``reached(sub_id, slot)`` is True; return how many.
+
+        Looks at the holders of ``slot``'s frame, or of every leased slot when
+        ``slot`` is None.  ``reached`` is the caller's look at the holder's
+        read flag for that slot, at the generation of the frame it was sent.
+        """
+        holders = self._holders
+        slots = range(self.num_slots) if slot is None else (slot,)
+        ended = 0
+        for s in slots:
+            if holders[s]:
+                for sub_id in [h for h in holders[s] if reached(h, s)]:
+                    self.settle(sub_id, s)
+                    ended += 1
+        return ended
+
+    def _end_lease(self, sub_id: int, sub: _Subscriber, seq: int, slot: int) -> bool:
         del sub.leases[seq]
         if sub.mode == LATEST:
             self._latest_drop(slot)

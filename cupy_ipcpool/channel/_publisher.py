@@ -156,11 +156,23 @@ class _PublisherLeases:
         self._departed = publisher._departed  # shared: looked at while not empty
         self._settle = weakref.WeakMethod(publisher._settle_departed)  # no cycle to it
         self._streams = publisher._streams
+        # ahead=True: a lease also ends when its read flag is seen set (settle_by_flags)
+        self._by_flags = publisher._ahead
+        self._reached = publisher._sync.reached
         self.closed = False  # set by the publisher's close
         self.lock = threading.RLock()  # serialises the (single-threaded) session core
 
     def leases(self, slot: int) -> int:
-        return 0 if self.closed else self._book.lease_count(slot)
+        if self.closed:
+            return 0
+        count = self._book.lease_count(slot)
+        if count and self._by_flags and self.lock.acquire(blocking=False):
+            try:
+                self._book.settle_flagged(self._read, slot)
+                count = self._book.lease_count(slot)
+            finally:
+                self.lock.release()
+        return count
 
     def collect(self, timeout: float | None) -> int:
         """Adopt new subscribers and take back returned leases (:meth:`PublisherCore.poll`)."""
@@ -169,9 +181,31 @@ class _PublisherLeases:
         if not self.lock.acquire(timeout=-1 if timeout is None else timeout):
             return 0
         try:
-            return self._core.poll(timeout) if not self._core.closed else 0
+            if self._core.closed:
+                return 0
+            return self._core.poll(timeout, self.settle_by_flags if self._by_flags else None)
         finally:
             self.lock.release()
+
+    def settle_by_flags(self) -> int:
+        """End every lease whose read flag the host sees set; return how many (under ``lock``).
+
+        With ``ahead=True``: an ``"ahead"`` subscriber writes its read flag at
+        ``release()``, on its stream after its work, but sends the RELEASE
+        message only once the frame's own message has come (its next
+        ``recv()``); the flag, in the shared host page, says the same sooner.
+        """
+        return self._book.settle_flagged(self._read)
+
+    def _read(self, sub_id: int, slot: int) -> bool:
+        """Whether ``sub_id``'s read flag of ``slot`` holds the generation it was sent.
+
+        Only that generation counts (compared cyclically, as on the GPU): a
+        row's older values (a previous owner's, a frame of an earlier round)
+        are behind it, and a subscriber never writes one it was not sent.
+        """
+        row = self._rows.get(sub_id)
+        return row is not None and self._reached(row[1][slot], self._published[slot] & 0xFFFFFFFF)
 
     def order_write(self, slot: int, stream: int) -> None:
         """Make ``stream`` wait for the read flags of every subscriber that read ``slot``."""

@@ -57,6 +57,11 @@ from ._sockets import (
 
 #: Seconds between attempts to queue an eviction notice that did not fit (rare: see _drop).
 _NOTICE_RETRY = 0.05
+#: First and longest step (s) between two looks at the read flags while a poll that
+#: settles leases by them waits (Publisher(ahead=True)): a flag set on the GPU wakes
+#: no one, so a wait looks again after 1 ms, then 2, 4, ... up to every 16 ms (poll(2)
+#: counts whole milliseconds).
+SETTLE_RECHECK = (0.001, 0.016)
 
 
 def _unlink_ours(address: str, ident: tuple[int, int]) -> None:
@@ -194,6 +199,7 @@ class PublisherCore(ClosedFlag):
         self._by_fd: dict[int, _Conn] = {}
         #: dropped subscribers whose notice did not fit their socket yet (keep their leases)
         self._evicting: dict[int, tuple[_Conn, bytes]] = {}
+        self._since_drain = 0  # frames published since _drain_due read the sockets
         #: the subscribers' sockets as the compiled wait_releases polls them
         self._poll_set = bytearray()
         self._last_slot = self.num_slots - 1
@@ -322,13 +328,19 @@ class PublisherCore(ClosedFlag):
 
     # -- hot path --
 
-    def poll(self, timeout: float | None = 0.0) -> int:
+    def poll(self, timeout: float | None = 0.0, settle: Callable[[], int] | None = None) -> int:
         """Adopt new subscribers and process their messages.
 
         Parameters
         ----------
         timeout:
             Seconds to wait for a message (None: until one arrives; 0: do not wait).
+        settle:
+            Another way leases end, looked at after the messages (the
+            publisher's read flags, :meth:`LeaseBook.settle`): it returns how
+            many it ended.  While leases are held, a waiting poll looks again
+            at growing intervals (:data:`SETTLE_RECHECK`) and in every round of
+            its spin, since nothing wakes it when a flag is set.
 
         Returns
         -------
@@ -341,28 +353,53 @@ class PublisherCore(ClosedFlag):
             self._adopt()
         if self._evicting:
             timeout = self._retry_notices(timeout)
+        if settle is not None:
+            released = self._wait(0.0) + settle()
+            if released or timeout == 0.0:
+                if self._next_expiry is not None:
+                    self._check_leases()
+                return released
         if self._spin_ns and timeout != 0.0 and self._by_fd:
-            released = self._spin(timeout)
+            released = self._spin(timeout, settle)
             if released:
                 if self._next_expiry is not None:
                     self._check_leases()
                 return released
             if timeout is not None:
                 timeout = max(0.0, timeout - self._spin_ns / 1e9)
-        if self._next_expiry is None:
+        if settle is not None and self._book.any_leased():
+            released = self._wait_settling(self._until_expiry(timeout), settle)
+        elif self._next_expiry is None:
             return self._wait(timeout)
-        released = self._wait(self._until_expiry(timeout))
-        self._check_leases()
+        else:
+            released = self._wait(self._until_expiry(timeout))
+        if self._next_expiry is not None:
+            self._check_leases()
         return released
 
-    def _spin(self, timeout: float | None) -> int:
-        """Busy-poll the sockets for up to ``spin_us`` (and ``timeout``); leases returned."""
+    def _spin(self, timeout: float | None, settle: Callable[[], int] | None) -> int:
+        """Busy-poll the sockets (and ``settle``) for up to ``spin_us`` (and ``timeout``)."""
         spin = self._spin_ns if timeout is None else min(self._spin_ns, int(timeout * 1e9))
         end = time.perf_counter_ns() + spin
         while True:
             released = self._wait(0.0)
+            if settle is not None:
+                released += settle()
             if released or time.perf_counter_ns() >= end:
                 return released
+
+    def _wait_settling(self, timeout: float | None, settle: Callable[[], int]) -> int:
+        """:meth:`_wait` for up to ``timeout``, looking at ``settle`` between growing steps."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        step = SETTLE_RECHECK[0]
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            wait = step if left is None else max(0.0, min(step, left))
+            released = self._wait(wait)
+            released += settle()
+            if released or (left is not None and left <= wait):
+                return released
+            step = min(step * 2, SETTLE_RECHECK[1])
 
     def acquire(self, timeout: float | None = None) -> tuple[int, list[int]]:
         """Return a free slot to write the next frame into.
@@ -480,7 +517,23 @@ class PublisherCore(ClosedFlag):
                         self._send_stalled(conn, msg)
                 else:
                     self._drop(conn, f"send failed: {os.strerror(err)}")
+        if self._book.releases_due:
+            self._drain_due()
         return seq
+
+    def _drain_due(self) -> None:
+        """Read the sockets once a ring while RELEASE messages of settled leases are due.
+
+        A lease that ended at its read flag (:meth:`LeaseBook.settle`) frees its
+        slot without its RELEASE message, so a producer that never waits reads
+        no message at all: the subscriber's socket would fill and its next
+        release() stall.  Once every ``num_slots`` frames (one syscall a ring),
+        what has come is taken in.
+        """
+        self._since_drain += 1
+        if self._since_drain >= self.num_slots:
+            self._since_drain = 0
+            self._wait(0.0)
 
     # -- internals --
 
@@ -575,7 +628,8 @@ class PublisherCore(ClosedFlag):
                 continue  # dropped by an earlier message of this batch
             if seq >= 0:
                 try:
-                    book.release(conn.info.sub_id, seq, what)
+                    if book.release(conn.info.sub_id, seq, what) is None:
+                        continue  # that lease ended at its read flag already
                 except ProtocolError as exc:
                     self._drop(conn, f"protocol error: {exc}")
                     continue

@@ -43,7 +43,12 @@ from ._floors import (
     wire_sizes,
 )
 from ._frameworks import CudaCoreLane, TorchQueueLane, ipc_api_missing
-from ._ipcpool import AttachScanLane, CupyIpcPoolAheadLane, CupyIpcPoolLane
+from ._ipcpool import (
+    AttachScanLane,
+    CupyIpcPoolAheadLane,
+    CupyIpcPoolAheadSpinLane,
+    CupyIpcPoolLane,
+)
 from ._registry import ALL_LANES, LANE_NAMES, get_lanes
 
 __all__ = [
@@ -56,6 +61,7 @@ __all__ = [
     "AttachScanLane",
     "CudaCoreLane",
     "CupyIpcPoolAheadLane",
+    "CupyIpcPoolAheadSpinLane",
     "CupyIpcPoolLane",
     "GpuWork",
     "HostStagingLane",

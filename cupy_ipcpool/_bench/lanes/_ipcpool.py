@@ -71,12 +71,41 @@ class CupyIpcPoolAheadLane(CupyIpcPoolLane):
         return _CipAheadConsumer(link, cfg, nbytes)
 
 
+class CupyIpcPoolAheadSpinLane(CupyIpcPoolAheadLane):
+    """Frames handed out ahead, the producer's host busy-polling for its leases (``spin_us``)."""
+
+    name = "cupy_ipcpool_ahead_spin"
+    title = "cupy_ipcpool, frames handed out ahead, producer spin_us=200"
+    sync_note = (
+        "as cupy_ipcpool_ahead, and the producer's wait for each latency frame's lease "
+        "busy-polls for up to 200 us (Publisher(spin_us=200)) its sockets and the "
+        "subscribers' read flags: with ahead=True a lease ends at the read flag, which the "
+        "consumer's stream writes after its check, so the producer learns of it without the "
+        "consumer's host (whose RELEASE message comes at its next recv())."
+    )
+
+    def open_producer(
+        self, links: Sequence[Connection], cfg: BenchConfig, nbytes: int
+    ) -> ProducerSide:
+        return _CipProducer(links, cfg, nbytes, ahead=True, spin_us=PRODUCER_SPIN_US)
+
+
+#: The ``spin_us`` of :class:`CupyIpcPoolAheadSpinLane`'s publisher.
+PRODUCER_SPIN_US = 200.0
+
+
 class _CipProducer(ProducerSide):
     # Per frame: acquire a slot (its stream waits on the subscribers' read flags
     # of the slot's previous frame), fill it, publish (writes the frame flag).
     # No host synchronisation: the sync page's flags order both directions.
     def __init__(
-        self, links: Sequence[Connection], cfg: BenchConfig, nbytes: int, *, ahead: bool = False
+        self,
+        links: Sequence[Connection],
+        cfg: BenchConfig,
+        nbytes: int,
+        *,
+        ahead: bool = False,
+        spin_us: float = 0.0,
     ) -> None:
         super().__init__()
         import cupy
@@ -92,7 +121,7 @@ class _CipProducer(ProducerSide):
         self.pool = cip.IpcPool(cfg.num_slots, nbytes, device=cfg.device)
         self.pub: Any = None
         try:
-            self.pub = cip.Publisher(self.pool, address, ahead=ahead)
+            self.pub = cip.Publisher(self.pool, address, ahead=ahead, spin_us=spin_us)
             for link in links:
                 link.send_bytes(b"listening " + address.encode())
             for link in links:

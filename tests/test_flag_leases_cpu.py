@@ -1,0 +1,317 @@
+"""Leases that end at the subscriber's read flag, before its RELEASE message (``ahead=True``).
+
+With ``Publisher(ahead=True)`` the producer's host takes a lease back as soon
+as it sees the subscriber's read flag at the generation of the frame it was
+sent (:meth:`LeaseBook.settle`), without waiting for the RELEASE message that
+an ``"ahead"`` subscriber sends only at its next ``recv()``; that message, when
+it comes, is no news.  Here the rule runs for real over the GPU-free stand-ins:
+memfd slots (:mod:`tests._memfd_backend`), a memfd flag page
+(:class:`SharedFlags`) that a consumer in another process writes from its host
+(where a GPU stream would write it), and real sockets.  The consumer checks
+every frame's bytes before it writes the flag, so a slot reused while its
+lease was held fails the test.  The GPU path is in ``test_ahead_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import multiprocessing
+import os
+import struct
+import time
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+
+from cupy_ipcpool._errors import LeaseStateError, ProtocolError
+from cupy_ipcpool.channel._handshake import SubscriberInfo
+from cupy_ipcpool.channel._leases import BLOCK, LeaseBook
+from cupy_ipcpool.channel._publisher_core import SETTLE_RECHECK, PublisherCore
+from cupy_ipcpool.channel._subscriber_core import SubscriberCore
+from cupy_ipcpool.channel._syncpage import FlagLayout, SharedFlags
+from tests._memfd_backend import MemfdSlots, pattern
+
+SPAWN = multiprocessing.get_context("spawn")
+MASK = 0xFFFFFFFF
+
+
+# -- the book ---------------------------------------------------------------------------
+
+
+def book_with_frame(slot: int = 0, seq: int = 7) -> LeaseBook:
+    book = LeaseBook(2)
+    book.add_subscriber(1, BLOCK, 2)
+    assert book.publishing(slot, seq) == [1]
+    return book
+
+
+def test_a_settled_lease_frees_the_slot_and_its_release_is_no_news() -> None:
+    book = book_with_frame()
+    assert book.settle(1, 0) is True
+    assert book.is_free(0) and book.outstanding(1) == 0
+    assert book.readers_to_wait(0) == [1]  # the producer's stream still orders after the flag
+    assert book.release(1, 7, 0) is None  # the RELEASE that follows changes nothing
+    assert book.release(1, 7, 0) is None  # nor a repeat of it
+    assert book.is_free(0)
+
+
+def test_a_release_of_an_older_frame_leaves_the_newer_lease_of_the_slot() -> None:
+    book = book_with_frame(0, 7)
+    book.settle(1, 0)
+    book.publishing(0, 9)
+    assert book.release(1, 7, 0) is None
+    assert book.lease_count(0) == 1 and book.held_by(1) == {9: 0}
+    assert book.release(1, 9, 0) is True
+
+
+def test_releases_that_were_never_settled_are_still_refused() -> None:
+    book = book_with_frame(0, 7)
+    book.settle(1, 0)
+    with pytest.raises(ProtocolError, match="does not hold"):
+        book.release(1, 8, 0)  # newer than anything settled there
+    with pytest.raises(ProtocolError, match="does not hold"):
+        book.release(1, 7, 1)  # the settled seq, named in another slot
+    with pytest.raises(LeaseStateError):
+        book.settle(1, 0)  # nothing held there now
+    with pytest.raises(LeaseStateError):
+        book.settle(2, 1)  # an unknown subscriber
+
+
+def test_settle_flagged_asks_only_about_holders_and_counts_what_it_ended() -> None:
+    book = LeaseBook(3)
+    for sub_id in (1, 2):
+        book.add_subscriber(sub_id, BLOCK, 3)
+    book.publishing(0, 1)
+    book.publishing(2, 2)
+    asked: list[tuple[int, int]] = []
+
+    def reached(sub_id: int, slot: int) -> bool:
+        asked.append((sub_id, slot))
+        return sub_id == 2
+
+    assert book.settle_flagged(reached) == 2
+    assert sorted(asked) == [(1, 0), (1, 2), (2, 0), (2, 2)]
+    assert book.leases(0) == [(1, 1)] and book.leases(2) == [(1, 2)]
+    asked.clear()
+    assert book.settle_flagged(lambda s, slot: True, 2) == 1
+    assert book.leases(2) == [] and book.leases(0) == [(1, 1)]
+    assert book.remove_subscriber(1) == [0]
+
+
+# -- a producer, a consumer in another process, a flag page -----------------------------
+
+LAYOUT = FlagLayout(2, 1)
+
+
+class FlagProducer:
+    """A :class:`PublisherCore` over memfd slots whose leases also end at the read flag.
+
+    The flag page goes to the consumer with the slots' fds; each frame's
+    generation is its seq + 1 (a new one for every use of a slot; the page starts at 0,
+    as the pool's generations start at 1), and the
+    look at the flag is :meth:`LeaseBook.settle_flagged` with the rule the
+    publisher uses: the flag at the generation sent, compared cyclically.
+    """
+
+    def __init__(self, address: str) -> None:
+        self.flags = SharedFlags.create(LAYOUT.nbytes)
+        self.published = [0, 0]
+        self.settle_calls = 0
+        self.slots = MemfdSlots(2)
+        self.core = PublisherCore(address, 2, welcome=self._welcome)
+
+    def wait_subscribers(self, n: int) -> None:
+        deadline = time.monotonic() + 10
+        while len(self.core.subscribers) < n:
+            assert time.monotonic() < deadline, "the consumer did not join"
+            self.core.poll(0.01)
+
+    def _welcome(self, info: SubscriberInfo) -> tuple[bytes, list[int]]:
+        payload, fds = self.slots.welcome(info)
+        return payload, [*fds, self.flags.fd]
+
+    def reached(self, sub_id: int, slot: int) -> bool:
+        return self.flags.reached(LAYOUT.read_offset(0, slot), self.published[slot] & MASK)
+
+    def settle(self) -> int:
+        self.settle_calls += 1
+        return self.core.lease_book.settle_flagged(self.reached)
+
+    def publish_flagged(self) -> tuple[int, int]:
+        """Publish the next frame (waiting for its slot by messages and flags)."""
+        deadline = time.monotonic() + 10
+        while True:
+            slot = self.core.lease_book.pick_free_slot(0)
+            if slot is not None:
+                break
+            assert time.monotonic() < deadline, "no slot came free"
+            self.core.poll(1.0, self.settle)
+        seq = self.core.next_seq
+        self.slots.write(slot, seq)
+        self.published[slot] = seq + 1
+        assert self.core.publish(slot) == seq
+        return seq, slot
+
+    def publish_without_waiting(self) -> tuple[int, int]:
+        """Publish the next frame in a slot the flags say is free, reading no message.
+
+        What ``Publisher.acquire`` does when its look at the flags finds the slot
+        free (``_PublisherLeases.leases``): no poll of the sockets.
+        """
+        self.core.lease_book.settle_flagged(self.reached)
+        slot = self.core.lease_book.pick_free_slot(0)
+        assert slot is not None, "the flags freed no slot"
+        seq = self.core.next_seq
+        self.slots.write(slot, seq)
+        self.published[slot] = seq + 1
+        assert self.core.publish(slot) == seq
+        return seq, slot
+
+    def close(self) -> None:
+        self.core.close()
+        self.slots.close()
+        self.flags.close()
+
+
+def flag_consumer(conn: Connection, address: str, release_after: int) -> None:
+    """Check each frame, write its read flag, send its RELEASE ``release_after`` frames late.
+
+    Commands from the test: ``("frames", n)`` takes ``n`` frames; ``("flush",)``
+    sends the RELEASEs still due; ``("close",)`` ends.  Answers ``("ok", seqs)``
+    or ``("error", text)``.
+    """
+    # a RELEASE that finds the socket full waits this long, then raises (reported)
+    core = SubscriberCore(address, mode="block", timeout=5.0)
+    due: list[tuple[int, int]] = []
+    try:
+        (size,) = struct.unpack("<Q", core.welcome_payload)
+        fds = core.take_fds()
+        slots = [mmap.mmap(fd, size, prot=mmap.PROT_READ) for fd in fds[:-1]]
+        flags = SharedFlags.open(fds[-1], LAYOUT.nbytes)
+        for fd in fds:
+            os.close(fd)
+        while True:
+            cmd = conn.recv()
+            try:
+                if cmd[0] == "close":
+                    break
+                if cmd[0] == "flush":
+                    for seq, slot in due:
+                        core.release(seq, slot)
+                    due.clear()
+                    conn.send(("ok", []))
+                    continue
+                seqs = []
+                for _ in range(cmd[1]):
+                    frame = core.recv(10.0)
+                    for when in ("at receipt", "at release"):
+                        if slots[frame.slot][:] != pattern(frame.seq, size):
+                            raise AssertionError(f"frame {frame.seq} overwritten {when}")
+                    flags.store(LAYOUT.read_offset(0, frame.slot), frame.seq + 1)
+                    due.append((frame.seq, frame.slot))
+                    while len(due) > release_after:
+                        core.release(*due.pop(0))
+                    seqs.append(frame.seq)
+                conn.send(("ok", seqs))
+            except Exception as exc:
+                conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        core.close()
+
+
+@pytest.fixture
+def pair(tmp_path: Any) -> Iterator[Callable[[int], tuple[FlagProducer, Connection]]]:
+    started: list[tuple[FlagProducer, Any, Connection]] = []
+
+    def start(release_after: int) -> tuple[FlagProducer, Connection]:
+        prod = FlagProducer(str(tmp_path / "flags.sock"))
+        parent, child = SPAWN.Pipe()
+        proc = SPAWN.Process(target=flag_consumer, args=(child, prod.core.address, release_after))
+        proc.start()
+        started.append((prod, proc, parent))
+        prod.wait_subscribers(1)
+        return prod, parent
+
+    yield start
+    for prod, proc, parent in started:
+        if proc.is_alive():
+            parent.send(("close",))
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        prod.close()
+
+
+def ask(conn: Connection, *cmd: Any) -> list[int]:
+    conn.send(cmd)
+    assert conn.poll(20), "the consumer did not answer"
+    status, value = conn.recv()
+    assert status == "ok", value
+    return value
+
+
+def test_the_producer_runs_on_read_flags_while_releases_come_late(pair: Any) -> None:
+    prod, consumer = pair(release_after=3)  # RELEASE messages trail the flags by 3 frames
+    frames = 200
+    seqs = []
+    for _ in range(frames):
+        prod.publish_flagged()
+        seqs.extend(ask(consumer, "frames", 1))  # the consumer checked it and wrote its flag
+    assert seqs == list(range(frames))
+    ask(consumer, "flush")
+    deadline = time.monotonic() + 10
+    while prod.core.lease_book.any_leased() or prod.core.poll(0.0, prod.settle):
+        assert time.monotonic() < deadline
+        prod.core.poll(0.1, prod.settle)
+    # the late RELEASE of every frame settled by its flag was no news: the subscriber
+    # stayed, and no lease is left
+    assert len(prod.core.subscribers) == 1
+    assert not prod.core.lease_book.any_leased()
+
+
+def test_a_flag_of_an_earlier_frame_does_not_end_a_lease(pair: Any) -> None:
+    prod, consumer = pair(release_after=99)  # no RELEASE message at all
+    prod.publish_flagged()
+    prod.publish_flagged()  # both slots leased
+    ask(consumer, "frames", 2)  # flags at frames 0 and 1
+    assert prod.core.poll(0.0, prod.settle) == 2
+    seq, slot = prod.publish_flagged()
+    assert (seq, slot) == (2, 0)
+    # slot 0's flag still holds frame 0's generation, which is not frame 2's
+    assert prod.core.poll(0.0, prod.settle) == 0
+    assert prod.core.lease_book.leases(0) == [(prod.core.subscribers[0].sub_id, 2)]
+
+
+def test_a_waiting_poll_sees_a_flag_set_later_and_does_not_spin(pair: Any) -> None:
+    prod, consumer = pair(release_after=99)
+    prod.publish_flagged()
+    # nothing sets the flag: the poll sleeps its timeout out, looking at the flags
+    # between growing steps (not once per message, not in a busy loop)
+    prod.settle_calls = 0
+    wait = 0.3
+    assert prod.core.poll(wait, prod.settle) == 0
+    steps, step, slept = 0, SETTLE_RECHECK[0], 0.0
+    while slept < wait:
+        slept, steps, step = slept + step, steps + 1, min(step * 2, SETTLE_RECHECK[1])
+    assert prod.settle_calls <= steps + 2  # the look before waiting, and the last one
+    # the flag set while the producer waits (no message comes) ends its wait
+    consumer.send(("frames", 1))
+    assert prod.core.poll(10.0, prod.settle) == 1
+    assert consumer.poll(10) and consumer.recv() == ("ok", [0])
+
+
+def test_a_producer_that_never_waits_still_reads_the_due_releases(pair: Any) -> None:
+    """Every slot is freed by its flag, so the producer never needs a message; the
+    RELEASE messages still come, one per frame, and are read once a ring: the
+    consumer's socket never fills (a full one would stall its release, then raise)."""
+    prod, consumer = pair(release_after=0)  # a RELEASE right after each flag
+    frames = 3000
+    for _ in range(frames):
+        prod.publish_without_waiting()
+        ask(consumer, "frames", 1)
+    book = prod.core.lease_book
+    assert book.releases_due <= 2 * book.num_slots
+    assert len(prod.core.subscribers) == 1
