@@ -265,8 +265,9 @@ class Publisher(ClosedFlag):
         call raises :class:`~cupy_ipcpool.EvictedError`); None: no limit.
     spin_us:
         Microseconds :meth:`poll` (and a waiting ``acquire``) busy-polls the
-        subscribers' sockets before sleeping; default 0 (no CPU while waiting).
-        See docs/performance.md for what it buys.
+        subscribers' sockets (with ``ahead=True``, and their read flags) before
+        sleeping; default 0 (no CPU while waiting).  See docs/performance.md
+        for what it buys.
     ahead:
         Keep a fixed schedule, so that ``"ahead"`` subscribers can take frames
         before their FRAME messages (docs/protocol.md, "Frames handed out
@@ -275,7 +276,13 @@ class Publisher(ClosedFlag):
         array layout of the first (another layout, or none, raises
         :class:`~cupy_ipcpool.UsageError`), and a frame taken and not published is
         sent as a *void* frame (no arrays; its subscribers' ``Frame.complete``
-        is False).  Every write to the pool goes through this publisher.
+        is False).  Every write to the pool goes through this publisher.  A
+        lease also ends when the host sees the subscriber's read flag at the
+        frame's generation (its stream writes it at ``release()``, after its
+        work), before the RELEASE message an ``"ahead"`` subscriber sends only
+        at its next ``recv()``; a wait with no message looks at the flags
+        again after 1 ms, then 2, 4, ... up to every 16 ms (every round of
+        ``spin_us``).
         ``"latest"`` subscribers are refused (a fixed slot order would make
         the producer wait for them).  Default False: ``"ahead"`` subscribers
         are refused.

@@ -216,12 +216,13 @@ class _CipAheadConsumer(_CipConsumer):
     # frame's value is the first frame's plus its sequence number; the first frame always
     # comes by message (nothing predicts it), and each confirmed frame's metadata must agree.
     mode = "ahead"
-    # One frame ahead at most: the RELEASE of a frame handed out ahead goes with the recv()
-    # that takes its message in, and the harness's producer waits for each latency frame's
-    # lease before it writes the next, while the consumer waits for its checks (flush_checks)
-    # at the end of a phase.  Deeper, the consumer would wait on the GPU for frames the
-    # producer has not written, and the producer for a RELEASE the consumer sends only at
-    # its next recv() (docs/protocol.md, "Frames handed out ahead").
+    # One frame ahead at most: the harness's producer waits for each latency frame's lease
+    # before it writes the next, while the consumer waits for its checks (flush_checks) at
+    # the end of a phase.  The lease ends at the read flag (Publisher(ahead=True)), but a
+    # producer without spin_us looks at the flags only between growing steps of its wait
+    # (1 to 16 ms) when no message wakes it; deeper, the consumer would queue waits on the
+    # GPU for frames the producer has not written and send its RELEASEs later, and the
+    # round trip would measure those steps (docs/protocol.md, "Frames handed out ahead").
     subscribe_options: dict[str, Any] = {"depth": 1}
 
     def __init__(self, link: Connection, cfg: BenchConfig, nbytes: int) -> None:
