@@ -13,87 +13,6 @@ from ..interface import BenchConfig, ConsumerSide, Lane, ProducerSide, expect
 from ._common import VALUE, GpuWork, check_frame, check_frame_size, has_module
 
 
-class CupyIpcPoolLane(Lane):
-    """Publish/subscribe over a ring of VMM slots: the frame never moves."""
-
-    name = "cupy_ipcpool"
-    title = "cupy_ipcpool publish/subscribe"
-    pipelined = True
-    sync_note = (
-        "none per frame: the library's flags in its shared sync page order both directions "
-        "(the subscriber's stream waits on the slot's frame flag; the publisher's stream "
-        "waits on the read flag written at release, after the check; neither waits when "
-        "the host sees the flag set already), so the consumer enqueues its check and "
-        "calls frame.release() without waiting."
-    )
-
-    def available(self) -> str | None:
-        if not has_module("cupy"):
-            return "cupy is not installed"
-        try:
-            import cupy_ipcpool as cip
-        except ImportError as exc:
-            return f"cupy_ipcpool is not importable: {exc}"
-        missing = [n for n in ("IpcPool", "Publisher", "subscribe") if not hasattr(cip, n)]
-        if missing:
-            return f"cupy_ipcpool has no {', '.join(missing)} (publish/subscribe layer not built)"
-        return None
-
-    def open_producer(
-        self, links: Sequence[Connection], cfg: BenchConfig, nbytes: int
-    ) -> ProducerSide:
-        return _CipProducer(links, cfg, nbytes)
-
-    def open_consumer(self, link: Connection, cfg: BenchConfig, nbytes: int) -> ConsumerSide:
-        return _CipConsumer(link, cfg, nbytes)
-
-
-class CupyIpcPoolAheadLane(CupyIpcPoolLane):
-    """The channel with frames handed out ahead of their messages (``mode="ahead"``)."""
-
-    name = "cupy_ipcpool_ahead"
-    title = "cupy_ipcpool, frames handed out ahead"
-    sync_note = (
-        "none per frame, and the consumer's host does not wait for the FRAME message: the "
-        "publisher keeps a fixed slot schedule (ahead=True), so recv() hands frame k+n out "
-        "once frame k of the same slot came by message, its stream waiting on the GPU for the "
-        "frame flag of the next generation; the message confirms it later (its metadata, its "
-        "RELEASE). depth=1: one frame ahead of its message at most. The value checked is the "
-        "first frame's (by message) plus the sequence number, and the metadata once confirmed."
-    )
-
-    def open_producer(
-        self, links: Sequence[Connection], cfg: BenchConfig, nbytes: int
-    ) -> ProducerSide:
-        return _CipProducer(links, cfg, nbytes, ahead=True)
-
-    def open_consumer(self, link: Connection, cfg: BenchConfig, nbytes: int) -> ConsumerSide:
-        return _CipAheadConsumer(link, cfg, nbytes)
-
-
-class CupyIpcPoolAheadSpinLane(CupyIpcPoolAheadLane):
-    """Frames handed out ahead, the producer's host busy-polling for its leases (``spin_us``)."""
-
-    name = "cupy_ipcpool_ahead_spin"
-    title = "cupy_ipcpool, frames handed out ahead, producer spin_us=200"
-    sync_note = (
-        "as cupy_ipcpool_ahead, and the producer's wait for each latency frame's lease "
-        "busy-polls for up to 200 us (Publisher(spin_us=200)) its sockets and the "
-        "subscribers' read flags: with ahead=True a lease ends at the read flag, which the "
-        "consumer's stream writes after its check, so the producer learns of it without the "
-        "consumer's host (whose RELEASE message comes at its next recv())."
-    )
-
-    def open_producer(
-        self, links: Sequence[Connection], cfg: BenchConfig, nbytes: int
-    ) -> ProducerSide:
-        return _CipProducer(links, cfg, nbytes, ahead=True, spin_us=PRODUCER_SPIN_US)
-
-
-#: The ``spin_us`` of :class:`CupyIpcPoolAheadSpinLane`'s publisher.
-PRODUCER_SPIN_US = 200.0
-
-
 class _CipProducer(ProducerSide):
     # Per frame: acquire a slot (its stream waits on the subscribers' read flags
     # of the slot's previous frame), fill it, publish (writes the frame flag).
@@ -264,6 +183,81 @@ class _CipAheadConsumer(_CipConsumer):
     def close(self) -> None:
         self.unconfirmed.clear()  # frames never confirmed: the size ended with them
         super().close()
+
+
+class CupyIpcPoolLane(Lane):
+    """Publish/subscribe over a ring of VMM slots: the frame never moves."""
+
+    name = "cupy_ipcpool"
+    title = "cupy_ipcpool publish/subscribe"
+    pipelined = True
+    sync_note = (
+        "none per frame: the library's flags in its shared sync page order both directions "
+        "(the subscriber's stream waits on the slot's frame flag; the publisher's stream "
+        "waits on the read flag written at release, after the check; neither waits when "
+        "the host sees the flag set already), so the consumer enqueues its check and "
+        "calls frame.release() without waiting."
+    )
+
+    def available(self) -> str | None:
+        if not has_module("cupy"):
+            return "cupy is not installed"
+        try:
+            import cupy_ipcpool as cip
+        except ImportError as exc:
+            return f"cupy_ipcpool is not importable: {exc}"
+        missing = [n for n in ("IpcPool", "Publisher", "subscribe") if not hasattr(cip, n)]
+        if missing:
+            return f"cupy_ipcpool has no {', '.join(missing)} (publish/subscribe layer not built)"
+        return None
+
+    #: The publisher's options (``Publisher(**publisher_options)``) and the consumer side.
+    publisher_options: dict[str, Any] = {}
+    consumer_side: type[_CipConsumer] = _CipConsumer
+
+    def open_producer(
+        self, links: Sequence[Connection], cfg: BenchConfig, nbytes: int
+    ) -> ProducerSide:
+        return _CipProducer(links, cfg, nbytes, **self.publisher_options)
+
+    def open_consumer(self, link: Connection, cfg: BenchConfig, nbytes: int) -> ConsumerSide:
+        return self.consumer_side(link, cfg, nbytes)
+
+
+class CupyIpcPoolAheadLane(CupyIpcPoolLane):
+    """The channel with frames handed out ahead of their messages (``mode="ahead"``)."""
+
+    name = "cupy_ipcpool_ahead"
+    title = "cupy_ipcpool, frames handed out ahead"
+    sync_note = (
+        "none per frame, and the consumer's host does not wait for the FRAME message: the "
+        "publisher keeps a fixed slot schedule (ahead=True), so recv() hands frame k+n out "
+        "once frame k of the same slot came by message, its stream waiting on the GPU for the "
+        "frame flag of the next generation; the message confirms it later (its metadata, its "
+        "RELEASE). depth=1: one frame ahead of its message at most. The value checked is the "
+        "first frame's (by message) plus the sequence number, and the metadata once confirmed."
+    )
+    publisher_options: dict[str, Any] = {"ahead": True}
+    consumer_side = _CipAheadConsumer
+
+
+#: The ``spin_us`` of :class:`CupyIpcPoolAheadSpinLane`'s publisher.
+PRODUCER_SPIN_US = 200.0
+
+
+class CupyIpcPoolAheadSpinLane(CupyIpcPoolAheadLane):
+    """Frames handed out ahead, the producer's host busy-polling for its leases (``spin_us``)."""
+
+    name = "cupy_ipcpool_ahead_spin"
+    title = "cupy_ipcpool, frames handed out ahead, producer spin_us=200"
+    sync_note = (
+        "as cupy_ipcpool_ahead, and the producer's wait for each latency frame's lease "
+        "busy-polls for up to 200 us (Publisher(spin_us=200)) its sockets and the "
+        "subscribers' read flags: with ahead=True a lease ends at the read flag, which the "
+        "consumer's stream writes after its check, so the producer learns of it without the "
+        "consumer's host (whose RELEASE message comes at its next recv())."
+    )
+    publisher_options: dict[str, Any] = {"ahead": True, "spin_us": PRODUCER_SPIN_US}
 
 
 class AttachScanLane(Lane):
