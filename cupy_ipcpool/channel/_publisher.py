@@ -688,9 +688,10 @@ class Publisher(ClosedFlag):
         """Adopt new subscribers and collect returned leases; return how many came back.
 
         Returns as soon as a message from a subscriber has been handled (a
-        returned lease, a goodbye), or after ``timeout`` seconds (``None``:
-        no limit; ``0``: do not wait).  Threads waiting in ``pool.acquire()``
-        or ``pool.next()`` are woken when leases came back.
+        returned lease, a goodbye) or, with ``ahead=True``, a lease ended at
+        its read flag, or after ``timeout`` seconds (``None``: no limit; ``0``:
+        do not wait).  Threads waiting in ``pool.acquire()`` or
+        ``pool.next()`` are woken when leases came back.
         """
         if self._closed:
             self._check()  # raises
