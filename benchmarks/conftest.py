@@ -20,6 +20,17 @@ from cupy_ipcpool import _driver
 
 _medians: dict[str, float] = {}
 
+
+def per_size(
+    label: str, numerator: str, denominator: str, op: str, target: float, sizes: tuple[int, ...]
+) -> list[tuple[str, str, str, str, float]]:
+    """One :data:`RATIOS` row per size: ``{mib}`` in the three names stands for the size."""
+    return [
+        (label.format(mib=mib), numerator.format(mib=mib), denominator.format(mib=mib), op, target)
+        for mib in sizes
+    ]
+
+
 # (label, numerator, denominator, comparison, target): ratio = numerator / denominator
 RATIOS: list[tuple[str, str, str, str, float]] = [
     ("write bandwidth slot/plain 64 MiB", "write_plain_64MiB", "write_slot_64MiB", ">=", 0.98),
@@ -37,81 +48,69 @@ RATIOS: list[tuple[str, str, str, str, float]] = [
     ("round trip p50 1 GiB / 1 MiB", "roundtrip_p50_1024MiB", "roundtrip_p50_1MiB", "<=", 1.5),
 ]
 # round trip tail (issue 11): p99 / p50 at each size
-RATIOS += [
-    (
-        f"round trip p99/p50 {mib} MiB",
-        f"roundtrip_p99_{mib}MiB",
-        f"roundtrip_p50_{mib}MiB",
-        "<=",
-        2.0,
-    )
-    for mib in (1, 64, 1024)
-]
+RATIOS += per_size(
+    "round trip p99/p50 {mib} MiB",
+    "roundtrip_p99_{mib}MiB",
+    "roundtrip_p50_{mib}MiB",
+    "<=",
+    2.0,
+    (1, 64, 1024),
+)
 # the same tail without the frames just after the benchmark's untimed drains
 # (benchmarks/test_bench_channel.py, ``_tail_by_drain``): information beside the
 # target's figure above, which stays the whole series' p99
-RATIOS += [
-    (
-        f"round trip p99/p50 {mib} MiB, settled (info)",
-        f"roundtrip_p99_{mib}MiB_settled",
-        f"roundtrip_p50_{mib}MiB",
-        "<=",
-        2.0,
-    )
-    for mib in (1, 64, 1024)
-]
+RATIOS += per_size(
+    "round trip p99/p50 {mib} MiB, settled (info)",
+    "roundtrip_p99_{mib}MiB_settled",
+    "roundtrip_p50_{mib}MiB",
+    "<=",
+    2.0,
+    (1, 64, 1024),
+)
 # frames handed out ahead of their messages (mode="ahead") against block mode, 8 slots,
 # the same run: the target is 2x; on time-sliced processes the GPU's turns between the
 # two contexts bound both (docs/performance.md, "The GPU's side")
-RATIOS += [
-    (
-        f"throughput ahead/block 8 slots {mib} MiB",
-        f"throughput_fps_{mib}MiB_ahead",
-        f"throughput_fps_{mib}MiB",
-        ">=",
-        2.0,
-    )
-    for mib in (1, 64)
-]
+RATIOS += per_size(
+    "throughput ahead/block 8 slots {mib} MiB",
+    "throughput_fps_{mib}MiB_ahead",
+    "throughput_fps_{mib}MiB",
+    ">=",
+    2.0,
+    (1, 64),
+)
 # frames handed out ahead with the producer's host busy-polling its leases (which end at
 # the read flags): the round trip against the in-process floor's, the same run.  The
 # target (1.5x) is for MPS; time-sliced, the GPU's turns between the two contexts are in
 # every cross-process lane and the ratio is information (docs/performance.md, "The GPU's
 # side")
-RATIOS += [
-    (
-        f"gpu-clock round trip ahead+spin / in-process floor {mib} MiB",
-        f"gpuclock_cupy_ipcpool_ahead_spin_round_trip_p50_{mib}MiB",
-        f"gpuclock_inprocess_floor_round_trip_p50_{mib}MiB",
-        "<=",
-        1.5,
-    )
-    for mib in (1, 64)
-]
+RATIOS += per_size(
+    "gpu-clock round trip ahead+spin / in-process floor {mib} MiB",
+    "gpuclock_cupy_ipcpool_ahead_spin_round_trip_p50_{mib}MiB",
+    "gpuclock_inprocess_floor_round_trip_p50_{mib}MiB",
+    "<=",
+    1.5,
+    (1, 64),
+)
 # remote lane (issue 12): channel rate / raw UCXX rate on the same transport, per size
-RATIOS += [
-    (
-        f"remote {memory} channel/raw UCXX {mib} MiB",
-        f"remote_{memory}_ucxx_{mib}MiB",
-        f"remote_{memory}_channel_{mib}MiB",
+for memory in ("device", "host"):
+    RATIOS += per_size(
+        f"remote {memory} channel/raw UCXX {{mib}} MiB",
+        f"remote_{memory}_ucxx_{{mib}}MiB",
+        f"remote_{memory}_channel_{{mib}}MiB",
         ">=",
         0.9,
+        (1, 64, 256),
     )
-    for memory in ("device", "host")
-    for mib in (1, 64, 256)
-]
 # the same against raw UCXX between IpcPool slots (the channel's VMM memory; UCX may move
 # it by another transport than the cupy.ones buffers of the row above)
-RATIOS += [
-    (
-        f"remote device channel/raw UCXX on VMM slots {mib} MiB",
-        f"remote_device_ucxx_vmm_{mib}MiB",
-        f"remote_device_channel_{mib}MiB",
-        ">=",
-        0.9,
-    )
-    for mib in (1, 64, 256)
-]
+RATIOS += per_size(
+    "remote device channel/raw UCXX on VMM slots {mib} MiB",
+    "remote_device_ucxx_vmm_{mib}MiB",
+    "remote_device_channel_{mib}MiB",
+    ">=",
+    0.9,
+    (1, 64, 256),
+)
 
 #: Units of recorded values: seconds (printed in µs), a rate, or a plain fraction.
 SECONDS, PER_SECOND, FRACTION = "s", "/s", "fraction"
