@@ -702,7 +702,8 @@ class Publisher(ClosedFlag):
         return returned
 
     def leases(self, slot: int) -> int:
-        """Number of subscriber leases on ``slot``."""
+        """Number of subscriber leases on ``slot`` (with ``ahead=True``: as of the last
+        look at the read flags, by :meth:`poll`, :meth:`acquire` or :meth:`frame`)."""
         return self._book.lease_count(slot)
 
     # -- teardown --
