@@ -7,12 +7,15 @@ that need no GPU: the bare-socket floor and small variants of it defined here.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
 import random
 import socket
 import sys
+import time
+from dataclasses import replace
 from multiprocessing.connection import Connection
 
 import numpy as np
@@ -1122,87 +1125,87 @@ def test_producer_side_mismatch_fails_a_one_process_lane():
     assert "latency phase: the device-side check found 4 mismatching sample(s)" in m.reason
 
 
-# ------------------------------------------------- interleaved passes (the 1.3x target)
-def _pass(lane, mib, samples, status=OK, reason=""):
+# ------------------------------------------------- interleaved turns (the 1.3x target)
+def _turn(lane, mib, samples, status=OK, reason=""):
     if status != OK:
         return Measurement(lane, mib * MiB, status, reason)
     ns = [int(v * 1e3) for v in samples]
     return harness.summarize(lane, mib * MiB, ns, tput_frames=0, tput_ns=0, pipelined=False)
 
 
-def test_paired_passes_option():
-    assert bench.options_from_args(_parser().parse_args([])).passes() == 4
-    assert bench.options_from_args(_parser().parse_args(["--mode", "short"])).passes() == 0
-    args = _parser().parse_args(["--mode", "short", "--paired-passes", "3"])
-    assert bench.options_from_args(args).passes() == 3
-    assert bench.options_from_args(_parser().parse_args(["--paired-passes", "0"])).passes() == 0
+def test_paired_turns_option():
+    assert bench.options_from_args(_parser().parse_args([])).turns() == bench.PAIRED_TURNS["full"]
+    assert bench.options_from_args(_parser().parse_args(["--mode", "short"])).turns() == 0
+    args = _parser().parse_args(["--mode", "short", "--paired-turns", "3"])
+    assert bench.options_from_args(args).turns() == 3
+    assert bench.options_from_args(_parser().parse_args(["--paired-turns", "0"])).turns() == 0
 
 
 @pytest.mark.parametrize("bad", ["-1", "two"])
-def test_paired_passes_option_refuses_bad_values(bad, capsys):
+def test_paired_turns_option_refuses_bad_values(bad, capsys):
     with pytest.raises(SystemExit):
-        _parser().parse_args(["--paired-passes", bad])
-    assert "--paired-passes" in capsys.readouterr().err
+        _parser().parse_args(["--paired-turns", bad])
+    assert "--paired-turns" in capsys.readouterr().err
 
 
-def test_run_paired_needs_a_pass():
-    with pytest.raises(ValueError, match="passes must be >= 1"):
-        bench.run_paired(passes=0)
+def test_run_paired_needs_a_turn():
+    with pytest.raises(ValueError, match="turns must be >= 1"):
+        bench.run_paired(turns=0)
 
 
-def test_paired_rows_ratio_per_pass_and_pooled_p50():
-    # pass 0: the machine is fast for both lanes, pass 1 slow for both, pass 2 in between;
-    # the per-pass ratios stay 1.2 while the lanes' own p50s move 2x
-    per_pass = {
+def test_paired_rows_ratio_per_turn_and_pooled_p50():
+    # turn 0: the machine is fast for both lanes, turn 1 slow for both, turn 2 in between;
+    # the per-turn ratios stay 1.2 while the lanes' own p50s move 2x
+    per_turn = {
         "cupy_ipcpool": {
-            MiB: [_pass("cupy_ipcpool", 1, s) for s in ([60, 60, 60], [120, 120, 120], [90] * 3)]
+            MiB: [_turn("cupy_ipcpool", 1, s) for s in ([60, 60, 60], [120, 120, 120], [90] * 3)]
         },
         "socket_gpu_floor": {
-            MiB: [_pass("socket_gpu_floor", 1, s) for s in ([50] * 3, [100] * 3, [75] * 3)]
+            MiB: [_turn("socket_gpu_floor", 1, s) for s in ([50] * 3, [100] * 3, [75] * 3)]
         },
     }
-    (row,) = report.paired_rows(per_pass, "cupy_ipcpool", "socket_gpu_floor", [MiB])
-    assert row["status"] == OK and row["passes"] == 3
+    (row,) = report.paired_rows(per_turn, "cupy_ipcpool", "socket_gpu_floor", [MiB])
+    assert row["status"] == OK and row["turns"] == 3
     assert row["ratios"] == pytest.approx([1.2, 1.2, 1.2])
     assert row["ratio_median"] == pytest.approx(1.2)
     assert (row["ratio_min"], row["ratio_max"]) == pytest.approx((1.2, 1.2))
     assert row["numerator_p50_us"] == pytest.approx(90.0)  # over all 9 samples
     assert row["denominator_p50_us"] == pytest.approx(75.0)
-    assert row["pass_p50_us"][1] == pytest.approx([120.0, 100.0])
+    assert row["turn_p50_us"][1] == pytest.approx([120.0, 100.0])
 
 
-def test_paired_rows_a_failed_pass_gives_no_ratio():
-    per_pass = {
+def test_paired_rows_a_failed_turn_gives_no_ratio():
+    per_turn = {
         "cupy_ipcpool": {
-            MiB: [_pass("cupy_ipcpool", 1, [60]), _pass("cupy_ipcpool", 1, [61])],
-            64 * MiB: [_pass("cupy_ipcpool", 64, [70])],
+            MiB: [_turn("cupy_ipcpool", 1, [60]), _turn("cupy_ipcpool", 1, [61])],
+            64 * MiB: [_turn("cupy_ipcpool", 64, [70])],
         },
         "socket_gpu_floor": {
             MiB: [
-                _pass("socket_gpu_floor", 1, [50]),
-                _pass("socket_gpu_floor", 1, [], FAILED, "frame 4: expected value 9"),
+                _turn("socket_gpu_floor", 1, [50]),
+                _turn("socket_gpu_floor", 1, [], FAILED, "frame 4: expected value 9"),
             ],
-            64 * MiB: [_pass("socket_gpu_floor", 64, [50]), _pass("socket_gpu_floor", 64, [51])],
+            64 * MiB: [_turn("socket_gpu_floor", 64, [50]), _turn("socket_gpu_floor", 64, [51])],
         },
     }
     rows = report.paired_rows(
-        per_pass, "cupy_ipcpool", "socket_gpu_floor", [MiB, 64 * MiB, 4 * MiB]
+        per_turn, "cupy_ipcpool", "socket_gpu_floor", [MiB, 64 * MiB, 4 * MiB]
     )
     assert [r["status"] for r in rows] == [FAILED, FAILED, FAILED]
     assert rows[0]["reason"] == "socket_gpu_floor: frame 4: expected value 9"
     assert "ratio_median" not in rows[0]
-    assert rows[1]["reason"] == "1 passes of cupy_ipcpool against 2 of socket_gpu_floor"
-    assert rows[2]["passes"] == 0  # a size no pass measured
+    assert rows[1]["reason"] == "1 turns of cupy_ipcpool against 2 of socket_gpu_floor"
+    assert rows[2]["turns"] == 0  # a size no turn measured
     text = report.paired_markdown(rows)
     assert "| 1 MiB | 2 | failed: socket_gpu_floor: frame 4: expected value 9 | | | |" in text
 
 
 def test_paired_target_report_and_json(tmp_path):
-    per_pass = {
-        "cupy_ipcpool": {64 * MiB: [_pass("cupy_ipcpool", 64, [s]) for s in (70, 90, 80)]},
-        "socket_gpu_floor": {64 * MiB: [_pass("socket_gpu_floor", 64, [s]) for s in (50, 75, 64)]},
+    per_turn = {
+        "cupy_ipcpool": {64 * MiB: [_turn("cupy_ipcpool", 64, [s]) for s in (70, 90, 80)]},
+        "socket_gpu_floor": {64 * MiB: [_turn("socket_gpu_floor", 64, [s]) for s in (50, 75, 64)]},
     }
-    paired = report.paired_rows(per_pass, "cupy_ipcpool", "socket_gpu_floor", [64 * MiB])
+    paired = report.paired_rows(per_turn, "cupy_ipcpool", "socket_gpu_floor", [64 * MiB])
     ms = [_m("cupy_ipcpool", 64, 90.0), _m("socket_gpu_floor", 64, 60.0)]
     targets = report.evaluate_targets(ms, paired=paired)
     single, interleaved = (t for t in targets if t.target.denominator == "socket_gpu_floor")
@@ -1210,26 +1213,26 @@ def test_paired_target_report_and_json(tmp_path):
     assert interleaved.target is report.PAIRED_TARGET
     assert interleaved.status == "MET"  # ratios 1.4, 1.2, 1.25: median 1.25
     assert interleaved.ratio == pytest.approx(1.25)
-    assert interleaved.note == "3 passes, per-pass ratios 1.20-1.40x"
+    assert interleaved.note == "3 turns, per-turn ratios 1.20-1.40x"
     # a paired row at another size does not make a target
     assert len(report.evaluate_targets(ms, paired=paired, nbytes=MiB)) == len(report.TARGETS)
     md = report.render_markdown(ms, targets, paired=paired)
-    assert "## Interleaved passes: cupy_ipcpool, socket_gpu_floor" in md
+    assert "## Interleaved turns: cupy_ipcpool, socket_gpu_floor" in md
     assert "### cupy_ipcpool against socket_gpu_floor" in md
     assert "| 64 MiB | 3 | 80.0 | 64.0 | 1.25x | 1.40, 1.20, 1.25 |" in md
-    assert "MET: cupy_ipcpool within 1.3x of the socket + GPU floor, interleaved" in md
+    assert "MET: cupy_ipcpool within 1.3x of the socket + GPU floor, interleaved turns" in md
     results = bench.BenchResults(ms, targets, {}, {"mode": "full"}, {}, paired=paired)
     data = results.to_dict()
     assert data["paired"][0]["ratio_median"] == pytest.approx(1.25)
-    assert data["targets"][-1]["note"] == "3 passes, per-pass ratios 1.20-1.40x"
+    assert data["targets"][-1]["note"] == "3 turns, per-turn ratios 1.20-1.40x"
 
 
-def test_paired_target_not_available_when_a_pass_failed():
-    per_pass = {
-        "cupy_ipcpool": {64 * MiB: [_pass("cupy_ipcpool", 64, [], SKIPPED, "no cupy")]},
-        "socket_gpu_floor": {64 * MiB: [_pass("socket_gpu_floor", 64, [50])]},
+def test_paired_target_not_available_when_a_lane_failed():
+    per_turn = {
+        "cupy_ipcpool": {64 * MiB: [_turn("cupy_ipcpool", 64, [], SKIPPED, "no cupy")]},
+        "socket_gpu_floor": {64 * MiB: [_turn("socket_gpu_floor", 64, [50])]},
     }
-    paired = report.paired_rows(per_pass, "cupy_ipcpool", "socket_gpu_floor", [64 * MiB])
+    paired = report.paired_rows(per_turn, "cupy_ipcpool", "socket_gpu_floor", [64 * MiB])
     (t,) = [
         r for r in report.evaluate_targets([], paired=paired) if r.target is report.PAIRED_TARGET
     ]
@@ -1237,16 +1240,16 @@ def test_paired_target_not_available_when_a_pass_failed():
 
 
 def test_ordered_floor_pair_makes_the_proposed_target_and_its_own_table():
-    # pass ratios cupy/ordered 1.1, 1.2, 1.4 (median 1.2); ordered/floor makes no target
-    per_pass = {
-        "cupy_ipcpool": {64 * MiB: [_pass("cupy_ipcpool", 64, [s]) for s in (66, 84, 84)]},
-        "ordered_floor": {64 * MiB: [_pass("ordered_floor", 64, [s]) for s in (60, 70, 60)]},
-        "socket_gpu_floor": {64 * MiB: [_pass("socket_gpu_floor", 64, [s]) for s in (40, 50, 40)]},
+    # turn ratios cupy/ordered 1.1, 1.2, 1.4 (median 1.2); ordered/floor makes no target
+    per_turn = {
+        "cupy_ipcpool": {64 * MiB: [_turn("cupy_ipcpool", 64, [s]) for s in (66, 84, 84)]},
+        "ordered_floor": {64 * MiB: [_turn("ordered_floor", 64, [s]) for s in (60, 70, 60)]},
+        "socket_gpu_floor": {64 * MiB: [_turn("socket_gpu_floor", 64, [s]) for s in (40, 50, 40)]},
     }
     paired = [
-        *report.paired_rows(per_pass, "cupy_ipcpool", "socket_gpu_floor", [64 * MiB]),
-        *report.paired_rows(per_pass, "cupy_ipcpool", "ordered_floor", [64 * MiB]),
-        *report.paired_rows(per_pass, "ordered_floor", "socket_gpu_floor", [64 * MiB]),
+        *report.paired_rows(per_turn, "cupy_ipcpool", "socket_gpu_floor", [64 * MiB]),
+        *report.paired_rows(per_turn, "cupy_ipcpool", "ordered_floor", [64 * MiB]),
+        *report.paired_rows(per_turn, "ordered_floor", "socket_gpu_floor", [64 * MiB]),
     ]
     targets = report.evaluate_targets([], paired=paired)
     by_target = {t.target: t for t in targets if t.target in report.PAIRED_TARGETS}
@@ -1256,7 +1259,7 @@ def test_ordered_floor_pair_makes_the_proposed_target_and_its_own_table():
     assert ordered.status == "MET" and ordered.ratio == pytest.approx(1.2)
     assert len(targets) == len(report.TARGETS) + 2  # the third pair is information only
     md = report.render_markdown([], targets, paired=paired)
-    assert "## Interleaved passes: cupy_ipcpool, socket_gpu_floor, ordered_floor" in md
+    assert "## Interleaved turns: cupy_ipcpool, socket_gpu_floor, ordered_floor" in md
     for heading in (
         "### cupy_ipcpool against socket_gpu_floor",
         "### cupy_ipcpool against ordered_floor",
@@ -1264,63 +1267,197 @@ def test_ordered_floor_pair_makes_the_proposed_target_and_its_own_table():
     ):
         assert md.count(heading) == 1
     assert "| 64 MiB | 3 | 60.0 | 40.0 | 1.50x | 1.50, 1.40, 1.50 |" in md  # pooled p50s
-    assert "within 1.3x of the ordered floor, interleaved passes" in md
+    assert "within 1.3x of the ordered floor, interleaved turns" in md
 
 
-def test_run_paired_rotates_three_lanes_and_pairs_each_pass(monkeypatch):
-    order = []
-
-    def fake_run_lane(lane, cfg):
-        order.append(lane.name)
-        pass_no = sum(name == lane.name for name in order) - 1
-        base = {"cupy_ipcpool": 90.0, "ordered_floor": 75.0, "socket_gpu_floor": 50.0}
-        return [
-            _pass(lane.name, nbytes // MiB, [base[lane.name] + pass_no]) for nbytes in cfg.sizes
-        ]
-
-    monkeypatch.setattr(bench, "run_lane", fake_run_lane)
-    rows = bench.run_paired(0, sizes_mib=(1,), passes=3, progress=lambda line: None)
-    a, f, o = "cupy_ipcpool", "socket_gpu_floor", "ordered_floor"
-    assert order == [a, f, o, f, o, a, o, a, f]  # each lane first once in three passes
-    assert [(r["numerator"], r["denominator"]) for r in rows] == [(a, f), (a, o), (o, f)]
-    assert rows[1]["pass_p50_us"] == [[90.0, 75.0], [91.0, 76.0], [92.0, 77.0]]
-    # a pair whose lane did not run makes no row
-    order.clear()
-    rows = bench.run_paired(0, sizes_mib=(1,), passes=2, lanes=(a, f), progress=lambda line: None)
-    assert [(r["numerator"], r["denominator"]) for r in rows] == [(a, f)]
-    with pytest.raises(ValueError, match="two lanes or more"):
-        bench.run_paired(0, sizes_mib=(1,), passes=2, lanes=(a, a))
+# ------------------------------------------------- turns: lanes run at once, taking turns
+TURNS = Schedule(warmup=2, iters=20, tput=0, checks=1)
 
 
-def test_run_paired_alternates_the_lanes_and_pairs_each_pass(monkeypatch):
-    """The orchestration, with the lane runs replaced by a recorder (no processes, no GPU)."""
-    order = []
+class StampingFloorLane(lanes.SocketFloorLane):
+    """The socket floor whose producer writes when it sends each value (a file per lane).
 
-    def fake_run_lane(lane, cfg):
-        order.append(lane.name)
-        assert cfg.schedule == bench.PAIRED_SCHEDULE and cfg.device == 3
-        pass_no = sum(name == lane.name for name in order) - 1
-        base = 100.0 if lane.name == "cupy_ipcpool" else 80.0
-        return [_pass(lane.name, nbytes // MiB, [base + 10 * pass_no]) for nbytes in cfg.sizes]
+    ``CLOCK_MONOTONIC`` is one clock for every process, so the stamps of two
+    lanes show whether their frames ever ran at the same time.
+    """
 
-    monkeypatch.setattr(bench, "run_lane", fake_run_lane)
+    name = "stamp_a"
+
+    def open_producer(self, links, cfg, nbytes):
+        return _StampingProducer(links, cfg, os.path.join(cfg.extra["stamps"], self.name))
+
+
+class StampingFloorLaneB(StampingFloorLane):
+    name = "stamp_b"
+
+
+class _StampingProducer(_floors._SocketFloorProducer):
+    def __init__(self, links, cfg, path):
+        super().__init__(links, cfg)
+        self._out = open(path, "a")  # noqa: SIM115 - closed with the side
+
+    def send(self, value):
+        self._out.write(f"{value} {time.monotonic_ns()}\n")
+        super().send(value)
+
+    def close(self):
+        self._out.close()
+        super().close()
+
+
+class _HangingProducer(_floors._SocketFloorProducer):
+    def send(self, value):
+        if value == 5:
+            time.sleep(60)
+        super().send(value)
+
+
+class HangingTurnLane(lanes.SocketFloorLane):
+    """A producer that stops in the middle of a turn (a lane that hangs)."""
+
+    name = "hanging"
+
+    def open_producer(self, links, cfg, nbytes):
+        return _HangingProducer(links, cfg)
+
+
+def _stamps(path):
+    with open(path) as f:
+        return {int(v): int(t) for v, t in (line.split() for line in f)}
+
+
+def _latency_turns(stamps, first_value, sched, turn_frames):
+    """(start, end) of each latency turn whose first frame carries ``first_value``."""
+    out = []
+    for block in interface.latency_blocks(sched.iters, turn_frames):
+        values = range(first_value, first_value + block)
+        out.append((stamps[values[0]], stamps[values[-1]]))
+        first_value += block
+    return out
+
+
+def test_latency_blocks():
+    assert interface.latency_blocks(20, 5) == [5, 5, 5, 5]
+    assert interface.latency_blocks(22, 5) == [5, 5, 5, 5, 2]
+    assert interface.latency_blocks(3, 5) == [3]
+    assert interface.latency_blocks(20, 0) == [20]
+    assert interface.latency_blocks(0, 5) == []
+
+
+def test_turns_never_overlap_and_rotate(tmp_path):
+    cfg = BenchConfig(
+        sizes=(MiB, 2 * MiB),
+        schedule=TURNS,
+        frame_timeout=10.0,
+        turn_frames=5,
+        extra={"stamps": str(tmp_path)},
+    )
+    a, b = StampingFloorLane(), StampingFloorLaneB()
+    results = harness.run_turns([(a, cfg), (b, cfg)], timeout=120)
+    assert [r.status for r in results] == [OK, OK], [r.reason for r in results]
+    for res in results:
+        for nbytes in cfg.sizes:
+            assert len(res.producer[str(nbytes)]["latencies_ns"]) == TURNS.iters
+    sa, sb = _stamps(tmp_path / "stamp_a"), _stamps(tmp_path / "stamp_b")
+    per_size = TURNS.total
+    turns = []
+    for k in range(len(cfg.sizes)):
+        first = k * per_size + TURNS.warmup + 1
+        turns += [("a", *t) for t in _latency_turns(sa, first, TURNS, 5)]
+        turns += [("b", *t) for t in _latency_turns(sb, first, TURNS, 5)]
+    turns.sort(key=lambda t: t[1])
+    for (_, _, end), (_, start, _) in itertools.pairwise(turns):
+        assert end < start, "two lanes' turns ran at the same time"
+    # per size: a set-up turn, four latency turns, a last one; round r starts with lane r % 2
+    # (a, b), so the latency turns of rounds 1..4 and 7..10 go b a, a b, b a, a b
+    assert "".join(t[0] for t in turns) == "baabbaab" * 2
+
+
+def test_a_lane_that_fails_in_its_turn_leaves_the_others_running():
+    cfg = BenchConfig(sizes=(MiB,), schedule=TURNS, frame_timeout=30.0, turn_frames=5)
+    crashing, ok_lane = harness.run_turns(
+        [(CrashingProducerLane(), cfg), (lanes.SocketFloorLane(), cfg)], timeout=120
+    )
+    assert crashing.status == FAILED
+    assert "producer: RuntimeError: the producer broke at frame 4" in crashing.reason
+    assert ok_lane.status == OK, ok_lane.reason
+    assert len(ok_lane.producer[str(MiB)]["latencies_ns"]) == TURNS.iters
+
+
+def test_a_turn_that_hangs_fails_its_lane_within_the_turn_limit():
+    cfg = BenchConfig(sizes=(MiB,), schedule=TURNS, frame_timeout=90.0, turn_frames=5)
+    t0 = time.monotonic()
+    hanging, ok_lane = harness.run_turns(
+        [(HangingTurnLane(), cfg), (lanes.SocketFloorLane(), cfg)], timeout=120, turn_timeout=3
+    )
+    assert time.monotonic() - t0 < 50  # not the 60 s the producer sleeps
+    assert hanging.status == FAILED and hanging.reason == "hanging: a turn took longer than 3 s"
+    assert ok_lane.status == OK, ok_lane.reason
+
+
+def test_a_lane_unavailable_in_its_child_is_skipped_among_turns():
+    cfg = BenchConfig(sizes=(MiB,), schedule=TURNS, frame_timeout=10.0, turn_frames=5)
+    skipped, ok_lane = harness.run_turns(
+        [(UnavailableInChildLane(), cfg), (lanes.SocketFloorLane(), cfg)], timeout=120
+    )
+    assert skipped.status == SKIPPED and skipped.reason == "frobnicator 0.1 lacks Frob.share"
+    assert ok_lane.status == OK, ok_lane.reason
+
+
+def test_run_turns_needs_a_lane():
+    with pytest.raises(ValueError, match="needs a lane"):
+        harness.run_turns([], timeout=1)
+
+
+def test_turn_measurements_split_in_frame_order_and_skip_the_switch():
+    m = _turn("x", 1, [10, 11, 12, 13, 20, 21, 22, 23, 30, 31])
+    turns = harness.turn_measurements(m, 4, 1)
+    assert [t.samples_us for t in turns] == [[11, 12, 13], [21, 22, 23], [31]]
+    assert [t.p50_us for t in turns] == [12, 22, 31]
+    failed = Measurement("x", MiB, FAILED, "broke")
+    assert harness.turn_measurements(failed, 4, 1) == [failed]
+    with pytest.raises(ValueError, match=r"skip must be in 0\.\.3"):
+        harness.turn_measurements(m, 4, 4)
+
+
+class StampingChannel(StampingFloorLane):
+    name = "cupy_ipcpool"
+
+
+class StampingFloor(StampingFloorLane):
+    name = "socket_gpu_floor"
+
+
+def test_run_paired_compares_turns_taken_next_to_each_other(monkeypatch, tmp_path):
+    """run_paired over two real CPU lanes (their names stand for the GPU lanes')."""
+    registry = {"cupy_ipcpool": StampingChannel(), "socket_gpu_floor": StampingFloor()}
+    monkeypatch.setattr(bench, "get_lanes", lambda names: [registry[n] for n in names])
+    real_run_turns = harness.run_turns
+
+    def run_turns(runs, **kw):  # the lanes write their stamps here
+        runs = [(lane, replace(cfg, extra={"stamps": str(tmp_path)})) for lane, cfg in runs]
+        return real_run_turns(runs, **kw)
+
+    monkeypatch.setattr(bench, "run_turns", run_turns)
     lines = []
     rows = bench.run_paired(
-        3,
-        sizes_mib=(1, 64),
-        passes=3,
+        0,
+        sizes_mib=(1,),
+        turns=3,
         lanes=("cupy_ipcpool", "socket_gpu_floor"),
+        turn_frames=6,
+        skip=2,
         progress=lines.append,
     )
-    assert order == [
-        "cupy_ipcpool",
-        "socket_gpu_floor",
-        "socket_gpu_floor",
-        "cupy_ipcpool",
-        "cupy_ipcpool",
-        "socket_gpu_floor",
-    ]
-    assert [r["nbytes"] for r in rows] == [MiB, 64 * MiB]
-    assert rows[0]["pass_p50_us"] == [[100.0, 80.0], [110.0, 90.0], [120.0, 100.0]]
-    assert rows[0]["ratio_median"] == pytest.approx(110 / 90)
-    assert len(lines) == 12 and lines[0].startswith("[bench] pass 1/3 cupy_ipcpool")
+    (row,) = rows
+    assert row["status"] == OK and row["turns"] == 3, row
+    assert len(row["ratios"]) == 3 and row["ratio_median"] > 0
+    # each lane: warm-up, then 3 turns of 6 latency frames: values 21..38
+    stamps = _stamps(tmp_path / "cupy_ipcpool")
+    assert sorted(v for v in stamps if 21 <= v <= 38) == list(range(21, 39))
+    assert (
+        lines[0] == "[bench] 3 turns of 6 frames per lane and size: cupy_ipcpool, socket_gpu_floor"
+    )
+    assert any(line.startswith("[bench] interleaved cupy_ipcpool") for line in lines)
+    with pytest.raises(ValueError, match="two lanes or more"):
+        bench.run_paired(0, sizes_mib=(1,), turns=2, lanes=("cupy_ipcpool", "cupy_ipcpool"))

@@ -201,8 +201,8 @@ def test_gpu_clock_lanes_are_checked(tmp_path):
     )
     with pytest.raises(argparse.ArgumentError, match="--lanes: --gpu-clock measures"):
         bench.check_args(args)
-    args = _parser().parse_args(["--gpu-clock", "--paired-passes", "2", "--outdir", str(tmp_path)])
-    with pytest.raises(argparse.ArgumentError, match="--paired-passes"):
+    args = _parser().parse_args(["--gpu-clock", "--paired-turns", "2", "--outdir", str(tmp_path)])
+    with pytest.raises(argparse.ArgumentError, match="--paired-turns"):
         bench.check_args(args)
     # order kept as the report's, whatever the command line's
     assert gpuclock.check_lanes(["inprocess_floor", "cupy_ipcpool"]) == (

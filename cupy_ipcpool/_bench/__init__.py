@@ -19,7 +19,19 @@ from importlib import metadata
 from typing import Any
 
 from . import gpuclock, report
-from .harness import FAILED, OK, Measurement, MiB, percentile, run_lane, run_pair
+from .harness import (
+    FAILED,
+    OK,
+    SKIPPED,
+    Measurement,
+    MiB,
+    measurements_from,
+    percentile,
+    run_lane,
+    run_pair,
+    run_turns,
+    turn_measurements,
+)
 from .interface import BenchConfig, Lane, Schedule
 from .lanes import CHECK_SAMPLES, LANE_NAMES, AttachScanLane, CupyIpcPoolLane, get_lanes
 
@@ -57,20 +69,24 @@ ATTACH_SLOT_NBYTES = 2 * MiB
 ATTACH_ITERS = 20
 FANOUT = (1, 2, 4, 8)
 FANOUT_NBYTES = 64 * MiB
-#: The interleaved passes (:func:`run_paired`): the lanes of the 1.3x targets against the
-#: socket + GPU floor and against the ordered floor, at the sizes the target is stated for, a
-#: latency phase per pass.  The first two are needed; the others join when selected.
+#: The interleaved turns (:func:`run_paired`): the lanes of the 1.3x targets against the
+#: socket + GPU floor and against the ordered floor, at the sizes the target is stated for.
+#: The first two are needed; the others join when selected.
 PAIRED_LANES = (report.BASELINE, "socket_gpu_floor", "ordered_floor")
-#: The pairs the interleaved passes compare (numerator, denominator).
+#: The pairs the interleaved turns compare (numerator, denominator).
 PAIRED_PAIRS = (
     (report.BASELINE, "socket_gpu_floor"),
     (report.BASELINE, "ordered_floor"),
     ("ordered_floor", "socket_gpu_floor"),
 )
 PAIRED_SIZES_MIB = (1, 64, 1024)
-PAIRED_SCHEDULE = Schedule(warmup=20, iters=150, tput=0, checks=2)
-#: Passes of each lane by mode (``--paired-passes`` overrides).
-PAIRED_PASSES = {"short": 0, "full": 4}
+#: Latency frames per turn, and the first frames of each turn left out (the switch).
+PAIRED_TURN_FRAMES = 50
+PAIRED_TURN_SKIP = 5
+#: Warm-up and check frames per size; the latency frames are turns x PAIRED_TURN_FRAMES.
+PAIRED_SCHEDULE = Schedule(warmup=20, iters=PAIRED_TURN_FRAMES, tput=0, checks=2)
+#: Turns of each lane per size, by mode (``--paired-turns`` overrides).
+PAIRED_TURNS = {"short": 0, "full": 40}
 
 NOTES = (
     "Every lane runs the same fill kernel in the producer and the same check in the "
@@ -246,12 +262,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device", type=_non_negative_int, default=0, help="CUDA device (default: 0)"
     )
     parser.add_argument(
-        "--paired-passes",
+        "--paired-turns",
         type=_non_negative_int,
         default=None,
-        help=f"interleaved passes of {', '.join(PAIRED_LANES)} (those selected) at "
+        help=f"turns of {PAIRED_TURN_FRAMES} frames per lane and size in which "
+        f"{', '.join(PAIRED_LANES)} (those selected) run interleaved at "
         f"{', '.join(f'{m} MiB' for m in PAIRED_SIZES_MIB)}, for the 1.3x target "
-        "(default: 4 in full mode, 0 in short mode; 0: none)",
+        f"(default: {PAIRED_TURNS['full']} in full mode, 0 in short mode; 0: none)",
     )
     parser.add_argument(
         "--no-scale",
@@ -280,7 +297,7 @@ def check_args(args: argparse.Namespace) -> None:
     ------
     argparse.ArgumentError
         As :func:`check_outdir`; a lane ``--gpu-clock`` does not measure;
-        ``--paired-passes`` with ``--gpu-clock``.
+        ``--paired-turns`` with ``--gpu-clock``.
     """
     check_outdir(args)
     if not getattr(args, "gpu_clock", False):
@@ -289,9 +306,9 @@ def check_args(args: argparse.Namespace) -> None:
         gpuclock.check_lanes(args.lanes)
     except ValueError as exc:
         raise argparse.ArgumentError(None, f"argument --lanes: {exc}") from None
-    if getattr(args, "paired_passes", None) is not None:
+    if getattr(args, "paired_turns", None) is not None:
         raise argparse.ArgumentError(
-            None, "argument --paired-passes: not with --gpu-clock (it runs no interleaved passes)"
+            None, "argument --paired-turns: not with --gpu-clock (it runs no interleaved turns)"
         )
 
 
@@ -306,7 +323,7 @@ class BenchOptions:
     iters: int | None = None
     device: int = 0
     scale: bool | None = None  # default: in full mode only
-    paired_passes: int | None = None  # default: by mode (PAIRED_PASSES)
+    paired_turns: int | None = None  # default: by mode (PAIRED_TURNS)
     gpu_clock: bool = False  # the gpu-clock measurement instead of the comparison
 
     def schedule(self) -> Schedule:
@@ -321,9 +338,9 @@ class BenchOptions:
         mib = self.sizes_mib or MODES[self.mode]["sizes_mib"]
         return tuple(int(m) * MiB for m in mib)
 
-    def passes(self) -> int:
-        """Interleaved passes of each paired lane (0: none)."""
-        return PAIRED_PASSES[self.mode] if self.paired_passes is None else self.paired_passes
+    def turns(self) -> int:
+        """Interleaved turns of each paired lane per size (0: none)."""
+        return PAIRED_TURNS[self.mode] if self.paired_turns is None else self.paired_turns
 
     def run_scale(self) -> bool:
         """Whether the scale figures run."""
@@ -340,7 +357,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         iters=args.iters,
         device=args.device,
         scale=False if getattr(args, "no_scale", False) else None,
-        paired_passes=getattr(args, "paired_passes", None),
+        paired_turns=getattr(args, "paired_turns", None),
         gpu_clock=bool(getattr(args, "gpu_clock", False)),
     )
 
@@ -533,39 +550,55 @@ def run_paired(
     device: int = 0,
     *,
     sizes_mib: Sequence[int] = PAIRED_SIZES_MIB,
-    passes: int = 4,
+    turns: int = PAIRED_TURNS["full"],
     lanes: Sequence[str] = PAIRED_LANES,
     pairs: Sequence[tuple[str, str]] = PAIRED_PAIRS,
-    schedule: Schedule = PAIRED_SCHEDULE,
+    turn_frames: int = PAIRED_TURN_FRAMES,
+    skip: int = PAIRED_TURN_SKIP,
     progress: Callable[[str], None] = _stderr,
 ) -> list[dict[str, Any]]:
-    """Lanes in interleaved passes; one row per pair and size (:func:`report.paired_rows`).
+    """Lanes measured in interleaved turns; one row per pair and size (:func:`report.paired_rows`).
 
-    Pass *i* runs every lane one after the other, the order rotated by *i*
-    (two lanes: ``lanes[0]`` first when *i* is even), so that a drift of the
-    machine's speed during the run weighs on every lane alike; the ratio of
-    each pass compares measurements taken next to each other.  Rows are made
-    for the ``pairs`` whose two lanes are both in ``lanes``, in that order.
+    Every lane's processes run at once, and their producers take turns
+    (:func:`~.harness.run_turns`): at each size, ``turns`` turns of
+    ``turn_frames`` latency frames per lane, the lanes in rotation.  Each
+    turn's first ``skip`` frames are left out; the rest is that lane's
+    measurement of the turn, and the ratio of a round compares turns taken
+    next to each other (milliseconds apart), so that a drift of the
+    machine's speed weighs on every lane alike.  Rows are made for the
+    ``pairs`` whose two lanes are both in ``lanes``, in that order.
     """
-    if passes < 1:
-        raise ValueError(f"passes must be >= 1, got {passes}")
+    if turns < 1:
+        raise ValueError(f"turns must be >= 1, got {turns}")
     if len(set(lanes)) < 2:
-        raise ValueError(f"interleaved passes need two lanes or more, got {list(lanes)}")
+        raise ValueError(f"interleaved turns need two lanes or more, got {list(lanes)}")
     chosen = [get_lanes([name])[0] for name in lanes]
     sizes = tuple(int(m) * MiB for m in sizes_mib)
-    cfg = BenchConfig(sizes=sizes, schedule=schedule, device=device)
-    per_pass: dict[str, dict[int, list[Measurement]]] = {lane.name: {} for lane in chosen}
-    for i in range(passes):
-        k = i % len(chosen)
-        for lane in chosen[k:] + chosen[:k]:
-            for m in run_lane(lane, cfg):
-                per_pass[lane.name].setdefault(m.nbytes, []).append(m)
-                line = report.progress_line(m).removeprefix("[bench] ")
-                progress(f"[bench] pass {i + 1}/{passes} {line}")
+    sched = replace(PAIRED_SCHEDULE, iters=turns * turn_frames)
+    cfg = BenchConfig(sizes=sizes, schedule=sched, device=device, turn_frames=turn_frames)
+    per_turn: dict[str, dict[int, list[Measurement]]] = {lane.name: {} for lane in chosen}
+    ready = []
+    for lane in chosen:
+        reason = lane.available()
+        if reason is None:
+            ready.append(lane)
+        else:
+            for nbytes in sizes:
+                per_turn[lane.name][nbytes] = [Measurement(lane.name, nbytes, SKIPPED, reason)]
+    progress(
+        f"[bench] {turns} turns of {turn_frames} frames per lane and size: "
+        + ", ".join(lane.name for lane in ready)
+    )
+    timeout = 120.0 + len(ready) * sum(sched.total * (0.001 + n / 1e9) * 4 for n in sizes)
+    results = run_turns([(lane, cfg) for lane in ready], timeout=timeout)
+    for lane, res in zip(ready, results, strict=True):
+        for m in measurements_from(lane, cfg, res):
+            per_turn[lane.name][m.nbytes] = turn_measurements(m, turn_frames, skip)
+            progress(report.progress_line(m).replace("[bench] ", "[bench] interleaved ", 1))
     rows = []
     for num, den in pairs:
-        if num in per_pass and den in per_pass:
-            rows += report.paired_rows(per_pass, num, den, sizes)
+        if num in per_turn and den in per_turn:
+            rows += report.paired_rows(per_turn, num, den, sizes)
     return rows
 
 
@@ -612,11 +645,9 @@ def run_benchmark(opts: BenchOptions, *, progress: Callable[[str], None] = _stde
     paired: list[dict[str, Any]] = []
     names = {lane.name for lane in lanes}
     paired_lanes = [name for name in PAIRED_LANES if name in names]
-    if opts.passes() > 0 and all(name in names for name in PAIRED_LANES[:2]):
-        progress(f"[bench] interleaved passes: {', '.join(paired_lanes)} ...")
-        paired = run_paired(
-            opts.device, passes=opts.passes(), lanes=paired_lanes, progress=progress
-        )
+    if opts.turns() > 0 and all(name in names for name in PAIRED_LANES[:2]):
+        progress(f"[bench] interleaved turns: {', '.join(paired_lanes)} ...")
+        paired = run_paired(opts.device, turns=opts.turns(), lanes=paired_lanes, progress=progress)
     scale: dict[str, Any] = {}
     if opts.run_scale():
         progress("[bench] scale: attach cost against slot count ...")
@@ -635,10 +666,12 @@ def run_benchmark(opts: BenchOptions, *, progress: Callable[[str], None] = _stde
         "num_slots": cfg.num_slots,
         "device": opts.device,
         "paired": {
-            "passes": opts.passes(),
+            "turns": opts.turns(),
+            "turn_frames": PAIRED_TURN_FRAMES,
+            "turn_skip": PAIRED_TURN_SKIP,
             "lanes": paired_lanes,
             "sizes_mib": list(PAIRED_SIZES_MIB),
-            "schedule": asdict(PAIRED_SCHEDULE),
+            "schedule": asdict(replace(PAIRED_SCHEDULE, iters=opts.turns() * PAIRED_TURN_FRAMES)),
         }
         if paired
         else None,

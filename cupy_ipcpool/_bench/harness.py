@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from .interface import BenchConfig, Lane, LaneUnavailable
+from .interface import TURN_DONE, TURN_GO, BenchConfig, Lane, LaneUnavailable
 
 MiB = 1 << 20
 
@@ -59,6 +59,78 @@ class PairResult:
     traceback: str = ""
 
 
+@dataclass
+class _Spawned:
+    """The processes of one lane run, and what is needed to collect and reap them."""
+
+    procs: list[Any]
+    results: list[Connection]
+    child_ends: list[Connection]
+    workdir: str
+    turns: Connection | None = None  # the parent's end of the producer's turn pipe
+
+    def close_child_ends(self) -> None:
+        """Close our copies of the children's ends: a child that dies then shows as EOF."""
+        for c in self.child_ends:
+            c.close()
+
+    def reap(self) -> None:
+        """Close every pipe, end the processes that are still there, remove the workdir."""
+        for c in self.child_ends + self.results + ([self.turns] if self.turns else []):
+            c.close()
+        for proc in self.procs:
+            if proc.pid is None:  # its start failed (or never came)
+                continue
+            if proc.is_alive():
+                proc.terminate()
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _spawn(lane: Lane, cfg: BenchConfig, ctx: Any, *, turns: bool = False) -> _Spawned:
+    """Start the lane's producer and consumer(s); with ``turns``, the producer takes turns."""
+    workdir = tempfile.mkdtemp(prefix="cipbench-")
+    cfg = replace(cfg, workdir=workdir)
+    n_cons = cfg.n_consumers if lane.processes == 2 else 0
+    run = _Spawned([], [], [], workdir)
+    try:
+        sent = lane.prepare(ctx)
+        pairs = [ctx.Pipe(duplex=True) for _ in range(n_cons)]
+        producer_cfg = cfg
+        if turns:
+            run.turns, child_turns = ctx.Pipe(duplex=True)
+            run.child_ends.append(child_turns)
+            producer_cfg = replace(cfg, turns=child_turns)
+        roles: list[tuple[str, Any, BenchConfig]] = [
+            ("producer", [p[0] for p in pairs], producer_cfg)
+        ]
+        roles += [("consumer", p[1], cfg) for p in pairs]
+        for p in pairs:
+            run.child_ends += p
+        for i, (role, links, role_cfg) in enumerate(roles):
+            r_recv, r_send = ctx.Pipe(duplex=False)
+            run.results.append(r_recv)
+            run.child_ends.append(r_send)
+            name = f"bench-{lane.name}-{role}{i if role == 'consumer' else ''}"
+            run.procs.append(
+                ctx.Process(
+                    target=_child,
+                    args=(role, sent, links, r_send, role_cfg),
+                    name=name,
+                    daemon=True,
+                )
+            )
+        for proc in run.procs:
+            proc.start()
+    except BaseException:
+        run.reap()
+        raise
+    return run
+
+
 def run_pair(lane: Lane, cfg: BenchConfig, *, timeout: float) -> PairResult:
     """Spawn the lane's producer and consumer(s), wait for their results.
 
@@ -78,49 +150,103 @@ def run_pair(lane: Lane, cfg: BenchConfig, *, timeout: float) -> PairResult:
         :class:`LaneUnavailable` or ``ImportError``) or ``"failed"`` (an
         exception, a crash or the timeout; ``reason`` says which).
     """
-    ctx = multiprocessing.get_context("spawn")
-    workdir = tempfile.mkdtemp(prefix="cipbench-")
-    cfg = replace(cfg, workdir=workdir)
-    n_cons = cfg.n_consumers if lane.processes == 2 else 0
-    procs: list[Any] = []
-    results: list[Connection] = []
-    child_ends: list[Connection] = []  # closed here once the children have their copies
-    replies: list[Any] = []
+    run = _spawn(lane, cfg, multiprocessing.get_context("spawn"))
     try:
-        sent = lane.prepare(ctx)
-        pairs = [ctx.Pipe(duplex=True) for _ in range(n_cons)]
-        roles: list[tuple[str, Any]] = [("producer", [p[0] for p in pairs])]
-        roles += [("consumer", p[1]) for p in pairs]
-        for p in pairs:
-            child_ends += p
-        for i, (role, links) in enumerate(roles):
-            r_recv, r_send = ctx.Pipe(duplex=False)
-            results.append(r_recv)
-            child_ends.append(r_send)
-            name = f"bench-{lane.name}-{role}{i if role == 'consumer' else ''}"
-            procs.append(
-                ctx.Process(
-                    target=_child, args=(role, sent, links, r_send, cfg), name=name, daemon=True
-                )
-            )
-        for proc in procs:
-            proc.start()
-        # Without our copies, a child that dies shows up as EOF on its peers and here.
-        for c in child_ends:
-            c.close()
-        replies = _collect(procs, results, timeout)
+        run.close_child_ends()
+        replies = _collect(run.procs, run.results, timeout)
     finally:
-        for c in child_ends + results:
-            c.close()
-        for proc in procs:
-            if proc.is_alive():
-                proc.terminate()
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-        shutil.rmtree(workdir, ignore_errors=True)
+        run.reap()
     return _combine(replies)
+
+
+#: Seconds one granted turn may take (a set-up turn opens the lane's side for a size).
+TURN_TIMEOUT_S = 120.0
+
+
+def run_turns(
+    runs: Sequence[tuple[Lane, BenchConfig]],
+    *,
+    timeout: float,
+    turn_timeout: float = TURN_TIMEOUT_S,
+) -> list[PairResult]:
+    """Run several lanes at once, their producers taking turns in rotation.
+
+    Every lane's processes are started together; each producer then runs a
+    phase only when granted a turn (:class:`~.interface.TurnGate`): per size
+    the set-up and warm-up, each ``cfg.turn_frames`` latency frames, then the
+    rest.  Round *r* grants one turn to every lane still running, the order
+    rotated by *r*, so that each lane goes first as often as the others and
+    lanes measured side by side share the machine's state from turn to turn.
+    A lane whose producer ends (its result comes, or it dies) drops out of the
+    rotation; a turn that takes longer than ``turn_timeout`` seconds fails
+    that lane and ends its processes.
+
+    Returns
+    -------
+    list of PairResult
+        One per run, in the order of ``runs``.
+    """
+    if len(runs) < 1:
+        raise ValueError("run_turns needs a lane")
+    ctx = multiprocessing.get_context("spawn")
+    spawned: list[_Spawned] = []
+    late: dict[int, str] = {}  # run index -> why its turn failed
+    replies: list[list[Any]] = []
+    try:
+        for lane, cfg in runs:
+            spawned.append(_spawn(lane, cfg, ctx, turns=True))
+        for run in spawned:
+            run.close_child_ends()
+        deadline = time.monotonic() + timeout
+        active = list(range(len(spawned)))
+        rnd = 0
+        while active:
+            k = rnd % len(active)
+            for i in active[k:] + active[:k]:
+                why = _grant_turn(spawned[i], min(turn_timeout, deadline - time.monotonic()))
+                if why is None:
+                    continue
+                active.remove(i)
+                if why:
+                    late[i] = why
+                    spawned[i].reap()
+            rnd += 1
+        for i, run in enumerate(spawned):
+            left = max(deadline - time.monotonic(), FAILURE_GRACE_S)
+            replies.append([] if i in late else _collect(run.procs, run.results, left))
+    finally:
+        for run in spawned:
+            run.reap()
+    out = []
+    for i, rep in enumerate(replies):
+        if i in late:
+            out.append(PairResult(FAILED, f"{runs[i][0].name}: {late[i]}"))
+        else:
+            out.append(_combine(rep))
+    return out
+
+
+def _grant_turn(run: _Spawned, timeout: float) -> str | None:
+    """Grant the producer of ``run`` a turn and wait for its end.
+
+    Returns None when the turn ended, ``""`` when the producer has ended (its
+    result or its error is on the result pipe), or why the turn failed.
+    """
+    conn = run.turns
+    assert conn is not None
+    try:
+        conn.send_bytes(TURN_GO)
+    except OSError:  # the producer closed its end: it returned or died
+        return ""
+    if timeout <= 0 or not conn.poll(timeout):
+        return f"a turn took longer than {max(timeout, 0.0):.0f} s"
+    try:
+        msg = conn.recv_bytes()
+    except (EOFError, OSError):  # it ended with our go unread (a reset, not an EOF)
+        return ""
+    if msg != TURN_DONE:
+        return f"expected {TURN_DONE!r} on the turn pipe, got {msg[:40]!r}"
+    return None
 
 
 #: Seconds the other sides get to report their own error once one side has failed.
@@ -351,3 +477,39 @@ def run_lane(lane: Lane, cfg: BenchConfig, *, timeout: float | None = None) -> l
     if timeout is None:
         timeout = 120.0 + sum(cfg.schedule.total * (0.001 + n / 1e9) * 4 for n in cfg.sizes)
     return measurements_from(lane, cfg, run_pair(lane, cfg, timeout=timeout))
+
+
+def turn_measurements(m: Measurement, turn_frames: int, skip: int) -> list[Measurement]:
+    """Split a lane's latency samples (in frame order) into one :class:`Measurement` per turn.
+
+    Each turn's first ``skip`` frames are left out (the machine switching
+    from another lane's turn to this one's).  A measurement that did not
+    succeed is returned alone.
+
+    Raises
+    ------
+    ValueError
+        ``skip`` leaves no frame of a turn.
+    """
+    if not 0 <= skip < turn_frames:
+        raise ValueError(f"skip must be in 0..{turn_frames - 1}, got {skip}")
+    if m.status != OK:
+        return [m]
+    out = []
+    for start in range(0, len(m.samples_us), turn_frames):
+        us = m.samples_us[start + skip : start + turn_frames]
+        if not us:
+            continue
+        out.append(
+            replace(
+                m,
+                p50_us=percentile(us, 50),
+                p99_us=percentile(us, 99),
+                mean_us=sum(us) / len(us),
+                min_us=min(us),
+                max_us=max(us),
+                fps=None,
+                samples_us=list(us),
+            )
+        )
+    return out

@@ -14,6 +14,13 @@ schedule on both sides (:class:`Schedule`):
   (:attr:`Lane.pipelined`), else one round trip after the other;
 * check frames: a few more frames, fully verified, not timed.
 
+A producer given a turn pipe (:attr:`BenchConfig.turns`) runs only in the
+turns its parent grants (:class:`TurnGate`): per size one turn for the set-up
+and warm-up, one per :attr:`BenchConfig.turn_frames` latency frames, one for
+the rest.  The harness grants the lanes' turns in rotation
+(:func:`~.harness.run_turns`), so that lanes measured side by side share the
+machine's state from one turn to the next.
+
 On timed frames the GPU lanes do not wait for their check: it is enqueued on
 the consumer's stream and counts mismatches in a device-side counter, which is
 read back (one synchronisation) at the end of each timed phase
@@ -34,7 +41,8 @@ import copy
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -86,6 +94,11 @@ class BenchConfig:
         CUDA device ordinal.
     extra:
         Lane-specific settings (e.g. the slot counts of the attach scan).
+    turn_frames:
+        With ``turns``: latency frames per turn.
+    turns:
+        The producer's end of its turn pipe (:class:`TurnGate`), set by the
+        harness for the producer only; None: the producer runs freely.
     """
 
     sizes: tuple[int, ...]
@@ -96,6 +109,8 @@ class BenchConfig:
     num_slots: int = 4
     device: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    turn_frames: int = 0
+    turns: Connection | None = None
 
 
 # --------------------------------------------------------------- lane sides
@@ -253,6 +268,47 @@ def expect(link: Connection, what: bytes, timeout: float) -> bytes:
     return msg
 
 
+# ------------------------------------------------------------------ turns
+#: Turn pipe messages: the parent's "run now", the producer's "my turn is over".
+TURN_GO, TURN_DONE = b"go", b"done"
+
+
+class TurnGate:
+    """The producer's side of turn-taking: run a phase only once the parent says so.
+
+    ``conn`` None: every turn starts at once (the lane runs freely).  The wait
+    for a turn has no limit of its own: the parent limits each turn it grants,
+    and its death ends the wait (``EOFError``).
+    """
+
+    def __init__(self, conn: Connection | None) -> None:
+        self._conn = conn
+
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        """Wait for the parent's go, run the block, then hand the machine back."""
+        conn = self._conn
+        if conn is None:
+            yield
+            return
+        msg = conn.recv_bytes()
+        if msg != TURN_GO:
+            raise RuntimeError(f"expected {TURN_GO!r} on the turn pipe, got {msg[:40]!r}")
+        yield
+        conn.send_bytes(TURN_DONE)
+
+
+def latency_blocks(iters: int, turn_frames: int) -> list[int]:
+    """The latency phase's frames per turn: ``turn_frames`` each, the last one the rest.
+
+    One block of ``iters`` frames when ``turn_frames`` is 0 (no turns).
+    """
+    if turn_frames <= 0 or iters <= turn_frames:
+        return [iters] if iters else []
+    full, rest = divmod(iters, turn_frames)
+    return [turn_frames] * full + ([rest] if rest else [])
+
+
 # ------------------------------------------------------------------ loops
 def _full_check(i: int, sched: Schedule) -> bool:
     """Whether frame ``i`` (0-based, all phases) gets a full verification."""
@@ -284,52 +340,74 @@ def producer_loop(lane: Lane, links: Sequence[Connection], cfg: BenchConfig) -> 
         raised carries ``"error"`` instead and ends the run.
     """
     sched = cfg.schedule
+    gate = TurnGate(cfg.turns)
+    blocks = latency_blocks(sched.iters, cfg.turn_frames if cfg.turns is not None else 0)
     out: dict[str, Any] = {}
     value = 0
     for nbytes in cfg.sizes:
-        side = lane.open_producer(links, cfg, nbytes)
+        side: ProducerSide | None = None
         lat: list[int] = []
         try:
-            for _ in range(sched.warmup):
-                value += 1
-                side.send(value)
-                side.wait_done(value, full=True)
-            for _ in range(sched.iters):
-                value += 1
-                t0 = time.perf_counter_ns()
-                side.send(value)
-                side.wait_done(value, full=False)
-                lat.append(time.perf_counter_ns() - t0)
-            _flush_producer(side, "latency phase")
-            for link in links:
-                expect(link, LAT_DONE, cfg.frame_timeout + sched.iters)
-            t0 = time.perf_counter_ns()
-            for _ in range(sched.tput):
-                value += 1
-                side.send(value)
-                if not lane.pipelined:
-                    side.wait_done(value, full=False)
-            _flush_producer(side, "throughput phase")
-            for link in links:
-                expect(link, TPUT_DONE, cfg.frame_timeout + sched.tput)
-            tput_ns = time.perf_counter_ns() - t0
-            if lane.pipelined:
-                side.drain()
-            for _ in range(sched.checks):
-                value += 1
-                side.send(value)
-                side.wait_done(value, full=True)
+            with gate.turn():  # set-up and warm-up
+                side = lane.open_producer(links, cfg, nbytes)
+                for _ in range(sched.warmup):
+                    value += 1
+                    side.send(value)
+                    side.wait_done(value, full=True)
+            for block in blocks:
+                with gate.turn():
+                    for _ in range(block):
+                        value += 1
+                        t0 = time.perf_counter_ns()
+                        side.send(value)
+                        side.wait_done(value, full=False)
+                        lat.append(time.perf_counter_ns() - t0)
+            with gate.turn():  # the rest of the size, its teardown included
+                value, tput_ns = _finish_size(side, links, cfg, value, lane.pipelined)
+                done, side = side, None
+                done.close()
+                for link in links:  # the consumers closed their side of this size
+                    expect(link, b"size-done", cfg.frame_timeout)
         finally:
-            side.close()
-        for link in links:  # the consumers closed their side of this size
-            expect(link, b"size-done", cfg.frame_timeout)
+            if side is not None:
+                side.close()
         out[str(nbytes)] = {
             "latencies_ns": lat,
             "tput_frames": sched.tput,
             "tput_ns": tput_ns,
-            "failures": list(side.failures),
+            "failures": list(done.failures),
         }
     return out
+
+
+def _finish_size(
+    side: ProducerSide, links: Sequence[Connection], cfg: BenchConfig, value: int, pipelined: bool
+) -> tuple[int, int]:
+    """After the latency frames: its barrier, the throughput phase, the check frames.
+
+    Returns the last value written and the throughput phase's nanoseconds.
+    """
+    sched = cfg.schedule
+    _flush_producer(side, "latency phase")
+    for link in links:
+        expect(link, LAT_DONE, cfg.frame_timeout + sched.iters)
+    t0 = time.perf_counter_ns()
+    for _ in range(sched.tput):
+        value += 1
+        side.send(value)
+        if not pipelined:
+            side.wait_done(value, full=False)
+    _flush_producer(side, "throughput phase")
+    for link in links:
+        expect(link, TPUT_DONE, cfg.frame_timeout + sched.tput)
+    tput_ns = time.perf_counter_ns() - t0
+    if pipelined:
+        side.drain()
+    for _ in range(sched.checks):
+        value += 1
+        side.send(value)
+        side.wait_done(value, full=True)
+    return value, tput_ns
 
 
 class CheckTally:

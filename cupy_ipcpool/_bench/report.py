@@ -52,12 +52,12 @@ TARGETS: tuple[Target, ...] = (
 )
 
 
-#: The 1.3x target again, on the interleaved passes (:func:`paired_rows`): the
-#: machine's speed drifts between passes, so one pass of each lane minutes apart
+#: The 1.3x target again, on the interleaved turns (:func:`paired_rows`): the
+#: machine's speed drifts from second to second, so one run of each lane apart
 #: compares two machine states as much as two lanes.
 PAIRED_TARGET = Target(
-    "cupy_ipcpool within 1.3x of the socket + GPU floor, interleaved passes "
-    "(median of the per-pass ratios)",
+    "cupy_ipcpool within 1.3x of the socket + GPU floor, interleaved turns "
+    "(median of the per-turn ratios)",
     BASELINE,
     "socket_gpu_floor",
     "<=",
@@ -70,8 +70,8 @@ PAIRED_TARGET = Target(
 #: beside it, not
 #: instead of it.
 ORDERED_PAIRED_TARGET = Target(
-    "cupy_ipcpool within 1.3x of the ordered floor, interleaved passes "
-    "(median of the per-pass ratios)",
+    "cupy_ipcpool within 1.3x of the ordered floor, interleaved turns "
+    "(median of the per-turn ratios)",
     BASELINE,
     "ordered_floor",
     "<=",
@@ -200,7 +200,7 @@ def evaluate_targets(
 
     ``paired``: rows of :func:`paired_rows`; a row at ``nbytes`` whose two
     lanes are those of a :data:`PAIRED_TARGETS` entry is checked against it on
-    its median per-pass ratio (rows of other pairs make no target).
+    its median per-turn ratio (rows of other pairs make no target).
     """
     out = []
     for t in TARGETS:
@@ -230,38 +230,36 @@ def evaluate_targets(
         r = row["ratio_median"]
         ok = r <= pt.bound
         note = (
-            f"{row['passes']} passes, per-pass ratios {row['ratio_min']:.2f}-"
-            f"{row['ratio_max']:.2f}x"
+            f"{row['turns']} turns, per-turn ratios {row['ratio_min']:.2f}-{row['ratio_max']:.2f}x"
         )
         out.append(TargetResult(pt, "MET" if ok else "MISSED", r, note))
     return out
 
 
 def paired_rows(
-    per_pass: dict[str, dict[int, list[Measurement]]],
+    per_turn: dict[str, dict[int, list[Measurement]]],
     numerator: str,
     denominator: str,
     sizes: Sequence[int],
 ) -> list[dict[str, Any]]:
-    """Summarise interleaved passes of two lanes, one row per size.
+    """Summarise interleaved turns of two lanes, one row per size.
 
-    ``per_pass[lane][nbytes]`` holds that lane's measurement of each pass, in
-    pass order.  A row gives each lane's p50 over the samples of all passes
-    pooled, the ratio ``numerator / denominator`` of each pass (pass *i* of
-    one lane against pass *i* of the other, measured next to each other), and
-    their median, min and max.  A size where any pass of either lane did not
-    succeed gets that pass's status and reason instead: no ratio is made from
-    part of the passes.
+    ``per_turn[lane][nbytes]`` holds that lane's measurement of each turn, in
+    turn order.  A row gives each lane's p50 over the samples of all turns
+    pooled, the ratio ``numerator / denominator`` of each turn (turn *i* of
+    one lane against turn *i* of the other, measured next to each other), and
+    their median, min and max.  A size where either lane did not succeed gets
+    that status and reason instead: no ratio is made from part of the turns.
     """
     rows = []
     for nbytes in sizes:
-        a = per_pass.get(numerator, {}).get(nbytes, [])
-        b = per_pass.get(denominator, {}).get(nbytes, [])
+        a = per_turn.get(numerator, {}).get(nbytes, [])
+        b = per_turn.get(denominator, {}).get(nbytes, [])
         row: dict[str, Any] = {
             "nbytes": nbytes,
             "numerator": numerator,
             "denominator": denominator,
-            "passes": min(len(a), len(b)),
+            "turns": min(len(a), len(b)),
         }
         bad = next((m for m in (*a, *b) if m.status != OK), None)
         if bad is not None or not a or len(a) != len(b):
@@ -269,7 +267,7 @@ def paired_rows(
             row["reason"] = (
                 f"{bad.lane}: {bad.reason}"
                 if bad is not None
-                else f"{len(a)} passes of {numerator} against {len(b)} of {denominator}"
+                else f"{len(a)} turns of {numerator} against {len(b)} of {denominator}"
             )
             rows.append(row)
             continue
@@ -279,7 +277,7 @@ def paired_rows(
             reason="",
             numerator_p50_us=percentile([v for m in a for v in m.samples_us], 50),
             denominator_p50_us=percentile([v for m in b for v in m.samples_us], 50),
-            pass_p50_us=[[x.p50_us, y.p50_us] for x, y in zip(a, b, strict=True)],
+            turn_p50_us=[[x.p50_us, y.p50_us] for x, y in zip(a, b, strict=True)],
             ratios=ratios,
             ratio_median=percentile(ratios, 50),
             ratio_min=min(ratios),
@@ -290,7 +288,7 @@ def paired_rows(
 
 
 def paired_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """The interleaved passes as one table per pair of lanes (empty when none ran).
+    """The interleaved turns as one table per pair of lanes (empty when none ran).
 
     Each table has a ``### numerator against denominator`` heading; pairs come
     in the order of their first row.
@@ -306,18 +304,18 @@ def paired_markdown(rows: Sequence[dict[str, Any]]) -> str:
 
 def _pair_table(num: str, den: str, rows: Sequence[dict[str, Any]]) -> str:
     parts = [
-        f"| frame | passes | {num} p50 µs | {den} p50 µs | ratio, median of passes | "
-        "per-pass ratios |",
+        f"| frame | turns | {num} p50 µs | {den} p50 µs | ratio, median of turns | "
+        "per-turn ratios |",
         "|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
         size = fmt_size(row["nbytes"])
         if row["status"] != OK:
-            parts.append(f"| {size} | {row['passes']} | {row['status']}: {row['reason']} | | | |")
+            parts.append(f"| {size} | {row['turns']} | {row['status']}: {row['reason']} | | | |")
             continue
         each = ", ".join(f"{r:.2f}" for r in row["ratios"])
         parts.append(
-            f"| {size} | {row['passes']} | {fmt_num(row['numerator_p50_us'])} | "
+            f"| {size} | {row['turns']} | {fmt_num(row['numerator_p50_us'])} | "
             f"{fmt_num(row['denominator_p50_us'])} | {fmt_ratio(row['ratio_median'])} | {each} |"
         )
     return "\n".join(parts)
@@ -435,15 +433,16 @@ def render_markdown(
     if table:
         lanes = list(dict.fromkeys(n for r in paired for n in (r["numerator"], r["denominator"])))
         parts += [
-            f"## Interleaved passes: {', '.join(lanes)}",
+            f"## Interleaved turns: {', '.join(lanes)}",
             "",
-            "These lanes again, in passes that run each of them one after the other, "
-            "the order rotating from pass to pass so that each lane runs first as often "
-            "as the others; each pass is a latency phase of every size. The machine's "
-            "speed drifts over seconds (docs/performance.md, 'A noisy host'), so one pass of "
-            "each lane, measured apart, compares two machine states as much as two "
-            "lanes; the median of the per-pass ratios (pass *i* of one lane against "
-            "pass *i* of the other) does not.",
+            "These lanes again, all running at once and taking turns: at each size every "
+            "lane's producer runs a turn of latency frames (its first frames left out: the "
+            "switch from the previous turn), then hands the machine to the next lane, the "
+            "order rotating from round to round. The machine's speed drifts from second to "
+            "second (docs/performance.md, 'A noisy host'), so one run of each lane, measured "
+            "apart, compares two machine states as much as two lanes; the median of the "
+            "per-turn ratios (turn *i* of one lane against turn *i* of the other, "
+            "milliseconds apart) does not.",
             "",
             table,
             "",
