@@ -44,6 +44,13 @@ RATIOS: list[tuple[str, str, str, str, float]] = [
     ("elementwise 1 GiB default/hook", "ew1g_default", "ew1g_hook", ">=", 0.98),
     ("fan-out p50 4 subs / 1 sub", "fanout_p50_4", "fanout_p50_1", "<=", 2.0),
     ("fan-out p50 8 subs / 1 sub", "fanout_p50_8", "fanout_p50_1", "<=", 2.0),
+    (
+        "fan-out p50 8 subs / 1 sub, interleaved turns",
+        "fanout_interleaved_p50_8",
+        "fanout_interleaved_p50_1",
+        "<=",
+        1.5,
+    ),
     ("round trip p50 64 MiB / socket floor", "roundtrip_p50_64MiB", "socket_floor_p50", "<=", 3.0),
     ("round trip p50 1 GiB / 1 MiB", "roundtrip_p50_1024MiB", "roundtrip_p50_1MiB", "<=", 1.5),
 ]

@@ -484,6 +484,51 @@ def test_fan_out(tmp_path, fan):
     record_value(f"fanout_p99_{fan}", p99)
 
 
+#: Interleaved fan-out: round trips per turn, turns per channel, and the first
+#: round trips of each turn left out (the switch from the other channel).
+FANOUT_TURN = 50
+FANOUT_TURNS = 40
+FANOUT_TURN_SKIP = 5
+
+
+def _turn(prod: _Producer) -> list[int]:
+    """One turn of :data:`FANOUT_TURN` round trips on ``prod``'s channel (the first few untimed)."""
+    prod.work.stream.synchronize()  # untimed: the turn starts with no GPU backlog
+    times = []
+    for i in range(FANOUT_TURN):
+        t0 = time.perf_counter_ns()
+        slot = prod.publish()
+        prod.wait_slot(slot)
+        if i >= FANOUT_TURN_SKIP:
+            times.append(time.perf_counter_ns() - t0)
+    return times
+
+
+def test_fan_out_interleaved(tmp_path):
+    """1 and 8 subscribers, two channels open at once, in alternating turns of round trips.
+
+    The fan-out benchmark above measures each subscriber count on its own,
+    seconds apart, and the machine's speed moves between them; here the two
+    counts take turns of :data:`FANOUT_TURN` frames, so the ratio compares
+    frames milliseconds apart.
+    """
+    (tmp_path / "one").mkdir()
+    (tmp_path / "eight").mkdir()
+    times: dict[int, list[int]] = {1: [], 8: []}
+    with (
+        _channel(tmp_path / "one", 1, slots=4, consumers=1) as one,
+        _channel(tmp_path / "eight", 1, slots=4, consumers=8) as eight,
+    ):
+        _round_trips(one, 0)  # warm-up: WARMUP frames each
+        _round_trips(eight, 0)
+        for turn in range(FANOUT_TURNS):
+            order = [(1, one), (8, eight)] if turn % 2 == 0 else [(8, eight), (1, one)]
+            for fan, prod in order:
+                times[fan] += _turn(prod)
+    for fan in (1, 8):
+        record_value(f"fanout_interleaved_p50_{fan}", _summary(times[fan])[0])
+
+
 @pytest.mark.parametrize("spin_us", [None, SPIN_US], ids=["default", "spin"])
 def test_idle_subscriber_cpu(tmp_path, spin_us):
     """CPU time a subscriber burns in ``recv`` while nothing is published, per wall second."""

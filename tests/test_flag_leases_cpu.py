@@ -27,14 +27,13 @@ import pytest
 
 from cupy_ipcpool._errors import LeaseStateError, ProtocolError
 from cupy_ipcpool.channel._handshake import SubscriberInfo
-from cupy_ipcpool.channel._leases import BLOCK, LeaseBook
+from cupy_ipcpool.channel._leases import BLOCK, LeaseBook, read_flag_done
 from cupy_ipcpool.channel._publisher_core import SETTLE_RECHECK, PublisherCore
 from cupy_ipcpool.channel._subscriber_core import SubscriberCore
 from cupy_ipcpool.channel._syncpage import FlagLayout, SharedFlags
 from tests._memfd_backend import MemfdSlots, pattern
 
 SPAWN = multiprocessing.get_context("spawn")
-MASK = 0xFFFFFFFF
 
 
 # -- the book ---------------------------------------------------------------------------
@@ -111,8 +110,8 @@ class FlagProducer:
     The flag page goes to the consumer with the slots' fds; each frame's
     generation is its seq + 1 (a new one for every use of a slot; the page starts at 0,
     as the pool's generations start at 1), and the
-    look at the flag is :meth:`LeaseBook.settle_flagged` with the rule the
-    publisher uses: the flag at the generation sent, compared cyclically.
+    look at the flag is :meth:`LeaseBook.settle_flagged` with the publisher's rule
+    (:func:`read_flag_done`).
     """
 
     def __init__(self, address: str) -> None:
@@ -133,7 +132,7 @@ class FlagProducer:
         return payload, [*fds, self.flags.fd]
 
     def reached(self, sub_id: int, slot: int) -> bool:
-        return self.flags.reached(LAYOUT.read_offset(0, slot), self.published[slot] & MASK)
+        return read_flag_done(self.flags.reached, LAYOUT.read_offset(0, slot), self.published[slot])
 
     def settle(self) -> int:
         self.settle_calls += 1

@@ -43,6 +43,7 @@ from .._handles import ArrayHandle
 from .._pool import DEFAULT_TIMEOUT, IpcPool, SlotToken
 from .._transport._closing import ClosedFlag
 from ._handshake import SubscriberInfo
+from ._leases import read_flag_done
 from ._payload import (
     FRAME_HEAD,
     MAX_ARRAYS,
@@ -198,14 +199,11 @@ class _PublisherLeases:
         return self._book.settle_flagged(self._read)
 
     def _read(self, sub_id: int, slot: int) -> bool:
-        """Whether ``sub_id``'s read flag of ``slot`` holds the generation it was sent.
-
-        Only that generation counts (compared cyclically, as on the GPU): a
-        row's older values (a previous owner's, a frame of an earlier round)
-        are behind it, and a subscriber never writes one it was not sent.
-        """
+        """Whether ``sub_id``'s read flag of ``slot`` holds the generation it was sent."""
         row = self._rows.get(sub_id)
-        return row is not None and self._reached(row[1][slot], self._published[slot] & 0xFFFFFFFF)
+        return row is not None and read_flag_done(
+            self._reached, row[1][slot], self._published[slot]
+        )
 
     def order_write(self, slot: int, stream: int) -> None:
         """Make ``stream`` wait for the read flags of every subscriber that read ``slot``."""

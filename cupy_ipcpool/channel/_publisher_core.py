@@ -353,13 +353,14 @@ class PublisherCore(ClosedFlag):
             self._adopt()
         if self._evicting:
             timeout = self._retry_notices(timeout)
-        if settle is not None:
+        spinning = bool(self._spin_ns) and timeout != 0.0 and bool(self._by_fd)
+        if settle is not None and not spinning:  # a spin's first round makes this look
             released = self._wait(0.0) + settle()
             if released or timeout == 0.0:
                 if self._next_expiry is not None:
                     self._check_leases()
                 return released
-        if self._spin_ns and timeout != 0.0 and self._by_fd:
+        if spinning:
             released = self._spin(timeout, settle)
             if released:
                 if self._next_expiry is not None:
