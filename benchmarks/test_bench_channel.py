@@ -281,24 +281,26 @@ def _channel(
         assert r["mismatches"] == 0, f"consumer {i}: {r['mismatches']} mismatching sample(s)"
 
 
-def _round_trips(prod: _Producer, rounds: int, drains: list[int] | None = None) -> list[int]:
-    """Round-trip times (ns) of ``rounds`` frames after :data:`WARMUP` untimed ones.
+def _round_trips(
+    prod: _Producer, rounds: int, drains: list[int] | None = None, warmup: int = WARMUP
+) -> list[int]:
+    """Round-trip times (ns) of ``rounds`` frames after ``warmup`` untimed ones.
 
     ``drains``: when given, gets the nanoseconds of each untimed drain of the
     producer's stream that precedes a timed frame (one per :data:`DRAIN_EVERY`
     frames; timed frame *k* is the ``(WARMUP + k) % DRAIN_EVERY``-th after one).
     """
     times = []
-    for i in range(rounds + WARMUP):
+    for i in range(rounds + warmup):
         if i % DRAIN_EVERY == 0:
             d0 = time.perf_counter_ns()
             prod.work.stream.synchronize()  # untimed: bound the GPU backlog
-            if drains is not None and i >= WARMUP:
+            if drains is not None and i >= warmup:
                 drains.append(time.perf_counter_ns() - d0)
         t0 = time.perf_counter_ns()
         slot = prod.publish()
         prod.wait_slot(slot)
-        if i >= WARMUP:
+        if i >= warmup:
             times.append(time.perf_counter_ns() - t0)
     return times
 
@@ -492,16 +494,12 @@ FANOUT_TURN_SKIP = 5
 
 
 def _turn(prod: _Producer) -> list[int]:
-    """One turn of :data:`FANOUT_TURN` round trips on ``prod``'s channel (the first few untimed)."""
-    prod.work.stream.synchronize()  # untimed: the turn starts with no GPU backlog
-    times = []
-    for i in range(FANOUT_TURN):
-        t0 = time.perf_counter_ns()
-        slot = prod.publish()
-        prod.wait_slot(slot)
-        if i >= FANOUT_TURN_SKIP:
-            times.append(time.perf_counter_ns() - t0)
-    return times
+    """One turn of :data:`FANOUT_TURN` round trips on ``prod``'s channel, the first few untimed.
+
+    It starts with a drain of the producer's stream (:func:`_round_trips`'
+    first frame), so no turn inherits the other channel's GPU backlog.
+    """
+    return _round_trips(prod, FANOUT_TURN - FANOUT_TURN_SKIP, warmup=FANOUT_TURN_SKIP)
 
 
 def test_fan_out_interleaved(tmp_path):
