@@ -1404,6 +1404,23 @@ def test_a_lane_unavailable_in_its_child_is_skipped_among_turns():
     assert ok_lane.status == OK, ok_lane.reason
 
 
+class MissingLane(interface.Lane):
+    name = "missing"
+
+    def available(self):
+        return "frobnicator is not installed"
+
+    def producer(self, links, cfg):  # pragma: no cover - must not run
+        raise AssertionError("spawned a lane that is not available")
+
+
+def test_a_lane_unavailable_here_is_skipped_among_turns_without_spawning():
+    cfg = BenchConfig(sizes=(MiB,), schedule=TURNS, frame_timeout=10.0, turn_frames=5)
+    ok_lane, skipped = harness.run_turns([(lanes.SocketFloorLane(), cfg), (MissingLane(), cfg)])
+    assert ok_lane.status == OK, ok_lane.reason
+    assert skipped.status == SKIPPED and skipped.reason == "frobnicator is not installed"
+
+
 def test_run_turns_needs_a_lane():
     with pytest.raises(ValueError, match="needs a lane"):
         harness.run_turns([], timeout=1)

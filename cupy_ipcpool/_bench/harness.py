@@ -166,7 +166,7 @@ TURN_TIMEOUT_S = 120.0
 def run_turns(
     runs: Sequence[tuple[Lane, BenchConfig]],
     *,
-    timeout: float,
+    timeout: float | None = None,
     turn_timeout: float = TURN_TIMEOUT_S,
 ) -> list[PairResult]:
     """Run several lanes at once, their producers taking turns in rotation.
@@ -179,7 +179,9 @@ def run_turns(
     lanes measured side by side share the machine's state from turn to turn.
     A lane whose producer ends (its result comes, or it dies) drops out of the
     rotation; a turn that takes longer than ``turn_timeout`` seconds fails
-    that lane and ends its processes.
+    that lane and ends its processes.  A lane that is not available here is
+    skipped without spawning; ``timeout`` (default: the lanes'
+    :func:`run_timeout` together) bounds the whole run.
 
     Returns
     -------
@@ -188,12 +190,16 @@ def run_turns(
     """
     if len(runs) < 1:
         raise ValueError("run_turns needs a lane")
+    if timeout is None:
+        timeout = sum(run_timeout(cfg) for _lane, cfg in runs)
+    unavailable = {i: why for i, (lane, _cfg) in enumerate(runs) if (why := lane.available())}
+    ready = [run for i, run in enumerate(runs) if i not in unavailable]
     ctx = multiprocessing.get_context("spawn")
     spawned: list[_Spawned] = []
-    late: dict[int, str] = {}  # run index -> why its turn failed
+    late: dict[int, str] = {}  # index in ready -> why its turn failed
     replies: list[list[Any]] = []
     try:
-        for lane, cfg in runs:
+        for lane, cfg in ready:
             spawned.append(_spawn(lane, cfg, ctx, turns=True))
         for run in spawned:
             run.close_child_ends()
@@ -217,13 +223,14 @@ def run_turns(
     finally:
         for run in spawned:
             run.reap()
-    out = []
-    for i, rep in enumerate(replies):
-        if i in late:
-            out.append(PairResult(FAILED, f"{runs[i][0].name}: {late[i]}"))
-        else:
-            out.append(_combine(rep))
-    return out
+    done = iter(
+        PairResult(FAILED, f"{ready[i][0].name}: {late[i]}") if i in late else _combine(rep)
+        for i, rep in enumerate(replies)
+    )
+    return [
+        PairResult(SKIPPED, unavailable[i]) if i in unavailable else next(done)
+        for i in range(len(runs))
+    ]
 
 
 def _grant_turn(run: _Spawned, timeout: float) -> str | None:
@@ -475,8 +482,13 @@ def run_lane(lane: Lane, cfg: BenchConfig, *, timeout: float | None = None) -> l
     if reason is not None:
         return [Measurement(lane.name, n, SKIPPED, reason) for n in cfg.sizes]
     if timeout is None:
-        timeout = 120.0 + sum(cfg.schedule.total * (0.001 + n / 1e9) * 4 for n in cfg.sizes)
+        timeout = run_timeout(cfg)
     return measurements_from(lane, cfg, run_pair(lane, cfg, timeout=timeout))
+
+
+def run_timeout(cfg: BenchConfig) -> float:
+    """Seconds one lane's run over all of ``cfg``'s sizes may take (generous)."""
+    return 120.0 + sum(cfg.schedule.total * (0.001 + n / 1e9) * 4 for n in cfg.sizes)
 
 
 def turn_measurements(m: Measurement, turn_frames: int, skip: int) -> list[Measurement]:
