@@ -51,6 +51,13 @@ RATIOS: list[tuple[str, str, str, str, float]] = [
         "<=",
         1.5,
     ),
+    (
+        "bare-socket fan-out p50 8 / 1, interleaved turns (info)",
+        "fanout_interleaved_socket_p50_8",
+        "fanout_interleaved_socket_p50_1",
+        "<=",
+        99.0,
+    ),
     ("round trip p50 64 MiB / socket floor", "roundtrip_p50_64MiB", "socket_floor_p50", "<=", 3.0),
     ("round trip p50 1 GiB / 1 MiB", "roundtrip_p50_1024MiB", "roundtrip_p50_1MiB", "<=", 1.5),
 ]

@@ -35,7 +35,8 @@ see :func:`_tail_by_drain`), ``throughput_fps_{1,64}MiB``,
 ``throughput_fps_{1,64}MiB_32slots``, ``throughput_fps_{1,64}MiB_ahead``,
 ``pipelined_fps_{1,64}MiB``,
 ``pipelined_fps_{1,64}MiB_32slots``,
-``fanout_p50_{1,2,4,8}`` / ``fanout_p99_*``,
+``fanout_p50_{1,2,4,8}`` / ``fanout_p99_*``, ``fanout_interleaved_p50_{1,8}``,
+``fanout_interleaved_socket_p50_{1,8}``,
 ``producer_step_{frame,array,fill,publish,exit}_1MiB``,
 ``producer_step_fill_plain_1MiB``, ``idle_subscriber_cpu_fraction``,
 ``idle_subscriber_cpu_fraction_spin``, ``socket_floor_p50`` / ``socket_floor_p99``.
@@ -502,29 +503,87 @@ def _turn(prod: _Producer) -> list[int]:
     return _round_trips(prod, FANOUT_TURN - FANOUT_TURN_SKIP, warmup=FANOUT_TURN_SKIP)
 
 
+class _SocketFanOut:
+    """The bare-socket floor of fan-out: a FRAME-sized message to ``n`` echo processes,
+    a RELEASE-sized reply from each, over one ``SOCK_SEQPACKET`` pair per process."""
+
+    def __init__(self, n: int) -> None:
+        frame_bytes, release_bytes = wire_sizes()
+        self.msg = bytes(frame_bytes)
+        self.socks: list[socket.socket] = []
+        self.procs: list[Any] = []
+        for _ in range(n):
+            parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            proc = SPAWN.Process(target=_echo_socket, args=(child, release_bytes))
+            proc.start()
+            child.close()
+            self.socks.append(parent)
+            self.procs.append(proc)
+
+    def round_trips(self, rounds: int, warmup: int = 0) -> list[int]:
+        """Nanoseconds of ``rounds`` sends to every process and its replies, after ``warmup``."""
+        times = []
+        for i in range(rounds + warmup):
+            t0 = time.perf_counter_ns()
+            for s in self.socks:
+                s.send(self.msg)
+            for s in self.socks:
+                s.recv(4096)
+            if i >= warmup:
+                times.append(time.perf_counter_ns() - t0)
+        return times
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close()
+        _join(self.procs)
+
+
 def test_fan_out_interleaved(tmp_path):
     """1 and 8 subscribers, two channels open at once, in alternating turns of round trips.
 
     The fan-out benchmark above measures each subscriber count on its own,
     seconds apart, and the machine's speed moves between them; here the two
     counts take turns of :data:`FANOUT_TURN` frames, so the ratio compares
-    frames milliseconds apart.
+    frames milliseconds apart.  Beside them, in the same rotation, the
+    bare-socket floor of fan-out to 1 and 8 processes
+    (``fanout_interleaved_socket_p50_*``): what one message out and one back
+    per process cost the host, with no GPU and no library.
     """
     (tmp_path / "one").mkdir()
     (tmp_path / "eight").mkdir()
-    times: dict[int, list[int]] = {1: [], 8: []}
-    with (
-        _channel(tmp_path / "one", 1, slots=4, consumers=1) as one,
-        _channel(tmp_path / "eight", 1, slots=4, consumers=8) as eight,
-    ):
-        _round_trips(one, 0)  # warm-up: WARMUP frames each
-        _round_trips(eight, 0)
-        for turn in range(FANOUT_TURNS):
-            order = [(1, one), (8, eight)] if turn % 2 == 0 else [(8, eight), (1, one)]
-            for fan, prod in order:
-                times[fan] += _turn(prod)
-    for fan in (1, 8):
-        record_value(f"fanout_interleaved_p50_{fan}", _summary(times[fan])[0])
+    times: dict[str, list[int]] = {}
+    floors = {1: _SocketFanOut(1), 8: _SocketFanOut(8)}
+    skip = FANOUT_TURN_SKIP
+    try:
+        with (
+            _channel(tmp_path / "one", 1, slots=4, consumers=1) as one,
+            _channel(tmp_path / "eight", 1, slots=4, consumers=8) as eight,
+        ):
+            _round_trips(one, 0)  # warm-up: WARMUP frames each
+            _round_trips(eight, 0)
+            for floor in floors.values():
+                floor.round_trips(0, WARMUP)
+            turns = [
+                ("fanout_interleaved_p50_1", lambda: _turn(one)),
+                ("fanout_interleaved_p50_8", lambda: _turn(eight)),
+                (
+                    "fanout_interleaved_socket_p50_1",
+                    lambda: floors[1].round_trips(FANOUT_TURN - skip, skip),
+                ),
+                (
+                    "fanout_interleaved_socket_p50_8",
+                    lambda: floors[8].round_trips(FANOUT_TURN - skip, skip),
+                ),
+            ]
+            for turn in range(FANOUT_TURNS):
+                for name, run in turns if turn % 2 == 0 else turns[::-1]:
+                    times.setdefault(name, []).extend(run())
+    finally:
+        for floor in floors.values():
+            floor.close()
+    for name, series in times.items():
+        record_value(name, _summary(series)[0])
 
 
 @pytest.mark.parametrize("spin_us", [None, SPIN_US], ids=["default", "spin"])

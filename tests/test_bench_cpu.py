@@ -192,6 +192,7 @@ def test_lane_registry():
         "cupy_ipcpool",
         "cupy_ipcpool_ahead",
         "cupy_ipcpool_ahead_spin",
+        "cupy_ipcpool_ahead_deep",
         "host_staging",
         "legacy_ipc",
         "torch_mp",
@@ -1278,13 +1279,29 @@ class StampingFloorLane(lanes.SocketFloorLane):
     """The socket floor whose producer writes when it sends each value (a file per lane).
 
     ``CLOCK_MONOTONIC`` is one clock for every process, so the stamps of two
-    lanes show whether their frames ever ran at the same time.
+    lanes show whether their frames ever ran at the same time.  Its consumer
+    writes when it waits for its checks (``NAME.flush``).
     """
 
     name = "stamp_a"
 
     def open_producer(self, links, cfg, nbytes):
         return _StampingProducer(links, cfg, os.path.join(cfg.extra["stamps"], self.name))
+
+    def open_consumer(self, link, cfg, nbytes):
+        path = os.path.join(cfg.extra["stamps"], f"{self.name}.flush")
+        return _FlushStampingConsumer(link, cfg, path)
+
+
+class _FlushStampingConsumer(_floors._SocketFloorConsumer):
+    def __init__(self, link, cfg, path):
+        super().__init__(link, cfg)
+        self._path = path
+
+    def flush_checks(self):
+        with open(self._path, "a") as f:
+            f.write(f"{time.monotonic_ns()}\n")
+        return super().flush_checks()
 
 
 class StampingFloorLaneB(StampingFloorLane):
@@ -1371,6 +1388,24 @@ def test_turns_never_overlap_and_rotate(tmp_path):
     # per size: a set-up turn, four latency turns, a last one; round r starts with lane r % 2
     # (a, b), so the latency turns of rounds 1..4 and 7..10 go b a, a b, b a, a b
     assert "".join(t[0] for t in turns) == "baabbaab" * 2
+    # every latency turn but a size's last ends with the consumer's checks waited for:
+    # its flush lies after the turn's last frame and before the next turn starts
+    with open(tmp_path / "stamp_a.flush") as f:
+        flushes = [int(line) for line in f]
+    a_turns = [i for i, t in enumerate(turns) if t[0] == "a"]
+    for n, i in enumerate(a_turns):
+        if n % 4 == 3 or i + 1 == len(turns):
+            continue  # the size's last latency turn: the latency phase's flush follows
+        end, next_start = turns[i][2], turns[i + 1][1]
+        assert any(end < t < next_start for t in flushes), f"turn {n} of lane a ended busy"
+    assert len(flushes) == len(cfg.sizes) * (3 + 2)  # 3 turn ends + the 2 phase ends, per size
+
+
+def test_idle_turn_ends():
+    sched = Schedule(warmup=2, iters=22, tput=0, checks=1)
+    assert interface.idle_turn_ends(sched, 5) == {6, 11, 16, 21}  # not after the last (2)
+    assert interface.idle_turn_ends(sched, 0) == frozenset()
+    assert interface.idle_turn_ends(Schedule(warmup=0, iters=5, tput=0), 5) == frozenset()
 
 
 def test_a_lane_that_fails_in_its_turn_leaves_the_others_running():

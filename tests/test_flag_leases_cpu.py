@@ -314,3 +314,29 @@ def test_a_producer_that_never_waits_still_reads_the_due_releases(pair: Any) -> 
     book = prod.core.lease_book
     assert book.releases_due <= 2 * book.num_slots
     assert len(prod.core.subscribers) == 1
+
+
+def test_a_lease_a_look_at_the_flags_ended_is_reported_by_the_next_poll(pair: Any) -> None:
+    """A lease that ended outside ``poll`` -- at a look at the flags, as the pool's
+    lease count does inside ``frame()`` and ``publish()`` -- is reported by the next
+    poll, at once: a producer that polls until its frame's lease came back must not
+    wait for a message (the late RELEASE of that lease is no news)."""
+    prod, consumer = pair(release_after=99)  # no RELEASE message: only the flag
+    prod.publish_flagged()
+    ask(consumer, "frames", 1)  # the consumer checked frame 0 and set its flag
+    assert prod.core.lease_book.settle_flagged(prod.reached) == 1  # not a poll
+    assert prod.core.poll(10.0, prod.settle) == 1  # reported, without waiting
+    assert prod.core.poll(0.0, prod.settle) == 0  # and once only
+
+
+def test_a_release_another_call_read_is_reported_by_the_next_poll(pair: Any) -> None:
+    """A RELEASE that ``acquire`` read from the socket (or ``publish``, reading the
+    due ones) ended its lease there; the next poll reports it and does not wait."""
+    prod, consumer = pair(release_after=0)  # a RELEASE right after each frame
+    prod.publish_flagged()
+    ask(consumer, "frames", 1)  # its RELEASE is in the producer's socket now
+    slot, _ = prod.core.acquire(0.0)  # reads it: frame 0's lease ends here
+    assert not prod.core.lease_book.any_leased()
+    assert prod.core.poll(10.0) == 1
+    assert prod.core.poll(0.0) == 0
+    assert slot in (0, 1)

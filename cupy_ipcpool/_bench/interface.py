@@ -19,7 +19,9 @@ turns its parent grants (:class:`TurnGate`): per size one turn for the set-up
 and warm-up, one per :attr:`BenchConfig.turn_frames` latency frames, one for
 the rest.  The harness grants the lanes' turns in rotation
 (:func:`~.harness.run_turns`), so that lanes measured side by side share the
-machine's state from one turn to the next.
+machine's state from one turn to the next.  A latency turn ends only once the
+lane's GPU work is done (its consumers' checks included, :data:`TURN_IDLE`),
+so no turn starts behind another lane's backlog.
 
 On timed frames the GPU lanes do not wait for their check: it is enqueued on
 the consumer's stream and counts mismatches in a device-side counter, which is
@@ -95,7 +97,10 @@ class BenchConfig:
     extra:
         Lane-specific settings (e.g. the slot counts of the attach scan).
     turn_frames:
-        With ``turns``: latency frames per turn.
+        Latency frames per turn (0: the latency phase in one block); every
+        latency turn but the last ends with the lane's GPU work done, the
+        producer's and the consumers' (:func:`idle_turn_ends`).  Producer and
+        consumers alike read it.
     turns:
         The producer's end of its turn pipe (:class:`TurnGate`), set by the
         harness for the producer only; None: the producer runs freely.
@@ -309,6 +314,23 @@ def latency_blocks(iters: int, turn_frames: int) -> list[int]:
     return [turn_frames] * full + ([rest] if rest else [])
 
 
+def idle_turn_ends(sched: Schedule, turn_frames: int) -> frozenset[int]:
+    """The frames (0-based, all phases) after which a latency turn ends with the GPU idle.
+
+    Every latency block but the last: after it the consumers wait for their
+    enqueued checks and say so (:data:`TURN_IDLE`), and the producer for its
+    own work, before its turn ends, so that no turn starts behind the previous
+    lane's GPU work.  (The last block is followed by the latency phase's own
+    flush.)
+    """
+    ends: set[int] = set()
+    i = sched.warmup
+    for block in latency_blocks(sched.iters, turn_frames)[:-1]:
+        i += block
+        ends.add(i - 1)
+    return frozenset(ends)
+
+
 # ------------------------------------------------------------------ loops
 def _full_check(i: int, sched: Schedule) -> bool:
     """Whether frame ``i`` (0-based, all phases) gets a full verification."""
@@ -317,6 +339,8 @@ def _full_check(i: int, sched: Schedule) -> bool:
 
 #: Control messages that end the timed phases (consumer -> producer).
 LAT_DONE, TPUT_DONE = b"lat-done", b"tput-done"
+#: A consumer's checks of a latency turn are done (consumer -> producer, :func:`idle_turn_ends`).
+TURN_IDLE = b"turn-idle"
 
 
 def _flush_producer(side: ProducerSide, phase: str) -> None:
@@ -341,7 +365,7 @@ def producer_loop(lane: Lane, links: Sequence[Connection], cfg: BenchConfig) -> 
     """
     sched = cfg.schedule
     gate = TurnGate(cfg.turns)
-    blocks = latency_blocks(sched.iters, cfg.turn_frames if cfg.turns is not None else 0)
+    blocks = latency_blocks(sched.iters, cfg.turn_frames)
     out: dict[str, Any] = {}
     value = 0
     for nbytes in cfg.sizes:
@@ -354,7 +378,7 @@ def producer_loop(lane: Lane, links: Sequence[Connection], cfg: BenchConfig) -> 
                     value += 1
                     side.send(value)
                     side.wait_done(value, full=True)
-            for block in blocks:
+            for j, block in enumerate(blocks):
                 with gate.turn():
                     for _ in range(block):
                         value += 1
@@ -362,6 +386,10 @@ def producer_loop(lane: Lane, links: Sequence[Connection], cfg: BenchConfig) -> 
                         side.send(value)
                         side.wait_done(value, full=False)
                         lat.append(time.perf_counter_ns() - t0)
+                    if j < len(blocks) - 1:  # the turn ends with this lane's GPU work done
+                        _flush_producer(side, "latency phase")
+                        for link in links:
+                            expect(link, TURN_IDLE, cfg.frame_timeout)
             with gate.turn():  # the rest of the size, its teardown included
                 value, tput_ns = _finish_size(side, links, cfg, value, lane.pipelined)
                 done, side = side, None
@@ -484,6 +512,7 @@ def consumer_loop(lane: Lane, link: Connection, cfg: BenchConfig) -> dict[str, A
     value = 0
     lat_end = sched.warmup + sched.iters
     tput_end = lat_end + sched.tput
+    idle_ends = idle_turn_ends(sched, cfg.turn_frames)
     for nbytes in cfg.sizes:
         side = lane.open_consumer(link, cfg, nbytes)
         tally = CheckTally()
@@ -499,6 +528,9 @@ def consumer_loop(lane: Lane, link: Connection, cfg: BenchConfig) -> dict[str, A
                 full = _full_check(i, sched)
                 got, ok = side.step(full=full)
                 tally.frame(i, value, got, ok, full=full)
+                if i in idle_ends:
+                    tally.flush("latency phase", side.flush_checks())
+                    link.send_bytes(TURN_IDLE)
             # Phases that end the schedule (no check frames after them).
             if sched.total == lat_end:
                 tally.flush("latency phase", side.flush_checks())

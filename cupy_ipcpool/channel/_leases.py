@@ -126,6 +126,10 @@ class LeaseBook:
         #: Leases ended at their read flag whose RELEASE message has not come yet, over
         #: every subscriber: messages the owner must still read from the sockets.
         self.releases_due = 0
+        #: Leases ended so far by :meth:`release` or :meth:`settle`, by whichever
+        #: caller: the owner reports them from this count (each once), not from what
+        #: one of its calls happened to end.
+        self.ended = 0
 
     # -- subscribers -------------------------------------------------------
 
@@ -396,6 +400,7 @@ class LeaseBook:
 
     def _end_lease(self, sub_id: int, sub: _Subscriber, seq: int, slot: int) -> bool:
         del sub.leases[seq]
+        self.ended += 1
         if sub.mode == LATEST:
             self._latest_drop(slot)
         holders = self._holders[slot]

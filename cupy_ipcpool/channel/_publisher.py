@@ -688,8 +688,12 @@ class Publisher(ClosedFlag):
         Returns as soon as a message from a subscriber has been handled (a
         returned lease, a goodbye) or, with ``ahead=True``, a lease ended at
         its read flag, or after ``timeout`` seconds (``None``: no limit; ``0``:
-        do not wait).  Threads waiting in ``pool.acquire()`` or
-        ``pool.next()`` are woken when leases came back.
+        do not wait).  The count is of the leases ended since the previous
+        ``poll``, each once, wherever it ended: a lease that :meth:`frame`,
+        :meth:`publish` or the pool took back meanwhile (a RELEASE read, a read
+        flag seen set) is counted here too, and the call then does not wait.
+        Threads waiting in ``pool.acquire()`` or ``pool.next()`` are woken
+        when leases came back.
         """
         if self._closed:
             self._check()  # raises

@@ -200,6 +200,7 @@ class PublisherCore(ClosedFlag):
         #: dropped subscribers whose notice did not fit their socket yet (keep their leases)
         self._evicting: dict[int, tuple[_Conn, bytes]] = {}
         self._since_drain = 0  # frames published since _drain_due read the sockets
+        self._reported = 0  # the lease book's `ended` as of the last poll's answer
         #: the subscribers' sockets as the compiled wait_releases polls them
         self._poll_set = bytearray()
         self._last_slot = self.num_slots - 1
@@ -345,8 +346,22 @@ class PublisherCore(ClosedFlag):
         Returns
         -------
         int
-            Number of leases returned.
+            Number of leases returned since the previous ``poll``, each counted
+            once, however it ended: in this call, or in another that read the
+            sockets or the flags meanwhile (:meth:`publish`, :meth:`acquire`, a
+            look at a slot's leases).  While some are still unreported, the call
+            does not wait.
         """
+        book = self._book
+        if book.ended != self._reported:
+            timeout = 0.0  # leases ended outside a poll: report them now
+        self._poll(timeout, settle)
+        returned = book.ended - self._reported
+        self._reported = book.ended
+        return returned
+
+    def _poll(self, timeout: float | None, settle: Callable[[], int] | None) -> int:
+        """:meth:`poll`'s wait; returns how many leases this call ended (0: none yet)."""
         if self._closed:
             self._check_open()  # raises
         if self._acc.pending:

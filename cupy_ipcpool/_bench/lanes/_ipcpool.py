@@ -39,6 +39,7 @@ class _CipProducer(ProducerSide):
         address = os.path.join(cfg.workdir, f"cip-{nbytes}.sock")
         self.pool = cip.IpcPool(cfg.num_slots, nbytes, device=cfg.device)
         self.pub: Any = None
+        self.slot = 0  # the last frame's
         try:
             self.pub = cip.Publisher(self.pool, address, ahead=ahead, spin_us=spin_us)
             for link in links:
@@ -56,6 +57,7 @@ class _CipProducer(ProducerSide):
             self.work.fill(a, value)
             frame.publish(a, metadata=VALUE.pack(value))
             del a  # the slot is free again once the subscribers release it
+        self.slot = frame.slot
 
     def wait_done(self, value: int, *, full: bool) -> None:
         deadline = time.monotonic() + self.timeout
@@ -63,11 +65,18 @@ class _CipProducer(ProducerSide):
         while returned < self.nsubs:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                held = self.pub.leases(self.slot)
                 raise TimeoutError(
                     f"frame {value}: {returned} of {self.nsubs} leases returned "
-                    f"within {self.timeout} s"
+                    f"within {self.timeout} s; slot {self.slot} has {held} lease(s) "
+                    f"left{self._holders()}"
                 )
             returned += int(self.pub.poll(timeout=remaining) or 0)
+
+    def _holders(self) -> str:
+        """Who still holds the last frame's slot, for the timeout's message."""
+        held = self.pub._leases.describe(self.slot)
+        return f" ({held})" if held else ""
 
     def drain(self) -> None:
         while self.pub.poll(timeout=0.0):
@@ -258,6 +267,28 @@ class CupyIpcPoolAheadSpinLane(CupyIpcPoolAheadLane):
         "consumer's host (whose RELEASE message comes at its next recv())."
     )
     publisher_options: dict[str, Any] = {"ahead": True, "spin_us": PRODUCER_SPIN_US}
+
+
+class _CipAheadDeepConsumer(_CipAheadConsumer):
+    # Two frames ahead: recv() hands frame k+1 out while frame k's message may still be on
+    # its way, so the check of k+1 is queued as soon as frame k is released, before the
+    # producer writes k+1.  Only with a producer that spins: it sees each read flag at once,
+    # so queueing the next wait early delays no lease (see _CipAheadConsumer).
+    subscribe_options: dict[str, Any] = {"depth": 2}
+
+
+class CupyIpcPoolAheadDeepLane(CupyIpcPoolAheadSpinLane):
+    """Frames handed out two ahead (``depth=2``), the producer busy-polling its leases."""
+
+    name = "cupy_ipcpool_ahead_deep"
+    title = "cupy_ipcpool, frames handed out ahead, depth=2, producer spin_us=200"
+    sync_note = (
+        "as cupy_ipcpool_ahead_spin, with subscribe(depth=2): recv() may hand a frame out "
+        "while the previous one's message is still on its way, so the consumer queues the "
+        "check of frame k+1 as soon as it has released frame k, before the producer writes "
+        "it, and the check starts when the frame flag is set, without the consumer's host."
+    )
+    consumer_side = _CipAheadDeepConsumer
 
 
 class AttachScanLane(Lane):
