@@ -503,6 +503,14 @@ def _turn(prod: _Producer) -> list[int]:
     return _round_trips(prod, FANOUT_TURN - FANOUT_TURN_SKIP, warmup=FANOUT_TURN_SKIP)
 
 
+def _echo_socket(sock, reply_bytes):
+    while True:
+        data = sock.recv(4096)
+        if not data:
+            return
+        sock.send(bytes(reply_bytes))
+
+
 class _SocketFanOut:
     """The bare-socket floor of fan-out: a FRAME-sized message to ``n`` echo processes,
     a RELEASE-sized reply from each, over one ``SOCK_SEQPACKET`` pair per process."""
@@ -610,31 +618,13 @@ def test_idle_subscriber_cpu(tmp_path, spin_us):
     record_value(f"idle_subscriber_cpu_fraction{suffix}", r["cpu_s"] / r["wall_s"])
 
 
-def _echo_socket(sock, reply_bytes):
-    while True:
-        data = sock.recv(4096)
-        if not data:
-            return
-        sock.send(bytes(reply_bytes))
-
-
 def test_bare_socket_floor():
     """A bare SOCK_SEQPACKET round trip: a FRAME-sized message out, a RELEASE-sized one back."""
-    frame_bytes, release_bytes = wire_sizes()
-    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    proc = SPAWN.Process(target=_echo_socket, args=(child, release_bytes))
-    proc.start()
-    child.close()
-    msg = bytes(frame_bytes)
-    times = []
-    for i in range(ROUNDS + WARMUP):
-        t0 = time.perf_counter_ns()
-        parent.send(msg)
-        parent.recv(4096)
-        if i >= WARMUP:
-            times.append(time.perf_counter_ns() - t0)
-    parent.close()
-    proc.join(30)
+    floor = _SocketFanOut(1)
+    try:
+        times = floor.round_trips(ROUNDS, WARMUP)
+    finally:
+        floor.close()
     p50, p99 = _summary(times)
     record_value("socket_floor_p50", p50)
     record_value("socket_floor_p99", p99)

@@ -192,7 +192,6 @@ def test_lane_registry():
         "cupy_ipcpool",
         "cupy_ipcpool_ahead",
         "cupy_ipcpool_ahead_spin",
-        "cupy_ipcpool_ahead_deep",
         "host_staging",
         "legacy_ipc",
         "torch_mp",

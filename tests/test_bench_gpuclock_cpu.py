@@ -179,7 +179,6 @@ def test_gpu_clock_option_defaults():
         "cupy_ipcpool",
         "cupy_ipcpool_ahead",
         "cupy_ipcpool_ahead_spin",
-        "cupy_ipcpool_ahead_deep",
         "ordered_floor",
         "inprocess_floor",
     )

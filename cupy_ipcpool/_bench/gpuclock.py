@@ -60,7 +60,6 @@ GPU_CLOCK_LANES = (
     "cupy_ipcpool",
     "cupy_ipcpool_ahead",
     "cupy_ipcpool_ahead_spin",
-    "cupy_ipcpool_ahead_deep",
     "ordered_floor",
     "inprocess_floor",
 )

@@ -366,6 +366,7 @@ def producer_loop(lane: Lane, links: Sequence[Connection], cfg: BenchConfig) -> 
     sched = cfg.schedule
     gate = TurnGate(cfg.turns)
     blocks = latency_blocks(sched.iters, cfg.turn_frames)
+    idle_ends = idle_turn_ends(sched, cfg.turn_frames)
     out: dict[str, Any] = {}
     value = 0
     for nbytes in cfg.sizes:
@@ -378,7 +379,7 @@ def producer_loop(lane: Lane, links: Sequence[Connection], cfg: BenchConfig) -> 
                     value += 1
                     side.send(value)
                     side.wait_done(value, full=True)
-            for j, block in enumerate(blocks):
+            for block in blocks:
                 with gate.turn():
                     for _ in range(block):
                         value += 1
@@ -386,7 +387,7 @@ def producer_loop(lane: Lane, links: Sequence[Connection], cfg: BenchConfig) -> 
                         side.send(value)
                         side.wait_done(value, full=False)
                         lat.append(time.perf_counter_ns() - t0)
-                    if j < len(blocks) - 1:  # the turn ends with this lane's GPU work done
+                    if sched.warmup + len(lat) - 1 in idle_ends:  # the turn ends GPU-idle
                         _flush_producer(side, "latency phase")
                         for link in links:
                             expect(link, TURN_IDLE, cfg.frame_timeout)

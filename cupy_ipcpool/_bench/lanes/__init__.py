@@ -45,7 +45,6 @@ from ._floors import (
 from ._frameworks import CudaCoreLane, TorchQueueLane, ipc_api_missing
 from ._ipcpool import (
     AttachScanLane,
-    CupyIpcPoolAheadDeepLane,
     CupyIpcPoolAheadLane,
     CupyIpcPoolAheadSpinLane,
     CupyIpcPoolLane,
@@ -61,7 +60,6 @@ __all__ = [
     "LANE_NAMES",
     "AttachScanLane",
     "CudaCoreLane",
-    "CupyIpcPoolAheadDeepLane",
     "CupyIpcPoolAheadLane",
     "CupyIpcPoolAheadSpinLane",
     "CupyIpcPoolLane",

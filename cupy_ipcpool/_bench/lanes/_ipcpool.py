@@ -68,15 +68,9 @@ class _CipProducer(ProducerSide):
                 held = self.pub.leases(self.slot)
                 raise TimeoutError(
                     f"frame {value}: {returned} of {self.nsubs} leases returned "
-                    f"within {self.timeout} s; slot {self.slot} has {held} lease(s) "
-                    f"left{self._holders()}"
+                    f"within {self.timeout} s; slot {self.slot} has {held} lease(s) left"
                 )
             returned += int(self.pub.poll(timeout=remaining) or 0)
-
-    def _holders(self) -> str:
-        """Who still holds the last frame's slot, for the timeout's message."""
-        held = self.pub._leases.describe(self.slot)
-        return f" ({held})" if held else ""
 
     def drain(self) -> None:
         while self.pub.poll(timeout=0.0):
@@ -267,28 +261,6 @@ class CupyIpcPoolAheadSpinLane(CupyIpcPoolAheadLane):
         "consumer's host (whose RELEASE message comes at its next recv())."
     )
     publisher_options: dict[str, Any] = {"ahead": True, "spin_us": PRODUCER_SPIN_US}
-
-
-class _CipAheadDeepConsumer(_CipAheadConsumer):
-    # Two frames ahead: recv() hands frame k+1 out while frame k's message may still be on
-    # its way, so the check of k+1 is queued as soon as frame k is released, before the
-    # producer writes k+1.  Only with a producer that spins: it sees each read flag at once,
-    # so queueing the next wait early delays no lease (see _CipAheadConsumer).
-    subscribe_options: dict[str, Any] = {"depth": 2}
-
-
-class CupyIpcPoolAheadDeepLane(CupyIpcPoolAheadSpinLane):
-    """Frames handed out two ahead (``depth=2``), the producer busy-polling its leases."""
-
-    name = "cupy_ipcpool_ahead_deep"
-    title = "cupy_ipcpool, frames handed out ahead, depth=2, producer spin_us=200"
-    sync_note = (
-        "as cupy_ipcpool_ahead_spin, with subscribe(depth=2): recv() may hand a frame out "
-        "while the previous one's message is still on its way, so the consumer queues the "
-        "check of frame k+1 as soon as it has released frame k, before the producer writes "
-        "it, and the check starts when the frame flag is set, without the consumer's host."
-    )
-    consumer_side = _CipAheadDeepConsumer
 
 
 class AttachScanLane(Lane):

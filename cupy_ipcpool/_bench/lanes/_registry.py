@@ -8,19 +8,13 @@ from ..interface import Lane
 from ._classic import HostStagingLane, LegacyIpcLane
 from ._floors import InProcessFloorLane, OrderedFloorLane, SocketFloorLane, SocketGpuFloorLane
 from ._frameworks import CudaCoreLane, TorchQueueLane
-from ._ipcpool import (
-    CupyIpcPoolAheadDeepLane,
-    CupyIpcPoolAheadLane,
-    CupyIpcPoolAheadSpinLane,
-    CupyIpcPoolLane,
-)
+from ._ipcpool import CupyIpcPoolAheadLane, CupyIpcPoolAheadSpinLane, CupyIpcPoolLane
 
 #: The handoff lanes, in report order.
 ALL_LANES: tuple[Lane, ...] = (
     CupyIpcPoolLane(),
     CupyIpcPoolAheadLane(),
     CupyIpcPoolAheadSpinLane(),
-    CupyIpcPoolAheadDeepLane(),
     HostStagingLane(),
     LegacyIpcLane(),
     TorchQueueLane(),
