@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
-import os
 import traceback
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
@@ -20,11 +19,6 @@ from typing import Any, TypeVar
 SPAWN = mp.get_context("spawn")
 
 C = TypeVar("C", bound="PipeChild")
-
-
-def open_fd_count() -> int:
-    """The number of fds this process has open."""
-    return len(os.listdir("/proc/self/fd"))
 
 
 def run_body(conn: Connection, body: Callable[[], Any], *, with_traceback: bool = False) -> None:

@@ -11,9 +11,10 @@ import time
 from multiprocessing.connection import Connection
 
 from _memfd_backend import MemfdConsumer, MemfdProducer
-from _pipe_child import open_fd_count, run_body
+from _pipe_child import run_body
 
 from cupy_ipcpool._errors import EndOfStream, TransportError
+from tests._fds import fd_count
 
 
 def _memfd_mappings() -> int:
@@ -29,7 +30,7 @@ def child_publish_until_killed(conn: Connection, address: str, frames: int) -> N
             producer.wait_subscribers(1)
             for _ in range(frames):
                 producer.publish_next(timeout=10.0)
-            conn.send(("msg", open_fd_count()))
+            conn.send(("msg", fd_count()))
             conn.recv()  # the parent SIGKILLs this process meanwhile
 
     run_body(conn, body)
@@ -65,7 +66,7 @@ def child_outlive_publishers(conn: Connection, address: str, cycles: int, hold: 
                 for frame in held:  # the memory outlives its publisher
                     consumer.check(frame)
                     consumer.release(frame)  # only forgets it locally now
-            conn.send(("msg", (open_fd_count(), _memfd_mappings())))
+            conn.send(("msg", (fd_count(), _memfd_mappings())))
 
     run_body(conn, body)
 

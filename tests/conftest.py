@@ -7,6 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests import _fds
+
 #: "on": this process runs GPU tests, so each test's end checks its CUDA context;
 #: "broken": (test id, error) of the test after which the context held an error.
 _context_check: dict[str, object] = {}
@@ -112,7 +114,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def fd_count():
     """Return a callable giving the number of open fds in this process."""
 
-    def count() -> int:
-        return len(os.listdir("/proc/self/fd"))
-
-    return count
+    return _fds.fd_count

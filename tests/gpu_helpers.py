@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import time
 import traceback
 from typing import Any
@@ -205,11 +204,6 @@ def expected(n: int, seed: int) -> Any:
 
     i = np.arange(n, dtype=np.uint64)
     return ((seed * 2654435761 + i) & 0xFFFFFFFF).astype(np.uint32)
-
-
-def fd_count() -> int:
-    """Open fds of this process."""
-    return len(os.listdir("/proc/self/fd"))
 
 
 def device_free(device: int = 0) -> int:

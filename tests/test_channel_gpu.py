@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 import cupy_ipcpool as cip
+from tests._fds import fd_count
 from tests.gpu_helpers import (
     child_message,
     device_free,
-    fd_count,
     fill,
     report_exception,
     spin_kernel,

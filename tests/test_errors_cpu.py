@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import ast
-import gc
 import inspect
 import os
 import pathlib
@@ -28,6 +27,7 @@ from cupy_ipcpool._arena import AllocationScope, SlotArena
 from cupy_ipcpool._handles import ArrayHandle, PoolDescriptor
 from cupy_ipcpool._slots import SlotTable
 from cupy_ipcpool._vmm import UndoStack, round_up
+from tests._fds import fds_opened_since, open_fds
 
 PACKAGE = pathlib.Path(cip.__file__).parent
 
@@ -593,10 +593,6 @@ def exporter_fds() -> Iterator[list[int]]:
         os.close(fd)
 
 
-def _fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
 def test_plain_pickles_of_a_descriptor_keep_no_fds(exporter_fds: list[int]) -> None:
     desc = PoolDescriptor(
         pool_id=b"p" * 16,
@@ -610,15 +606,12 @@ def test_plain_pickles_of_a_descriptor_keep_no_fds(exporter_fds: list[int]) -> N
         alloc_nbytes=4096,
         fds=tuple(exporter_fds),
     )
-    gc.collect()
-    before = _fd_count()
+    before = open_fds()
     blobs = [pickle.dumps(desc) for _ in range(50)]
-    gc.collect()
-    assert _fd_count() == before  # nothing duplicated for the 50 pickles
+    assert not fds_opened_since(before)  # nothing duplicated for the 50 pickles
     back = pickle.loads(blobs[0])
     assert back == desc and back.take_local_fds() is None  # the peer fetches them itself
     del blobs, back
-    gc.collect()
-    assert _fd_count() == before
+    assert not fds_opened_since(before)
     # multiprocessing (Process arguments, Queue.put) still sends the fds:
     # tests/test_handles.py::test_pickle_through_queue and friends

@@ -12,10 +12,10 @@ import pytest
 
 import cupy_ipcpool as cip
 from cupy_ipcpool import _driver, _peer
+from tests._fds import fd_count
 from tests.gpu_helpers import (
     device_free,
     expected,
-    fd_count,
     fill,
     report_exception,
     run_child_for_result,

@@ -13,7 +13,8 @@ import pytest
 
 import cupy_ipcpool as cip
 from cupy_ipcpool import _driver
-from tests.gpu_helpers import device_free, expected, fd_count, fill
+from tests._fds import fd_count
+from tests.gpu_helpers import device_free, expected, fill
 
 pytestmark = pytest.mark.gpu
 

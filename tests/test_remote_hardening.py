@@ -40,6 +40,7 @@ from cupy_ipcpool import EndOfStream, SlotBusyError, UsageError
 from cupy_ipcpool.remote import _wire as wire
 from cupy_ipcpool.remote._admission import WAIT_PROOF, HandshakeBook, address_key
 from cupy_ipcpool.remote._credit import ServerBook
+from tests._fds import open_fds
 
 CTX = mp.get_context("spawn")
 SECRET_ENV = "CUPY_IPCPOOL_SECRET"
@@ -172,11 +173,7 @@ def _state(pub: Any, server: Any) -> str:
 def _fd_table() -> dict[int, str]:
     """This process's open fds, ``fd -> readlink target``, once garbage is collected."""
     gc.collect()  # a refused subscriber's UCX worker goes with its last reference
-    table = {}
-    for name in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):  # the listing's own fd, closed meanwhile
-            table[int(name)] = os.readlink(f"/proc/self/fd/{name}")
-    return table
+    return open_fds()
 
 
 def _fd_kind(target: str) -> str:

@@ -29,6 +29,7 @@ import pytest
 from skips import needs_ucx
 
 from cupy_ipcpool.remote import _ucx as ucx
+from tests._fds import open_fds
 
 SECRET = "correct horse battery staple 42"
 TAG = 42
@@ -38,11 +39,9 @@ def _worker_fds() -> Counter[str]:
     """This process's fds of the kinds a UCX worker (not an endpoint) owns, by kind."""
     gc.collect()
     kinds: Counter[str] = Counter()
-    for name in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/self/fd/{name}")
-            if target.startswith(("anon_inode:[eventpoll]", "anon_inode:[eventfd]", "/dev/shm/")):
-                kinds[re.sub(r"[0-9a-f]{6,}", "*", target)] += 1
+    for target in open_fds().values():
+        if target.startswith(("anon_inode:[eventpoll]", "anon_inode:[eventfd]", "/dev/shm/")):
+            kinds[re.sub(r"[0-9a-f]{6,}", "*", target)] += 1
     return kinds
 
 

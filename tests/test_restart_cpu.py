@@ -56,8 +56,9 @@ from cupy_ipcpool.channel._syncpage import (
     frame_state,
 )
 from cupy_ipcpool.channel._waiting import check_wait, connect_waiting
+from tests._fds import fd_count
 from tests._memfd_backend import MemfdSlots, pattern
-from tests._pipe_child import PipeChild, open_fd_count, run_body, started
+from tests._pipe_child import PipeChild, run_body, started
 
 # WELCOME payload of these tests: slot size, slots, rows, this subscriber's row
 HEAD = struct.Struct("<QIII")
@@ -302,7 +303,7 @@ def _outlive(conn: Connection, address: str, cycles: int) -> None:
             forced = sub.waits.forced
             sub.close()
             assert [f.complete for f in held] == [True] * SET_FIRST + [False] * (HOLD - SET_FIRST)
-            counts.append((open_fd_count(), _mappings(), forced))
+            counts.append((fd_count(), _mappings(), forced))
             conn.send(("msg", counts[-1]))
         return counts
 
@@ -353,12 +354,12 @@ def _follow(conn: Connection, address: str, restart_on_close: bool, sessions: in
                     for f in old:  # frames of a publisher that died since: no error
                         f.release()
                     old.clear()
-                    report.append((follower.reconnects, open_fd_count(), _mappings()))
+                    report.append((follower.reconnects, fd_count(), _mappings()))
                     conn.send(("msg", "session done"))
                     if len(report) == sessions:
                         break
             assert follower.subscriber is not None or not restart_on_close
-        report.append((follower.reconnects, open_fd_count(), _mappings()))
+        report.append((follower.reconnects, fd_count(), _mappings()))
         return [seen, report, follower.closed]
 
     _run(conn, body)

@@ -38,7 +38,8 @@ import numpy as np
 import pytest
 
 import cupy_ipcpool as cip
-from tests.gpu_helpers import device_free, expected, fd_count, fill, report_exception
+from tests._fds import fd_count
+from tests.gpu_helpers import device_free, expected, fill, report_exception
 
 pytestmark = [pytest.mark.gpu]
 

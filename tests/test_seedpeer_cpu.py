@@ -31,6 +31,7 @@ from cupy_ipcpool._errors import (
 )
 from cupy_ipcpool._seedpeer import fetch_seed_fds, import_seed_buffers, seed_alloc_nbytes
 from cupy_ipcpool._transport import fetch_fds
+from tests._fds import fds_opened_since, open_fds
 from tests.skips import no_driver
 
 pytestmark = pytest.mark.timeout(60)
@@ -73,10 +74,6 @@ def _content(i: int) -> bytes:
 
 def _reply(i: int) -> bytes:
     return b"consumer wrote %d" % (i * 31,)
-
-
-def _fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 class Producer:
@@ -133,7 +130,7 @@ def exited_producer() -> Producer:
 
 
 def test_fetches_every_buffer_and_the_producer_sees_the_writes(producer: Producer) -> None:
-    before = _fd_count()
+    before = open_fds()
     fds = fetch_seed_fds(producer.pairs)
     try:
         assert len(fds) == 3 and len(set(fds)) == 3
@@ -145,7 +142,7 @@ def test_fetches_every_buffer_and_the_producer_sees_the_writes(producer: Produce
     finally:
         for fd in fds:
             os.close(fd)
-    assert _fd_count() == before
+    assert not fds_opened_since(before)
     assert producer.verify() == (0, "OK")
 
 
@@ -183,14 +180,14 @@ def test_exited_producer_is_esrch_worded_as_attach(exited_producer: Producer) ->
     pairs = exited_producer.pairs
     with pytest.raises(TransportError) as attach_err:
         _fetch_as_attach(pairs)
-    before = _fd_count()
+    before = open_fds()
     with pytest.raises(TransportError) as ei:
         fetch_seed_fds(pairs)
     assert ei.value.errno == errno.ESRCH
     assert "exited" in str(ei.value)
     assert ei.value.strerror.startswith(attach_err.value.strerror)
     assert "PID namespace" in ei.value.strerror
-    assert _fd_count() == before
+    assert not fds_opened_since(before)
 
 
 def test_fd_not_open_in_the_producer_is_ebadf_and_nothing_stays_open(
@@ -199,32 +196,32 @@ def test_fd_not_open_in_the_producer_is_ebadf_and_nothing_stays_open(
     pid = producer.pid
     closed_fd = 999  # a fresh interpreter has nothing open there
     pairs = [*producer.pairs[:2], [pid, closed_fd]]
-    before = _fd_count()
+    before = open_fds()
     with pytest.raises(TransportError) as ei:
         fetch_seed_fds(pairs)
     assert ei.value.errno == errno.EBADF
     assert f"fd={closed_fd}" in str(ei.value) and "no longer open" in str(ei.value)
-    assert _fd_count() == before  # the two fds fetched before the failure were closed
+    assert not fds_opened_since(before)  # the two fds fetched before the failure were closed
 
 
 @no_driver
 def test_import_closes_the_fetched_fds_when_the_driver_is_missing(producer: Producer) -> None:
-    before = _fd_count()
+    before = open_fds()
     with pytest.raises(CudaUnavailableError):
         import_seed_buffers(producer.pairs, 4096, device=0)
-    assert _fd_count() == before
+    assert not fds_opened_since(before)
     with pytest.raises(CudaUnavailableError):
         cip.import_seed_buffers(producer.pairs, 4096, device=0, rounding="exact")
-    assert _fd_count() == before
+    assert not fds_opened_since(before)
 
 
 def test_import_fetches_before_any_driver_call(exited_producer: Producer) -> None:
     # with or without a driver here, the peer's death is what is reported
-    before = _fd_count()
+    before = open_fds()
     with pytest.raises(TransportError) as ei:
         import_seed_buffers(exited_producer.pairs, 4096, device=0)
     assert ei.value.errno == errno.ESRCH
-    assert _fd_count() == before
+    assert not fds_opened_since(before)
 
 
 # -- EPERM: a consumer that the ptrace check refuses ---------------------------
@@ -319,13 +316,13 @@ P = os.getpid()
     ],
 )
 def test_bad_pairs_are_refused_before_any_fetch(pairs: Any, exc: type, words: str) -> None:
-    before = _fd_count()
+    before = open_fds()
     with pytest.raises(exc) as ei:
         fetch_seed_fds(pairs)
     assert words in str(ei.value)
     with pytest.raises(exc):
         import_seed_buffers(pairs, 4096, device=0)
-    assert _fd_count() == before
+    assert not fds_opened_since(before)
 
 
 @pytest.mark.parametrize(
@@ -354,11 +351,11 @@ def test_bad_arguments_are_refused_before_any_fetch(
     # argument error proves nothing was fetched first
     args: dict[str, Any] = dict(buffer_step=4096, device=0)
     args.update(kwargs)
-    before = _fd_count()
+    before = open_fds()
     with pytest.raises(exc) as ei:
         import_seed_buffers(exited_producer.pairs, **args)
     assert words in str(ei.value)
-    assert _fd_count() == before
+    assert not fds_opened_since(before)
 
 
 def test_device_has_no_default() -> None:

@@ -22,7 +22,8 @@ import pytest
 
 import cupy_ipcpool as cip
 from cupy_ipcpool import _driver
-from tests.gpu_helpers import expected, fd_count, fill, report_exception
+from tests._fds import fd_count
+from tests.gpu_helpers import expected, fill, report_exception
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from _memfd_backend import MemfdConsumer, MemfdProducer
-from _pipe_child import PipeChild, open_fd_count, run_body, started
+from _pipe_child import PipeChild, run_body, started
 from _restart_children import (
     child_hold_until_killed,
     child_outlive_publishers,
@@ -37,6 +37,7 @@ from cupy_ipcpool.channel import _protocol as proto
 from cupy_ipcpool.channel._handshake import SubscriberInfo
 from cupy_ipcpool.channel._publisher_core import PublisherCore
 from cupy_ipcpool.channel._subscriber_core import SubscriberCore
+from tests._fds import fd_count, fds_opened_since, open_fds
 from tests.skips import drops_to_uid
 
 # -- child side -------------------------------------------------------------------
@@ -68,13 +69,13 @@ def child_consume(conn: Connection, address: str, kwargs: dict[str, Any], opts: 
                 if len(seqs) == opts.get("report_after"):
                     conn.send(("msg", len(seqs)))
                 if len(seqs) == opts.get("fd_check_after"):
-                    fds_mid = open_fd_count()
+                    fds_mid = fd_count()
                 if not opts.get("never_release"):
                     consumer.release(frame)
             held = consumer.core.held
             for seq, slot in held.items():  # still readable after the end
                 consumer.check(proto.Frame(seq, slot))
-            fds_end = open_fd_count()
+            fds_end = fd_count()
         return {
             "seqs": seqs,
             "consecutive": all(b == a + 1 for a, b in itertools.pairwise(seqs)),
@@ -381,11 +382,11 @@ def test_no_fd_growth(address: str, spawn: Callable[..., Child]) -> None:
         for _ in range(100):
             producer.publish_next()
         _wait_all_released(producer.core)
-        before = open_fd_count()
+        before = open_fds()
         for _ in range(4900):
             producer.publish_next()
         _wait_all_released(producer.core)
-        assert open_fd_count() == before
+        assert not fds_opened_since(before)
     result = child.expect()
     mid, end = result["fds"]
     assert len(result["seqs"]) == 5000
@@ -447,8 +448,8 @@ def test_publisher_outlives_many_subscriber_deaths(address: str) -> None:
                 producer.core.poll(0.05)
             _wait_all_released(producer.core)
             if before is None:
-                before = open_fd_count()
-            assert open_fd_count() == before, n
+                before = open_fds()
+            assert not fds_opened_since(before), n
         assert len(left) == 30 and producer.core.evictions == 0
 
 

@@ -29,6 +29,7 @@ from cupy_ipcpool._transport import (
     recv_fds,
     send_fds,
 )
+from tests._fds import open_fds
 
 CTX = mp.get_context("spawn")
 NOBODY = 65534
@@ -71,13 +72,7 @@ def _read_all(fds: list[int]) -> list[bytes]:
 
 def _fds() -> set[str]:
     """This process's open fds as ``"n=target"`` (a number reused for another file is new)."""
-    out = set()
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            out.add(f"{name}={os.readlink(f'/proc/self/fd/{name}')}")
-        except FileNotFoundError:
-            continue  # the listing's own fd, closed by now
-    return out
+    return {f"{fd}={target}" for fd, target in open_fds().items()}
 
 
 def _new_fds(before: set[str], timeout: float = 5.0) -> set[str]:
