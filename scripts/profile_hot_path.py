@@ -14,6 +14,9 @@ elementwise machinery.  Three loops:
 * ``stream``: the producer publishes as fast as slots come back (8 slots);
 * ``profile``: ``rt`` again under ``cProfile`` in both processes (the top
   functions by own time go to ``$OUT/profile_producer.txt`` / ``_consumer.txt``).
+
+``--ahead``: every loop with frames handed out ahead (``Publisher(ahead=True)``,
+``subscribe(mode="ahead", depth=1)``); the profiles are ``profile_*_ahead.txt``.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ def _count_waits(obj: object, attr: str) -> list[int]:
     return counts
 
 
-def _consumer(address: str, frames: int, profile: bool, q, spin: float) -> None:  # type: ignore[no-untyped-def]
+def _consumer(address: str, frames: int, profile: bool, q, spin: float, ahead: bool) -> None:  # type: ignore[no-untyped-def]
     import cupy as cp
 
     import cupy_ipcpool as cip
@@ -89,7 +92,8 @@ def _consumer(address: str, frames: int, profile: bool, q, spin: float) -> None:
     work = GpuWork(cp, 0, stream)
     prof = cProfile.Profile() if profile else None
     steps: dict[str, list[int]] = {"recv": [], "kernel": [], "release": []}
-    with cip.subscribe(address, spin_us=spin) as sub:
+    options = {"mode": "ahead", "depth": 1} if ahead else {}
+    with cip.subscribe(address, spin_us=spin, **options) as sub:
         waits = _count_waits(sub, "_order")
         q.put("ready")
         if prof is not None:
@@ -121,7 +125,13 @@ def _consumer(address: str, frames: int, profile: bool, q, spin: float) -> None:
 
 
 def _run(
-    mode: str, frames: int, mib: int, profile: bool, spin: float = 0.0, consumers: int = 1
+    mode: str,
+    frames: int,
+    mib: int,
+    profile: bool,
+    spin: float = 0.0,
+    consumers: int = 1,
+    ahead: bool = False,
 ) -> dict[str, object]:
     import cupy as cp
 
@@ -139,10 +149,13 @@ def _run(
     polls: list[int] = []  # pub.poll calls (wake-ups) per round trip
     prof = cProfile.Profile() if profile else None
     slots = 4 if mode == "rt" else 8
-    with cip.IpcPool(slots, mib * MiB) as pool, cip.Publisher(pool, address, spin_us=spin) as pub:
+    with (
+        cip.IpcPool(slots, mib * MiB) as pool,
+        cip.Publisher(pool, address, spin_us=spin, ahead=ahead) as pub,
+    ):
         waits = _count_waits(pub._leases, "_order_all")  # what order_write calls
         procs = [
-            SPAWN.Process(target=_consumer, args=(address, frames, profile, q, spin))
+            SPAWN.Process(target=_consumer, args=(address, frames, profile, q, spin, ahead))
             for _ in range(consumers)
         ]
         for p in procs:
@@ -215,6 +228,11 @@ def main() -> int:
     ap.add_argument("--frames", type=int, default=3000)
     ap.add_argument("--mib", type=int, default=1)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument(
+        "--ahead",
+        action="store_true",
+        help='frames handed out ahead (Publisher(ahead=True), mode="ahead", depth 1)',
+    )
     ap.add_argument("--spin", type=float, action="append", default=[], help="extra rt runs")
     ap.add_argument(
         "--consumers",
@@ -232,9 +250,10 @@ def main() -> int:
     if args.consumers:
         runs = [("rt", False, 0.0, n) for n in args.consumers]
     for mode, profile, spin, consumers in runs:
-        r = _run(mode, args.frames, args.mib, profile, spin, consumers)
+        r = _run(mode, args.frames, args.mib, profile, spin, consumers, args.ahead)
         label = f"{mode}{' (cProfile)' if profile else ''}{f' spin_us={spin}' if spin else ''}"
         label += f" {consumers} subscribers" if consumers > 1 else ""
+        label += " ahead" if args.ahead else ""
         print(
             f"== {label} {args.mib} MiB: {r['fps']:.0f} frames/s, "
             f"mismatching samples {r['mismatches']}; GPU waits enqueued: {r['gpu_waits']}; "
@@ -248,7 +267,8 @@ def main() -> int:
             print(f"   {side} p50/p99 us: {cells}")
         if profile and out:
             for side in ("producer", "consumer"):
-                with open(os.path.join(out, f"profile_{side}.txt"), "w") as fh:
+                name = f"profile_{side}{'_ahead' if args.ahead else ''}.txt"
+                with open(os.path.join(out, name), "w") as fh:
                     fh.write(str(r[f"{side}_profile"]))
     return 0
 
