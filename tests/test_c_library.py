@@ -32,7 +32,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _pipe_child import PipeChild
 
 from cupy_ipcpool._handles import ArrayHandle, PoolDescriptor
 from cupy_ipcpool._transport import process_start_time
@@ -47,6 +46,7 @@ from cupy_ipcpool.channel._syncpage import (
     SharedFlags,
     frame_state,
 )
+from tests._pipe_child import PipeChild
 
 ROOT = Path(__file__).resolve().parent.parent
 C_DIR = ROOT / "c"

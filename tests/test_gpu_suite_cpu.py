@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -80,3 +82,22 @@ def test_the_known_free_memory_tests_are_seen() -> None:
 def test_gpu_test_runs_the_marked_tests_after_the_parallel_pass() -> None:
     script = (TESTS.parent / "scripts" / "gpu-test").read_text()
     assert "not device_memory" in script and "-m device_memory" in script
+
+
+def test_the_benchmark_suite_collects_on_its_own() -> None:
+    """``pytest benchmarks`` (as ``scripts/gpu-test`` runs it) imports every module.
+
+    The benchmarks borrow helpers from tests/ by their package path; a helper
+    that imports a sibling by its bare name works inside the test suite (which
+    puts tests/ on the path) and breaks the benchmark suite's collection.
+    """
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    done = subprocess.run(
+        [*command, "-q", "--collect-only", "benchmarks"],
+        cwd=TESTS.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " collected" in done.stdout or "tests collected" in done.stdout, done.stdout[-500:]
