@@ -1512,3 +1512,25 @@ def test_run_paired_compares_turns_taken_next_to_each_other(monkeypatch, tmp_pat
     assert any(line.startswith("[bench] interleaved cupy_ipcpool") for line in lines)
     with pytest.raises(ValueError, match="two lanes or more"):
         bench.run_paired(0, sizes_mib=(1,), turns=2, lanes=("cupy_ipcpool", "cupy_ipcpool"))
+
+
+class QueueCarryingLane(lanes.SocketFloorLane):
+    """A lane that sends its children a queue made in the parent (as the torch lane does)."""
+
+    name = "queue_carrying"
+
+    def prepare(self, ctx):
+        return interface.with_copy(self, queue=ctx.Queue())
+
+
+def test_a_queue_sent_to_the_children_lives_until_they_have_it():
+    """The parent keeps what prepare() made for the whole run.
+
+    A spawned child unpickles its arguments after ``start()`` returns, and a
+    multiprocessing queue's semaphores are unlinked once the parent drops the
+    queue: dropped at once, the children died rebuilding them
+    (FileNotFoundError), as the torch lane's did on the H200.
+    """
+    cfg = BenchConfig(sizes=(MiB,), schedule=SMALL, frame_timeout=10.0)
+    (m,) = harness.run_lane(QueueCarryingLane(), cfg, timeout=120)
+    assert m.status == OK, m.reason

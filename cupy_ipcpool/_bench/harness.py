@@ -68,6 +68,9 @@ class _Spawned:
     child_ends: list[Connection]
     workdir: str
     turns: Connection | None = None  # the parent's end of the producer's turn pipe
+    # What lane.prepare() made, kept for the run: a child unpickles its arguments after
+    # start() returns, and a queue's semaphores are unlinked once the parent drops it.
+    sent: Lane | None = None
 
     def close_child_ends(self) -> None:
         """Close our copies of the children's ends: a child that dies then shows as EOF."""
@@ -97,7 +100,7 @@ def _spawn(lane: Lane, cfg: BenchConfig, ctx: Any, *, turns: bool = False) -> _S
     n_cons = cfg.n_consumers if lane.processes == 2 else 0
     run = _Spawned([], [], [], workdir)
     try:
-        sent = lane.prepare(ctx)
+        sent = run.sent = lane.prepare(ctx)
         pairs = [ctx.Pipe(duplex=True) for _ in range(n_cons)]
         producer_cfg = cfg
         if turns:
