@@ -33,6 +33,7 @@ from cupy_ipcpool._transport._accept_loop import (
     STOP_TIMEOUT_S,
     AcceptLoop,
 )
+from tests._fds import open_fds
 from tests.test_concurrency_cpu import _fill_holes_below
 
 #: Bound on each wait (only a broken build waits that long).
@@ -369,14 +370,7 @@ def test_out_of_fds_the_loop_still_serves_and_stops_at_once() -> None:
 
 def _fd_numbers() -> set[int]:
     """The fds open now (less the one the listing itself used)."""
-    out = set()
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            os.fstat(int(name))
-        except OSError:
-            continue
-        out.add(int(name))
-    return out
+    return set(open_fds())
 
 
 def _fill_fd_table() -> list[int]:

@@ -36,6 +36,7 @@ from cupy_ipcpool._handles import (
     own_pid_namespace,
     validate_dtype,
 )
+from tests import _fds
 
 JOIN_TIMEOUT = 30.0
 HEADER_SIZE = 88  # documented layout: the fd array starts at byte 88
@@ -745,10 +746,10 @@ def child_count_fds(in_q: Any, out_q: Any) -> None:
     """Receive a descriptor, drop it untaken, report how many fds that closed."""
     try:
         desc = in_q.get(timeout=JOIN_TIMEOUT)
-        before = len(os.listdir("/proc/self/fd"))
+        before = _fds.fd_count()
         del desc
         gc.collect()
-        after = len(os.listdir("/proc/self/fd"))
+        after = _fds.fd_count()
         out_q.put(("ok", before - after))
     except BaseException as exc:
         out_q.put(_report(exc))
@@ -1140,7 +1141,7 @@ def test_rebuild_closes_honest_fds_when_the_data_is_bad(
     carriers = tuple(_honest(memfds))
     if data is VALID:
         gc.collect()
-        before = fd_count()
+        before = _fds.fd_count()
         desc = _rebuild_descriptor(data, carriers)
         assert fd_count() == before + 3
         del desc
