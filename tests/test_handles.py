@@ -1141,7 +1141,7 @@ def test_rebuild_closes_honest_fds_when_the_data_is_bad(
     carriers = tuple(_honest(memfds))
     if data is VALID:
         gc.collect()
-        before = _fds.fd_count()
+        before = fd_count()
         desc = _rebuild_descriptor(data, carriers)
         assert fd_count() == before + 3
         del desc
