@@ -41,8 +41,8 @@ class Consumer:
         self.confirmed: list[int] = []
         self._released_ahead: set[int] = set()
 
-    def _message(self, timeout: float | None) -> tuple[int, int, bytes | memoryview]:
-        return self.core.recv_view(timeout)
+    def _message(self, timeout: float | None) -> tuple[int, int, bytes | memoryview] | None:
+        return self.core.next_view(timeout)
 
     def _confirmed(self, entry: Predicted) -> None:
         self.confirmed.append(entry.seq)
@@ -189,3 +189,44 @@ def test_an_unclean_end_hands_out_nothing_more() -> None:
     with pytest.raises(EndOfStream) as end:
         inbox.next(1.0)
     assert not end.value.clean
+
+
+def test_a_lock_step_frame_costs_one_look_and_one_wait() -> None:
+    """Depth 1, the frame out ahead not confirmed yet: handing out the next one looks
+    once (nothing there), waits once for the confirming message, and hands out at once,
+    without a further look that would find nothing (each look is a receive)."""
+    script: list[tuple[int, int, bytes] | None] = [
+        *((seq, seq, frame(seq, gen_of(seq))) for seq in range(SLOTS)),
+        None,  # the drain after those: nothing more
+    ]
+    asked: list[float | None] = []
+
+    def message(timeout: float | None) -> tuple[int, int, bytes] | None:
+        asked.append(timeout)
+        return script.pop(0) if script else None
+
+    inbox = AheadInbox(AheadSchedule(SLOTS, 1), message, lambda entry: None)
+    for seq in range(SLOTS):  # by message: the slots' layouts are known from here on
+        assert inbox.next(1.0)[0] == seq  # type: ignore[index]
+    ahead = inbox.next(1.0)
+    assert isinstance(ahead, Predicted) and ahead.seq == SLOTS
+    # the next frame: its look finds nothing, its wait gets the confirmation of frame SLOTS
+    script[:] = [None, (SLOTS, 0, frame(0, gen_of(0) + 1))]
+    asked.clear()
+    after = inbox.next(5.0)
+    assert isinstance(after, Predicted) and after.seq == SLOTS + 1
+    assert len(asked) == 2 and asked[0] == 0.0 and asked[1] is not None and asked[1] > 0.0
+    assert script == []
+    assert list(inbox.schedule.outstanding) == [after]
+
+
+def test_a_look_that_finds_nothing_answers_none(channel) -> None:
+    """``next_view(0)`` on a subscriber with nothing queued answers None (no exception);
+    ``recv_view`` says the same as a :class:`ChannelTimeoutError`."""
+    producer, consumer = channel
+    assert consumer.core.next_view(0.0) is None
+    with pytest.raises(ChannelTimeoutError):
+        consumer.core.recv_view(0.05)
+    publish(producer, 1)
+    got = consumer.core.next_view(5.0)
+    assert got is not None and got[:2] == (0, 0)

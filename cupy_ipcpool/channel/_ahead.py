@@ -250,8 +250,9 @@ class AheadSchedule:
 
 
 #: The next FRAME message within ``timeout`` seconds, as ``(seq, slot, payload)``
-#: (the payload valid until the next call); raises ChannelTimeoutError or EndOfStream.
-MessageSource = Callable[[float | None], tuple[int, int, "bytes | memoryview"]]
+#: (the payload valid until the next call), or None when none came in that time;
+#: raises EndOfStream.
+MessageSource = Callable[[float | None], "tuple[int, int, bytes | memoryview] | None"]
 
 
 class AheadInbox:
@@ -316,23 +317,26 @@ class AheadInbox:
 
     def take(self, timeout: float | None = 0.0, at_least_one: bool = False) -> None:
         """Take the messages that have arrived; with ``at_least_one``, wait up to
-        ``timeout`` for the first (else :class:`ChannelTimeoutError`)."""
-        wait = timeout if at_least_one else 0.0
+        ``timeout`` for one message instead and take only it (none:
+        :class:`ChannelTimeoutError`), as the caller wants the first and the
+        next look finds any others at once."""
         schedule = self.schedule
         while not self._ended:
             try:
-                seq, slot, payload = self._message(wait)
-            except ChannelTimeoutError:
-                if at_least_one:
-                    raise
-                return
+                got = self._message(timeout if at_least_one else 0.0)
             except EndOfStream as end:
                 if end.clean and self._early:
                     self._ended = True  # raised again once _early is handed out
                     return
                 raise
-            wait, at_least_one = 0.0, False
+            if got is None:
+                if at_least_one:
+                    raise ChannelTimeoutError(f"no frame within {timeout} s")
+                return
+            seq, slot, payload = got
             if schedule.outstanding:
                 self._confirmed(schedule.confirm(seq, slot, payload))
             else:
                 self._early.append((seq, slot, bytes(payload)))
+            if at_least_one:
+                return

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from .._arrays import cupy_module, stream_ptr
 from .._errors import (
+    ChannelTimeoutError,
     DescriptorError,
     EndOfStream,
     PoolClosedError,
@@ -409,14 +410,17 @@ class Subscriber(ClosedFlag):
         peer._drop_idle_owners()  # frames dropped without release() go back now, as collected
         if self._ahead is not None:
             return self._recv_ahead(timeout, stream)
-        seq, slot, payload = self._message(timeout)  # payload: valid until the next recv
-        return self._hand_out(seq, slot, payload, stream)
+        got = self._message(timeout)  # its payload: valid until the next recv
+        if got is None:
+            raise ChannelTimeoutError(f"no frame within {timeout} s")
+        return self._hand_out(*got, stream)
 
-    def _message(self, timeout: float | None) -> tuple[int, int, memoryview | bytes]:
-        """The next FRAME message from the core; every way the session ends, answered."""
+    def _message(self, timeout: float | None) -> tuple[int, int, memoryview | bytes] | None:
+        """The next FRAME message from the core (None: none within ``timeout``); every way
+        the session ends, answered."""
         core = self._core
         try:
-            seq, slot, payload = core.recv_view(timeout)  # payload: valid until the next recv
+            got = core.next_view(timeout)  # its payload: valid until the next recv
         except ProtocolError:
             self.close()
             raise
@@ -428,7 +432,7 @@ class Subscriber(ClosedFlag):
                 self._end_ahead()
             self._answer(exc)
             raise
-        if core.alarm and exited(self._pidfd):
+        if got is not None and core.alarm and exited(self._pidfd):
             self.close()
             raise self._answer(
                 EndOfStream(
@@ -437,39 +441,53 @@ class Subscriber(ClosedFlag):
                     False,
                 )
             )
-        return seq, slot, payload
+        return got
 
-    def _hand_out(
-        self, seq: int, slot: int, payload: memoryview | bytes, stream: Any, lease: Any = None
-    ) -> Frame:
-        """Frame ``seq`` from its payload: its arrays, and ``stream`` made to wait for its flag.
-
-        ``lease``: given for a frame handed out ahead of its message (its payload
-        predicted), else made here.
-        """
+    def _hand_out(self, seq: int, slot: int, payload: memoryview | bytes, stream: Any) -> Frame:
+        """Frame ``seq`` from its payload: its arrays, and ``stream`` made to wait for its flag."""
         peer = self._peer
         assert peer is not None
         try:
             generation, count, meta_len = _frame_head(seq, slot, payload)
-            if lease is None:
-                lease = _Lease(self, seq, slot, generation, peer._pin(slot))
-            try:
-                arrays, pos = peer._arrays_from_wire(payload, FRAME_HEAD.size, count, lease)
-            except DescriptorError as exc:
-                lease.released = True
-                raise ProtocolError(f"frame {seq}: {exc}") from None
+            lease = _Lease(self, seq, slot, generation, peer._pin(slot))
+            arrays, pos = self._arrays(seq, payload, FRAME_HEAD.size, count, lease)
             if len(payload) - pos != meta_len:
                 lease.released = True
                 raise ProtocolError(f"frame {seq}: metadata length does not match")
         except ProtocolError:
             self.close()
             raise
+        return self._ordered(seq, slot, generation, arrays, bytes(payload[pos:]), lease, stream)
+
+    def _arrays(
+        self, seq: int, wire: memoryview | bytes, pos: int, count: int, lease: _Lease
+    ) -> tuple[list[Any], int]:
+        """Frame ``seq``'s ``count`` arrays from the handles at ``wire[pos:]``, owned by ``lease``
+        (the end of the handles second); a bad handle is a :class:`ProtocolError`."""
+        assert self._peer is not None
+        try:
+            return self._peer._arrays_from_wire(wire, pos, count, lease)
+        except DescriptorError as exc:
+            lease.released = True
+            raise ProtocolError(f"frame {seq}: {exc}") from None
+
+    def _ordered(
+        self,
+        seq: int,
+        slot: int,
+        generation: int,
+        arrays: list[Any],
+        metadata: bytes,
+        lease: _Lease,
+        stream: Any,
+    ) -> Frame:
+        """Frame ``seq``, with ``stream`` made to wait for its flag to reach ``generation``."""
         sptr = self._stream_ptr(stream)
         if self._order(sptr, self._frame_flags[slot], generation):
             self._track(self._flags, seq, slot, generation)
         elif self._record:
             self._prune(self._flags)
-        return Frame(seq, slot, tuple(arrays), bytes(payload[pos:]), lease)
+        return Frame(seq, slot, tuple(arrays), metadata, lease)
 
     # -- mode="ahead": frames handed out ahead of their messages (channel/_ahead.py) --
 
@@ -489,13 +507,19 @@ class Subscriber(ClosedFlag):
         return frame
 
     def _hand_out_ahead(self, entry: Predicted, stream: Any) -> Frame:
-        """Frame ``entry`` before its message: arrays from the predicted handles."""
+        """Frame ``entry`` before its message: arrays from the predicted handles (the
+        slot's layout at the predicted generation: no FRAME head to read)."""
         peer = self._peer
         assert peer is not None
+        seq, slot = entry.seq, entry.slot
         generation = entry.generation & 0xFFFFFFFF
-        lease = _Lease(self, entry.seq, entry.slot, generation, peer._pin(entry.slot), False)
-        payload = FRAME_HEAD.pack(entry.slot, generation, entry.count, 0) + entry.handles
-        frame = self._hand_out(entry.seq, entry.slot, payload, stream, lease)
+        lease = _Lease(self, seq, slot, generation, peer._pin(slot), False)
+        try:
+            arrays, _end = self._arrays(seq, entry.handles, 0, entry.count, lease)
+        except ProtocolError:
+            self.close()
+            raise
+        frame = self._ordered(seq, slot, generation, arrays, b"", lease, stream)
         entry.frame = frame
         return frame
 

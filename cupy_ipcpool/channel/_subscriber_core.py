@@ -368,7 +368,19 @@ class SubscriberCore(ClosedFlag):
 
         ``payload`` may be a view of this subscriber's receive buffer: it is
         valid until the next ``recv``/``recv_view`` (copy what must last).
-        The per-frame path of the GPU subscriber.  Raises as :meth:`recv`.
+        Raises as :meth:`recv`.
+        """
+        got = self.next_view(timeout)
+        if got is None:
+            raise ChannelTimeoutError(f"no frame within {timeout} s")
+        return got
+
+    def next_view(self, timeout: float | None = None) -> tuple[int, int, memoryview | bytes] | None:
+        """:meth:`recv_view`, answering None when no frame came within ``timeout``.
+
+        The per-frame path of the GPU subscriber: a look that finds nothing
+        (``timeout=0``, the usual answer of an ``"ahead"`` subscriber's drain)
+        costs no exception.  Raises as :meth:`recv` otherwise.
         """
         if self._closed:
             raise PoolClosedError("the subscriber is closed")
@@ -395,7 +407,7 @@ class SubscriberCore(ClosedFlag):
             return self._from_backlog()
         if got is None:
             self._waited = True
-            raise ChannelTimeoutError(f"no frame within {timeout} s")
+            return None
         n, seq, slot, self._waited = got
         if seq >= 0:
             # a well-formed FRAME and no hang-up: what _accept checks besides
