@@ -191,10 +191,10 @@ def test_an_unclean_end_hands_out_nothing_more() -> None:
     assert not end.value.clean
 
 
-def test_a_lock_step_frame_costs_one_wait() -> None:
-    """Depth 1, the frame out ahead not confirmed yet: handing out the next one waits
-    once for the confirming message and hands out at once, with no look before the
-    wait or after it that would find nothing (each look is a receive)."""
+def test_a_lock_step_frame_costs_one_look_and_one_wait() -> None:
+    """Depth 1, the frame out ahead not confirmed yet: handing out the next one looks
+    once (nothing there), waits once for the confirming message, and hands out at once,
+    without a further look that would find nothing (each look is a receive)."""
     script: list[tuple[int, int, bytes] | None] = [
         *((seq, seq, frame(seq, gen_of(seq))) for seq in range(SLOTS)),
         None,  # the drain after those: nothing more
@@ -210,12 +210,12 @@ def test_a_lock_step_frame_costs_one_wait() -> None:
         assert inbox.next(1.0)[0] == seq  # type: ignore[index]
     ahead = inbox.next(1.0)
     assert isinstance(ahead, Predicted) and ahead.seq == SLOTS
-    # the next frame: its one wait gets the confirmation of frame SLOTS
-    script[:] = [(SLOTS, 0, frame(0, gen_of(0) + 1))]
+    # the next frame: its look finds nothing, its wait gets the confirmation of frame SLOTS
+    script[:] = [None, (SLOTS, 0, frame(0, gen_of(0) + 1))]
     asked.clear()
     after = inbox.next(5.0)
     assert isinstance(after, Predicted) and after.seq == SLOTS + 1
-    assert len(asked) == 1 and asked[0] is not None and asked[0] > 0.0
+    assert len(asked) == 2 and asked[0] == 0.0 and asked[1] is not None and asked[1] > 0.0
     assert script == []
     assert list(inbox.schedule.outstanding) == [after]
 

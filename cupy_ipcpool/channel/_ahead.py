@@ -300,9 +300,7 @@ class AheadInbox:
         out; :class:`ProtocolError` for a message that breaks the schedule.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        if len(self.schedule.outstanding) < self.schedule.depth:
-            self.take()  # what arrived meanwhile: confirmations, frames to hand out
-        # else nothing can be handed out before a message comes: the wait below looks
+        self.take()  # what arrived meanwhile: confirmations, frames to hand out
         while True:
             if self._early:
                 seq, slot, payload = self._early.popleft()

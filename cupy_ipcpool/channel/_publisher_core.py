@@ -370,9 +370,7 @@ class PublisherCore(ClosedFlag):
             timeout = self._retry_notices(timeout)
         spinning = bool(self._spin_ns) and timeout != 0.0 and bool(self._by_fd)
         if settle is not None and not spinning:  # a spin's first round makes this look
-            # a waiting poll looks at the flags only: its wait's first poll(2) finds a
-            # message already here, so a look at the sockets first would cost a receive
-            released = self._wait(0.0) + settle() if timeout == 0.0 else settle()
+            released = self._wait(0.0) + settle()
             if released or timeout == 0.0:
                 if self._next_expiry is not None:
                     self._check_leases()
