@@ -1,0 +1,218 @@
+"""An ``"ahead"`` stream end to end over the GPU-free stand-ins, each side's stream order kept.
+
+The publisher's core (:class:`PublisherCore`, leases ending at the read flags
+as with ``Publisher(ahead=True)``), a subscriber's core in ``"ahead"`` mode in
+another process with the :class:`AheadInbox` the GPU subscriber uses, memfd
+slots (``tests/_memfd_backend.py``) and a memfd flag page
+(:class:`SharedFlags`).  What a GPU stream does in order -- wait for a flag,
+touch the slot, write a flag -- a thread per process does in the same order
+over the same page (:class:`StreamStandIn`), behind the host that queued it,
+as a GPU runs behind its host.  So frames are handed out ahead of their data
+and of their messages, the producer reuses a slot only after the read flag of
+its previous use, and the consumer's check of a frame runs only once the
+frame's flag is set.  What a user relies on: every frame handed out once, in
+order; none read with another frame's bytes; the stream flows (a stall of
+the kind a wait for a message that never comes would make fails the
+deadline).  The GPU tier is ``tests/test_ahead_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from cupy_ipcpool.channel._ahead import AheadInbox, AheadSchedule, Predicted
+from cupy_ipcpool.channel._handshake import SubscriberInfo
+from cupy_ipcpool.channel._leases import read_flag_done
+from cupy_ipcpool.channel._payload import FRAME_HEAD
+from cupy_ipcpool.channel._publisher_core import PublisherCore
+from cupy_ipcpool.channel._subscriber_core import SubscriberCore
+from cupy_ipcpool.channel._syncpage import FlagLayout, SharedFlags
+from tests._memfd_backend import MemfdSlots, pattern
+from tests.test_ahead_cpu import frame, gen_of
+
+SPAWN = multiprocessing.get_context("spawn")
+SLOTS = 4
+SLOT_BYTES = 4096
+LAYOUT = FlagLayout(SLOTS, 1)  # one subscriber: read-flag row 0
+M = 0xFFFFFFFF
+FRAMES = 3000
+#: seconds one frame may take before the stream counts as stalled (it takes microseconds)
+STALL = 10.0
+
+
+class StreamStandIn:
+    """What a stream does, in its order, behind the host that queues it: waits on a
+    flag of the page (as ``cuStreamWaitValue32``), writes one (``cuStreamWriteValue32``)
+    and runs work (a kernel), each only after everything queued before it."""
+
+    def __init__(self, flags: SharedFlags) -> None:
+        self._flags = flags
+        self._ops: collections.deque[tuple[str, Any, int]] = collections.deque()
+        self._ready = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def wait(self, offset: int, value: int) -> None:
+        self._put(("wait", offset, value))
+
+    def write(self, offset: int, value: int) -> None:
+        self._put(("write", offset, value))
+
+    def run(self, work: Callable[[], None]) -> None:
+        self._put(("run", work, 0))
+
+    def finish(self) -> None:
+        """Wait until everything queued so far has run (a stream synchronize)."""
+        done = threading.Event()
+        self.run(done.set)
+        assert done.wait(STALL), "the stream stand-in did not get through its queue"
+
+    def close(self) -> None:
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
+        self._thread.join(STALL)
+
+    def _put(self, op: tuple[str, Any, int]) -> None:
+        with self._ready:
+            self._ops.append(op)
+            self._ready.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while not self._ops and not self._closed:
+                    self._ready.wait()
+                if not self._ops:
+                    return
+                kind, what, value = self._ops.popleft()
+            if kind == "wait":
+                while not self._flags.reached(what, value):
+                    if self._closed:
+                        return
+                    time.sleep(20e-6)
+            elif kind == "write":
+                self._flags.store(what, value)
+            else:
+                what()
+
+
+def ahead_consumer(address: str, frames: int, q: Any) -> None:
+    """Take ``frames`` frames as the GPU subscriber does in ``"ahead"`` mode and release
+    each at once: its check and its read flag queued on the stream behind the wait for
+    its frame flag; the RELEASE of a frame handed out ahead when its message confirms it."""
+    core = SubscriberCore(address, mode="ahead", timeout=10)
+    try:
+        fds = core.take_fds()
+        flags = SharedFlags.open(fds[-1], LAYOUT.nbytes)
+        stream = StreamStandIn(flags)
+        wrong: list[int] = []
+        released_ahead: set[int] = set()
+
+        def confirmed(entry: Predicted) -> None:
+            if entry.seq in released_ahead:
+                released_ahead.discard(entry.seq)
+                core.release(entry.seq, entry.slot)
+
+        def check(seq: int, slot: int) -> Callable[[], None]:
+            def work() -> None:
+                if os.pread(fds[slot], SLOT_BYTES, 0) != pattern(seq, SLOT_BYTES):
+                    wrong.append(seq)
+
+            return work
+
+        inbox = AheadInbox(AheadSchedule(SLOTS, SLOTS), core.next_view, confirmed)
+        q.put(("ready",))
+        handed_out: list[tuple[int, bool]] = []
+        for _ in range(frames):
+            got = inbox.next(STALL)
+            if isinstance(got, Predicted):
+                seq, slot, generation = got.seq, got.slot, got.generation & M
+            else:
+                seq, slot, payload = got
+                generation = FRAME_HEAD.unpack_from(payload, 0)[1]
+            stream.wait(LAYOUT.frame_offset(slot), generation)
+            stream.run(check(seq, slot))
+            stream.write(LAYOUT.read_offset(0, slot), generation)
+            if isinstance(got, Predicted):
+                released_ahead.add(seq)  # the RELEASE goes once its message confirms it
+            else:
+                core.release(seq, slot)
+            handed_out.append((seq, isinstance(got, Predicted)))
+        stream.finish()  # the last frames' checks have run
+        stream.close()
+        for fd in fds:
+            os.close(fd)
+        q.put(("done", handed_out, wrong))
+    except BaseException as exc:  # reported to the test, which fails with it
+        q.put(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        core.close()
+
+
+def test_an_ahead_stream_hands_out_every_frame_once_with_its_own_bytes(tmp_path: Any) -> None:
+    flags = SharedFlags.create(LAYOUT.nbytes)
+    slots = MemfdSlots(SLOTS, SLOT_BYTES)
+
+    def welcome(info: SubscriberInfo) -> tuple[bytes, list[int]]:
+        payload, fds = slots.welcome(info)
+        return payload, [*fds, flags.fd]
+
+    core = PublisherCore(str(tmp_path / "ahead.sock"), SLOTS, welcome=welcome)
+    stream = StreamStandIn(flags)
+    q = SPAWN.Queue()
+    proc = SPAWN.Process(target=ahead_consumer, args=(core.address, FRAMES, q))
+    proc.start()
+    try:
+        assert q.get(timeout=30) == ("ready",)
+        deadline = time.monotonic() + STALL
+        while not core.subscribers:
+            assert time.monotonic() < deadline, "the consumer did not join"
+            core.poll(0.01)
+        published = [0] * SLOTS
+        book = core.lease_book
+
+        def reached(_sub_id: int, slot: int) -> bool:
+            return read_flag_done(flags.reached, LAYOUT.read_offset(0, slot), published[slot])
+
+        def settle() -> int:
+            return book.settle_flagged(reached)
+
+        for seq in range(FRAMES):
+            slot, generation = seq % SLOTS, gen_of(seq % SLOTS) + seq // SLOTS
+            deadline = time.monotonic() + STALL
+            book.settle_flagged(reached, slot)
+            while book.lease_count(slot):  # Publisher(ahead=True): exactly this slot
+                assert time.monotonic() < deadline, f"frame {seq}: slot {slot} never came back"
+                core.poll(STALL, settle)
+                book.settle_flagged(reached, slot)
+            if published[slot]:  # the stream orders its write after the previous read
+                stream.wait(LAYOUT.read_offset(0, slot), published[slot] & M)
+            stream.run(functools.partial(slots.write, slot, seq))
+            stream.write(LAYOUT.frame_offset(slot), generation & M)
+            published[slot] = generation
+            assert core.publish(slot, frame(slot, generation)) == seq
+        answer = q.get(timeout=60)
+    finally:
+        proc.join(STALL)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        stream.close()
+        core.close()
+        slots.close()
+        flags.close()
+    assert answer[0] == "done", answer
+    _, handed_out, wrong = answer
+    assert [seq for seq, _ahead in handed_out] == list(range(FRAMES))
+    assert wrong == [], f"frames read with other bytes: {wrong[:10]}"
+    ahead = sum(1 for _seq, was_ahead in handed_out if was_ahead)
+    assert ahead > FRAMES // 2, f"only {ahead} of {FRAMES} frames handed out ahead"
