@@ -11,9 +11,9 @@ as a GPU runs behind its host.  So frames are handed out ahead of their data
 and of their messages, the producer reuses a slot only after the read flag of
 its previous use, and the consumer's check of a frame runs only once the
 frame's flag is set.  What a user relies on: every frame handed out once, in
-order; none read with another frame's bytes; the stream flows (a stall of
-the kind a wait for a message that never comes would make fails the
-deadline).  The GPU tier is ``tests/test_ahead_gpu.py``.
+order; none read with another frame's bytes, those handed out ahead included;
+the stream flows (a stall of the kind a wait for a message that never comes
+would make fails the deadline).  The GPU tier is ``tests/test_ahead_gpu.py``.
 """
 
 from __future__ import annotations
@@ -214,5 +214,6 @@ def test_an_ahead_stream_hands_out_every_frame_once_with_its_own_bytes(tmp_path:
     _, handed_out, wrong = answer
     assert [seq for seq, _ahead in handed_out] == list(range(FRAMES))
     assert wrong == [], f"frames read with other bytes: {wrong[:10]}"
-    ahead = sum(1 for _seq, was_ahead in handed_out if was_ahead)
-    assert ahead > FRAMES // 2, f"only {ahead} of {FRAMES} frames handed out ahead"
+    # the ahead path ran: how many frames took it depends on the two hosts' pace (a
+    # consumer that finds messages waiting hands those frames out by message)
+    assert any(was_ahead for _seq, was_ahead in handed_out), "no frame was handed out ahead"
