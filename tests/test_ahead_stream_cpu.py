@@ -122,31 +122,29 @@ def ahead_consumer(address: str, frames: int, q: Any) -> None:
                 released_ahead.discard(entry.seq)
                 core.release(entry.seq, entry.slot)
 
-        def check(seq: int, slot: int) -> Callable[[], None]:
-            def work() -> None:
-                if os.pread(fds[slot], SLOT_BYTES, 0) != pattern(seq, SLOT_BYTES):
-                    wrong.append(seq)
-
-            return work
+        def check(seq: int, slot: int) -> None:
+            if os.pread(fds[slot], SLOT_BYTES, 0) != pattern(seq, SLOT_BYTES):
+                wrong.append(seq)
 
         inbox = AheadInbox(AheadSchedule(SLOTS, SLOTS), core.next_view, confirmed)
         q.put(("ready",))
         handed_out: list[tuple[int, bool]] = []
         for _ in range(frames):
             got = inbox.next(STALL)
+            ahead = isinstance(got, Predicted)
             if isinstance(got, Predicted):
                 seq, slot, generation = got.seq, got.slot, got.generation & M
             else:
                 seq, slot, payload = got
                 generation = FRAME_HEAD.unpack_from(payload, 0)[1]
             stream.wait(LAYOUT.frame_offset(slot), generation)
-            stream.run(check(seq, slot))
+            stream.run(functools.partial(check, seq, slot))
             stream.write(LAYOUT.read_offset(0, slot), generation)
-            if isinstance(got, Predicted):
+            if ahead:
                 released_ahead.add(seq)  # the RELEASE goes once its message confirms it
             else:
                 core.release(seq, slot)
-            handed_out.append((seq, isinstance(got, Predicted)))
+            handed_out.append((seq, ahead))
         stream.finish()  # the last frames' checks have run
         stream.close()
         for fd in fds:
