@@ -276,6 +276,11 @@ class ChannelTimeoutError(IpcPoolError, TimeoutError):
     """A channel step did not finish in time: no frame arrived, the handshake or a
     release could not complete within the caller's timeout."""
 
+    @classmethod
+    def no_frame(cls, timeout: float | None) -> ChannelTimeoutError:
+        """The answer of a receive that found no frame within ``timeout`` seconds."""
+        return cls(f"no frame within {timeout} s")
+
 
 class EvictedError(EndOfStream):
     """The publisher evicted this subscriber: it held a frame longer than the

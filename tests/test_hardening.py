@@ -839,7 +839,7 @@ def test_stopped_while_a_frame_is_queued_never_gets_it(
             try:
                 _until_stopped(pid)
                 unread = _unread_bytes(conn.sock) > 0
-                assert unread or not stop_first
+                assert unread or not stop_first, "a frame sent during the stop was read"
                 deadline = time.monotonic() + 5
                 while core.evictions == n:
                     assert time.monotonic() < deadline, "the stopped subscriber was not evicted"

@@ -331,7 +331,7 @@ class AheadInbox:
                 raise
             if got is None:
                 if at_least_one:
-                    raise ChannelTimeoutError(f"no frame within {timeout} s")
+                    raise ChannelTimeoutError.no_frame(timeout)
                 return
             seq, slot, payload = got
             if schedule.outstanding:

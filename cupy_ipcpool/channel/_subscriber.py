@@ -412,7 +412,7 @@ class Subscriber(ClosedFlag):
             return self._recv_ahead(timeout, stream)
         got = self._message(timeout)  # its payload: valid until the next recv
         if got is None:
-            raise ChannelTimeoutError(f"no frame within {timeout} s")
+            raise ChannelTimeoutError.no_frame(timeout)
         return self._hand_out(*got, stream)
 
     def _message(self, timeout: float | None) -> tuple[int, int, memoryview | bytes] | None:

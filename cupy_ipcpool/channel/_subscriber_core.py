@@ -372,7 +372,7 @@ class SubscriberCore(ClosedFlag):
         """
         got = self.next_view(timeout)
         if got is None:
-            raise ChannelTimeoutError(f"no frame within {timeout} s")
+            raise ChannelTimeoutError.no_frame(timeout)
         return got
 
     def next_view(self, timeout: float | None = None) -> tuple[int, int, memoryview | bytes] | None:

@@ -251,7 +251,7 @@ class RemoteSubscriber(ClosedFlag):
                     raise PoolClosedError("the remote subscriber is closed")
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise ChannelTimeoutError(f"no frame within {timeout} s")
+                    raise ChannelTimeoutError.no_frame(timeout)
                 self._cond.wait(0.5 if remaining is None else min(remaining, 0.5))
             if broken is None:
                 got = self._ready.popleft()
