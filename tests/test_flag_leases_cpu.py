@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from cupy_ipcpool._errors import LeaseStateError, ProtocolError
+from cupy_ipcpool.channel import _protocol as proto
 from cupy_ipcpool.channel._handshake import SubscriberInfo
 from cupy_ipcpool.channel._leases import BLOCK, LeaseBook, read_flag_done
 from cupy_ipcpool.channel._publisher_core import SETTLE_RECHECK, PublisherCore
@@ -46,14 +47,19 @@ def book_with_frame(slot: int = 0, seq: int = 7) -> LeaseBook:
     return book
 
 
-def test_a_settled_lease_frees_the_slot_and_its_release_is_no_news() -> None:
+def test_a_settled_lease_frees_the_slot_and_its_release_is_no_news_once() -> None:
+    """The crossing: the flag is seen first, then the RELEASE that was in flight."""
     book = book_with_frame()
     assert book.settle(1, 0) is True
-    assert book.is_free(0) and book.outstanding(1) == 0
+    assert book.is_free(0) and book.outstanding(1) == 0 and book.ended == 1
     assert book.readers_to_wait(0) == [1]  # the producer's stream still orders after the flag
+    assert book.releases_due == 1
     assert book.release(1, 7, 0) is None  # the RELEASE that follows changes nothing
-    assert book.release(1, 7, 0) is None  # nor a repeat of it
-    assert book.is_free(0)
+    assert book.releases_due == 0 and book.ended == 1
+    assert book.is_free(0) and book.readers_to_wait(0) == [1]
+    with pytest.raises(ProtocolError, match="does not hold"):
+        book.release(1, 7, 0)  # a repeat of it is explained by no lease
+    assert book.releases_due == 0 and book.subscribers() == [1]
 
 
 def test_a_release_of_an_older_frame_leaves_the_newer_lease_of_the_slot() -> None:
@@ -70,12 +76,126 @@ def test_releases_that_were_never_settled_are_still_refused() -> None:
     book.settle(1, 0)
     with pytest.raises(ProtocolError, match="does not hold"):
         book.release(1, 8, 0)  # newer than anything settled there
-    with pytest.raises(ProtocolError, match="does not hold"):
+    with pytest.raises(ProtocolError, match="was in slot 0"):
         book.release(1, 7, 1)  # the settled seq, named in another slot
     with pytest.raises(LeaseStateError):
         book.settle(1, 0)  # nothing held there now
     with pytest.raises(LeaseStateError):
         book.settle(2, 1)  # an unknown subscriber
+
+
+def flag_set(sub_id: int, slot: int) -> bool:
+    """Every holder's read flag says it released its frame."""
+    return True
+
+
+def two_settled_frames() -> LeaseBook:
+    """Subscriber 1 was sent frames 7 (slot 0) and 8 (slot 1); both ended at their flags."""
+    book = LeaseBook(2)
+    book.add_subscriber(1, BLOCK, 2)
+    book.publishing(0, 7)
+    book.publishing(1, 8)
+    assert book.settle_flagged(flag_set) == 2
+    assert book.releases_due == 2
+    return book
+
+
+@pytest.mark.parametrize(
+    ("seq", "slot", "match"),
+    [
+        (0, 0, "does not hold"),  # a seq never sent to it (below the settled ones)
+        (3, 1, "does not hold"),  # a seq never sent to it, in another slot
+        (7, 1, "was in slot 0"),  # a settled seq, named in the other settled slot
+        (8, 0, "was in slot 1"),
+        (7, 2, "outside 0..1"),  # a slot out of range
+        (7, 1 << 31, "outside 0..1"),
+    ],
+)
+def test_a_release_no_lease_explains_is_refused_and_changes_nothing(
+    seq: int, slot: int, match: str
+) -> None:
+    book = two_settled_frames()
+    with pytest.raises(ProtocolError, match=match):
+        book.release(1, seq, slot)
+    assert book.releases_due == 2  # the two RELEASEs due are still due
+    assert book.release(1, 7, 0) is None and book.release(1, 8, 1) is None
+    assert book.releases_due == 0
+
+
+def test_each_settled_lease_explains_one_release_only() -> None:
+    book = two_settled_frames()
+    assert book.release(1, 8, 1) is None
+    with pytest.raises(ProtocolError, match="does not hold"):
+        book.release(1, 8, 1)  # its settled RELEASE came already
+    assert book.releases_due == 1
+    book.publishing(1, 9)
+    book.settle(1, 1)
+    with pytest.raises(ProtocolError, match="does not hold"):
+        book.release(1, 8, 1)  # still refused once a newer lease of its slot settled
+    assert book.release(1, 9, 1) is None and book.release(1, 7, 0) is None
+    assert book.releases_due == 0
+    for seq, slot in ((7, 0), (9, 1)):
+        with pytest.raises(ProtocolError, match="does not hold"):
+            book.release(1, seq, slot)
+
+
+def test_a_release_before_the_flag_ends_the_lease_and_leaves_nothing_due() -> None:
+    book = book_with_frame(0, 7)
+    assert book.release(1, 7, 0) is True  # the message came first: a plain release
+    assert book.settle_flagged(flag_set) == 0  # the flag: nothing to settle
+    assert book.releases_due == 0 and book.ended == 1 and book.is_free(0)
+    book.publishing(0, 9)
+    assert book.settle_flagged(flag_set) == 1
+    with pytest.raises(ProtocolError, match="does not hold"):
+        book.release(1, 7, 0)  # frame 7's RELEASE came already: not no news for frame 9's
+    assert book.releases_due == 1
+    assert book.release(1, 9, 0) is None and book.releases_due == 0
+
+
+def test_removing_a_subscriber_takes_its_due_releases_out_of_the_count() -> None:
+    book = LeaseBook(3)
+    for sub_id in (1, 2):
+        book.add_subscriber(sub_id, BLOCK, 3)
+    book.publishing(0, 7)
+    book.publishing(1, 8)
+    book.publishing(2, 9)
+    for slot in (0, 1):
+        book.settle(1, slot)
+    book.settle(2, 0)
+    assert book.releases_due == 3
+    assert book.release(1, 7, 0) is None  # one of subscriber 1's came
+    with pytest.raises(ProtocolError):
+        book.release(1, 7, 0)  # a repeat: the caller drops subscriber 1
+    assert book.releases_due == 2
+    assert book.remove_subscriber(1) == []  # slot 2 is still leased by subscriber 2
+    assert book.releases_due == 1  # subscriber 2's frame 7: still due
+    assert book.release(2, 7, 0) is None and book.releases_due == 0
+    assert book.release(2, 8, 1) is True and book.release(2, 9, 2) is True
+    assert book.free_slots() == [0, 1, 2] and book.releases_due == 0
+
+
+def test_a_subscriber_that_sends_no_release_is_bounded_and_then_waited_for() -> None:
+    """Read flags without RELEASEs: at most ``4 * num_slots`` stay due, then its leases
+    end only by message, as in block mode; it is not dropped, and once RELEASEs come
+    its flags count again."""
+    book = LeaseBook(2)
+    book.add_subscriber(1, BLOCK, 2)
+    bound = 4 * book.num_slots
+    seq = 0
+    while (slot := book.pick_free_slot(seq)) is not None:
+        assert seq < 100, "settle never stopped"
+        book.publishing(slot, seq)
+        seq += 1
+        book.settle_flagged(flag_set)
+    assert book.releases_due == bound and book.max_due == bound
+    assert seq == bound + 2  # then both slots stay leased: their flags no longer end them
+    assert book.held_by(1) == {bound: 0, bound + 1: 1}
+    assert book.settle(1, 0) is None and book.lease_count(0) == 1
+    assert book.release(1, bound, 0) is True  # a lease still ends by its RELEASE
+    assert book.release(1, 0, 0) is None  # one due RELEASE came: room for one flag again
+    assert book.settle_flagged(flag_set) == 1 and book.held_by(1) == {}
+    assert book.releases_due == bound
+    assert book.remove_subscriber(1) == [] and book.releases_due == 0
 
 
 def test_settle_flagged_asks_only_about_holders_and_counts_what_it_ended() -> None:
@@ -178,8 +298,9 @@ def flag_consumer(conn: Connection, address: str, release_after: int) -> None:
     """Check each frame, write its read flag, send its RELEASE ``release_after`` frames late.
 
     Commands from the test: ``("frames", n)`` takes ``n`` frames; ``("flush",)``
-    sends the RELEASEs still due; ``("close",)`` ends.  Answers ``("ok", seqs)``
-    or ``("error", text)``.
+    sends the RELEASEs still due; ``("raw", seq, slot)`` sends a RELEASE of
+    ``(seq, slot)`` whatever it holds (a hostile one); ``("close",)`` ends.
+    Answers ``("ok", seqs)`` or ``("error", text)``.
     """
     # a RELEASE that finds the socket full waits this long, then raises (reported)
     core = SubscriberCore(address, mode="block", timeout=5.0)
@@ -200,6 +321,10 @@ def flag_consumer(conn: Connection, address: str, release_after: int) -> None:
                     for seq, slot in due:
                         core.release(seq, slot)
                     due.clear()
+                    conn.send(("ok", []))
+                    continue
+                if cmd[0] == "raw":
+                    core._sock.send(proto.encode_release(cmd[1], cmd[2]))
                     conn.send(("ok", []))
                     continue
                 seqs = []
@@ -292,9 +417,10 @@ def test_a_waiting_poll_sees_a_flag_set_later_and_does_not_spin(pair: Any) -> No
     prod.settle_calls = 0
     wait = 0.3
     assert prod.core.poll(wait, prod.settle) == 0
-    steps, step, slept = 0, SETTLE_RECHECK[0], 0.0
+    first, longest, growth = SETTLE_RECHECK
+    steps, step, slept = 0, first, 0.0
     while slept < wait:
-        slept, steps, step = slept + step, steps + 1, min(step * 2, SETTLE_RECHECK[1])
+        slept, steps, step = slept + step, steps + 1, min(step * growth, longest)
     assert prod.settle_calls <= steps + 2  # the look before waiting, and the last one
     # the flag set while the producer waits (no message comes) ends its wait
     consumer.send(("frames", 1))
@@ -340,3 +466,53 @@ def test_a_release_another_call_read_is_reported_by_the_next_poll(pair: Any) -> 
     assert prod.core.poll(10.0) == 1
     assert prod.core.poll(0.0) == 0
     assert slot in (0, 1)
+
+
+def test_a_release_that_crossed_its_flag_is_kept_and_a_repeat_of_it_drops_the_sender(
+    pair: Any,
+) -> None:
+    """Over real sockets: the flag seen first, then the RELEASE that was in flight, is
+    no news (the subscriber stays); the same RELEASE once more costs the connection."""
+    prod, consumer = pair(release_after=0)  # a RELEASE right after each flag
+    seq, slot = prod.publish_flagged()
+    ask(consumer, "frames", 1)  # flag written, RELEASE sent, neither seen yet
+    book = prod.core.lease_book
+    assert book.settle_flagged(prod.reached) == 1  # the flag first: the crossing
+    assert book.releases_due == 1
+    prod.core.poll(0.0)  # reads the RELEASE: no news
+    assert len(prod.core.subscribers) == 1 and book.releases_due == 0
+    assert book.is_free(slot)
+    ask(consumer, "raw", seq, slot)  # the same RELEASE again
+    deadline = time.monotonic() + 10
+    while prod.core.subscribers:
+        assert time.monotonic() < deadline, "a repeated RELEASE was accepted"
+        prod.core.poll(0.05)
+    assert "protocol error" in prod.core.last_leave_reason
+    assert "does not hold" in prod.core.last_leave_reason
+    assert book.releases_due == 0
+
+
+def test_flags_without_releases_end_leases_up_to_the_bound_then_messages_do(
+    pair: Any,
+) -> None:
+    """Over real sockets: a subscriber that writes its read flags and holds its RELEASEs
+    back frees slots by flag for ``4 * num_slots`` frames; then the producer waits for
+    its messages (it is not dropped), and once they come every one is accepted."""
+    prod, consumer = pair(release_after=99)  # no RELEASE until "flush"
+    book = prod.core.lease_book
+    bound = 4 * book.num_slots
+    for _ in range(bound + 2):
+        prod.publish_without_waiting()  # its slot freed by a flag, no message read
+        ask(consumer, "frames", 1)
+    assert book.settle_flagged(prod.reached) == 0  # both flags set, neither ends a lease
+    assert book.pick_free_slot(0) is None and book.releases_due == bound
+    prod.core.poll(0.0)  # reports the leases the flags ended so far
+    assert prod.core.poll(0.2, prod.settle) == 0  # the producer waits for messages
+    ask(consumer, "flush")  # all bound + 2 RELEASEs: bound of them due, 2 ending leases
+    deadline = time.monotonic() + 10
+    while book.any_leased() or book.releases_due:
+        assert time.monotonic() < deadline, "the RELEASEs did not end the leases"
+        prod.core.poll(0.1)
+    assert len(prod.core.subscribers) == 1
+    prod.publish_without_waiting()  # flags count again
+    assert ask(consumer, "frames", 1) == [bound + 2]

@@ -8,6 +8,14 @@ writing.  Leases are created by :meth:`LeaseBook.publishing` and returned by
 subscriber's read flag, seen first) or, all at once, by
 :meth:`LeaseBook.remove_subscriber`.
 
+Every RELEASE must be explained by a lease.  A lease that ended at its read
+flag leaves one *due* RELEASE, keyed by the lease's ``(seq, slot)``: that one
+message is accepted as no news, once.  Any other RELEASE -- one never sent to
+that subscriber, a second one of a lease, a wrong or out-of-range slot -- is a
+:class:`ProtocolError`, which costs the sender its connection.  At most
+:func:`default_max_due` dues are kept per subscriber; past that,
+:meth:`LeaseBook.settle` leaves its leases to end by their messages.
+
 Two rules keep ``"latest"`` subscribers from ever making the producer wait:
 each one's credit is capped at ``max_credit``, and together they never lease
 more than ``num_slots - latest_reserve`` slots, so ``latest_reserve`` slots stay
@@ -50,6 +58,28 @@ def default_latest_reserve(num_slots: int) -> int:
     return max(0, min(2, num_slots - 1))
 
 
+def default_max_due(num_slots: int) -> int:
+    """Most RELEASEs due from one subscriber (:meth:`LeaseBook.settle`): ``4 * num_slots``.
+
+    A RELEASE is due for each lease that ended at its read flag while its
+    message has not come.  An honest subscriber has at most ``3 * num_slots``
+    of them: it holds a RELEASE back only for a frame handed out ahead and not
+    confirmed yet (at most ``depth <= num_slots`` of them) and sends every
+    other one at once, and the publisher reads the sockets at least once a
+    ring while releases are due.  A RELEASE due now is therefore of a frame
+    that, at the last such read, was leased to the subscriber (at most
+    ``num_slots``) or held back by it (at most ``depth``), or was published
+    since (at most ``num_slots``).  The fourth ring is slack.
+
+    Past the bound nothing is refused: :meth:`LeaseBook.settle` stops ending
+    that subscriber's leases, which then end by their RELEASE messages, as in
+    ``"block"`` mode.  So a subscriber that writes read flags and never sends
+    its RELEASEs costs the publisher at most this many entries, and an honest
+    one is never dropped because of the bound, whatever the timing.
+    """
+    return 4 * num_slots
+
+
 def default_max_credit(num_slots: int) -> int:
     """Default cap on a subscriber's credit: ``num_slots - latest_reserve``, at least 1."""
     return max(1, num_slots - default_latest_reserve(num_slots))
@@ -70,10 +100,9 @@ class _Subscriber:
     credit: int
     leases: dict[int, int] = field(default_factory=dict)  # seq -> slot, oldest first
     suspended: bool = False  # keeps its leases, receives nothing, is never overdue
-    # slot -> the newest seq of that slot whose lease ended at its read flag
-    # (:meth:`LeaseBook.settle`): its RELEASE message, still due, is then no news
-    settled: dict[int, int] = field(default_factory=dict)
-    due: int = 0  # leases settled whose RELEASE message has not come yet
+    # seq -> slot of each lease that ended at its read flag (:meth:`LeaseBook.settle`)
+    # and whose RELEASE message has not come yet: that one message is no news
+    due: dict[int, int] = field(default_factory=dict)
 
 
 class LeaseBook:
@@ -92,7 +121,9 @@ class LeaseBook:
 
     Notes
     -----
-    Not thread-safe: the owner serialises calls.
+    Not thread-safe: the owner serialises calls.  :attr:`max_due` (see
+    :func:`default_max_due`) bounds, per subscriber, the leases ended at
+    their read flag whose RELEASE message is still due.
     """
 
     def __init__(
@@ -111,6 +142,8 @@ class LeaseBook:
             raise UsageError(f"latest_reserve must be in 0..{num_slots - 1}, not {latest_reserve}")
         self.max_credit = int(max_credit)
         self.latest_reserve = int(latest_reserve)
+        #: Most leases per subscriber ended at their read flag with their RELEASE still due.
+        self.max_due = default_max_due(num_slots)
         self._latest_budget = num_slots - self.latest_reserve
         # Per slot: how many "latest" subscribers lease it; and how many slots have any.
         self._latest_count: list[int] = [0] * num_slots
@@ -126,9 +159,10 @@ class LeaseBook:
         #: Leases ended at their read flag whose RELEASE message has not come yet, over
         #: every subscriber: messages the owner must still read from the sockets.
         self.releases_due = 0
-        #: Leases ended so far by :meth:`release` or :meth:`settle`, by whichever
-        #: caller: the owner reports them from this count (each once), not from what
-        #: one of its calls happened to end.
+        #: Leases ended so far by :meth:`release`, :meth:`settle` or a departure
+        #: (:meth:`remove_subscriber`), by whichever caller: the owner reports them
+        #: from this count (each once), not from what one of its calls happened to
+        #: end, and a wait for a lease ends when it grows.
         self.ended = 0
 
     # -- subscribers -------------------------------------------------------
@@ -182,6 +216,13 @@ class LeaseBook:
         -------
         list[int]
             Slots that became free (no leases, no local holds) because of this.
+
+        Notes
+        -----
+        Its leases count in :attr:`ended` (a departure returns them as a
+        RELEASE would, and wakes whoever waits for one).  The RELEASE messages
+        still due from it (:meth:`settle`) will never be read: they leave
+        :attr:`releases_due`.
         """
         sub = self._subs.pop(sub_id, None)
         for readers in self._readers:
@@ -189,7 +230,8 @@ class LeaseBook:
                 readers.remove(sub_id)
         if sub is None:
             return []
-        self.releases_due -= sub.due
+        self.releases_due -= len(sub.due)
+        self.ended += len(sub.leases)
         freed = []
         for slot in sorted(set(sub.leases.values())):
             if sub.mode == LATEST:
@@ -317,55 +359,80 @@ class LeaseBook:
             self._latest_slots -= 1
 
     def release(self, sub_id: int, seq: int, slot: int) -> bool | None:
-        """Return subscriber ``sub_id``'s lease on frame ``seq`` in ``slot``.
+        """Take subscriber ``sub_id``'s RELEASE message of frame ``seq`` in ``slot``.
+
+        The message must be explained by a lease: either the subscriber holds
+        exactly that lease, which ends here, or that lease ended at its read
+        flag (:meth:`settle`) and this is its one RELEASE still due, which is
+        then no news.
 
         Parameters
         ----------
         sub_id, seq, slot:
-            The lease, exactly as published.
+            The lease, exactly as published (untrusted: from the subscriber).
 
         Returns
         -------
         bool or None
-            True when the slot became free; None when that lease had ended
-            already at its read flag (:meth:`settle`: nothing changes).
+            True when the slot became free; None when the lease had ended at
+            its read flag already (nothing changes but the due count).
 
         Raises
         ------
         ProtocolError
-            The subscriber is unknown or does not hold exactly that lease
-            (unknown seq, wrong slot, double release).
+            Nothing explains the message: the subscriber is unknown, the slot
+            is out of range, or the subscriber neither holds that lease nor
+            has its RELEASE due (a frame never sent to it, a second RELEASE of
+            a frame, the wrong slot).  The caller drops the subscriber.
         """
         sub = self._subs.get(sub_id)
         if sub is None:
             raise ProtocolError(f"release from unknown subscriber {sub_id}")
+        if not 0 <= slot < self.num_slots:
+            raise ProtocolError(
+                f"subscriber {sub_id} released frame {seq} as slot {slot}, "
+                f"outside 0..{self.num_slots - 1}"
+            )
         held = sub.leases.get(seq)
         if held is None:
-            if seq <= sub.settled.get(slot, -1):
-                if sub.due:  # the lease ended at its read flag already (settle)
-                    sub.due -= 1
-                    self.releases_due -= 1
-                return None
-            raise ProtocolError(f"subscriber {sub_id} released frame {seq}, which it does not hold")
+            held = sub.due.get(seq)
+            if held is None:
+                raise ProtocolError(
+                    f"subscriber {sub_id} released frame {seq}, which it does not hold "
+                    "(never sent to it, or released already)"
+                )
+            if held != slot:
+                raise ProtocolError(
+                    f"subscriber {sub_id} released frame {seq} as slot {slot}, "
+                    f"but it was in slot {held}"
+                )
+            del sub.due[seq]  # its lease ended at its read flag: this message is no news
+            self.releases_due -= 1
+            return None
         if held != slot:
             raise ProtocolError(
                 f"subscriber {sub_id} released frame {seq} as slot {slot}, but it is in slot {held}"
             )
         return self._end_lease(sub_id, sub, seq, slot)
 
-    def settle(self, sub_id: int, slot: int) -> bool:
+    def settle(self, sub_id: int, slot: int) -> bool | None:
         """End subscriber ``sub_id``'s lease on ``slot``'s frame: its read flag says it released it.
 
         The RELEASE message that the subscriber still sends for that frame is
-        then no news: :meth:`release` answers it with None.  The caller looks
-        at the flag (the sync page is host memory): the subscriber's stream
-        writes it at release, after its work on the frame, so a flag at the
-        frame's generation means what the message would.
+        then due: :meth:`release` answers it, once, with None.  The caller
+        looks at the flag (the sync page is host memory): the subscriber's
+        stream writes it at release, after its work on the frame, so a flag at
+        the frame's generation means what the message would.
+
+        While the subscriber has :attr:`max_due` RELEASEs due, its lease is
+        left to end by its message (None is returned): a subscriber that
+        writes read flags but sends no RELEASE cannot grow the book.
 
         Returns
         -------
-        bool
-            True when the slot became free.
+        bool or None
+            True when the slot became free, False when it did not; None when
+            the lease was kept because of the bound.
 
         Raises
         ------
@@ -376,8 +443,9 @@ class LeaseBook:
         seq = self._seq[slot]
         if sub is None or seq is None or sub.leases.get(seq) != slot:
             raise LeaseStateError(f"subscriber {sub_id} holds no lease on slot {slot}")
-        sub.settled[slot] = seq
-        sub.due += 1
+        if len(sub.due) >= self.max_due:
+            return None
+        sub.due[seq] = slot
         self.releases_due += 1
         return self._end_lease(sub_id, sub, seq, slot)
 
@@ -385,17 +453,23 @@ class LeaseBook:
         """:meth:`settle` every lease for which ``reached(sub_id, slot)`` is True; return how many.
 
         Looks at the holders of ``slot``'s frame, or of every leased slot when
-        ``slot`` is None.  ``reached`` is the caller's look at the holder's
-        read flag for that slot, at the generation of the frame it was sent.
+        ``slot`` is None, except those with :attr:`max_due` RELEASEs due (their
+        leases end by message).  ``reached`` is the caller's look at the
+        holder's read flag for that slot, at the generation of the frame it
+        was sent.
         """
         holders = self._holders
+        subs = self._subs
+        max_due = self.max_due
         slots = range(self.num_slots) if slot is None else (slot,)
         ended = 0
         for s in slots:
             if holders[s]:
-                for sub_id in [h for h in holders[s] if reached(h, s)]:
-                    self.settle(sub_id, s)
-                    ended += 1
+                for sub_id in [
+                    h for h in holders[s] if len(subs[h].due) < max_due and reached(h, s)
+                ]:
+                    if self.settle(sub_id, s) is not None:
+                        ended += 1
         return ended
 
     def _end_lease(self, sub_id: int, sub: _Subscriber, seq: int, slot: int) -> bool:
@@ -567,5 +641,6 @@ __all__ = [
     "LeaseBook",
     "default_latest_reserve",
     "default_max_credit",
+    "default_max_due",
     "granted_credit",
 ]
