@@ -120,7 +120,7 @@ def test_a_timeout_too_long_for_one_poll_still_waits(pair: tuple, timeout_ms: in
     assert got is not None and got[1:3] == (8, 0)
     t = _later(0.05, lambda: b.send(proto.encode_release(8, 0)))
     try:
-        released = wait_releases(_set(a), timeout_ms, 1)
+        released = wait_releases(_set(a), timeout_ms, 1)  # as microseconds: as long
     finally:
         t.join()
     assert released == [(a.fileno(), 8, 0)]
@@ -433,11 +433,20 @@ def test_send_frame_refuses_bad_arguments(pairs: list) -> None:
 
 
 def test_wait_releases_times_out_with_none(pairs: list) -> None:
+    """``timeout_us`` is microseconds: a wait shorter than a millisecond is not rounded
+    up to one (a producer looks at the read flags between steps of tens of them)."""
     start = time.monotonic()
-    assert wait_releases(_set(*(b for _a, b in pairs)), 50, 1) is None
+    assert wait_releases(_set(*(b for _a, b in pairs)), 50_000, 1) is None
     assert time.monotonic() - start >= 0.045
     assert wait_releases(_set(*(b for _a, b in pairs)), 0, 1) is None
     assert wait_releases(bytearray(), 0, 1) is None
+    short = []
+    for _ in range(20):
+        start = time.perf_counter()
+        assert wait_releases(_set(*(b for _a, b in pairs)), 50, 1) is None
+        short.append(time.perf_counter() - start)
+    assert min(short) >= 50e-6
+    assert min(short) < 0.9e-3, f"a 50 us wait took {min(short) * 1e6:.0f} us at best"
 
 
 def test_wait_releases_takes_limit_releases_per_ready_socket(pairs: list) -> None:
@@ -446,7 +455,7 @@ def test_wait_releases_takes_limit_releases_per_ready_socket(pairs: list) -> Non
         a0.send(proto.encode_release(seq, 1))
     a1.send(proto.encode_release(70, 2))
     pollset = _set(b0, b1, b2)
-    got = wait_releases(pollset, 1000, 1)
+    got = wait_releases(pollset, 1_000_000, 1)
     assert got == [(b0.fileno(), 0, 1), (b1.fileno(), 70, 2)]
     got = wait_releases(pollset, 0, 1 << 30)
     assert got == [(b0.fileno(), 1, 1), (b0.fileno(), 2, 1)]
@@ -456,7 +465,7 @@ def test_wait_releases_wakes_on_a_release_sent_during_the_wait(pairs: list) -> N
     (a0, b0), (_a1, b1), _ = pairs
     t = _later(0.05, lambda: a0.send(proto.encode_release(9, 3)))
     try:
-        got = wait_releases(_set(b1, b0), 5000, 1)
+        got = wait_releases(_set(b1, b0), 5_000_000, 1)
     finally:
         t.join()
     assert got == [(b0.fileno(), 9, 3)]
@@ -469,7 +478,7 @@ def test_wait_releases_stops_reading_a_socket_after_anything_else(pairs: list) -
     a0.send(proto.encode_release(2, 0))  # after the BYE: left queued
     a1.send(proto.encode_release(3, 0) + b"x")  # oversize: not a RELEASE
     a2.close()
-    got = wait_releases(_set(b0, b1, b2), 1000, 1 << 30)
+    got = wait_releases(_set(b0, b1, b2), 1_000_000, 1 << 30)
     assert got == [
         (b0.fileno(), 1, 0),
         (b0.fileno(), -1, proto.encode_bye()),
@@ -484,7 +493,7 @@ def test_wait_releases_reports_a_failed_receive() -> None:
     try:
         a.send(b"x")
         b.close()
-        assert wait_releases(_set(a), 1000, 1) == [(a.fileno(), -2, errno.ECONNRESET)]
+        assert wait_releases(_set(a), 1_000_000, 1) == [(a.fileno(), -2, errno.ECONNRESET)]
     finally:
         a.close()
 
@@ -501,7 +510,7 @@ def test_wait_releases_takes_exactly_what_decode_reads_as_a_release(data: bytes)
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         a.send(data)
-        got = wait_releases(_set(b), 1000, 1)
+        got = wait_releases(_set(b), 1_000_000, 1)
         assert got is not None and len(got) == 1
         _fd, seq, what = got[0]
         try:
@@ -520,7 +529,7 @@ def test_wait_releases_takes_exactly_what_decode_reads_as_a_release(data: bytes)
 def test_wait_releases_lets_other_threads_run_and_refuses_bad_arguments(pairs: list) -> None:
     a, b = pairs[0]
     got = assert_gil_released(
-        lambda: wait_releases(_set(b), 30_000, 1),
+        lambda: wait_releases(_set(b), 30_000_000, 1),
         ("poll", "ppoll"),
         wake=lambda: a.send(proto.encode_release(9, 2)),
     )

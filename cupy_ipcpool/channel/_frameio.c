@@ -58,16 +58,17 @@ as_fd(PyObject *obj, const char *name)
     return (int)fd;
 }
 
-/* A wait's timeout_ms argument: -1 (without limit) or more.  0, or -1 with an exception. */
+/* A wait's timeout argument (``unit``: its name, e.g. "timeout_ms"): -1 (without limit)
+ * or more.  0, or -1 with an exception. */
 static inline int
-as_timeout(PyObject *obj, const char *name, long *timeout_ms)
+as_timeout(PyObject *obj, const char *name, const char *unit, long *timeout)
 {
-    *timeout_ms = PyLong_AsLong(obj);
-    if (*timeout_ms == -1 && PyErr_Occurred())
+    *timeout = PyLong_AsLong(obj);
+    if (*timeout == -1 && PyErr_Occurred())
         return -1;
-    if (*timeout_ms < -1) {
-        PyErr_Format(PyExc_ValueError, "%s: timeout_ms %ld (-1 waits without limit)", name,
-                     *timeout_ms);
+    if (*timeout < -1) {
+        PyErr_Format(PyExc_ValueError, "%s: %s %ld (-1 waits without limit)", name, unit,
+                     *timeout);
         return -1;
     }
     return 0;
@@ -207,19 +208,20 @@ now_ns(void)
     return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-/* The deadline (CLOCK_MONOTONIC ns) of a timeout in ms; 0 without one.  A timeout
- * too long to add to the clock (centuries) becomes "without limit" (-1). */
+/* The deadline (CLOCK_MONOTONIC ns) of a timeout of ``timeout`` units of ``unit_ns``
+ * nanoseconds; 0 without one.  A timeout too long to add to the clock (centuries)
+ * becomes "without limit" (-1). */
 static long long
-deadline_after(long timeout_ms, long *effective_ms)
+deadline_after(long timeout, long long unit_ns, long *effective)
 {
-    if (timeout_ms <= 0)
+    if (timeout <= 0)
         return 0;
     long long now = now_ns();
-    if ((long long)timeout_ms > (LLONG_MAX - now) / 1000000LL) {
-        *effective_ms = -1;
+    if ((long long)timeout > (LLONG_MAX - now) / unit_ns) {
+        *effective = -1;
         return 0;
     }
-    return now + (long long)timeout_ms * 1000000LL;
+    return now + (long long)timeout * unit_ns;
 }
 
 /* poll(2)'s timeout for ``left_ns`` nanoseconds: rounded up, at most INT_MAX ms (the
@@ -261,7 +263,7 @@ frameio_recv_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
         return NULL;
     }
     long timeout_ms;
-    if (as_timeout(args[2], "recv_frame", &timeout_ms) < 0)
+    if (as_timeout(args[2], "recv_frame", "timeout_ms", &timeout_ms) < 0)
         return NULL;
     int poll_first = PyObject_IsTrue(args[3]);
     if (poll_first < 0)
@@ -279,7 +281,7 @@ frameio_recv_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
         return NULL;
     char *buf = (char *)view.buf;
     size_t size = (size_t)view.len;
-    long long deadline = deadline_after(timeout_ms, &timeout_ms);
+    long long deadline = deadline_after(timeout_ms, 1000000LL, &timeout_ms);
     /* the hang-up set's events for the socket itself (POLLRDHUP), if it is in the set */
     short hup_events = 0;
     for (nfds_t i = 0; i < nhup; i++)
@@ -561,9 +563,9 @@ error:
 }
 
 PyDoc_STRVAR(wait_releases_doc,
-"wait_releases(pollset, timeout_ms, limit) -> list | None\n"
+"wait_releases(pollset, timeout_us, limit) -> list | None\n"
 "\n"
-"Wait up to ``timeout_ms`` milliseconds (-1: without limit, 0: not at all)\n"
+"Wait up to ``timeout_us`` microseconds (-1: without limit, 0: not at all)\n"
 "until a socket of ``pollset`` (a bytearray from ``pollfds``, used in\n"
 "place) is readable, then receive from each readable socket up to ``limit``\n"
 "datagrams without waiting.  Returns None when none was readable in time,\n"
@@ -593,7 +595,7 @@ append_triple(PyObject *list, int fd, PyObject *a, PyObject *b)
 static PyObject *
 frameio_wait_releases(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_nargs(nargs, 3, "wait_releases(pollset, timeout_ms, limit)") < 0)
+    if (check_nargs(nargs, 3, "wait_releases(pollset, timeout_us, limit)") < 0)
         return NULL;
     if (!PyByteArray_Check(args[0])) {
         PyErr_SetString(PyExc_TypeError,
@@ -606,8 +608,8 @@ frameio_wait_releases(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssi
                      len);
         return NULL;
     }
-    long timeout_ms;
-    if (as_timeout(args[1], "wait_releases", &timeout_ms) < 0)
+    long timeout_us;
+    if (as_timeout(args[1], "wait_releases", "timeout_us", &timeout_us) < 0)
         return NULL;
     long limit = PyLong_AsLong(args[2]);
     if (limit == -1 && PyErr_Occurred())
@@ -621,19 +623,25 @@ frameio_wait_releases(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssi
         return NULL;
     struct pollfd *set = (struct pollfd *)view.buf;
     nfds_t count = (nfds_t)(len / (Py_ssize_t)sizeof(struct pollfd));
-    long long deadline = deadline_after(timeout_ms, &timeout_ms);
+    long long deadline = deadline_after(timeout_us, 1000LL, &timeout_us);
     int r;
     for (;;) {
-        int wait_ms = timeout_ms < 0 ? -1 : 0;
-        if (timeout_ms > 0) {
+        /* ppoll(2), not poll(2): a wait of microseconds (a producer looking at the
+         * read flags between short steps) is not rounded up to a millisecond */
+        struct timespec ts = {0, 0};
+        struct timespec *wait = timeout_us < 0 ? NULL : &ts;
+        if (timeout_us > 0) {
             long long left = deadline - now_ns();
-            wait_ms = left <= 0 ? 0 : poll_ms(left);
+            if (left > 0) {
+                ts.tv_sec = (time_t)(left / 1000000000LL);
+                ts.tv_nsec = (long)(left % 1000000000LL);
+            }
         }
         int err;
         for (nfds_t i = 0; i < count; i++)
             set[i].revents = 0;
         Py_BEGIN_ALLOW_THREADS
-        r = poll(set, count, wait_ms);
+        r = ppoll(set, count, wait, NULL);
         err = errno;
         Py_END_ALLOW_THREADS
         if (r >= 0)

@@ -36,7 +36,7 @@ def send_frame(
     """Send one FRAME on every socket; None, or ``(index, errno)`` of the sends that failed."""
 
 def wait_releases(
-    pollset: bytearray, timeout_ms: int, limit: int, /
+    pollset: bytearray, timeout_us: int, limit: int, /
 ) -> list[tuple[int, int, Any]] | None:
     """Wait, then receive up to ``limit`` datagrams per readable socket.
 

@@ -52,16 +52,19 @@ from ._sockets import (
     _say_bye_and_close,
     _shut_and_close,
     _spin_ns,
+    _us,
     _warn,
 )
 
 #: Seconds between attempts to queue an eviction notice that did not fit (rare: see _drop).
 _NOTICE_RETRY = 0.05
 #: First and longest step (s) between two looks at the read flags while a poll that
-#: settles leases by them waits (Publisher(ahead=True)): a flag set on the GPU wakes
-#: no one, so a wait looks again after 1 ms, then 2, 4, ... up to every 16 ms (poll(2)
-#: counts whole milliseconds).
-SETTLE_RECHECK = (0.001, 0.016)
+#: settles leases by them waits (Publisher(ahead=True)), and the growth of each step
+#: over the last: a flag set on the GPU wakes no one, so a wait looks again after
+#: 20 us, then 25, 31, ... up to every 16 ms.  A flag set t after the wait began is
+#: seen by about 1.25 t + 20 us (a wait never costs much more than it had to), in
+#: about 30 looks up to the longest step, then some 60 a second.
+SETTLE_RECHECK = (20e-6, 0.016, 1.25)
 
 
 def _unlink_ours(address: str, ident: tuple[int, int]) -> None:
@@ -347,10 +350,12 @@ class PublisherCore(ClosedFlag):
         -------
         int
             Number of leases returned since the previous ``poll``, each counted
-            once, however it ended: in this call, or in another that read the
-            sockets or the flags meanwhile (:meth:`publish`, :meth:`acquire`, a
-            look at a slot's leases).  While some are still unreported, the call
-            does not wait.
+            once, however it ended: a RELEASE, a read flag, or its subscriber's
+            departure (BYE, hang-up, death, eviction), in this call or in
+            another that read the sockets or the flags meanwhile
+            (:meth:`publish`, :meth:`acquire`, a look at a slot's leases).  A
+            wait ends as soon as one ends; while some are still unreported,
+            the call does not wait.
         """
         book = self._book
         if book.ended != self._reported:
@@ -360,62 +365,74 @@ class PublisherCore(ClosedFlag):
         self._reported = book.ended
         return returned
 
-    def _poll(self, timeout: float | None, settle: Callable[[], int] | None) -> int:
-        """:meth:`poll`'s wait; returns how many leases this call ended (0: none yet)."""
+    def _poll(self, timeout: float | None, settle: Callable[[], int] | None) -> None:
+        """:meth:`poll`'s wait: until a lease ends (however: a RELEASE, a read flag, a
+        departure) or ``timeout`` passes; what ended is counted in the lease book."""
         if self._closed:
             self._check_open()  # raises
         if self._acc.pending:
             self._adopt()
         if self._evicting:
             timeout = self._retry_notices(timeout)
+        book = self._book
+        before = book.ended
         spinning = bool(self._spin_ns) and timeout != 0.0 and bool(self._by_fd)
         if settle is not None and not spinning:  # a spin's first round makes this look
-            released = self._wait(0.0) + settle()
-            if released or timeout == 0.0:
-                if self._next_expiry is not None:
-                    self._check_leases()
-                return released
+            self._wait(0.0)
+            settle()
+            if book.ended != before or timeout == 0.0:
+                self._expire()
+                return
         if spinning:
-            released = self._spin(timeout, settle)
-            if released:
-                if self._next_expiry is not None:
-                    self._check_leases()
-                return released
+            if self._spin(timeout, settle, before):
+                self._expire()
+                return
             if timeout is not None:
                 timeout = max(0.0, timeout - self._spin_ns / 1e9)
-        if settle is not None and self._book.any_leased():
-            released = self._wait_settling(self._until_expiry(timeout), settle)
+        if settle is not None and book.any_leased():
+            self._wait_settling(self._until_expiry(timeout), settle, before)
         elif self._next_expiry is None:
-            return self._wait(timeout)
+            self._wait(timeout)
+            return
         else:
-            released = self._wait(self._until_expiry(timeout))
+            self._wait(self._until_expiry(timeout))
+        self._expire()
+
+    def _expire(self) -> None:
+        """Evict the subscribers past ``lease_timeout``, if a lease may be overdue."""
         if self._next_expiry is not None:
             self._check_leases()
-        return released
 
-    def _spin(self, timeout: float | None, settle: Callable[[], int] | None) -> int:
-        """Busy-poll the sockets (and ``settle``) for up to ``spin_us`` (and ``timeout``)."""
+    def _spin(self, timeout: float | None, settle: Callable[[], int] | None, before: int) -> bool:
+        """Busy-poll the sockets (and ``settle``) for up to ``spin_us`` (and ``timeout``);
+        True once a lease ended since the book counted ``before``."""
         spin = self._spin_ns if timeout is None else min(self._spin_ns, int(timeout * 1e9))
         end = time.perf_counter_ns() + spin
+        book = self._book
         while True:
-            released = self._wait(0.0)
+            self._wait(0.0)
             if settle is not None:
-                released += settle()
-            if released or time.perf_counter_ns() >= end:
-                return released
+                settle()
+            if book.ended != before:
+                return True
+            if time.perf_counter_ns() >= end:
+                return False
 
-    def _wait_settling(self, timeout: float | None, settle: Callable[[], int]) -> int:
-        """:meth:`_wait` for up to ``timeout``, looking at ``settle`` between growing steps."""
+    def _wait_settling(self, timeout: float | None, settle: Callable[[], int], before: int) -> None:
+        """Wait up to ``timeout`` for a lease to end (since the book counted ``before``):
+        woken by the sockets (a RELEASE, a departure), looking at ``settle`` between
+        growing steps (:data:`SETTLE_RECHECK`)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         step = SETTLE_RECHECK[0]
+        book = self._book
         while True:
             left = None if deadline is None else deadline - time.monotonic()
             wait = step if left is None else max(0.0, min(step, left))
-            released = self._wait(wait)
-            released += settle()
-            if released or (left is not None and left <= wait):
-                return released
-            step = min(step * 2, SETTLE_RECHECK[1])
+            self._wait(wait)
+            settle()
+            if book.ended != before or (left is not None and left <= wait):
+                return
+            step = min(step * SETTLE_RECHECK[2], SETTLE_RECHECK[1])
 
     def acquire(self, timeout: float | None = None) -> tuple[int, list[int]]:
         """Return a free slot to write the next frame into.
@@ -621,40 +638,37 @@ class PublisherCore(ClosedFlag):
     def _set_poll_set(self) -> None:
         self._poll_set = bytearray(_sockets.pollfds([(fd, _POLLIN) for fd in self._by_fd]))
 
-    def _wait(self, timeout: float | None) -> int:
-        """Wait up to ``timeout`` for the subscribers' messages and handle them; leases returned.
+    def _wait(self, timeout: float | None) -> None:
+        """Wait up to ``timeout`` for the subscribers' messages and handle them.
+
+        What ended (leases, subscribers) is counted in the lease book.
 
         One compiled call (``_frameio.wait_releases``) polls the sockets and
         receives; a RELEASE comes back decoded, anything else as its bytes.
         """
         if not self._by_fd and timeout == 0.0:
-            return 0
+            return
         # A blocking wait takes one message per ready socket (a caller that waits
         # wants the first one; more are found by the next poll at once), which
         # spares the failing recv that would end a drain; poll(0) drains all.
-        got = _sockets.wait_releases(self._poll_set, _ms(timeout), 1 << 30 if timeout == 0.0 else 1)
+        got = _sockets.wait_releases(self._poll_set, _us(timeout), 1 << 30 if timeout == 0.0 else 1)
         if not got:
-            return 0
+            return
         book = self._book
         by_fd = self._by_fd
-        released = 0
         for fd, seq, what in got:
             conn = by_fd.get(fd)
             if conn is None:
                 continue  # dropped by an earlier message of this batch
             if seq >= 0:
                 try:
-                    if book.release(conn.info.sub_id, seq, what) is None:
-                        continue  # that lease ended at its read flag already
+                    book.release(conn.info.sub_id, seq, what)  # None: ended at its flag
                 except ProtocolError as exc:
                     self._drop(conn, f"protocol error: {exc}")
-                    continue
-                released += 1
             elif seq == -1:
                 self._other_message(conn, what)
             else:
                 self._drop(conn, f"receive failed: {os.strerror(what)}")
-        return released
 
     def _other_message(self, conn: _Conn, data: bytes) -> None:
         """A subscriber sent something other than a RELEASE (``data``; b"": it hung up)."""

@@ -98,6 +98,13 @@ def _ms(timeout: float | None) -> int:
     return max(0, math.ceil(timeout * 1000.0))
 
 
+def _us(timeout: float | None) -> int:
+    """Convert seconds (None = forever) to a ``wait_releases`` timeout in microseconds."""
+    if timeout is None:
+        return -1
+    return max(0, math.ceil(timeout * 1e6))
+
+
 def _warn(message: str) -> None:
     warnings.warn(message, TeardownWarning, stacklevel=3)
 
