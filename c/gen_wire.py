@@ -156,6 +156,12 @@ def generate() -> str:
             "desc_len num_slots max_subscribers row sync_nbytes",
         ),
         *layout("FRAME_HEAD", _payload.FRAME_HEAD, "flag generation num_arrays metadata_len"),
+        define(
+            "FRAME_VOID",
+            _payload.FRAME_VOID,
+            "in FRAME_HEAD's flag (slot | FRAME_VOID): a void frame, taken and not published "
+            "(no arrays, never written)",
+        ),
         "",
         "/* ---- the sync page (channel/_syncpage.py) ---- */",
         define("SYNC_FLAG_BYTES", _syncpage._FLAG),

@@ -133,7 +133,7 @@ def _inner_consumer(inner: _Inner, sub: Any) -> None:
     from cupy_ipcpool.channel import _subscriber
 
     inner.wrap(sub._core, "next_view", "C next_view (incl. the receive)")
-    inner.wrap(_subscriber, "_frame_head", "C _frame_head")
+    inner.wrap(_subscriber, "frame_head", "C frame_head")
     inner.wrap(sub._peer, "_pin", "C peer._pin")
     inner.wrap(sub._peer, "_arrays_from_wire", "C peer._arrays_from_wire")
     inner.wrap(sub, "_stream_ptr", "C _stream_ptr")

@@ -30,7 +30,7 @@ import pytest
 from cupy_ipcpool._errors import ProtocolError, UsageError
 from cupy_ipcpool._handles import ArrayHandle
 from cupy_ipcpool.channel._ahead import AheadSchedule, Predicted, split_handles
-from cupy_ipcpool.channel._payload import FRAME_HEAD
+from cupy_ipcpool.channel._payload import FRAME_HEAD, FRAME_VOID
 from cupy_ipcpool.channel._settle import settle_unpublished
 from cupy_ipcpool.channel._syncpage import FORCED, FlagLayout, SharedFlags, frame_state
 
@@ -94,8 +94,8 @@ def frame(
 
 
 def void(slot: int, generation: int, metadata: bytes = b"") -> bytes:
-    """A FRAME payload without arrays (a void frame)."""
-    return FRAME_HEAD.pack(slot, generation & M, 0, len(metadata)) + metadata
+    """A void frame's FRAME payload: its flag index marked, no arrays."""
+    return FRAME_HEAD.pack(slot | FRAME_VOID, generation & M, 0, len(metadata)) + metadata
 
 
 def warmed(num_slots: int, depth: int, start: int = 0) -> AheadSchedule:

@@ -17,6 +17,7 @@ import struct
 import pytest
 
 import cupy_ipcpool as cip
+from cupy_ipcpool.channel._payload import FRAME_HEAD
 from tests.gpu_helpers import (
     child_message,
     report_exception,
@@ -70,16 +71,17 @@ def _produce(pub, start, count, cycles=0, abandon=(), paced=False):
             stream.synchronize()
 
 
-def _ahead_consumer(address, depth, cycles, q, progress_at=0):
+def _ahead_consumer(address, depth, cycles, q, progress_at=0, mode="ahead"):
     """Receive every frame until the end; check each on the GPU; report per frame (and
-    say "progress" once ``progress_at`` frames were handed out)."""
+    say "progress" once ``progress_at`` frames were handed out).  ``mode="block"``
+    (``depth`` None): the same as a block subscriber."""
     try:
         import cupy as cp
 
         spin_kernel("spin_check")
         bad = cp.zeros(1 << 16, dtype=cp.uint32)
         seen = []  # (seq, confirmed when handed out, frame)
-        with cip.subscribe(address, mode="ahead", depth=depth, timeout=30) as sub:
+        with cip.subscribe(address, mode=mode, depth=depth, timeout=30) as sub:
             q.put(("ready",))
             try:
                 while True:
@@ -247,26 +249,99 @@ def test_a_killed_subscriber_never_stalls_the_producer_nor_one_joining_mid_strea
     assert not set(incomplete) & set(range(1200))
 
 
-def test_a_frame_taken_and_not_published_is_void(tmp_path):
-    """Under ahead=True a frame left unpublished is sent void: its consumers know
-    (complete False, no arrays confirmed) and the frames around it are intact."""
+def _block_consumer(address, q):
+    """:func:`_ahead_consumer` as a ``"block"`` subscriber."""
+    _ahead_consumer(address, None, 0, q, mode="block")
+
+
+@pytest.mark.parametrize("consumer", [_ahead_consumer, _block_consumer], ids=["ahead", "block"])
+def test_a_frame_taken_and_not_published_is_void(tmp_path, consumer):
+    """Under ahead=True a frame left unpublished is sent void (marked so in its FRAME
+    payload): every kind of consumer knows (complete False, no arrays, no metadata)
+    and the frames around it are intact.  A void frame is not in the EndOfStream's
+    incomplete: the producer's stream set its flag."""
     address = str(tmp_path / "void.sock")
     n, void = 40, {9, 22}
+    args = (4, 0) if consumer is _ahead_consumer else ()
     with cip.IpcPool(4, WORDS * 4) as pool, cip.Publisher(pool, address, ahead=True) as pub:
         spin_kernel("spin_fill")
-        proc, q = start_child(_ahead_consumer, address, 4, 0)
+        proc, q = start_child(consumer, address, *args)
         assert child_message(q)[0] == "ready"
         wait_subscribers(pub, 1)
         _produce(pub, 0, n, 20_000, abandon=void)
         pub.close()
-        _, clean, _incomplete, report = child_message(q)
+        _, clean, incomplete, report = child_message(q)
         proc.join(30)
     assert clean
     by_seq = {r[0]: r for r in report if r[0] < n}
     assert sorted(by_seq) == list(range(n))
     assert {s for s, r in by_seq.items() if r[2] is False} == void
+    assert all(by_seq[s][2] is True for s in by_seq if s not in void)
     assert all(by_seq[s][5] == 0 for s in by_seq if s not in void)
     assert all(by_seq[s][4] == b"" for s in void)
+    assert not set(incomplete) & set(range(n))
+
+
+def _malformed_consumer(address, before, q):
+    """An "ahead" subscriber (depth 1): ``before`` frames by message, released; then
+    (if ``before``) one frame handed out ahead; then two more ``recv``: the first takes
+    the crafted message.  Reports the exception type of each of the two."""
+    try:
+        with cip.subscribe(address, mode="ahead", depth=1, timeout=30) as sub:
+            q.put(("ready",))
+            for _ in range(before):
+                sub.recv(timeout=60).release()
+            if before:
+                ahead = sub.recv(timeout=60)
+                q.put(("ahead", ahead.seq, ahead.confirmed))
+            outcomes = []
+            for _ in range(2):
+                try:
+                    sub.recv(timeout=60)
+                    outcomes.append("a frame")
+                except Exception as exc:
+                    outcomes.append(type(exc).__name__)
+            q.put(("done", outcomes))
+    except BaseException:
+        report_exception(q)
+
+
+#: (frames by message before, the crafted FRAME payload of a slot): a head too short as
+#: the first message; a confirmation with no arrays and 60,000 bytes of metadata.
+MALFORMED = {
+    "short first message": (0, lambda slot: b"\0" * 5),
+    "confirmation over the metadata limit": (
+        4,
+        lambda slot: FRAME_HEAD.pack(slot, 0, 0, 60_000) + b"m" * 60_000,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_a_malformed_frame_closes_an_ahead_subscriber(tmp_path, case):
+    """A frame whose FRAME payload is malformed costs an "ahead" subscriber its
+    subscription: recv raises ProtocolError, and the next recv finds it closed.  The
+    publisher is real; only the one payload it sends is replaced (its stream still
+    writes the frame flag, so no wait of the subscriber is left hanging)."""
+    before, crafted = MALFORMED[case]
+    address = str(tmp_path / "malformed.sock")
+    with cip.IpcPool(4, WORDS * 4) as pool, cip.Publisher(pool, address, ahead=True) as pub:
+        spin_kernel("spin_fill")
+        proc, q = start_child(_malformed_consumer, address, before)
+        assert child_message(q)[0] == "ready"
+        wait_subscribers(pub, 1)
+        _produce(pub, 0, before)
+        if before:
+            assert child_message(q) == ("ahead", before, False)
+        send = pub._core.publish
+        pub._core.publish = lambda slot, _payload: send(slot, crafted(slot))
+        try:
+            _produce(pub, before, 1)
+        finally:
+            del pub._core.publish
+        _, outcomes = child_message(q)
+        proc.join(30)
+    assert outcomes == ["ProtocolError", "PoolClosedError"]
 
 
 def test_ahead_needs_a_publisher_that_keeps_the_schedule(tmp_path):

@@ -36,7 +36,7 @@ import pytest
 from cupy_ipcpool._handles import ArrayHandle, PoolDescriptor
 from cupy_ipcpool._transport import process_start_time
 from cupy_ipcpool.channel import _protocol as proto
-from cupy_ipcpool.channel._payload import FRAME_HEAD, WELCOME_HEAD
+from cupy_ipcpool.channel._payload import FRAME_HEAD, FRAME_VOID, WELCOME_HEAD
 from cupy_ipcpool.channel._syncpage import (
     _SET_WINDOW,
     FORCED,
@@ -1189,6 +1189,42 @@ def test_ctypes_structures_match_the_header(clib: CLib) -> None:
     assert clib.cip_pool_close(None) == 0 and clib.cip_sub_close(None) == 0
     # a frame never received is not known (no GPU needed to ask)
     assert clib.cip_frame_complete(None, ctypes.byref(clib.frame(0, 0, 1))) == -1
+
+
+def test_a_void_frame_payload_parses_with_no_arrays(clib: CLib) -> None:
+    """A void frame (flag index ``slot | FRAME_VOID``: a ``Publisher(ahead=True)`` took the
+    slot and did not publish it) parses, with no arrays, so a C consumer of an ahead
+    publisher goes on; a void frame that declares arrays, the mark on another slot's
+    index, and any other flag index are refused, as the Python subscriber refuses them."""
+    assert (
+        f"#define CIP_WIRE_FRAME_VOID {FRAME_VOID}u"
+        in (C_DIR / "include" / "cupy_ipcpool_wire.h").read_text()
+    )
+    arrays = (CipArray * 4)()
+
+    def parse(payload: bytes, slot: int = 3) -> tuple[int, CipFrame]:
+        frame = CipFrame()
+        st = clib.cip_parse_frame_payload(
+            payload, len(payload), 42, slot, 4096, 0x10000, arrays, 4, ctypes.byref(frame)
+        )
+        return st, frame
+
+    for meta in (b"", b"xy"):
+        payload = FRAME_HEAD.pack(3 | FRAME_VOID, 7, 0, len(meta)) + meta  # metadata points in
+        st, frame = parse(payload)
+        clib.check(st, "cip_parse_frame_payload of a void frame")
+        assert (frame.seq, frame.slot, frame.generation, frame.num_arrays) == (42, 3, 7, 0)
+        assert ctypes.string_at(frame.metadata, frame.metadata_len) == meta
+    handle = ArrayHandle(3, 7, 64, (4,), (4,), np.dtype("float32")).pack()
+    refused = {
+        "void frame with arrays": FRAME_HEAD.pack(3 | FRAME_VOID, 7, 1, 0) + handle,
+        "void mark on another slot's flag": FRAME_HEAD.pack(2 | FRAME_VOID, 7, 0, 0),
+        "another high bit": FRAME_HEAD.pack(3 | 1 << 30, 7, 0, 0),
+    }
+    for case, payload in refused.items():
+        st, _frame = parse(payload)
+        assert clib.why(st).startswith("CIP_ERR_PROTOCOL"), (case, clib.why(st))
+    assert "a void frame with 1 arrays" in clib.why(parse(refused["void frame with arrays"])[0])
 
 
 def test_ctypes_signatures_take_what_the_gpu_tests_pass(clib: CLib, address: str) -> None:

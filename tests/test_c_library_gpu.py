@@ -36,6 +36,11 @@ The C side is ``c/tests/gpu_consumer.c``, built here with the system compiler
   producer's fill, the producer SIGKILLed after 1,500 frames with hundreds in
   flight): ``cip_frame_complete`` calls no bad frame complete and no good one
   incomplete, and ``cip_sub_incomplete_frames`` lists exactly the bad ones.
+* ``test_c_block_subscriber_of_an_ahead_publisher_calls_a_void_frame_incomplete``: a
+  ``Publisher(ahead=True)``'s frame taken and not published reaches the C block
+  subscriber as a void frame (marked in its FRAME payload): taken, with no arrays,
+  ``cip_frame_complete`` 0 for it and 1 for the frames around it, not in
+  ``cip_sub_incomplete_frames``.
 
 Run: ``python -m pytest -q -p no:cacheprovider tests/test_c_library_gpu.py``.
 """
@@ -622,3 +627,92 @@ def test_c_complete_matches_the_gpu_check_of_every_frame_after_a_sigkill(
         f"{KILL_AT}), {len(called_incomplete)} called incomplete; {report['forced']} flags "
         "forced"
     )
+
+
+# ---------------------------------------------------------------- void frames of an ahead publisher
+
+
+def _c_void_case(lib_path: str, address: str, frames: int, queue: Any) -> None:
+    """The C library's block subscriber (through ctypes): per frame, its seq, number of
+    arrays and cip_frame_complete (waited for while -1: the producer's stream has not set
+    the flag yet), then cip_frame_complete again after its release; and the
+    incomplete frames after the last one."""
+    try:
+        import cupy as cp
+        from test_c_library import CIP_MODE_BLOCK, CipFrame, CLib
+
+        cp.cuda.Device(0).use()
+        lib = CLib(lib_path)
+        sub = lib.subscribe(address, CIP_MODE_BLOCK)
+        stream = cp.cuda.Stream(non_blocking=True)
+        got = []
+        for _ in range(frames):
+            f = CipFrame()
+            lib.check(lib.cip_sub_recv(sub, 30000, ctypes.byref(f)), "cip_sub_recv")
+            deadline = time.monotonic() + 30
+            while (complete := lib.cip_frame_complete(sub, ctypes.byref(f))) < 0:
+                assert time.monotonic() < deadline, f"frame {f.seq}'s flag was never set"
+                time.sleep(0.01)
+            lib.check(lib.cip_sub_release(sub, ctypes.byref(f), stream.ptr), "cip_sub_release")
+            again = lib.cip_frame_complete(sub, ctypes.byref(f))
+            got.append((int(f.seq), int(f.num_arrays), complete, again))
+        incomplete = lib.incomplete(sub)
+        stream.synchronize()
+        lib.check(lib.cip_sub_close(sub), "cip_sub_close")
+        queue.put(("ok", got, incomplete))
+    except BaseException:
+        from gpu_helpers import report_exception
+
+        report_exception(queue)
+
+
+@pytest.mark.timeout(120)
+def test_c_block_subscriber_of_an_ahead_publisher_calls_a_void_frame_incomplete(
+    clib_path: Path, address: str
+) -> None:
+    """A Publisher(ahead=True) sends a frame taken and not published as a void frame (its
+    FRAME payload marked): the C library's block subscriber takes it (no arrays) and goes
+    on, cip_frame_complete says 0 for it (held and released) and 1 for the frames around
+    it, and cip_sub_incomplete_frames does not list it (the producer's stream set its
+    flag)."""
+    import queue as queue_mod
+
+    import cupy as cp
+
+    import cupy_ipcpool as cip
+
+    with cip.IpcPool(4, 4 * MiB) as pool, cip.Publisher(pool, address, ahead=True) as pub:
+        result = None
+        queue = SPAWN.Queue()
+        proc = SPAWN.Process(target=_c_void_case, args=(str(clib_path), address, 3, queue))
+        proc.start()
+        try:
+            deadline = time.monotonic() + 60
+            while not pub.subscribers:
+                pub.poll(0.01)
+                assert time.monotonic() < deadline, "the C subscriber never joined"
+            for seq in range(3):
+                with pub.frame(timeout=30) as f:
+                    a = f.array((1024,), cp.uint32)
+                    if seq != 1:  # frame 1: taken and not published
+                        a.fill(seq)
+                        f.publish(a)
+                    del a
+            deadline = time.monotonic() + 60
+            while result is None:
+                pub.poll(0.01)  # takes the RELEASEs and the BYE
+                try:
+                    result = queue.get(timeout=0.05)
+                except queue_mod.Empty:
+                    assert proc.is_alive() or not queue.empty(), f"child exit {proc.exitcode}"
+                    assert time.monotonic() < deadline, "no result from the C subscriber"
+        finally:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+            exitcode = proc.exitcode
+    assert result is not None and result[0] == "ok", result
+    _, got, incomplete = result
+    assert got == [(0, 1, 1, 1), (1, 0, 0, 0), (2, 1, 1, 1)]
+    assert incomplete == []
+    assert exitcode == 0

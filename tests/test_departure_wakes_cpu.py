@@ -79,9 +79,7 @@ def holding(tmp_path: Any) -> Iterator[Callable[[str], tuple[Producer, Any, Conn
     started: list[tuple[Producer, Any, Connection]] = []
 
     def start(way: str) -> tuple[Producer, Any, Connection]:
-        prod = Producer(
-            str(tmp_path / "depart.sock"), LEASE_TIMEOUT if way == "evicted" else None
-        )
+        prod = Producer(str(tmp_path / "depart.sock"), LEASE_TIMEOUT if way == "evicted" else None)
         parent, child = SPAWN.Pipe()
         proc = SPAWN.Process(target=holding_consumer, args=(child, prod.core.address))
         proc.start()

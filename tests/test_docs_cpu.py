@@ -287,9 +287,9 @@ CODE_FACTS: dict[str, Callable[[], Any]] = {
     "SETTLE_RECHECK_LAST_MS": lambda: (
         _import("cupy_ipcpool.channel._publisher_core", "SETTLE_RECHECK")()[1] * 1000
     ),
-    "SETTLE_RECHECK_GROWTH": lambda: (
-        _import("cupy_ipcpool.channel._publisher_core", "SETTLE_RECHECK")()[2]
-    ),
+    "SETTLE_RECHECK_GROWTH": lambda: _import(
+        "cupy_ipcpool.channel._publisher_core", "SETTLE_RECHECK"
+    )()[2],
     "CIP_WIRE_DEATH_WAIT_MS": lambda: _c_wire("CIP_WIRE_DEATH_WAIT_MS"),
     "CIP_WIRE_CLOSE_WAIT_MS": lambda: _c_wire("CIP_WIRE_CLOSE_WAIT_MS"),
     "CIP_WIRE_UNMAP_WAIT_MS": lambda: _c_wire("CIP_WIRE_UNMAP_WAIT_MS"),

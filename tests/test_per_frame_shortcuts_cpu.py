@@ -57,10 +57,9 @@ from cupy_ipcpool._handles import ArrayHandle
 from cupy_ipcpool._peer import PeerPool
 from cupy_ipcpool._slots import SlotTable
 from cupy_ipcpool.channel._leases import LeaseBook
-from cupy_ipcpool.channel._payload import FRAME_HEAD
+from cupy_ipcpool.channel._payload import FRAME_HEAD, FRAME_VOID, frame_head
 from cupy_ipcpool.channel._publisher_core import PublisherCore
 from cupy_ipcpool.channel._sockets import MAX_SPIN_US
-from cupy_ipcpool.channel._subscriber import _frame_head
 from cupy_ipcpool.channel._subscriber_core import SubscriberCore
 
 CTX = mp.get_context("spawn")
@@ -512,16 +511,37 @@ def _bad_heads() -> dict[str, tuple[bytes, int, str]]:
         "flag names another slot": (payload, 2, "names flag 1"),
         "too many arrays": (FRAME_HEAD.pack(1, 5, 65, 0) + rest, 1, "65 arrays"),
         "too much metadata": (FRAME_HEAD.pack(1, 5, 1, 16385) + rest, 1, "16385 metadata"),
+        "void frame with arrays": (
+            FRAME_HEAD.pack(1 | FRAME_VOID, 5, 1, 2) + rest,
+            1,
+            "void frame with 1 arrays",
+        ),
+        "void mark on another slot's flag": (
+            FRAME_HEAD.pack(2 | FRAME_VOID, 5, 0, 0),
+            1,
+            f"names flag {2 | FRAME_VOID}",
+        ),
+        "another high bit": (FRAME_HEAD.pack(1 | 1 << 30, 5, 0, 0), 1, "names flag"),
     }
 
 
 def test_a_frame_head_is_read_as_written() -> None:
     payload = _payload(1, (1 << 32) + 5, [_handle(1, 5), _handle(1, 5)], b"xy")
-    assert _frame_head(7, 1, memoryview(payload)) == (5, 2, 2)  # the generation's low bits
+    assert frame_head(7, 1, memoryview(payload)) == (5, 2, 2, False)  # the generation's low bits
+
+
+def test_a_void_frame_head_is_read_as_void() -> None:
+    """Bit 31 of the flag index marks a void frame (a publisher with ahead=True sends one
+    for a frame taken and not published): no arrays, the metadata as said."""
+    head = FRAME_HEAD.pack(1 | FRAME_VOID, 5, 0, 0)
+    assert frame_head(7, 1, memoryview(head)) == (5, 0, 0, True)
+    assert frame_head(7, 1, FRAME_HEAD.pack(1 | FRAME_VOID, 5, 0, 2) + b"xy") == (5, 0, 2, True)
+    assert frame_head(7, 1, FRAME_HEAD.pack(1, 5, 0, 0)) == (5, 0, 0, False)  # no arrays: not void
+    assert FRAME_VOID == 1 << 31
 
 
 @pytest.mark.parametrize("case", sorted(_bad_heads()))
 def test_a_malformed_frame_head_is_a_protocol_error(case: str) -> None:
     payload, slot, message = _bad_heads()[case]
     with pytest.raises(ProtocolError, match=message):
-        _frame_head(7, slot, payload)
+        frame_head(7, slot, payload)

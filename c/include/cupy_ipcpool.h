@@ -169,8 +169,10 @@ typedef struct cip_frame cip_frame;
  * address, a host mapping, or 0 for plain offsets).  Every handle must lie in
  * the frame's slot, inside it and aligned to its item size.  `arrays` receives
  * up to `cap` arrays (CIP_MAX_ARRAYS always suffice); `out->arrays` points
- * there and `out->metadata` into `payload`.  For raw sessions whose slots are
- * mapped by the caller; cip_sub_recv does this itself. */
+ * there and `out->metadata` into `payload`.  A void frame (its flag index is
+ * slot | CIP_WIRE_FRAME_VOID: a Publisher(ahead=True) took the slot and did not
+ * publish it) parses with no arrays; one that declares arrays is refused.  For raw
+ * sessions whose slots are mapped by the caller; cip_sub_recv does this itself. */
 cip_status cip_parse_frame_payload(const void *payload, size_t len, uint64_t seq, uint32_t slot,
                                    uint64_t slot_nbytes, uint64_t slot_base, cip_array *arrays,
                                    size_t cap, cip_frame *out);
@@ -327,7 +329,11 @@ cip_status cip_sub_release(cip_sub *sub, const cip_frame *frame, void *stream);
  * written, and work queued on them ran on that), -1 (not known yet: the producer
  * is alive, or not seen dead, and has not set the flag; work ordered after
  * cip_frame_wait waits for it on the GPU).  -1 also for a frame never received.
- * Exact for every frame, by cip_flag_state on the slot's frame flag. */
+ * Exact for every frame, by cip_flag_state on the slot's frame flag; 0 also for a
+ * void frame (taken and not published by a Publisher(ahead=True): never written),
+ * the last one received in its slot (an earlier void frame of the same slot
+ * answers by its flag).  A void frame is not in cip_sub_incomplete_frames: the
+ * producer's stream set its flag. */
 int cip_frame_complete(cip_sub *sub, const cip_frame *frame);
 /* How many frame flags this subscription set itself because the producer died. */
 uint64_t cip_sub_forced_flags(const cip_sub *sub);

@@ -140,6 +140,7 @@
 #define CIP_WIRE_FRAME_HEAD_NUM_ARRAYS_WIDTH 2
 #define CIP_WIRE_FRAME_HEAD_METADATA_LEN_OFF 10
 #define CIP_WIRE_FRAME_HEAD_METADATA_LEN_WIDTH 2
+#define CIP_WIRE_FRAME_VOID 2147483648u /* in FRAME_HEAD's flag (slot | FRAME_VOID): a void frame, taken and not published (no arrays, never written) */
 
 /* ---- the sync page (channel/_syncpage.py) ---- */
 #define CIP_WIRE_SYNC_FLAG_BYTES 4u

@@ -788,10 +788,13 @@ check_fits(const cip_array *a, uint64_t slot_nbytes)
     return CIP_OK;
 }
 
-cip_status
-cip_parse_frame_payload(const void *payload, size_t len, uint64_t seq, uint32_t slot,
-                        uint64_t slot_nbytes, uint64_t slot_base, cip_array *arrays, size_t cap,
-                        cip_frame *out)
+/* cip_parse_frame_payload, and whether the frame is void (its flag index carries
+ * CIP_WIRE_FRAME_VOID: a frame of a Publisher(ahead=True) taken and not published,
+ * with no arrays, never written). */
+static cip_status
+parse_frame_payload(const void *payload, size_t len, uint64_t seq, uint32_t slot,
+                    uint64_t slot_nbytes, uint64_t slot_base, cip_array *arrays, size_t cap,
+                    cip_frame *out, int *is_void)
 {
     const uint8_t *p = (const uint8_t *)payload;
     if ((p == NULL && len) || out == NULL || (arrays == NULL && cap))
@@ -801,12 +804,16 @@ cip_parse_frame_payload(const void *payload, size_t len, uint64_t seq, uint32_t 
         return fail(CIP_ERR_PROTOCOL, "frame %llu: payload too short (%zu bytes)", s, len);
     uint64_t flag = RD(p, FRAME_HEAD_FLAG), generation = RD(p, FRAME_HEAD_GENERATION);
     uint64_t count = RD(p, FRAME_HEAD_NUM_ARRAYS), meta_len = RD(p, FRAME_HEAD_METADATA_LEN);
-    if (flag != slot)
+    int void_frame = flag == ((uint64_t)slot | CIP_WIRE_FRAME_VOID);
+    if (flag != slot && !void_frame)
         return fail(CIP_ERR_PROTOCOL, "frame %llu in slot %u names flag %llu", s, slot,
                     (unsigned long long)flag);
     if (count > CIP_WIRE_MAX_ARRAYS || meta_len > CIP_WIRE_MAX_METADATA)
         return fail(CIP_ERR_PROTOCOL, "frame %llu: %llu arrays, %llu metadata bytes", s,
                     (unsigned long long)count, (unsigned long long)meta_len);
+    if (void_frame && count)
+        return fail(CIP_ERR_PROTOCOL, "frame %llu: a void frame with %llu arrays", s,
+                    (unsigned long long)count);
     if (count > cap)
         return fail(CIP_ERR_INVALID_ARGUMENT, "frame %llu has %llu arrays, room for %zu", s,
                     (unsigned long long)count, cap);
@@ -841,7 +848,18 @@ cip_parse_frame_payload(const void *payload, size_t len, uint64_t seq, uint32_t 
     out->metadata_len = (uint32_t)meta_len;
     out->arrays = arrays;
     out->metadata = p + pos;
+    if (is_void)
+        *is_void = void_frame;
     return CIP_OK;
+}
+
+cip_status
+cip_parse_frame_payload(const void *payload, size_t len, uint64_t seq, uint32_t slot,
+                        uint64_t slot_nbytes, uint64_t slot_base, cip_array *arrays, size_t cap,
+                        cip_frame *out)
+{
+    return parse_frame_payload(payload, len, seq, slot, slot_nbytes, slot_base, arrays, cap, out,
+                               NULL);
 }
 
 /* ---- fetching fds: pidfd_getfd, the fd server -------------------------------------- */
@@ -1891,6 +1909,8 @@ struct held {
     int held;
     uint64_t seq;
     uint32_t generation;
+    int void_seen;            /* a void frame was received in this slot ... */
+    uint32_t void_generation; /* ... the last one at this generation (cip_frame_complete 0) */
     cip_array *arrays; /* CIP_MAX_ARRAYS, made at the slot's first frame (GPU sessions) */
     uint8_t *meta;     /* CIP_MAX_METADATA */
 };
@@ -2946,8 +2966,9 @@ cip_sub_recv(cip_sub *sub, int timeout_ms, cip_frame *frame)
         return fail(CIP_ERR_NO_MEMORY, "out of memory");
     cip_pool *pool = sub->pool;
     cip_frame f;
-    st = cip_parse_frame_payload(payload, len, seq, slot, pool->desc.slot_nbytes,
-                                 pool->ptrs[slot], h->arrays, CIP_MAX_ARRAYS, &f);
+    int void_frame = 0;
+    st = parse_frame_payload(payload, len, seq, slot, pool->desc.slot_nbytes, pool->ptrs[slot],
+                             h->arrays, CIP_MAX_ARRAYS, &f, &void_frame);
     if (st != CIP_OK)
         return protocol_error(sub);
     for (uint32_t i = 0; i < f.num_arrays; i++) {
@@ -2976,6 +2997,10 @@ cip_sub_recv(cip_sub *sub, int timeout_ms, cip_frame *frame)
     h->held = 1;
     h->seq = seq;
     h->generation = f.generation;
+    if (void_frame) {
+        h->void_seen = 1;
+        h->void_generation = f.generation;
+    }
     *frame = f;
     return CIP_OK;
 }
@@ -3026,6 +3051,9 @@ cip_frame_complete(cip_sub *sub, const cip_frame *frame)
         frame->slot >= sub->info.num_slots || !sub->have_seq || frame->seq < sub->info.next_seq ||
         frame->seq > sub->last_seq)
         return -1;
+    const struct held *h = &sub->held[frame->slot];
+    if (h->void_seen && h->void_generation == frame->generation)
+        return 0; /* a void frame: taken and not published, never written */
     int state = cip_flag_state(flag_load(sub->page, frame->slot), frame->generation);
     if (state < 0 && producer_dead(sub)) {
         /* it will never be written by the producer: force what we await (a frame not

@@ -26,7 +26,9 @@ the real one.
 This module is the bookkeeping only, no GPU: the predicted frames' wire
 form (their handles, as the publisher would pack them), the check of each
 confirmation (:class:`AheadSchedule`), and the order in which frames are
-handed out and the stream ends (:class:`AheadInbox`).
+handed out and the stream ends (:class:`AheadInbox`).  Every message taken,
+by either way, is first checked by block mode's one check of a FRAME head
+(:func:`~._payload.frame_head`): a malformed one is a :class:`ProtocolError`.
 :class:`~._subscriber.Subscriber` does the GPU part.
 """
 
@@ -40,10 +42,11 @@ from typing import Any
 
 from .._errors import ChannelTimeoutError, EndOfStream, ProtocolError, UsageError
 from .._handles import ArrayHandle
-from ._payload import FRAME_HEAD
+from ._payload import FRAME_HEAD, frame_head
 
 _MASK = 0xFFFFFFFF
 _HALF = 1 << 31
+_LAST_GENERATION = (1 << 64) - 1  # a handle's generation is a u64
 
 
 @dataclass
@@ -63,7 +66,7 @@ class Predicted:
     frame: Any = None
     #: set by :meth:`AheadSchedule.confirm`: the generation the message names
     confirmed_generation: int | None = None
-    #: set by :meth:`AheadSchedule.confirm`: the message carried no arrays (void frame)
+    #: set by :meth:`AheadSchedule.confirm`: the message is a void frame (``FRAME_VOID``)
     void: bool = False
     #: set by :meth:`AheadSchedule.confirm`: the frame's metadata
     metadata: bytes = b""
@@ -103,6 +106,26 @@ def split_handles(
     return parts, generations
 
 
+def _checked_head(seq: int, slot: int, payload: bytes | memoryview) -> tuple[int, int, int, bool]:
+    """:func:`~._payload.frame_head`, and the schedule's own rule: a frame of a publisher
+    with ``ahead=True`` has arrays (the first frame's layout) unless it is void."""
+    gen32, count, meta_len, void = frame_head(seq, slot, payload)
+    if not count and not void:
+        raise ProtocolError(
+            f"frame {seq} has no arrays and is not void (a publisher with ahead=True sends "
+            "every frame with the arrays of the first, and a frame it did not publish void)"
+        )
+    return gen32, count, meta_len, void
+
+
+def _generation_of(seq: int, gens: list[int], gen32: int) -> int:
+    """The generation a frame's handles name: one for all, with the head's low 32 bits."""
+    generation = gens[0]
+    if any(g != generation for g in gens) or (generation & _MASK) != gen32:
+        raise ProtocolError(f"frame {seq}: its arrays name different generations")
+    return generation
+
+
 class AheadSchedule:
     """What an ``"ahead"`` subscriber predicts, and the check of each confirmation.
 
@@ -131,20 +154,30 @@ class AheadSchedule:
     def received(self, seq: int, slot: int, payload: bytes | memoryview) -> None:
         """Frame ``seq`` was received by message before any prediction of it, and handed out.
 
-        ``payload`` is its FRAME payload (head checked by the caller).
+        ``payload`` is its FRAME payload, checked here (:func:`~._payload.frame_head`,
+        then its handles) before anything is noted.
+
+        Raises
+        ------
+        ProtocolError
+            The payload is malformed, or breaks the schedule (a frame with no
+            arrays that is not void, arrays naming other generations than the head).
         """
         if self.outstanding:
             raise ProtocolError(
                 f"frame {seq} handed out from its message while frame "
                 f"{self.outstanding[0].seq} waits for its own"
             )
-        _flag, generation, count, meta_len = FRAME_HEAD.unpack_from(payload, 0)
+        gen32, count, meta_len, void = _checked_head(seq, slot, payload)
         parts, gens = split_handles(payload, count, meta_len)
-        if not gens:  # a void frame: only the low 32 bits of its generation are on the wire
+        if void:  # only the low 32 bits of its generation are on the wire
             state = self._slots[slot]
+            generation = gen32
             if state is not None:
-                generation = state.generation + ((generation - state.generation) & _MASK)
-        self._note(seq, slot, gens[0] if gens else generation, parts if count else None)
+                generation = state.generation + ((gen32 - state.generation) & _MASK)
+            self._note(seq, slot, generation, None)
+        else:
+            self._note(seq, slot, _generation_of(seq, gens, gen32), parts)
         self._last = (seq, slot)
 
     def _note(
@@ -171,6 +204,8 @@ class AheadSchedule:
         if state is None or state.parts is None or state.seq != seq - self.num_slots:
             return None
         generation = state.generation + 1
+        if generation > _LAST_GENERATION:
+            return None  # no generation after it on the wire: the frame comes by message
         gen = ArrayHandle.pack_generation(generation)
         handles = b"".join(head + gen + tail for head, tail in state.parts)
         entry = Predicted(seq, slot, generation, len(state.parts), handles)
@@ -187,17 +222,16 @@ class AheadSchedule:
         Raises
         ------
         ProtocolError
-            The message is not the frame predicted: another seq or slot, a
+            The message is malformed (:func:`~._payload.frame_head`, its
+            handles), or is not the frame predicted: another seq or slot, a
             generation below the predicted one, or other arrays.  The
             publisher broke the schedule it promised (``ahead=True``).
         """
         if not self.outstanding:
             raise ProtocolError(f"frame {seq} confirms no frame handed out ahead")
         entry = self.outstanding[0]
-        if len(payload) < FRAME_HEAD.size:
-            raise ProtocolError(f"frame {seq}: payload too short")
-        flag, gen32, count, meta_len = FRAME_HEAD.unpack_from(payload, 0)
-        if seq != entry.seq or slot != entry.slot or flag != slot:
+        gen32, count, meta_len, void = _checked_head(seq, slot, payload)
+        if seq != entry.seq or slot != entry.slot:
             raise ProtocolError(
                 f"frame {seq} came in slot {slot}; the publisher's schedule (ahead=True) "
                 f"put frame {entry.seq} in slot {entry.slot}"
@@ -223,23 +257,21 @@ class AheadSchedule:
                 f"{entry.generation & _MASK} its previous use in that slot implies"
             )
         parts, gens = split_handles(payload, count, meta_len)
-        if count:
+        if void:
+            generation = entry.generation + ((gen32 - entry.generation) & _MASK)
+        else:
             expected = self._slots[slot]
             if len(parts) != entry.count or expected is None or parts != expected.parts:
                 raise ProtocolError(
                     f"frame {seq}: its arrays differ from the layout of the frames before "
                     "(a publisher with ahead=True keeps one layout)"
                 )
-            if any(g != gens[0] for g in gens) or (gens[0] & _MASK) != gen32:
-                raise ProtocolError(f"frame {seq}: its arrays name different generations")
-            generation = gens[0]
-        else:
-            generation = entry.generation + ((gen32 - entry.generation) & _MASK)
+            generation = _generation_of(seq, gens, gen32)
         self.outstanding.popleft()
         entry.confirmed_generation = generation
-        entry.void = count == 0
+        entry.void = void
         entry.metadata = bytes(payload[len(payload) - meta_len :]) if meta_len else b""
-        self._note(seq, slot, generation, parts if count else None)
+        self._note(seq, slot, generation, None if void else parts)
         return entry
 
     def _last_confirmed(self, seq: int, slot: int, generation: int) -> None:

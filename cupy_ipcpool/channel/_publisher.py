@@ -46,6 +46,7 @@ from ._handshake import SubscriberInfo
 from ._leases import read_flag_done
 from ._payload import (
     FRAME_HEAD,
+    FRAME_VOID,
     MAX_ARRAYS,
     MAX_CHANNEL_SLOTS,
     MAX_METADATA,
@@ -616,7 +617,8 @@ class Publisher(ClosedFlag):
         generation = token.generation
         base = self._ptrs[slot]
         gen = ArrayHandle.pack_generation(generation)
-        parts = [FRAME_HEAD.pack(slot, generation & 0xFFFFFFFF, len(arrays), len(metadata))]
+        flag = slot | FRAME_VOID if void else slot  # a void frame is marked on the wire
+        parts = [FRAME_HEAD.pack(flag, generation & 0xFFFFFFFF, len(arrays), len(metadata))]
         ndarray = self._cp.ndarray
         templates = self._templates
         # the pool keeps each slot's reusable view for the publisher (IpcPool._kept_view)

@@ -28,7 +28,7 @@ from .._peer import PeerPool, attach_fds
 from .._transport._closing import ClosedFlag
 from ._ahead import AheadInbox, AheadSchedule, Predicted
 from ._iterate import frames_until_clean_end
-from ._payload import FRAME_HEAD, MAX_ARRAYS, MAX_METADATA, WELCOME_HEAD
+from ._payload import FRAME_HEAD, WELCOME_HEAD, frame_head
 from ._settle import (
     CLOSE_GRACE,
     DEATH_WAIT,
@@ -49,29 +49,6 @@ class FrameLease(Protocol):
     released: bool
 
     def release(self, stream: Any = None) -> None: ...
-
-
-def _frame_head(seq: int, slot: int, payload: bytes | memoryview) -> tuple[int, int, int]:
-    """Read and check the head of FRAME ``seq``'s payload, received for ``slot``.
-
-    Returns
-    -------
-    (generation, number of arrays, metadata length)
-
-    Raises
-    ------
-    ProtocolError
-        The payload is shorter than its head, its flag is not ``slot``'s, or
-        it declares more arrays or metadata than a frame may carry.
-    """
-    if len(payload) < FRAME_HEAD.size:
-        raise ProtocolError(f"frame {seq}: payload too short")
-    flag, generation, count, meta_len = FRAME_HEAD.unpack_from(payload, 0)
-    if flag != slot:
-        raise ProtocolError(f"frame {seq} in slot {slot} names flag {flag}")
-    if count > MAX_ARRAYS or meta_len > MAX_METADATA:
-        raise ProtocolError(f"frame {seq}: {count} arrays, {meta_len} metadata bytes")
-    return generation, count, meta_len
 
 
 class _Lease:
@@ -112,7 +89,7 @@ class _Lease:
         #: False while the frame was handed out ahead of its message ("ahead" mode)
         self.confirmed = confirmed
         self.released_on = 0  # ahead of its message: the stream its read flag was written on
-        self.void = False  # confirmed by a message with no arrays: never written
+        self.void = False  # a void frame (FRAME_VOID): taken and not published, never written
 
     def release(self, stream: Any = None) -> None:
         if self.released:
@@ -448,8 +425,10 @@ class Subscriber(ClosedFlag):
         peer = self._peer
         assert peer is not None
         try:
-            generation, count, meta_len = _frame_head(seq, slot, payload)
+            generation, count, meta_len, void = frame_head(seq, slot, payload)
             lease = _Lease(self, seq, slot, generation, peer._pin(slot))
+            if void:
+                lease.void = True
             arrays, pos = self._arrays(seq, payload, FRAME_HEAD.size, count, lease)
             if len(payload) - pos != meta_len:
                 lease.released = True
@@ -501,10 +480,7 @@ class Subscriber(ClosedFlag):
             raise
         if isinstance(got, Predicted):
             return self._hand_out_ahead(got, stream)
-        frame = self._hand_out(*got, stream)
-        if not frame.arrays:  # ahead=True sends no arrays only for a frame not published
-            frame._lease.void = True  # type: ignore[attr-defined]
-        return frame
+        return self._hand_out(*got, stream)
 
     def _hand_out_ahead(self, entry: Predicted, stream: Any) -> Frame:
         """Frame ``entry`` before its message: arrays from the predicted handles (the
@@ -656,8 +632,11 @@ class Subscriber(ClosedFlag):
         Empty while the producer lives; once it died and the flags it left
         unset were forced (at the :class:`EndOfStream`, at the latest at
         :meth:`close`), the frames whose :attr:`Frame.complete` is False, in
-        the order received.  Frames past the record's bound are not listed
-        (:attr:`untracked_frames`).  Also after :meth:`close`.
+        the order received.  A void frame (``Publisher(ahead=True)``: taken and
+        not published; :attr:`Frame.complete` False) is not listed: the
+        producer's stream set its flag; it is listed only if the producer died
+        before that, as any frame.  Frames past the record's bound are not
+        listed (:attr:`untracked_frames`).  Also after :meth:`close`.
         """
         if not self._closed:
             self._settle_if_dead()
