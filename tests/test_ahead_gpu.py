@@ -94,6 +94,8 @@ def _ahead_consumer(address, depth, cycles, q, progress_at=0, mode="ahead"):
                         q.put(("progress",))
             except cip.EndOfStream as end:
                 clean, incomplete = end.clean, set(end.incomplete)
+                if clean:  # protocol.md: the same frames, asked of the subscriber
+                    assert set(sub.incomplete_frames) == incomplete, sub.incomplete_frames
             cp.cuda.get_current_stream().synchronize()
             counts = cp.asnumpy(bad)
             report = [
@@ -436,3 +438,63 @@ def test_producer_sigkill_resolves_every_frame_handed_out_ahead(tmp_path):
         f"{len(answers)} frames handed out, {written} written before the death, "
         f"{len(answers) - written} not"
     )
+
+
+def _dropping_consumer(address, frames, q):
+    """An "ahead" subscriber that never calls release(): each frame is dropped (and
+    collected) once the next is received."""
+    try:
+        seqs = []
+        with cip.subscribe(address, mode="ahead", depth=2, timeout=30) as sub:
+            q.put(("ready",))
+            for _ in range(frames):
+                frame = sub.recv(timeout=60)
+                seqs.append(frame.seq)
+                del frame
+        q.put(("done", seqs))
+    except BaseException:
+        report_exception(q)
+
+
+def test_frames_dropped_without_release_come_back_when_collected(tmp_path):
+    """protocol.md: a frame dropped without release() is released once collected (its
+    read flag, then its RELEASE), so a consumer that never releases does not stall the
+    producer: three rounds of a 4-slot ring go through."""
+    address = str(tmp_path / "drop.sock")
+    n = 12
+    with cip.IpcPool(4, WORDS * 4) as pool, cip.Publisher(pool, address, ahead=True) as pub:
+        spin_kernel("spin_fill")
+        proc, q = start_child(_dropping_consumer, address, n)
+        assert child_message(q)[0] == "ready"
+        wait_subscribers(pub, 1)
+        _produce(pub, 0, n)
+        _, seqs = child_message(q)
+        proc.join(30)
+    assert seqs == list(range(n))
+
+
+def test_a_slot_taken_from_the_pool_beside_an_ahead_publisher(tmp_path):
+    """protocol.md: pool.acquire() works beside an ahead publisher: the slot it takes
+    gets a later generation, which the frame's message corrects; every frame handed out
+    ahead still reads exactly its own data."""
+    address = str(tmp_path / "beside.sock")
+    n = 40
+    with cip.IpcPool(4, WORDS * 4) as pool, cip.Publisher(pool, address, ahead=True) as pub:
+        spin_kernel("spin_fill")
+        proc, q = start_child(_ahead_consumer, address, 4, 0)
+        assert child_message(q)[0] == "ready"
+        wait_subscribers(pub, 1)
+        _produce(pub, 0, 8, 20_000)
+        token = pool.acquire(timeout=30)  # outside the publisher: its generation grows
+        token.release()
+        _produce(pub, 8, n - 8, 20_000)
+        pub.close()
+        _, clean, incomplete, report = child_message(q)
+        proc.join(30)
+    assert clean
+    published = [r for r in report if r[0] < n]
+    assert [r[0] for r in published] == list(range(n))
+    wrong = [(r[0], r[5]) for r in published if r[5]]
+    assert wrong == [], f"frames read with other data: {wrong[:10]}"
+    assert all(r[2] is True and r[3] for r in published)
+    assert not set(incomplete) & set(range(n))

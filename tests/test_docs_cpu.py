@@ -287,6 +287,7 @@ CODE_FACTS: dict[str, Callable[[], Any]] = {
     "SETTLE_RECHECK_LAST_MS": lambda: (
         _import("cupy_ipcpool.channel._publisher_core", "SETTLE_RECHECK")()[1] * 1000
     ),
+    "MAX_DUE_PER_SLOT": lambda: _import("cupy_ipcpool.channel._leases", "default_max_due")()(1),
     "SETTLE_RECHECK_GROWTH": lambda: _import(
         "cupy_ipcpool.channel._publisher_core", "SETTLE_RECHECK"
     )()[2],
