@@ -183,7 +183,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"cupy_ipcpool {__version__}")
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # not required here: main() says a command is missing once argparse has named any
+    # unknown option (a required COMMAND would be reported first, hiding it)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def command(name: str, summary: str, description: str) -> argparse.ArgumentParser:
         p = sub.add_parser(
@@ -233,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:
+        parser.error("the following arguments are required: COMMAND")
     try:
         return run_command(args)
     except argparse.ArgumentError as exc:

@@ -29,6 +29,8 @@ import tempfile
 import time
 from typing import Any
 
+from ._handles import MAX_SLOT_NBYTES
+
 _META = struct.Struct("<QQ")  # seq, producer timestamp (CLOCK_MONOTONIC ns)
 _CAMERA_SRC = "out = (unsigned char)(((unsigned int)i * 2654435761u + seq * 40503u) >> 24)"
 _POST_SRC = "out = in ^ (unsigned char)0x5A"
@@ -60,6 +62,14 @@ FIGURES = (
 
 #: Most consumer processes (the demo's publisher admits this many subscribers).
 MAX_CONSUMERS = 64
+#: A frame's array is rows of this many bytes (1024 RGBA pixels); a smaller one has no row.
+ROW_NBYTES = 1024 * 4
+#: Slot bytes beyond a frame's two arrays.
+SLOT_SLACK = 1024
+MiB = 1 << 20
+#: The range of ``--frame-mib``: from one row to what a slot (two arrays) may hold.
+MIN_FRAME_MIB = ROW_NBYTES / MiB
+MAX_FRAME_MIB = (MAX_SLOT_NBYTES - SLOT_SLACK) // 2 // MiB
 
 
 def positive_float(text: str) -> float:
@@ -73,6 +83,20 @@ def positive_float(text: str) -> float:
     return value
 
 
+def frame_mib(text: str) -> float:
+    """An argparse ``type``: ``--frame-mib``, a number in ``MIN_FRAME_MIB..MAX_FRAME_MIB``."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not MIN_FRAME_MIB <= value <= MAX_FRAME_MIB:  # NaN too
+        raise argparse.ArgumentTypeError(
+            f"must be in {MIN_FRAME_MIB:g}..{MAX_FRAME_MIB} (MiB: from one "
+            f"{ROW_NBYTES // 1024} KiB row to half the largest slot), got {text}"
+        )
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the demo's options on ``parser`` (each value checked as it is parsed)."""
     from .channel import MAX_CHANNEL_SLOTS as MAX_SLOTS
@@ -80,9 +104,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument(
         "--frame-mib",
-        type=positive_float,
+        type=frame_mib,
         default=8.0,
-        help="size of each of a frame's two arrays, MiB",
+        help=f"size of each of a frame's two arrays, MiB ({MIN_FRAME_MIB:g}..{MAX_FRAME_MIB}, "
+        f"in whole rows of {ROW_NBYTES // 1024} KiB)",
     )
     parser.add_argument(
         "--slots", type=int_in(2, MAX_SLOTS), default=8, help=f"ring slots (2..{MAX_SLOTS})"
@@ -308,11 +333,9 @@ def run(args: argparse.Namespace) -> int:
 
     import cupy_ipcpool as cip
 
-    nbytes = int(args.frame_mib * (1 << 20))
-    width = 1024
-    rows = max(1, nbytes // (width * 4))
-    shape = (rows, width, 4)
-    frame_bytes = rows * width * 4
+    rows = int(args.frame_mib * MiB) // ROW_NBYTES  # >= 1: --frame-mib is checked
+    shape = (rows, ROW_NBYTES // 4, 4)
+    frame_bytes = rows * ROW_NBYTES
     tmpdir = tempfile.mkdtemp(prefix="cupy_ipcpool-demo-")
     address = os.path.join(tmpdir, "demo.sock")
     ctx = mp.get_context("spawn")
@@ -362,7 +385,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with (
             cp.cuda.Device(args.device),
-            cip.IpcPool(args.slots, 2 * frame_bytes + 1024, device=args.device) as pool,
+            cip.IpcPool(args.slots, 2 * frame_bytes + SLOT_SLACK, device=args.device) as pool,
             cip.Publisher(pool, address, max_subscribers=MAX_CONSUMERS) as pub,
         ):
             for i in range(args.consumers):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 from importlib import metadata
 
 from . import _driver
@@ -128,8 +129,18 @@ def mps_summary(flags: list[bool | None]) -> str | None:
     )
 
 
-def report() -> tuple[int, list[str]]:
-    """Return ``(exit code, lines)`` describing drivers, devices and transports."""
+def report() -> tuple[list[str], str | None]:
+    """What this machine offers: the report's lines, and why no device can host a pool.
+
+    Returns
+    -------
+    lines : list[str]
+        Versions, the fd transports, the remote extra, the compiled parts, the
+        driver and each device.
+    failure : str or None
+        One line saying why no device can host a pool (``no GPU: ...``), or
+        None when one can.
+    """
     lines = [
         f"cupy_ipcpool {__version__}  python {platform.python_version()}  "
         f"kernel {platform.release()}",
@@ -143,12 +154,10 @@ def report() -> tuple[int, list[str]]:
         version = _driver.driver_version()
         count = _driver.device_count()
     except CudaUnavailableError as exc:
-        lines.append(f"no GPU: {exc}")
-        return 1, lines
+        return lines, " ".join(f"no GPU: {exc}".split())
     lines.append(f"driver CUDA version {version // 1000}.{version % 1000 // 10}, {count} device(s)")
     if count == 0:
-        lines.append("no GPU: the driver sees no device")
-        return 1, lines
+        return lines, "no GPU: the driver sees no device"
     usable = 0
     mps_flags: list[bool | None] = []
     for i in range(count):
@@ -170,13 +179,19 @@ def report() -> tuple[int, list[str]]:
     if note is not None and usable:
         lines.append(note)
     if not usable:
-        lines.append("no device supports VMM with POSIX-fd handles")
-        return 1, lines
-    return 0, lines
+        return lines, "no usable GPU: no device supports VMM with POSIX-fd handles"
+    return lines, None
 
 
 def main() -> int:
-    """Print the report; return the exit code."""
-    code, lines = report()
-    print("\n".join(lines))
-    return code
+    """Print the report on stdout; return 0, or 1 with its one-line reason on stderr.
+
+    The reason (no driver, no device, no device that can host a pool) is the
+    command line's runtime error: one line on stderr, exit status 1.
+    """
+    lines, failure = report()
+    print("\n".join(lines), flush=True)
+    if failure is None:
+        return 0
+    print(failure, file=sys.stderr)
+    return 1

@@ -13,7 +13,7 @@ loopback.  From the checkout::
     python3 examples/remote_loopback.py [--frames N]
 
 Exits 0 when every frame checked out, 1 when one did not, and 2 (with the
-reason on stderr) when UCXX is not available.
+reason on stderr) for a ``--frames`` below 1 or when UCXX is not available.
 """
 
 from __future__ import annotations
@@ -32,9 +32,22 @@ SECRET = "loopback example secret, 16+ bytes"
 N_FLOATS = 100_000  # 400 kB a frame: above UCX's rendezvous threshold (zero-copy)
 
 
+def frame_count(text: str) -> int:
+    """An argparse ``type``: how many frames to send, at least 1."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {count}")
+    return count
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--frames", type=int, default=50)
+    parser.add_argument(
+        "--frames", type=frame_count, default=50, help="frames to send, at least 1 (default 50)"
+    )
     args = parser.parse_args()
 
     reason = remote.available()

@@ -135,9 +135,10 @@ def _parser():
 def test_add_arguments_defaults_and_run():
     args = _parser().parse_args([])
     assert args.run is bench.main
-    assert args.mode == "full" and args.outdir == "./bench-out"
+    assert args.mode is None and args.outdir == "./bench-out"  # not given: full
     assert args.lanes is None and args.sizes is None and args.iters is None
     opts = bench.options_from_args(args)
+    assert opts.mode == "full"
     assert opts.sizes() == tuple(m * MiB for m in (1, 4, 16, 64, 256, 1024))
     assert opts.run_scale()
 

@@ -33,8 +33,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cupy_ipcpool._handles import ArrayHandle, PoolDescriptor
-from cupy_ipcpool._transport import process_start_time
+from cupy_ipcpool._errors import UsageError
+from cupy_ipcpool._handles import MAX_SOCKET_PATH, ArrayHandle, PoolDescriptor
+from cupy_ipcpool._transport import check_socket_path, process_start_time
 from cupy_ipcpool.channel import _protocol as proto
 from cupy_ipcpool.channel._payload import FRAME_HEAD, FRAME_VOID, WELCOME_HEAD
 from cupy_ipcpool.channel._syncpage import (
@@ -727,6 +728,31 @@ def test_no_publisher(probe: Probe, address: str) -> None:
     answer = probe(f"open_raw {address} block 0 1000")
     assert status(answer) == "CIP_ERR_TRANSPORT"
     assert "is the publisher running?" in answer
+
+
+def test_a_socket_path_too_long_is_refused_with_python_s_limit_and_words(probe: Probe) -> None:
+    """Python's limit (107 bytes: ``sun_path`` less its NUL) and Python's message, with the
+    path's length and the fix, before any socket is made, from both ways of subscribing;
+    a path of 107 bytes is tried (and finds no publisher)."""
+    d = tempfile.mkdtemp(prefix="cip-", dir="/tmp")
+    try:
+        for size in (MAX_SOCKET_PATH + 1, 150):
+            path = os.path.join(d, "p" * (size - len(d) - 1))
+            with pytest.raises(UsageError) as python:
+                check_socket_path(path)
+            for command in ("open_raw", "open"):
+                answer = probe(f"{command} {path} block 0 1000")
+                assert status(answer) == "CIP_ERR_INVALID_ARGUMENT", answer
+                assert answer == f"err CIP_ERR_INVALID_ARGUMENT {python.value}", answer
+                assert f"is {size} bytes long" in answer and "$XDG_RUNTIME_DIR" in answer
+        # a path too long to print whole is cut in the message, not the message's end
+        answer = probe(f"open_raw {d}/{'p' * 2000} block 0 1000")
+        assert answer.endswith("$XDG_RUNTIME_DIR") and f"is {len(d) + 2001} bytes" in answer
+        path = os.path.join(d, "p" * (MAX_SOCKET_PATH - len(d) - 1))
+        answer = probe(f"open_raw {path} block 0 1000")
+        assert status(answer) == "CIP_ERR_TRANSPORT" and "is the publisher running?" in answer
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 class RecordingPeer:

@@ -274,10 +274,14 @@ def test_info_note_points_at_headings_that_exist():
 # -- errors: one line on stderr, exit 2 for a usage error (naming the flag), 1 otherwise -----
 
 
+#: What the ``files`` fixture puts in its directory (a usage error adds nothing).
+FILES = {"short.secret", "empty.secret", "good.secret"}
+
+
 @pytest.fixture(scope="module")
 def files() -> Iterator[dict[str, str]]:
     """A regular file, an empty secret file, a short one and a good one."""
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
         paths = {}
         for name, text in (("short", "short\n"), ("empty", ""), ("good", SECRET + "\n")):
             paths[name] = os.path.join(tmp, f"{name}.secret")
@@ -327,6 +331,38 @@ USAGE_ERRORS = [
     (("relay", "ucx://127.0.0.1:1", "{dir}/r.sock", "--insecure", "--slots", "0"), "--slots"),
     (("relay", "ucx://127.0.0.1:1", "{dir}/r.sock", "--memory", "host"), "--secret-file"),
     (("relay", "ucx://127.0.0.1:1", "{dir}/r.sock", "--secret-file", "{short}"), "--secret-file"),
+    # issue 45, point 4: each loose end of the command line is a usage error naming its flag
+    (("--bogus",), "unrecognized arguments: --bogus"),
+    (("--debug", "--bogus"), "unrecognized arguments: --bogus"),
+    (("--debug",), "COMMAND"),
+    (("serve", "", "--insecure"), "argument PATH: the socket path is empty"),
+    (("serve", "{file}", "--insecure"), "argument PATH: {file} is not a socket"),
+    (("serve", "{dir}", "--insecure"), "argument PATH: {dir} is not a socket"),
+    (("serve", "{file}/x.sock", "--insecure"), "argument PATH"),
+    (("serve", "/tmp/" + "s" * 103, "--insecure"), "argument PATH: the socket path"),
+    (("relay", "ucx://127.0.0.1:1", "", "--insecure", "--memory", "host"), "argument PATH"),
+    (("relay", "ucx://127.0.0.1:1", "{file}", "--insecure", "--memory", "host"), "argument PATH"),
+    (("relay", "ucx://127.0.0.1:1", "{dir}/" + "r" * 120, "--insecure"), "argument PATH"),
+    (("relay", "ucx://127.0.0.1", "{dir}/r.sock", "--insecure"), "argument REMOTE"),
+    (("relay", "ucx://127.0.0.1:0", "{dir}/r.sock", "--insecure"), "argument REMOTE"),
+    (("relay", "127.0.0.1:13337", "{dir}/r.sock", "--insecure"), "argument REMOTE"),
+    (("serve", "/tmp/no-such.sock", "--insecure", "--listen", "127.0.0.1"), "--listen"),
+    (("serve", "/tmp/no-such.sock", "--insecure", "--secret-file", "{good}"), "--insecure"),
+    (("serve", "/tmp/no-such.sock", "--secret-file", "{good}", "--insecure"), "--insecure"),
+    (
+        ("relay", "ucx://127.0.0.1:1", "{dir}/r.sock", "--insecure", "--secret-file", "{good}"),
+        "--insecure",
+    ),
+    (("bench", "--gpu-clock", "--mode", "short", "--outdir", "{dir}"), "--mode"),
+    (("bench", "--gpu-clock", "--no-scale", "--outdir", "{dir}"), "--no-scale"),
+    (("bench", "--lanes", "cupy_ipcpool,,host_staging", "--outdir", "{dir}"), "--lanes"),
+    (("bench", "--lanes", "cupy_ipcpool,", "--outdir", "{dir}"), "--lanes"),
+    (("bench", "--sizes", "1,,64", "--outdir", "{dir}"), "--sizes"),
+    (("bench", "--outdir", "/proc/cupy-ipcpool-bench"), "--outdir"),  # os.access: yes, for root
+    (("bench", "--outdir", "{file}/out"), "--outdir"),
+    (("demo", "--frame-mib", "1e-9"), "--frame-mib"),
+    (("demo", "--frame-mib", "1e308"), "--frame-mib"),
+    (("demo", "--frame-mib", "0.001"), "--frame-mib"),
 ]
 
 
@@ -337,8 +373,140 @@ def test_a_usage_error_is_one_line_naming_the_flag_before_any_gpu(argv, flag, fi
     command = argv[0] if argv and argv[0] in ("demo", "bench", "serve", "relay") else None
     prefix = f"{PROG} {command}: error: " if command else f"{PROG}: error: "
     assert line.startswith(prefix), line
-    assert flag in line, line
+    assert flag.format(**files) in line, line
     assert out.stdout == ""
+    assert set(os.listdir(files["dir"])) == FILES  # nothing made before the usage error
+
+
+def test_the_usage_errors_say_what_is_wrong_and_what_to_give(files):
+    """The words of the new usage errors: the range, the default port, the conflict."""
+    line = _one_error_line(_cli("demo", "--frame-mib", "1e-9"), 2)
+    assert "must be in 0.00390625..8388607" in line and "got 1e-9" in line, line
+    line = _one_error_line(_cli("relay", "ucx://h", files["dir"] + "/r.sock", "--insecure"), 2)
+    assert "has no port" in line and "13337" in line, line
+    line = _one_error_line(_cli("relay", "h:5", files["dir"] + "/r.sock", "--insecure"), 2)
+    assert "has no scheme: give ucx://h:5" in line, line
+    line = _one_error_line(_cli("relay", "ucx://h:0", files["dir"] + "/r.sock", "--insecure"), 2)
+    assert "port 0" in line, line
+    long = "/tmp/" + "s" * 103
+    line = _one_error_line(_cli("serve", long, "--insecure"), 2)
+    assert "108 bytes long" in line and "at most 107 bytes" in line and "/tmp" in line, line
+    line = _one_error_line(_cli("bench", "--lanes", "cupy_ipcpool,,host_staging"), 2)
+    assert "empty lane" in line, line
+    line = _one_error_line(_cli("bench", "--gpu-clock", "--mode", "short"), 2)
+    assert "argument --mode: not with --gpu-clock" in line, line
+
+
+def test_insecure_with_a_secret_in_the_environment_is_a_usage_error(files):
+    for argv in (
+        ("serve", "/tmp/no-such.sock", "--insecure"),
+        ("relay", "ucx://127.0.0.1:1", files["dir"] + "/r.sock", "--insecure", "--memory", "host"),
+    ):
+        line = _one_error_line(_cli(*argv, secret=SECRET), 2)
+        assert line.startswith(f"{PROG} {argv[0]}: error: argument --insecure:"), line
+        assert "$CUPY_IPCPOOL_SECRET is set" in line, line
+
+
+def test_info_without_a_gpu_gives_its_reason_on_stderr():
+    out = _cli("info")
+    line = _one_error_line(out, 1)  # docs/install.md: one line on stderr
+    assert line.startswith(("no GPU:", "no usable GPU:")), line
+    assert "pidfd_getfd:" in out.stdout and "compiled parts:" in out.stdout  # the report
+    assert "no GPU" not in out.stdout, out.stdout
+
+
+def test_relay_help_gives_the_default_port():
+    out = _run(sys.executable, "-m", "cupy_ipcpool", "relay", "--help")
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    assert "REMOTE ucx://host:port of the remote server (serve listens on port 13337" in text
+
+
+@contextlib.contextmanager
+def foreign_socket(path: str, kind: int) -> Iterator[None]:
+    """A Unix socket at ``path`` that is not a publisher: it answers in another protocol."""
+    listener = socket.socket(socket.AF_UNIX, kind)
+    listener.bind(path)
+    listener.listen(4)
+    stop = threading.Event()
+
+    def answer() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.sendall(b"<!DOCTYPE html>")
+                stop.wait(1.0)
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+
+
+@pytest.mark.parametrize("memory", ["host", "device"])
+def test_serve_says_a_socket_that_is_no_publisher_is_not_one(tmp_path, memory):
+    path = str(tmp_path / "other.sock")
+    with foreign_socket(path, socket.SOCK_SEQPACKET):
+        out = _cli("serve", path, "--insecure", "--memory", memory, "--listen", "127.0.0.1:0")
+    line = _one_error_line(out, 1)
+    assert f"{path} does not answer as a cupy_ipcpool publisher" in line, line
+    os.unlink(path)
+    with foreign_socket(path, socket.SOCK_STREAM):
+        out = _cli("serve", path, "--insecure", "--memory", memory, "--listen", "127.0.0.1:0")
+    line = _one_error_line(out, 1)
+    assert f"{path} is not a cupy_ipcpool publisher" in line, line
+
+
+def test_the_remote_handshake_names_a_peer_that_is_not_a_server():
+    """The remote client's first read (the relay's, a remote subscriber's): a peer that
+    answers in another protocol is named as no cupy_ipcpool server, not as a bad magic."""
+    import time
+
+    from cupy_ipcpool import ProtocolError
+    from cupy_ipcpool.remote import _io
+
+    a, b = socket.socketpair()
+    with a, b:
+        b.sendall(b"<!DOCTYPE html>")
+        with pytest.raises(ProtocolError) as raised:
+            _io.recv_message(
+                a, time.monotonic() + 5, foreign="ucx://h:1 is not a cupy_ipcpool server"
+            )
+    text = str(raised.value)
+    assert text.startswith("ucx://h:1 is not a cupy_ipcpool server: it answered b'<!DOCTYP'"), text
+    assert "magic" not in text
+
+
+@needs_ucx
+def test_relay_names_a_server_that_is_not_cupy_ipcpool(tmp_path):
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+
+        def answer() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.sendall(b"<!DOCTYPE html>\n")
+                conn.recv(4096)
+
+        thread = threading.Thread(target=answer, daemon=True)
+        thread.start()
+        out = _cli(
+            "relay", f"ucx://127.0.0.1:{port}", str(tmp_path / "r.sock"), "--insecure",
+            "--memory", "host",
+        )  # fmt: skip
+        thread.join(5)
+    line = _one_error_line(out, 1)
+    assert f"ucx://127.0.0.1:{port} is not a cupy_ipcpool server" in line, line
 
 
 def test_no_secret_names_the_flags_not_the_api():

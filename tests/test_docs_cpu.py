@@ -254,6 +254,7 @@ def _proto(name: str) -> Any:
 CODE_FACTS: dict[str, Callable[[], Any]] = {
     "MAX_CHANNEL_SLOTS": _import("cupy_ipcpool.channel", "MAX_CHANNEL_SLOTS"),
     "SCM_MAX_FD": _import("cupy_ipcpool._transport", "SCM_MAX_FD"),
+    "MAX_SOCKET_PATH": _import("cupy_ipcpool._handles", "MAX_SOCKET_PATH"),
     "MAX_SLOTS": _import("cupy_ipcpool._handles", "MAX_SLOTS"),
     "MAX_ARRAYS": _import("cupy_ipcpool.channel", "MAX_ARRAYS"),
     "MAX_METADATA": _import("cupy_ipcpool.channel", "MAX_METADATA"),
@@ -334,7 +335,7 @@ REQUIRED_FACTS = {
         "CLOSE_GRACE",
     },
     "docs/c.md": {"CIP_WIRE_CLOSE_WAIT_MS", "CIP_WIRE_UNMAP_WAIT_MS", "CIP_WIRE_DEATH_WAIT_MS"},
-    "docs/transports.md": {"ACCEPT_BACKOFF_MS"},
+    "docs/transports.md": {"ACCEPT_BACKOFF_MS", "MAX_SOCKET_PATH"},
 }
 
 

@@ -40,3 +40,12 @@ def test_remote_loopback_example_says_it_needs_ucxx() -> None:
     assert done.returncode == 2, done.stdout + done.stderr
     assert "UCXX is not available" in done.stderr
     assert "pip install -e '.[remote]'" in done.stderr
+
+
+@pytest.mark.parametrize("frames", ["-3", "0", "many"])
+def test_remote_loopback_example_refuses_a_frame_count_below_one(frames: str) -> None:
+    # a usage error, before UCXX is looked for: exit 2 naming the flag
+    done = run("--frames", frames)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "argument --frames:" in done.stderr and "UCXX" not in done.stderr, done.stderr
+    assert done.stdout == ""

@@ -244,7 +244,9 @@ typedef struct cip_sub_info {
 } cip_sub_info;
 
 /* Protocol layer: connect, check the publisher's uid (SO_PEERCRED), send HELLO,
- * receive WELCOME and its fds.  `opts` may be NULL (defaults). */
+ * receive WELCOME and its fds.  `opts` may be NULL (defaults).  A `path` that is
+ * empty or longer than CIP_WIRE_MAX_SOCKET_PATH (107) bytes is
+ * CIP_ERR_INVALID_ARGUMENT, before any socket is made. */
 cip_status cip_sub_open_raw(const char *path, const cip_sub_options *opts, cip_sub **out);
 
 /* GPU layer: cip_sub_open_raw to a cupy_ipcpool Publisher, then check the

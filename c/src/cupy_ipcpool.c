@@ -52,6 +52,7 @@ CIP_ASSERT(CIP_WIRE_POOL_ID_NBYTES == 16 && CIP_WIRE_DEVICE_UUID_NBYTES == 16, i
 CIP_ASSERT(CIP_WIRE_DESC_POOL_ID_WIDTH == CIP_WIRE_POOL_ID_NBYTES, pool_id_field);
 CIP_ASSERT(CIP_WIRE_DESC_DEVICE_UUID_WIDTH == CIP_WIRE_DEVICE_UUID_NBYTES, uuid_field);
 CIP_ASSERT(CIP_WIRE_MAX_SOCKET_PATH < sizeof(((cip_descriptor *)0)->socket_path), path_field);
+CIP_ASSERT(CIP_WIRE_MAX_SOCKET_PATH < sizeof(((struct sockaddr_un *)0)->sun_path), path_nul);
 CIP_ASSERT(CIP_WIRE_DESC_MAGIC_WIDTH == 4 && sizeof(CIP_WIRE_DESC_MAGIC) == 5, desc_magic);
 CIP_ASSERT(CIP_WIRE_MAX_CHANNEL_SLOTS + 1 <= CIP_WIRE_MAX_FDS, channel_fds);
 CIP_ASSERT(CIP_WIRE_SYNC_FLAG_BYTES == 4, flag_words);
@@ -1016,6 +1017,24 @@ getfd_all(const cip_descriptor *d, int *out, enum where where, int *err)
     return CIP_OK;
 }
 
+/* The one check of a socket path this library connects to: not empty, and short enough for
+ * sun_path with its NUL (CIP_WIRE_MAX_SOCKET_PATH, 107 bytes, Python's limit too).  The
+ * message gives the limit, the path's length and the fix. */
+static cip_status
+check_socket_path(const char *path)
+{
+    size_t len = strlen(path);
+    if (len == 0)
+        return fail(CIP_ERR_INVALID_ARGUMENT, "the socket path is empty");
+    if (len > CIP_WIRE_MAX_SOCKET_PATH)
+        return fail(CIP_ERR_INVALID_ARGUMENT,
+                    "the socket path %.200s%s is %zu bytes long; a Unix socket path holds at most "
+                    "%u bytes (sun_path): use a shorter path, e.g. in a directory under /tmp or "
+                    "$XDG_RUNTIME_DIR",
+                    path, len > 200 ? "..." : "", len, CIP_WIRE_MAX_SOCKET_PATH);
+    return CIP_OK;
+}
+
 /* Connect a non-blocking Unix socket of `type`, retrying a full backlog until the deadline. */
 static cip_status
 connect_unix(const char *path, int type, long long deadline, int *out, int *err)
@@ -1023,13 +1042,12 @@ connect_unix(const char *path, int type, long long deadline, int *out, int *err)
     struct sockaddr_un addr;
     memset(&addr, 0, sizeof addr);
     addr.sun_family = AF_UNIX;
-    size_t len = strlen(path);
-    if (len == 0 || len >= sizeof addr.sun_path) {
+    cip_status st = check_socket_path(path);
+    if (st != CIP_OK) {
         *err = ENAMETOOLONG;
-        return fail(CIP_ERR_INVALID_ARGUMENT, "socket path '%s' is empty or longer than %zu bytes",
-                    path, sizeof addr.sun_path - 1);
+        return st;
     }
-    memcpy(addr.sun_path, path, len);
+    memcpy(addr.sun_path, path, strlen(path));
     int s = socket(AF_UNIX, type | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (s < 0) {
         *err = errno;
@@ -2653,9 +2671,9 @@ sub_open_raw(const char *path, const cip_sub_options *opts, cip_sub **out)
                     CIP_WIRE_MAX_CREDIT, o.credit);
     if (o.allowed_uids == NULL && o.n_allowed_uids)
         return fail(CIP_ERR_INVALID_ARGUMENT, "allowed_uids is NULL");
-    if (strlen(path) >= sizeof(((struct sockaddr_un *)0)->sun_path))
-        return fail(CIP_ERR_INVALID_ARGUMENT, "socket path '%s' is longer than %zu bytes", path,
-                    sizeof(((struct sockaddr_un *)0)->sun_path) - 1);
+    cip_status checked = check_socket_path(path); /* before it is copied into sub->path */
+    if (checked != CIP_OK)
+        return checked;
     cip_sub *sub = (cip_sub *)calloc(1, sizeof *sub);
     if (sub == NULL)
         return fail(CIP_ERR_NO_MEMORY, "out of memory");

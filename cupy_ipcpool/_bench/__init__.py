@@ -13,6 +13,7 @@ import datetime
 import os
 import platform
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
@@ -133,13 +134,10 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     Raises
     ------
     argparse.ArgumentTypeError
-        Not a comma-separated list of positive integers.
+        Not a comma-separated list of positive integers (an empty item too).
     """
     out: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
+    for part in _items(text, "frame size"):
         scale = 1
         low = part.lower()
         if low.endswith("gib"):
@@ -161,17 +159,33 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _items(text: str, what: str) -> list[str]:
+    """The items of a comma-separated list, stripped; an empty one is an error.
+
+    Raises
+    ------
+    argparse.ArgumentTypeError
+        No item, or an empty one (``a,,b``, a comma at either end), named with ``what``.
+    """
+    items = [p.strip() for p in text.split(",")]
+    if items == [""]:
+        raise argparse.ArgumentTypeError(f"no {what} given")
+    if "" in items:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} has an empty {what} (two commas in a row, or one at either end)"
+        )
+    return items
+
+
 def parse_lanes(text: str) -> tuple[str, ...]:
     """``"cupy_ipcpool,host_staging"`` -> lane names (checked against :data:`LANE_NAMES`).
 
     Raises
     ------
     argparse.ArgumentTypeError
-        An unknown lane or an empty list.
+        An unknown lane, an empty item or an empty list.
     """
-    names = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
-    if not names:
-        raise argparse.ArgumentTypeError("no lane given")
+    names = tuple(dict.fromkeys(_items(text, "lane")))
     unknown = [n for n in names if n not in LANE_NAMES]
     if unknown:
         raise argparse.ArgumentTypeError(
@@ -202,21 +216,33 @@ def _non_negative_int(text: str) -> int:
 def check_outdir(args: argparse.Namespace) -> None:
     """Fail now, not after the run, when ``--outdir`` cannot be a writable directory.
 
+    Writability is tried for real: a file is created (and removed) in
+    ``--outdir``, or in the deepest directory above it that exists, since
+    ``os.access`` answers yes to root where the file system still refuses
+    (``/proc``, a read-only or root-squashed mount).  The directory itself is
+    made only once the run starts.
+
     Raises
     ------
     argparse.ArgumentError
-        ``--outdir`` is a file, or no directory above it can be written.
+        ``--outdir`` (or a path above it) is a file, or no file can be
+        created in the directory it would be made in.
     """
     path = os.path.abspath(args.outdir)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise argparse.ArgumentError(None, f"argument --outdir: {args.outdir} is not a directory")
     existing = path
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+    if not os.path.isdir(existing):
+        what = args.outdir if existing == path else f"{existing} (above {args.outdir})"
+        raise argparse.ArgumentError(None, f"argument --outdir: {what} is not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing, prefix=".cupy_ipcpool-bench-"):
+            pass
+    except OSError as exc:
         raise argparse.ArgumentError(
-            None, f"argument --outdir: cannot write to {existing} (for {args.outdir})"
-        )
+            None,
+            f"argument --outdir: cannot write to {existing} (for {args.outdir}): {exc.strerror}",
+        ) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -230,9 +256,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mode",
         choices=sorted(MODES),
-        default="full",
+        default=None,  # not given: full (None tells --gpu-clock that it was not given)
         help="short: 1 and 64 MiB, few frames (< ~1 min); full: 1 MiB..1 GiB "
-        "and the scale figures (default: %(default)s)",
+        "and the scale figures (default: full; not with --gpu-clock)",
     )
     parser.add_argument(
         "--outdir",
@@ -283,10 +309,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the round trip, and each side's CPU time per frame; sizes default to "
         f"{','.join(str(m) for m in gpuclock.GPU_CLOCK_SIZES_MIB)} MiB, --iters to "
         f"{gpuclock.GPU_CLOCK_ITERS} timed frames; writes gpuclock.md/.json to --outdir "
-        "(--mode does not apply)",
+        "(not with --mode, --no-scale or --paired-turns)",
     )
     # check, then gpu (the device that must exist), are the command line's, before main
     parser.set_defaults(run=main, check=check_args, gpu=lambda args: args.device)
+
+
+#: The options ``--gpu-clock`` does not take (its argparse ``dest``, its flag, why not).
+NOT_WITH_GPU_CLOCK = (
+    ("mode", "--mode", "its sizes and frame counts are its own: --sizes and --iters set them"),
+    ("no_scale", "--no-scale", "it measures no scale figures"),
+    ("paired_turns", "--paired-turns", "it runs no interleaved turns"),
+)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -295,8 +329,8 @@ def check_args(args: argparse.Namespace) -> None:
     Raises
     ------
     argparse.ArgumentError
-        As :func:`check_outdir`; a lane ``--gpu-clock`` does not measure;
-        ``--paired-turns`` with ``--gpu-clock``.
+        As :func:`check_outdir`; a lane ``--gpu-clock`` does not measure; an
+        option of :data:`NOT_WITH_GPU_CLOCK` with ``--gpu-clock``.
     """
     check_outdir(args)
     if not getattr(args, "gpu_clock", False):
@@ -305,10 +339,9 @@ def check_args(args: argparse.Namespace) -> None:
         gpuclock.check_lanes(args.lanes)
     except ValueError as exc:
         raise argparse.ArgumentError(None, f"argument --lanes: {exc}") from None
-    if getattr(args, "paired_turns", None) is not None:
-        raise argparse.ArgumentError(
-            None, "argument --paired-turns: not with --gpu-clock (it runs no interleaved turns)"
-        )
+    for dest, flag, why in NOT_WITH_GPU_CLOCK:
+        if getattr(args, dest, None) not in (None, False):
+            raise argparse.ArgumentError(None, f"argument {flag}: not with --gpu-clock ({why})")
 
 
 @dataclass(frozen=True)
@@ -349,7 +382,7 @@ class BenchOptions:
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
     """Turn parsed arguments into :class:`BenchOptions`."""
     return BenchOptions(
-        mode=args.mode,
+        mode=args.mode or "full",
         outdir=args.outdir,
         lanes=args.lanes,
         sizes_mib=args.sizes,

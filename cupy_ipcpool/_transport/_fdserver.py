@@ -41,7 +41,14 @@ from cupy_ipcpool._errors import TeardownWarning, TransportError, UsageError, Us
 from ._accept_loop import AcceptLoop
 from ._admission import MAX_PENDING_PER_UID, Admission
 from ._closing import ClosesOnExit
-from ._unix import _close_all, accept_peer, bind_unix, recv_fds, unlink_if_ours
+from ._unix import (
+    _close_all,
+    accept_peer,
+    bind_unix,
+    check_socket_path,
+    recv_fds,
+    unlink_if_ours,
+)
 
 __all__ = [
     "FDS_PER_MESSAGE",
@@ -291,6 +298,7 @@ class FdServer(ClosesOnExit):
         assert self._sock is not None
         mode = 0o666 if shared else 0o600
         if self._dir is not None:
+            check_socket_path(self.path)  # a long $TMPDIR
             try:
                 self._sock.bind(self.path)  # the directory is still 0700
             except OSError as exc:

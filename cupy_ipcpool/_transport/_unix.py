@@ -21,13 +21,16 @@ from cupy_ipcpool._errors import (
     TransportError,
     TransportTimeoutError,
     UsageError,
+    UsageTypeError,
 )
+from cupy_ipcpool._handles import MAX_SOCKET_PATH
 
 __all__ = [
     "SCM_MAX_FD",
     "accept_peer",
     "bind_unix",
     "check_peer",
+    "check_socket_path",
     "connect_unix",
     "peer_credentials",
     "recv_fds",
@@ -183,6 +186,46 @@ def check_peer(sock: socket.socket, allowed_uids: frozenset[int]) -> tuple[int, 
     return pid, uid, gid
 
 
+def check_socket_path(path: str | bytes | os.PathLike[str] | os.PathLike[bytes]) -> str:
+    """``path`` as a str, if a Unix socket can be bound or reached there; else a clear error.
+
+    The one check of a socket path given to the library, made where it is
+    given (every bind and connect goes through :func:`bind_unix` or
+    :func:`connect_unix`, which call it).  The kernel's ``sun_path`` holds 108
+    bytes; a path must leave room for its NUL (as Python's ``socket`` module
+    and the C library require), so at most :data:`MAX_SOCKET_PATH` (107)
+    bytes, counted as the path is given (relative to the working directory
+    when relative).
+
+    Raises
+    ------
+    UsageError
+        The path is empty, holds a NUL character, or is longer than
+        :data:`MAX_SOCKET_PATH` bytes; the message gives the limit, the
+        path's length and the fix (a shorter path).
+    UsageTypeError
+        Not a path at all (also a ``TypeError``).
+    """
+    try:
+        path = os.fsdecode(path)  # as the socket module takes it: str, bytes or path-like
+    except TypeError:
+        raise UsageTypeError(
+            f"a socket path must be a str or path-like, not {type(path).__name__}"
+        ) from None
+    if not path:
+        raise UsageError("the socket path is empty")
+    if "\x00" in path:
+        raise UsageError(f"the socket path {path!r} holds a NUL character")
+    size = len(os.fsencode(path))
+    if size > MAX_SOCKET_PATH:
+        raise UsageError(
+            f"the socket path {path} is {size} bytes long; a Unix socket path holds at most "
+            f"{MAX_SOCKET_PATH} bytes (sun_path): use a shorter path, e.g. in a directory "
+            "under /tmp or $XDG_RUNTIME_DIR"
+        )
+    return path
+
+
 def bind_unix(sock: socket.socket, address: str, mode: int) -> tuple[int, int]:
     """Bind ``sock`` at ``address`` so that the file never exists with a wider mode than ``mode``.
 
@@ -200,10 +243,13 @@ def bind_unix(sock: socket.socket, address: str, mode: int) -> tuple[int, int]:
 
     Raises
     ------
+    UsageError
+        A path no socket can be bound at (:func:`check_socket_path`).
     TransportError
         ``EADDRINUSE`` when the path exists; the errno of a failing call
         otherwise.
     """
+    address = check_socket_path(address)
     parent = os.path.dirname(os.path.abspath(address))
     try:
         tmpdir = tempfile.mkdtemp(prefix=".ipcp", dir=parent)
@@ -213,7 +259,7 @@ def bind_unix(sock: socket.socket, address: str, mode: int) -> tuple[int, int]:
         ) from None
     try:
         tmp = os.path.join(tmpdir, "s")
-        if len(os.fsencode(tmp)) >= 108:
+        if len(os.fsencode(tmp)) > MAX_SOCKET_PATH:
             os.fchmod(sock.fileno(), mode)
             _bind_or_raise(sock, address)
             os.chmod(address, mode)
@@ -262,12 +308,15 @@ def connect_unix(sock: socket.socket, path: str, deadline: float) -> None:
 
     Raises
     ------
+    UsageError
+        A path no socket can be reached at (:func:`check_socket_path`).
     TransportTimeoutError
         The backlog stayed full until ``deadline`` (``ETIMEDOUT``; also a
         ``TimeoutError``).
     OSError
         Any other failure of ``connect``.
     """
+    path = check_socket_path(path)
     delay = 0.001
     while True:
         remaining = deadline - time.monotonic()

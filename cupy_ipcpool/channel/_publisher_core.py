@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 
 from .._errors import PoolClosedError, ProtocolError, SlotBusyError, UsageError
 from .._transport._closing import ClosedFlag
-from .._transport._unix import bind_unix, unlink_if_ours
+from .._transport._unix import bind_unix, check_socket_path, unlink_if_ours
 from . import _protocol as proto
 from . import _sockets
 from ._handshake import (
@@ -175,7 +175,7 @@ class PublisherCore(ClosedFlag):
     ) -> None:
         _sockets._load_frameio()
         self._spin_ns = _spin_ns(spin_us)
-        self.address = os.fspath(address)
+        self.address = check_socket_path(address)  # refused here, before a stale file is probed
         self.num_slots = int(num_slots)
         if not 1 <= self.num_slots <= proto.MAX_SLOTS:
             raise UsageError(f"num_slots must be in 1..{proto.MAX_SLOTS}, not {num_slots}")

@@ -4,11 +4,13 @@ The secret comes from ``$CUPY_IPCPOOL_SECRET`` or ``--secret-file`` (never the
 command line, where other users can read it in the process list).
 
 Arguments are checked before anything is connected or a GPU is touched:
-addresses, counts and the local socket's directory as they are parsed, the
-secret (present unless ``--insecure``, readable, long enough) by the
-``check`` default that the command line runs first.  A usage error raises
-:class:`argparse.ArgumentError`, which the command line prints as one line
-naming the flag (exit status 2).
+addresses (``REMOTE`` with its scheme and port written out), counts and the
+local socket's path (not empty, short enough for a socket, a socket where a
+file is there already, for ``relay`` in a directory that exists) as they are
+parsed; the secret (present unless ``--insecure``, never with it, readable,
+long enough) by the ``check`` default that the command line runs first.  A
+usage error raises :class:`argparse.ArgumentError`, which the command line
+prints as one line naming the flag (exit status 2).
 
 Exit status: 0 when the stream ended cleanly (the producer closed, or the
 server said goodbye) or a signal stopped the command; 1 when it ended for any
@@ -19,14 +21,17 @@ the server was evicted or failed); 2 for a usage error.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import socket
+import stat
 import sys
 import threading
 from typing import Any
 
-from .._errors import ProtocolError, UsageError
+from .._errors import ProtocolError, TransportError, UsageError
+from .._transport import check_socket_path
 from ..channel import MAX_CHANNEL_SLOTS
 from . import _auth as auth
 from . import _wire as wire
@@ -39,22 +44,72 @@ NO_SECRET = (
 )
 
 
-def remote_address(text: str) -> str:
-    """An argparse ``type``: a ``ucx://host:port`` address (``host:port`` too)."""
+def _address(text: str) -> tuple[bool, str, int | None]:
     try:
-        wire.parse_address(text)
+        return wire.split_address(text)
     except UsageError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def remote_address(text: str) -> str:
+    """An argparse ``type``: ``ucx://host:port``, the scheme and a port (1..65535) written out."""
+    written, _host, port = _address(text)
+    if not written:
+        raise argparse.ArgumentTypeError(f"{text!r} has no scheme: give ucx://{text}")
+    if port is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} has no port: give ucx://HOST:PORT (serve listens on {wire.DEFAULT_PORT} "
+            "unless its --listen says otherwise)"
+        )
+    if port == 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: port 0 is no server's port: give the port serve listens on "
+            f"({wire.DEFAULT_PORT} unless its --listen says otherwise)"
+        )
     return text
 
 
 def listen_address(text: str) -> str:
-    """An argparse ``type``: ``host:port`` to listen on (port 0: any free one)."""
-    return remote_address(text)
+    """An argparse ``type``: ``host:port`` to listen on, the port written out (0: any free one)."""
+    _written, _host, port = _address(text)
+    if port is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} has no port: give HOST:PORT ({wire.DEFAULT_PORT} by default; 0: any "
+            "free port)"
+        )
+    return text
 
 
 def socket_path(text: str) -> str:
-    """An argparse ``type``: a local socket path whose directory exists."""
+    """An argparse ``type``: a path a local channel's socket can be at (``serve``'s PATH).
+
+    Not empty, short enough for a socket (:func:`~cupy_ipcpool._transport.check_socket_path`),
+    and, where something is there already, a socket.
+    """
+    try:
+        check_socket_path(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    try:
+        mode = os.stat(text).st_mode
+    except FileNotFoundError:
+        return text  # no publisher there (yet): serve says so once it runs
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text}: {exc.strerror}") from None
+    if not stat.S_ISSOCK(mode):
+        raise argparse.ArgumentTypeError(
+            f"{text} is not a socket (a channel's PATH is the Unix socket its publisher listens on)"
+        )
+    return text
+
+
+def new_socket_path(text: str) -> str:
+    """An argparse ``type``: a path to publish a local channel at (``relay``'s PATH).
+
+    As :func:`socket_path` (a socket already there is replaced if no one listens on
+    it, refused if someone does), in a directory that exists.
+    """
+    text = socket_path(text)
     directory = os.path.dirname(os.path.abspath(text))
     if not os.path.isdir(directory):
         raise argparse.ArgumentTypeError(f"{text}: there is no directory {directory}")
@@ -84,9 +139,17 @@ def check_secret(args: argparse.Namespace) -> None:
     ------
     argparse.ArgumentError
         The file cannot be read or is empty, the secret is shorter than 16
-        bytes, or there is none and ``--insecure`` was not given.
+        bytes, there is none and ``--insecure`` was not given, or
+        ``--insecure`` was given with a secret in the environment (argparse
+        itself refuses it with ``--secret-file``).
     """
     secret: str | None
+    if args.insecure and os.environ.get(auth.SECRET_ENV):
+        raise argparse.ArgumentError(
+            None,
+            f"argument --insecure: ${auth.SECRET_ENV} is set; unset it to run without a "
+            "secret, or drop --insecure to use it",
+        )
     if args.secret_file is not None:
         source = f"argument --secret-file: {args.secret_file}"
         try:
@@ -147,12 +210,18 @@ def check_serve(args: argparse.Namespace) -> None:
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    secret = parser.add_mutually_exclusive_group()
+    secret.add_argument(
         "--secret-file",
         metavar="FILE",
-        help="file holding the shared secret, at least 16 bytes (default: $CUPY_IPCPOOL_SECRET)",
+        help=f"file holding the shared secret, at least {auth.MIN_SECRET} bytes "
+        f"(default: ${auth.SECRET_ENV})",
     )
-    parser.add_argument("--insecure", action="store_true", help="no secret (trusted hosts only)")
+    secret.add_argument(
+        "--insecure",
+        action="store_true",
+        help=f"no secret (trusted hosts only; not with --secret-file or ${auth.SECRET_ENV})",
+    )
     parser.add_argument(
         "--memory", choices=("device", "host"), default="device", help="default: device"
     )
@@ -169,10 +238,14 @@ def _until_signal(stop: threading.Event) -> None:
 def add_relay_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``relay REMOTE PATH``."""
     parser.add_argument(
-        "remote", metavar="REMOTE", type=remote_address, help="ucx://host:port of the remote server"
+        "remote",
+        metavar="REMOTE",
+        type=remote_address,
+        help=f"ucx://host:port of the remote server (serve listens on port {wire.DEFAULT_PORT} "
+        "unless its --listen says otherwise)",
     )
     parser.add_argument(
-        "path", metavar="PATH", type=socket_path, help="local socket path to republish at"
+        "path", metavar="PATH", type=new_socket_path, help="local socket path to republish at"
     )
     parser.add_argument(
         "--slots",
@@ -220,12 +293,14 @@ def run_relay(args: argparse.Namespace) -> int:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``serve PATH``."""
-    parser.add_argument("path", metavar="PATH", help="the producer's local socket path")
+    parser.add_argument(
+        "path", metavar="PATH", type=socket_path, help="the producer's local socket path"
+    )
     parser.add_argument(
         "--listen",
         type=listen_address,
-        default="127.0.0.1:13337",
-        help="host:port (default 127.0.0.1:13337; port 0: any free port)",
+        default=f"127.0.0.1:{wire.DEFAULT_PORT}",
+        help=f"host:port (default 127.0.0.1:{wire.DEFAULT_PORT}; port 0: any free port)",
     )
     _common(parser)
     parser.add_argument(
@@ -275,6 +350,9 @@ def run_serve(args: argparse.Namespace) -> int:
     ------
     argparse.ArgumentError
         The channel at PATH carries the other kind of memory than ``--memory``.
+    ProtocolError, TransportError
+        What is at PATH is not a cupy_ipcpool publisher (it answers in another
+        protocol, or its socket is of another type); the message says so.
     """
     from ._source import serve
 
@@ -290,10 +368,20 @@ def run_serve(args: argparse.Namespace) -> int:
             mode=args.mode,
             device=None if args.memory == "host" else args.device,
         )
+    except TransportError as exc:
+        if exc.errno != errno.EPROTOTYPE:
+            raise
+        raise TransportError(
+            errno.EPROTOTYPE,
+            f"{args.path} is not a cupy_ipcpool publisher: its socket is of another type "
+            "(a channel's is a SOCK_SEQPACKET socket)",
+        ) from exc
     except ProtocolError as exc:
         other = other_memory(args)
         if other is None:
-            raise
+            raise ProtocolError(
+                f"{args.path} does not answer as a cupy_ipcpool publisher (of this version): {exc}"
+            ) from exc
         raise argparse.ArgumentError(
             None,
             f"argument --memory: the channel at {args.path} carries {other} memory, not "

@@ -33,8 +33,17 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     return b"".join(chunks)
 
 
-def recv_message(sock: socket.socket, deadline: float) -> tuple[wire.Message, bytes]:
+def recv_message(
+    sock: socket.socket, deadline: float, *, foreign: str | None = None
+) -> tuple[wire.Message, bytes]:
     """Read one whole message before ``deadline`` (monotonic); return it and its raw bytes.
+
+    Parameters
+    ----------
+    foreign:
+        What to say when the message does not begin with the protocol's magic
+        (the peer speaks something else: the first message of a handshake),
+        followed by the bytes it sent; None: the plain malformed-header error.
 
     Raises
     ------
@@ -46,6 +55,8 @@ def recv_message(sock: socket.socket, deadline: float) -> tuple[wire.Message, by
         Not complete in time.
     """
     head = _recv_exact(sock, wire.HEADER.size, deadline)
+    if foreign is not None and not wire.has_magic(head):
+        raise ProtocolError(f"{foreign}: it answered {head!r}, not this protocol's messages")
     kind, length = wire.decode_header(head)
     body = _recv_exact(sock, length, deadline) if length else b""
     return wire.decode_body(kind, body), head + body

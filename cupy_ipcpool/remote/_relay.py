@@ -25,6 +25,7 @@ from .._errors import (
     SlotFullError,
     UsageError,
 )
+from .._transport import check_socket_path
 from .._transport._closing import ClosesOnExit
 from . import _wire as wire
 from ._credit import ClientBook
@@ -161,7 +162,9 @@ class Relay(ClosesOnExit):
     remote:
         ``ucx://host:port`` of a :class:`~cupy_ipcpool.remote.RemoteServer`.
     path:
-        Local socket path of the republished channel.  Local subscribers use
+        Local socket path of the republished channel, at most 107 bytes (a
+        longer one is a :class:`~cupy_ipcpool.UsageError`, before anything
+        connects).  Local subscribers use
         :func:`cupy_ipcpool.subscribe` (``memory="device"``) or
         :class:`~cupy_ipcpool.remote.HostChannelSubscriber` (``memory="host"``).
     secret, insecure, mode, timeout:
@@ -200,7 +203,7 @@ class Relay(ClosesOnExit):
         linger: float = 5.0,
         **publisher: Any,
     ) -> None:
-        local = os.fspath(path)
+        local = check_socket_path(path)  # before the network: a path no one could reach
         self.sink: _HostSink | _DeviceSink
         if memory == "host":
             self.sink = _HostSink(local, slots, publisher)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .._errors import (
+    EndOfStream,
     EvictedError,
     IpcPoolError,
     PeerRefusedError,
@@ -179,7 +180,16 @@ class ClientSession:
         assert self.worker is not None
         hello = wire.encode_hello(auth.nonce(), wire.MODE_CODES[self.mode], self.sink.num_slots)
         _io.send_all(sock, hello, max(0.0, deadline - time.monotonic()))
-        msg, challenge = _io.recv_message(sock, deadline)
+        try:
+            msg, challenge = _io.recv_message(
+                sock, deadline, foreign=f"{self.address} is not a cupy_ipcpool server"
+            )
+        except EndOfStream:
+            raise EndOfStream(
+                f"{self.address} closed the connection before answering the handshake "
+                "(is it a cupy_ipcpool server?)",
+                False,
+            ) from None
         if isinstance(msg, wire.Refuse):
             if msg.reason.startswith(wire.REFUSE_BUSY):
                 raise PeerRefusedError(f"{_BUSY}{self.address} refused: {msg.reason}")

@@ -286,6 +286,11 @@ def encode_bye() -> bytes:
 # -- decoding --------------------------------------------------------------------
 
 
+def has_magic(data: bytes | bytearray | memoryview) -> bool:
+    """Whether ``data`` (a message's first bytes) begins with this protocol's magic."""
+    return len(data) >= 2 and int.from_bytes(bytes(data[:2]), "little") == MAGIC
+
+
 def decode_header(data: bytes | bytearray | memoryview) -> tuple[int, int]:
     """Check an 8-byte header; return ``(type, body length)``.
 
@@ -297,7 +302,7 @@ def decode_header(data: bytes | bytearray | memoryview) -> tuple[int, int]:
     if len(data) != HEADER.size:
         raise ProtocolError(f"header must be {HEADER.size} bytes, got {len(data)}")
     magic, version, kind, length = HEADER.unpack(data)
-    if magic != MAGIC:
+    if not has_magic(data):
         raise ProtocolError(f"bad magic 0x{magic:04x} (expected 0x{MAGIC:04x})")
     if version != VERSION:
         raise ProtocolError(f"unsupported remote protocol version {version} (this side: {VERSION})")
@@ -467,15 +472,23 @@ DEFAULT_PORT = 13337
 REFUSE_BUSY = "busy: "
 
 
-def parse_address(address: str) -> tuple[str, int]:
-    """Split ``ucx://host:port`` (or ``host:port``, ``[v6]:port``) into ``(host, port)``.
+def split_address(address: str) -> tuple[bool, str, int | None]:
+    """Split ``ucx://host:port`` (or ``host:port``, ``[v6]:port``) as written.
+
+    Returns
+    -------
+    tuple[bool, str, int | None]
+        Whether the ``ucx://`` scheme was written, the host, and the port
+        (None when the address names none).
 
     Raises
     ------
     UsageError
-        Not a ``ucx://`` address, or no valid port.
+        Another scheme, a path, query or fragment, no host, or a port that is
+        not a number in 0..65535.
     """
-    text = address if "://" in address else f"ucx://{address}"
+    written = "://" in address
+    text = address if written else f"ucx://{address}"
     parts = urlsplit(text)
     if parts.scheme != "ucx":
         raise UsageError(f"{address!r} is not a ucx:// address")
@@ -488,6 +501,20 @@ def parse_address(address: str) -> tuple[str, int]:
     host = parts.hostname
     if not host:
         raise UsageError(f"{address!r}: no host")
+    return written, host, port
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Split ``ucx://host:port`` (or ``host:port``, ``[v6]:port``) into ``(host, port)``.
+
+    No port means :data:`DEFAULT_PORT`.
+
+    Raises
+    ------
+    UsageError
+        Not a ``ucx://`` address, or no valid port.
+    """
+    _written, host, port = split_address(address)
     return host, DEFAULT_PORT if port is None else port
 
 

@@ -1,0 +1,166 @@
+"""CPU tier: a Unix socket path no socket can be bound or reached at is refused where it is given.
+
+The kernel's ``sun_path`` holds 108 bytes; a path with its NUL fits in 107
+(``MAX_SOCKET_PATH``), the limit of Python's ``socket`` module and of the C
+library (``tests/test_c_library.py`` checks the C side).  Every bind and connect
+goes through one check, ``check_socket_path``: the channel's publisher core
+(under ``Publisher`` and ``HostChannelPublisher``), the fd server, the
+subscribers and the relay refuse a longer path with a ``UsageError`` that gives
+the limit, the path's length and the fix, before anything is bound, linked or
+connected.  A path of exactly 107 bytes works end to end.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import cupy_ipcpool as cip
+from cupy_ipcpool._handles import MAX_SOCKET_PATH
+from cupy_ipcpool._transport import FdServer, bind_unix, check_socket_path, connect_unix
+from cupy_ipcpool.remote import HostChannelPublisher, HostChannelSubscriber, relay
+
+TOKEN = b"socket-paths-test-token!"
+
+
+@pytest.fixture
+def short_dir() -> Iterator[str]:
+    """A fresh directory with a short path (under /tmp, whatever $TMPDIR says)."""
+    d = tempfile.mkdtemp(prefix="cip-", dir="/tmp")
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def path_of(directory: str, size: int) -> str:
+    """A path of exactly ``size`` bytes in ``directory``."""
+    path = os.path.join(directory, "s" * (size - len(os.fsencode(directory)) - 1))
+    assert len(os.fsencode(path)) == size
+    return path
+
+
+def assert_says_limit_length_and_fix(exc: BaseException, size: int) -> None:
+    text = str(exc)
+    assert isinstance(exc, cip.UsageError), repr(exc)
+    assert f"is {size} bytes long" in text, text
+    assert f"at most {MAX_SOCKET_PATH} bytes" in text, text
+    assert "use a shorter path" in text and "/tmp or $XDG_RUNTIME_DIR" in text, text
+
+
+def test_the_limit_is_sun_path_less_its_nul() -> None:
+    assert MAX_SOCKET_PATH == 108 - 1  # Linux's sun_path, less the NUL
+    # Python's own socket module draws the same line: 107 bytes bind, 108 cannot
+    with tempfile.TemporaryDirectory(dir="/tmp") as d, socket.socket(socket.AF_UNIX) as s:
+        s.bind(path_of(d, MAX_SOCKET_PATH))
+        with socket.socket(socket.AF_UNIX) as t, pytest.raises(OSError, match="too long"):
+            t.bind(path_of(d, MAX_SOCKET_PATH + 1))
+
+
+def test_check_socket_path_takes_107_bytes_and_refuses_more(short_dir: str) -> None:
+    ok = path_of(short_dir, MAX_SOCKET_PATH)
+    assert check_socket_path(ok) == ok
+    assert check_socket_path(pathlib.Path(ok)) == ok
+    assert check_socket_path(os.fsencode(ok)) == ok  # bytes, as the socket module takes them
+    for size in (MAX_SOCKET_PATH + 1, 4096):
+        with pytest.raises(cip.UsageError) as raised:
+            check_socket_path(path_of(short_dir, size))
+        assert_says_limit_length_and_fix(raised.value, size)
+    # counted in bytes as the kernel sees them, not in characters
+    wide = os.path.join(short_dir, "é" * ((MAX_SOCKET_PATH - len(short_dir)) // 2))
+    assert len(wide) <= MAX_SOCKET_PATH < len(os.fsencode(wide))
+    with pytest.raises(cip.UsageError, match=f"is {len(os.fsencode(wide))} bytes long"):
+        check_socket_path(wide)
+    with pytest.raises(cip.UsageError, match="empty"):
+        check_socket_path("")
+    with pytest.raises(cip.UsageError, match="NUL"):
+        check_socket_path(short_dir + "/a\x00b")
+    with pytest.raises(TypeError, match="path-like, not int"):
+        check_socket_path(5)  # type: ignore[arg-type]
+
+
+def test_bind_and_connect_refuse_a_path_too_long_and_leave_nothing(short_dir: str) -> None:
+    long = path_of(short_dir, MAX_SOCKET_PATH + 1)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        with pytest.raises(cip.UsageError) as raised:
+            bind_unix(s, long, 0o600)
+        assert_says_limit_length_and_fix(raised.value, MAX_SOCKET_PATH + 1)
+        # nothing bound next to it, nothing linked at it (a socket no one could reach)
+        assert os.listdir(short_dir) == []
+        with pytest.raises(cip.UsageError) as raised:
+            connect_unix(s, long, time.monotonic() + 1.0)
+        assert_says_limit_length_and_fix(raised.value, MAX_SOCKET_PATH + 1)
+
+
+def test_the_fd_server_refuses_a_path_too_long(
+    short_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fd = os.memfd_create("socket-paths-test")
+    try:
+        with pytest.raises(cip.UsageError) as raised:
+            FdServer([fd], token=TOKEN, path=path_of(short_dir, 200))
+        assert_says_limit_length_and_fix(raised.value, 200)
+        assert os.listdir(short_dir) == []
+        # its default path, under a $TMPDIR too deep for it: the same words, nothing left
+        deep = os.path.join(short_dir, "t" * 90)
+        os.mkdir(deep)
+        monkeypatch.setattr(tempfile, "tempdir", deep)
+        with pytest.raises(cip.UsageError, match=f"at most {MAX_SOCKET_PATH} bytes"):
+            FdServer([fd], token=TOKEN)
+        assert os.listdir(deep) == []
+    finally:
+        os.close(fd)
+
+
+def test_publishers_refuse_a_path_too_long_where_it_is_given(short_dir: str) -> None:
+    long = path_of(short_dir, MAX_SOCKET_PATH + 1)
+    with pytest.raises(cip.UsageError) as raised:
+        HostChannelPublisher(long, 2, 4096)
+    assert_says_limit_length_and_fix(raised.value, MAX_SOCKET_PATH + 1)
+    assert os.listdir(short_dir) == []
+    # a socket file already at such a path (left by an older version) changes nothing:
+    # the path is refused before the stale file is probed
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.bind(os.path.join(short_dir, "a"))
+        os.link(os.path.join(short_dir, "a"), long)
+    with pytest.raises(cip.UsageError) as raised:
+        HostChannelPublisher(long, 2, 4096)
+    assert_says_limit_length_and_fix(raised.value, MAX_SOCKET_PATH + 1)
+
+
+def test_subscribers_refuse_a_path_too_long(short_dir: str) -> None:
+    long = path_of(short_dir, MAX_SOCKET_PATH + 1)
+    for open_one in (
+        lambda: cip.subscribe(long, timeout=1.0),
+        lambda: HostChannelSubscriber(long, timeout=1.0),
+    ):
+        with pytest.raises(cip.UsageError) as raised:
+            open_one()
+        assert_says_limit_length_and_fix(raised.value, MAX_SOCKET_PATH + 1)
+
+
+def test_the_relay_refuses_a_path_too_long_before_it_connects(short_dir: str) -> None:
+    # refused before the remote address is tried (and before UCXX is needed)
+    with pytest.raises(cip.UsageError) as raised:
+        relay("ucx://127.0.0.1:9", path_of(short_dir, 150), insecure=True, memory="host")
+    assert_says_limit_length_and_fix(raised.value, 150)
+    assert os.listdir(short_dir) == []
+
+
+def test_a_path_of_107_bytes_works_end_to_end(short_dir: str) -> None:
+    path = path_of(short_dir, MAX_SOCKET_PATH)
+    with HostChannelPublisher(path, 2, 4096) as pub, HostChannelSubscriber(path, timeout=5) as sub:
+        deadline = time.monotonic() + 5
+        while not pub.subscribers and time.monotonic() < deadline:
+            pub.poll(0.01)
+        pub.send(np.arange(4, dtype=np.int32))
+        with sub.recv(timeout=5) as frame:
+            assert frame.arrays[0].tolist() == [0, 1, 2, 3]
