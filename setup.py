@@ -10,7 +10,30 @@ it is plain C; ``cupy_ipcpool._compiled.load`` loads them and checks each
 build's layout constants against the Python definitions.
 """
 
+import setuptools
 from setuptools import Extension, setup
+
+#: pyproject.toml's license is an SPDX string (PEP 639), which setuptools reads from 77 on;
+#: an older one (a plain venv's, used by a build without isolation) fails with
+#: "invalid pyproject.toml config: project.license", which says nothing of the fix.
+SETUPTOOLS_NEEDED = (77, 0)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for part in text.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+if _version(setuptools.__version__) < SETUPTOOLS_NEEDED:
+    raise SystemExit(
+        f"cupy_ipcpool's build needs setuptools >= {SETUPTOOLS_NEEDED[0]} (pyproject.toml's SPDX "
+        f"license); this one is {setuptools.__version__}. Build with isolation (a plain "
+        "'python3 -m pip install -e .' fetches it), or first run "
+        f"'python3 -m pip install -U \"setuptools>={SETUPTOOLS_NEEDED[0]}\"'"
+    )
 
 _FLAGS = ["-O2", "-Wall", "-Wextra", "-Werror=implicit-function-declaration"]
 _SHARED = ["cupy_ipcpool/_memop_args.h", "cupy_ipcpool/_le.h"]

@@ -44,3 +44,49 @@ def test_testing_md_names_every_script() -> None:
     text = (ROOT / "docs" / "testing.md").read_text()
     missing = [p.name for p in [*SCRIPTS, ROOT / "scripts" / "gpu-test"] if p.name not in text]
     assert not missing, f"docs/testing.md does not describe: {missing}"
+
+
+SHELL_SCRIPTS = [ROOT / "scripts" / "gpu-test", ROOT / "scripts" / "gpu-clock"]
+
+
+@pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=[p.name for p in SHELL_SCRIPTS])
+def test_shell_scripts_answer_help_and_refuse_arguments_without_running(
+    script: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """``--help`` prints the script's usage and runs nothing (before, it started the whole
+    run); an argument it does not take is refused with exit 2, also before anything runs."""
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON="/nonexistent-python")
+    out = subprocess.run(
+        [str(script), "--help"], capture_output=True, text=True, timeout=30, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert "$OUT" in out.stdout and "#" not in out.stdout.splitlines()[0]
+    assert not (tmp_path / "out").exists(), "--help started a run"
+    bad = subprocess.run(
+        [str(script), "--bogus"], capture_output=True, text=True, timeout=30, env=env
+    )
+    assert bad.returncode == 2
+    assert "--bogus" in bad.stderr and "--help" in bad.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_setup_py_says_which_setuptools_it_needs() -> None:
+    """A build without isolation under an old setuptools (a plain venv's) stops with what
+    to do, not pyproject's 'invalid ... project.license'; a recent one builds."""
+    import setuptools
+
+    out = subprocess.run(
+        [sys.executable, "setup.py", "--name"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    major = int("".join(c for c in setuptools.__version__.split(".")[0] if c.isdigit()))
+    if major < 77:
+        assert out.returncode != 0
+        assert "setuptools >= 77" in out.stderr and setuptools.__version__ in out.stderr
+        assert "project.license" not in out.stderr
+    else:
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip().splitlines()[-1] == "cupy_ipcpool"
