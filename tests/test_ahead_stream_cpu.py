@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from cupy_ipcpool.channel._ahead import AheadInbox, AheadSchedule, Predicted
 from cupy_ipcpool.channel._handshake import SubscriberInfo
 from cupy_ipcpool.channel._leases import read_flag_done
@@ -105,10 +107,12 @@ class StreamStandIn:
                 what()
 
 
-def ahead_consumer(address: str, frames: int, q: Any) -> None:
+def ahead_consumer(address: str, frames: int, q: Any, early: bool = False) -> None:
     """Take ``frames`` frames as the GPU subscriber does in ``"ahead"`` mode and release
     each at once: its check and its read flag queued on the stream behind the wait for
-    its frame flag; the RELEASE of a frame handed out ahead when its message confirms it."""
+    its frame flag; the RELEASE of a frame handed out ahead when its message confirms it
+    or, with ``early``, at once (``release_ahead``: perhaps before the frame is
+    published, which the publisher's schedule allows; the GPU subscriber does not yet)."""
     core = SubscriberCore(address, mode="ahead", timeout=10)
     try:
         fds = core.take_fds()
@@ -140,7 +144,9 @@ def ahead_consumer(address: str, frames: int, q: Any) -> None:
             stream.wait(LAYOUT.frame_offset(slot), generation)
             stream.run(functools.partial(check, seq, slot))
             stream.write(LAYOUT.read_offset(0, slot), generation)
-            if ahead:
+            if ahead and early:
+                core.release_ahead(seq, slot)  # perhaps before the frame is published
+            elif ahead:
                 released_ahead.add(seq)  # the RELEASE goes once its message confirms it
             else:
                 core.release(seq, slot)
@@ -156,7 +162,10 @@ def ahead_consumer(address: str, frames: int, q: Any) -> None:
         core.close()
 
 
-def test_an_ahead_stream_hands_out_every_frame_once_with_its_own_bytes(tmp_path: Any) -> None:
+@pytest.mark.parametrize("early", [False, True], ids=["release-at-confirmation", "release-early"])
+def test_an_ahead_stream_hands_out_every_frame_once_with_its_own_bytes(
+    tmp_path: Any, early: bool
+) -> None:
     flags = SharedFlags.create(LAYOUT.nbytes)
     slots = MemfdSlots(SLOTS, SLOT_BYTES)
 
@@ -167,7 +176,7 @@ def test_an_ahead_stream_hands_out_every_frame_once_with_its_own_bytes(tmp_path:
     core = PublisherCore(str(tmp_path / "ahead.sock"), SLOTS, welcome=welcome)
     stream = StreamStandIn(flags)
     q = SPAWN.Queue()
-    proc = SPAWN.Process(target=ahead_consumer, args=(core.address, FRAMES, q))
+    proc = SPAWN.Process(target=ahead_consumer, args=(core.address, FRAMES, q, early))
     proc.start()
     try:
         assert q.get(timeout=30) == ("ready",)
@@ -177,6 +186,7 @@ def test_an_ahead_stream_hands_out_every_frame_once_with_its_own_bytes(tmp_path:
             core.poll(0.01)
         published = [0] * SLOTS
         book = core.lease_book
+        ended_at_publication = 0
 
         def reached(_sub_id: int, slot: int) -> bool:
             return read_flag_done(flags.reached, LAYOUT.read_offset(0, slot), published[slot])
@@ -198,6 +208,8 @@ def test_an_ahead_stream_hands_out_every_frame_once_with_its_own_bytes(tmp_path:
             stream.write(LAYOUT.frame_offset(slot), generation & M)
             published[slot] = generation
             assert core.publish(slot, frame(slot, generation)) == seq
+            # released before it was published: the lease ended as it was published
+            ended_at_publication += not book.lease_count(slot)
         answer = q.get(timeout=60)
     finally:
         proc.join(STALL)
@@ -215,3 +227,6 @@ def test_an_ahead_stream_hands_out_every_frame_once_with_its_own_bytes(tmp_path:
     # the ahead path ran: how many frames took it depends on the two hosts' pace (a
     # consumer that finds messages waiting hands those frames out by message)
     assert any(was_ahead for _seq, was_ahead in handed_out), "no frame was handed out ahead"
+    if early:  # and some of those were released before they were published
+        print(f"{ended_at_publication} of {FRAMES} leases ended as their frame was published")
+        assert ended_at_publication, "no frame was released before its publication"

@@ -103,6 +103,10 @@ class _Subscriber:
     # seq -> slot of each lease that ended at its read flag (:meth:`LeaseBook.settle`)
     # and whose RELEASE message has not come yet: that one message is no news
     due: dict[int, int] = field(default_factory=dict)
+    # an "ahead" subscriber: it may release a frame before it is published
+    ahead: bool = False
+    # seq -> slot of the frames it released before they were published (:meth:`release`)
+    early: dict[int, int] = field(default_factory=dict)
 
 
 class LeaseBook:
@@ -159,6 +163,8 @@ class LeaseBook:
         #: Leases ended at their read flag whose RELEASE message has not come yet, over
         #: every subscriber: messages the owner must still read from the sockets.
         self.releases_due = 0
+        #: ``(seq, slot)`` of the last frame published (:meth:`publishing`), or None
+        self.last_published: tuple[int, int] | None = None
         #: Leases ended so far by :meth:`release`, :meth:`settle` or a departure
         #: (:meth:`remove_subscriber`), by whichever caller: the owner reports them
         #: from this count (each once), not from what one of its calls happened to
@@ -196,12 +202,13 @@ class LeaseBook:
             raise UsageError(f"subscriber {sub_id} is already registered")
         if mode not in (BLOCK, LATEST, AHEAD):
             raise UsageError(f"mode must be 'block', 'latest' or 'ahead', not {mode!r}")
-        if mode == AHEAD:
+        ahead = mode == AHEAD
+        if ahead:
             mode = BLOCK
         if credit < 1:
             raise UsageError(f"credit must be at least 1, not {credit}")
         granted = granted_credit(credit, self.max_credit)
-        self._subs[sub_id] = _Subscriber(mode, granted)
+        self._subs[sub_id] = _Subscriber(mode, granted, ahead=ahead)
         return granted
 
     def remove_subscriber(self, sub_id: int) -> list[int]:
@@ -349,6 +356,13 @@ class LeaseBook:
                 self._latest_count[slot] = n_latest
                 self._latest_slots += 1
         self._readers[slot].clear()
+        self.last_published = (seq, slot)
+        for sub_id in receivers:
+            sub = self._subs[sub_id]
+            if sub.early and sub.early.pop(seq, None) == slot:
+                # released before it was published (an "ahead" subscriber): the lease
+                # ends at once, and the producer's stream orders after its read flag
+                self._end_lease(sub_id, sub, seq, slot)
         return receivers
 
     def _latest_drop(self, slot: int) -> None:
@@ -371,11 +385,16 @@ class LeaseBook:
         sub_id, seq, slot:
             The lease, exactly as published (untrusted: from the subscriber).
 
+        An ``"ahead"`` subscriber may also release a frame it handed out
+        ahead before the frame is published (:meth:`_early`): its lease then
+        ends as :meth:`publishing` records it.
+
         Returns
         -------
         bool or None
             True when the slot became free; None when the lease had ended at
-            its read flag already (nothing changes but the due count).
+            its read flag already (nothing changes but the due count), or the
+            frame is not published yet.
 
         Raises
         ------
@@ -383,7 +402,8 @@ class LeaseBook:
             Nothing explains the message: the subscriber is unknown, the slot
             is out of range, or the subscriber neither holds that lease nor
             has its RELEASE due (a frame never sent to it, a second RELEASE of
-            a frame, the wrong slot).  The caller drops the subscriber.
+            a frame, the wrong slot), nor may release it early.  The caller
+            drops the subscriber.
         """
         sub = self._subs.get(sub_id)
         if sub is None:
@@ -397,6 +417,8 @@ class LeaseBook:
         if held is None:
             held = sub.due.get(seq)
             if held is None:
+                if sub.ahead and self._early(sub_id, sub, seq, slot):
+                    return None
                 raise ProtocolError(
                     f"subscriber {sub_id} released frame {seq}, which it does not hold "
                     "(never sent to it, or released already)"
@@ -414,6 +436,45 @@ class LeaseBook:
                 f"subscriber {sub_id} released frame {seq} as slot {slot}, but it is in slot {held}"
             )
         return self._end_lease(sub_id, sub, seq, slot)
+
+    def _early(self, sub_id: int, sub: _Subscriber, seq: int, slot: int) -> bool:
+        """Note an ``"ahead"`` subscriber's RELEASE of frame ``seq``, not published yet.
+
+        Such a subscriber hands frame *k + n* out once it received frame *k*
+        (``n``: the ring's slots) by message, and may release it at once; its
+        RELEASE can then arrive before the frame is published.  It is
+        explained only by the fixed schedule of a ``Publisher(ahead=True)``:
+        ``seq`` within ``num_slots`` after the last frame published, in the slot
+        that schedule gives it, released once.  The lease then ends as
+        :meth:`publishing` records it (its slot is free at once; the
+        producer's stream still orders after the read flag).
+
+        Returns
+        -------
+        bool
+            True when noted; False when ``seq`` is not a frame to come (the
+            caller refuses the message).
+
+        Raises
+        ------
+        ProtocolError
+            ``seq`` is a frame to come, but not in ``slot``, or released already.
+        """
+        last = self.last_published
+        if last is None or not 0 < seq - last[0] <= self.num_slots:
+            return False
+        expected = (last[1] + seq - last[0]) % self.num_slots
+        if slot != expected:
+            raise ProtocolError(
+                f"subscriber {sub_id} released frame {seq} (not published yet) as slot "
+                f"{slot}; the publisher's schedule puts it in slot {expected}"
+            )
+        if seq in sub.early:
+            raise ProtocolError(f"subscriber {sub_id} released frame {seq} twice")
+        for gone in [s for s in sub.early if s <= last[0]]:
+            del sub.early[gone]  # published without it (suspended meanwhile): nothing to end
+        sub.early[seq] = slot
+        return True
 
     def settle(self, sub_id: int, slot: int) -> bool | None:
         """End subscriber ``sub_id``'s lease on ``slot``'s frame: its read flag says it released it.

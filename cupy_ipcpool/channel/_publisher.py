@@ -280,8 +280,10 @@ class Publisher(ClosedFlag):
         frame's generation (its stream writes it at ``release()``, after its
         work), before the RELEASE message an ``"ahead"`` subscriber sends only
         at its next ``recv()``; a wait with no message looks at the flags
-        again after 1 ms, then 2, 4, ... up to every 16 ms (every round of
-        ``spin_us``).
+        again after 20 us, each step 1.25 times the last, up to every 16 ms
+        (every round of ``spin_us``).  The publisher also takes an
+        ``"ahead"`` subscriber's RELEASE of a frame not published yet, where
+        the schedule puts it (the lease then ends as it is published).
         ``"latest"`` subscribers are refused (a fixed slot order would make
         the producer wait for them).  Default False: ``"ahead"`` subscribers
         are refused.

@@ -152,6 +152,9 @@ class SubscriberCore(ClosedFlag):
         hello_msg = proto.encode_hello(proto.MODE_CODES[mode], self.credit, os.getpid(), hello)
         allowed = frozenset({os.geteuid()} if allowed_uids is None else allowed_uids)
         self._held: dict[int, int] = {}
+        #: mode="ahead": seq -> slot of frames released before their FRAME message came
+        #: (release_ahead); that message, when it comes, is not held
+        self._released_ahead: dict[int, int] = {}
         self._eos: str | None = None
         self._eos_clean = False
         self._evicted = False
@@ -416,7 +419,8 @@ class SubscriberCore(ClosedFlag):
             held = self._held
             if seq in held:
                 self._protocol_error(f"frame {seq} received twice")
-            held[seq] = slot
+            if not self._released_ahead or self._released_ahead.pop(seq, None) is None:
+                held[seq] = slot
             return seq, slot, self._view[_FRAME_HEAD_SIZE:n]
         if n == 0:
             self._end("the publisher closed the connection")
@@ -487,7 +491,8 @@ class SubscriberCore(ClosedFlag):
                     raise ProtocolError(f"frame {msg.seq} received twice")
                 if self._revoked():
                     self._raise_end()
-                self._held[msg.seq] = msg.slot
+                if self._released_ahead.pop(msg.seq, None) is None:
+                    self._held[msg.seq] = msg.slot
                 return msg
             if type(msg) is proto.Bye:
                 self._end("the publisher said BYE", clean=True)
@@ -609,6 +614,43 @@ class SubscriberCore(ClosedFlag):
             if self._evicted:
                 self._raise_end()
             return
+        try:
+            self._sock.send(proto.encode_release(seq, slot), _DONTWAIT)
+        except OSError as exc:
+            self._release_not_sent(exc, seq, slot)
+
+    def release_ahead(self, seq: int, slot: int) -> None:
+        """Return the lease on frame ``seq`` in ``slot`` before its FRAME message came.
+
+        An ``"ahead"`` subscriber hands frames out before their messages
+        (channel/_ahead.py) and may release one at once: its RELEASE goes now,
+        and the publisher of the fixed schedule (``ahead=True``) ends the lease
+        as it publishes the frame, or at once if it did.  The frame's message,
+        when it comes, is not held.  After the publisher ended, nothing is sent.
+
+        Raises
+        ------
+        EvictedError
+            The publisher evicted this subscriber.
+        ProtocolError
+            ``seq`` was received by message, or released ahead already, or
+            ``num_slots`` frames are released ahead already (no schedule
+            explains more); nothing is sent.
+        ChannelTimeoutError
+            The publisher did not drain its socket within ``timeout``.
+        PoolClosedError
+            This subscriber is closed.
+        """
+        if self._closed:
+            raise PoolClosedError("the subscriber is closed")
+        early = self._released_ahead
+        if seq in self._held or seq in early or len(early) >= self.num_slots:
+            raise ProtocolError(f"frame {seq} cannot be released ahead of its message")
+        if self._eos is not None:
+            if self._evicted:
+                self._raise_end()
+            return
+        early[seq] = slot
         try:
             self._sock.send(proto.encode_release(seq, slot), _DONTWAIT)
         except OSError as exc:

@@ -142,7 +142,7 @@ class _CipAheadConsumer(_CipConsumer):
     # before it writes the next, while the consumer waits for its checks (flush_checks) at
     # the end of a phase.  The lease ends at the read flag (Publisher(ahead=True)), but a
     # producer without spin_us looks at the flags only between growing steps of its wait
-    # (1 to 16 ms) when no message wakes it; deeper, the consumer would queue waits on the
+    # (20 us to 16 ms) when no message wakes it; deeper, the consumer would queue waits on the
     # GPU for frames the producer has not written and send its RELEASEs later, and the
     # round trip would measure those steps (docs/protocol.md, "Frames handed out ahead").
     subscribe_options: dict[str, Any] = {"depth": 1}
