@@ -17,7 +17,6 @@ ended only at a RELEASE or a read flag: it slept its whole timeout.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
@@ -31,7 +30,7 @@ import pytest
 
 from cupy_ipcpool.channel._publisher_core import PublisherCore
 from cupy_ipcpool.channel._subscriber_core import SubscriberCore
-from tests.test_flag_leases_cpu import SPAWN, FlagProducer
+from tests.test_flag_leases_cpu import ConsumerProcesses, FlagProducer
 
 #: The producer's wait (s): a departure must end it long before.
 WAIT = 30.0
@@ -76,30 +75,18 @@ def holding_consumer(conn: Connection, address: str) -> None:
 
 @pytest.fixture
 def holding(tmp_path: Any) -> Iterator[Callable[[str], tuple[Producer, Any, Connection]]]:
-    started: list[tuple[Producer, Any, Connection]] = []
+    procs = ConsumerProcesses()
 
     def start(way: str) -> tuple[Producer, Any, Connection]:
         prod = Producer(str(tmp_path / "depart.sock"), LEASE_TIMEOUT if way == "evicted" else None)
-        parent, child = SPAWN.Pipe()
-        proc = SPAWN.Process(target=holding_consumer, args=(child, prod.core.address))
-        proc.start()
-        started.append((prod, proc, parent))
-        prod.wait_subscribers(1)
+        proc, conn = procs.start(prod, holding_consumer)
         for _ in range(2):
             publish_in_a_free_slot(prod)
-        assert parent.poll(20) and parent.recv() == ("holding", [0, 1])
-        return prod, proc, parent
+        assert conn.poll(20) and conn.recv() == ("holding", [0, 1])
+        return prod, proc, conn
 
     yield start
-    for prod, proc, parent in started:
-        if proc.is_alive():
-            with contextlib.suppress(OSError):
-                parent.send(("done",))
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        prod.close()
+    procs.stop(("done",))
 
 
 def publish_in_a_free_slot(prod: FlagProducer) -> None:

@@ -28,7 +28,7 @@ import pytest
 from cupy_ipcpool._errors import ProtocolError
 from cupy_ipcpool.channel._leases import AHEAD, BLOCK, LeaseBook
 from cupy_ipcpool.channel._subscriber_core import SubscriberCore
-from tests.test_flag_leases_cpu import SPAWN, FlagProducer, ask
+from tests.test_flag_leases_cpu import ConsumerProcesses, FlagProducer, ask
 
 SLOTS = 4
 
@@ -145,26 +145,14 @@ def early_consumer(conn: Connection, address: str) -> None:
 
 @pytest.fixture
 def early(tmp_path: Any) -> Iterator[Callable[[], tuple[FlagProducer, Connection]]]:
-    started: list[tuple[FlagProducer, Any, Connection]] = []
+    procs = ConsumerProcesses()
 
     def start() -> tuple[FlagProducer, Connection]:
         prod = FlagProducer(str(tmp_path / "early.sock"))
-        parent, child = SPAWN.Pipe()
-        proc = SPAWN.Process(target=early_consumer, args=(child, prod.core.address))
-        proc.start()
-        started.append((prod, proc, parent))
-        prod.wait_subscribers(1)
-        return prod, parent
+        return prod, procs.start(prod, early_consumer)[1]
 
     yield start
-    for prod, proc, parent in started:
-        if proc.is_alive():
-            parent.send(("close",))
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        prod.close()
+    procs.stop()
 
 
 def _publish_next(prod: FlagProducer) -> tuple[int, int]:

@@ -14,6 +14,7 @@ lease was held fails the test.  The GPU path is in ``test_ahead_gpu.py``.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import multiprocessing
 import os
@@ -345,28 +346,46 @@ def flag_consumer(conn: Connection, address: str, release_after: int) -> None:
         core.close()
 
 
+class ConsumerProcesses:
+    """Producers, each with a consumer process joined to it by a pipe; :meth:`stop` ends
+    them all (the consumer told ``stop_message``, then killed if it lingers)."""
+
+    def __init__(self) -> None:
+        self.started: list[tuple[FlagProducer, Any, Connection]] = []
+
+    def start(
+        self, prod: FlagProducer, target: Callable[..., None], *args: Any
+    ) -> tuple[Any, Connection]:
+        """Start ``target(conn, prod's address, *args)`` and wait until it joined."""
+        parent, child = SPAWN.Pipe()
+        proc = SPAWN.Process(target=target, args=(child, prod.core.address, *args))
+        proc.start()
+        self.started.append((prod, proc, parent))
+        prod.wait_subscribers(1)
+        return proc, parent
+
+    def stop(self, stop_message: tuple[str] = ("close",)) -> None:
+        for prod, proc, parent in self.started:
+            if proc.is_alive():
+                with contextlib.suppress(OSError):
+                    parent.send(stop_message)
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            prod.close()
+
+
 @pytest.fixture
 def pair(tmp_path: Any) -> Iterator[Callable[[int], tuple[FlagProducer, Connection]]]:
-    started: list[tuple[FlagProducer, Any, Connection]] = []
+    procs = ConsumerProcesses()
 
     def start(release_after: int) -> tuple[FlagProducer, Connection]:
         prod = FlagProducer(str(tmp_path / "flags.sock"))
-        parent, child = SPAWN.Pipe()
-        proc = SPAWN.Process(target=flag_consumer, args=(child, prod.core.address, release_after))
-        proc.start()
-        started.append((prod, proc, parent))
-        prod.wait_subscribers(1)
-        return prod, parent
+        return prod, procs.start(prod, flag_consumer, release_after)[1]
 
     yield start
-    for prod, proc, parent in started:
-        if proc.is_alive():
-            parent.send(("close",))
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        prod.close()
+    procs.stop()
 
 
 def ask(conn: Connection, *cmd: Any) -> list[int]:
