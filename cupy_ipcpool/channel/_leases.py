@@ -14,7 +14,10 @@ message is accepted as no news, once.  Any other RELEASE -- one never sent to
 that subscriber, a second one of a lease, a wrong or out-of-range slot -- is a
 :class:`ProtocolError`, which costs the sender its connection.  At most
 :func:`default_max_due` dues are kept per subscriber; past that,
-:meth:`LeaseBook.settle` leaves its leases to end by their messages.
+:meth:`LeaseBook.settle` leaves its leases to end by their messages.  An
+``"ahead"`` subscriber may also release a frame not published yet, where the
+fixed schedule of ``Publisher(ahead=True)`` puts it; its lease ends as the
+frame is published.
 
 Two rules keep ``"latest"`` subscribers from ever making the producer wait:
 each one's credit is capped at ``max_credit``, and together they never lease
@@ -378,16 +381,14 @@ class LeaseBook:
         The message must be explained by a lease: either the subscriber holds
         exactly that lease, which ends here, or that lease ended at its read
         flag (:meth:`settle`) and this is its one RELEASE still due, which is
-        then no news.
+        then no news.  An ``"ahead"`` subscriber may also release a frame it
+        handed out ahead before the frame is published (:meth:`_early`): its
+        lease then ends as :meth:`publishing` records it.
 
         Parameters
         ----------
         sub_id, seq, slot:
             The lease, exactly as published (untrusted: from the subscriber).
-
-        An ``"ahead"`` subscriber may also release a frame it handed out
-        ahead before the frame is published (:meth:`_early`): its lease then
-        ends as :meth:`publishing` records it.
 
         Returns
         -------
