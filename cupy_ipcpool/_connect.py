@@ -7,13 +7,24 @@ import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from ._errors import UsageError
+from ._errors import UsageError, UsageTypeError
 from .channel import Follower, Subscriber
 from .channel import follow as follow_local
 from .channel import subscribe as subscribe_local
 
 if TYPE_CHECKING:  # pragma: no cover
     from .remote import RemoteSubscriber
+
+
+def _address_text(address: object) -> str | bytes:
+    """``address`` as text: a socket path or ``ucx://host:port``; else a clear error."""
+    try:
+        return os.fspath(address)  # type: ignore[call-overload, no-any-return]
+    except TypeError:
+        raise UsageTypeError(
+            "an address is a socket path (str or path-like) or 'ucx://host:port', "
+            f"not {type(address).__name__}"
+        ) from None
 
 
 def subscribe(
@@ -76,7 +87,7 @@ def subscribe(
     UsageError
         An option that does not apply to this kind of address.
     """
-    text = os.fspath(address)
+    text = _address_text(address)
     if isinstance(text, str) and text.startswith("ucx://"):
         if allowed_uids is not None:
             raise UsageError("allowed_uids applies to local publishers; remote ones use a secret")
@@ -160,7 +171,7 @@ def follow(
     UsageError
         A ``ucx://`` address, or an option :func:`subscribe` does not take.
     """
-    text = os.fspath(address)
+    text = _address_text(address)
     if isinstance(text, str) and text.startswith("ucx://"):
         raise UsageError(
             "follow() follows local publishers; for a ucx:// server, subscribe again "

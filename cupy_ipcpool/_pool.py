@@ -44,7 +44,7 @@ from ._errors import (
 )
 from ._handles import MAX_SLOT_NBYTES, MAX_SLOTS, ArrayHandle, PoolDescriptor
 from ._slots import LeaseSource, SlotTable, SlotToken
-from ._transport import FdServer, process_start_time
+from ._transport import FdServer, allowed_uid_set, process_start_time
 from ._transport._closing import FinalizedResource
 from ._vmm import Allocation, UndoStack, release_after_queued_work, round_up
 
@@ -184,9 +184,7 @@ class IpcPool(FinalizedResource):
             raise UsageError(f"slot_nbytes must be in 1..{MAX_SLOT_NBYTES}, got {slot_nbytes}")
         if device < 0:
             raise UsageError(f"device must be a non-negative ordinal, got {device}")
-        self._allowed_uids = (
-            frozenset({os.geteuid()}) if allowed_uids is None else frozenset(allowed_uids)
-        )
+        self._allowed_uids = allowed_uid_set(allowed_uids, os.geteuid())
         self._socket_path = socket_path
 
         info = _driver.require_vmm_device(device)

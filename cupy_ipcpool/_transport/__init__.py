@@ -42,6 +42,7 @@ from ._pidfd import pidfd_getfd, process_start_time
 from ._unix import (
     SCM_MAX_FD,
     accept_peer,
+    allowed_uid_set,
     bind_unix,
     check_peer,
     check_socket_path,
@@ -69,6 +70,7 @@ __all__ = [
     "Admission",
     "FdServer",
     "accept_peer",
+    "allowed_uid_set",
     "bind_unix",
     "check_peer",
     "check_socket_path",

@@ -44,6 +44,7 @@ from ._closing import ClosesOnExit
 from ._unix import (
     _close_all,
     accept_peer,
+    allowed_uid_set,
     bind_unix,
     check_socket_path,
     recv_fds,
@@ -253,8 +254,7 @@ class FdServer(ClosesOnExit):
             raise UsageError(f"fds must be non-negative, got {self._fds}")
         self._token = _check_token(token)
         euid = os.geteuid()
-        allowed = {euid} if allowed_uids is None else {int(u) for u in allowed_uids} | {euid}
-        self.allowed_uids: frozenset[int] = frozenset(allowed)
+        self.allowed_uids: frozenset[int] = allowed_uid_set(allowed_uids, euid) | {euid}
         shared = self.allowed_uids != {euid}
         self._closed = False
         self._lock = threading.Lock()

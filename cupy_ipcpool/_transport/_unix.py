@@ -28,6 +28,7 @@ from cupy_ipcpool._handles import MAX_SOCKET_PATH
 __all__ = [
     "SCM_MAX_FD",
     "accept_peer",
+    "allowed_uid_set",
     "bind_unix",
     "check_peer",
     "check_socket_path",
@@ -186,6 +187,36 @@ def check_peer(sock: socket.socket, allowed_uids: frozenset[int]) -> tuple[int, 
     return pid, uid, gid
 
 
+def allowed_uid_set(allowed_uids: object, default: int) -> frozenset[int]:
+    """The uids in ``allowed_uids`` (an iterable of ints; None: ``{default}``), checked.
+
+    The one reading of every ``allowed_uids`` argument (publisher, subscriber,
+    pool fd server).
+
+    Raises
+    ------
+    UsageTypeError
+        ``allowed_uids`` is not an iterable of ints (a bare uid, a string).
+    UsageError
+        A uid is negative.
+    """
+    if allowed_uids is None:
+        return frozenset({default})
+    if isinstance(allowed_uids, (str, bytes)) or not hasattr(allowed_uids, "__iter__"):
+        raise UsageTypeError(
+            f"allowed_uids must be an iterable of uids, e.g. [{default}], "
+            f"not {type(allowed_uids).__name__}"
+        )
+    uids = []
+    for uid in allowed_uids:
+        if isinstance(uid, bool) or not isinstance(uid, int):
+            raise UsageTypeError(f"allowed_uids holds {uid!r}: each uid is an int")
+        if uid < 0:
+            raise UsageError(f"allowed_uids holds {uid}: a uid is 0 or more")
+        uids.append(uid)
+    return frozenset(uids)
+
+
 def check_socket_path(path: str | bytes | os.PathLike[str] | os.PathLike[bytes]) -> str:
     """``path`` as a str, if a Unix socket can be bound or reached there; else a clear error.
 
@@ -306,6 +337,10 @@ def _bind_or_raise(sock: socket.socket, path: str) -> None:
 def connect_unix(sock: socket.socket, path: str, deadline: float) -> None:
     """Connect ``sock`` to ``path``, retrying while the listen backlog is full (``EAGAIN``).
 
+    The first attempt is made even when ``deadline`` has passed: a timeout of
+    0 means "do not wait", so a missing or refusing peer still answers with
+    its own error (``ENOENT``, ``ECONNREFUSED``), not a timeout.
+
     Raises
     ------
     UsageError
@@ -318,11 +353,13 @@ def connect_unix(sock: socket.socket, path: str, deadline: float) -> None:
     """
     path = check_socket_path(path)
     delay = 0.001
+    tried = False  # one attempt even when the deadline has passed already (timeout=0)
     while True:
         remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        if remaining <= 0 and tried:
             raise TransportTimeoutError(errno.ETIMEDOUT, "the listen backlog stayed full")
-        sock.settimeout(remaining)
+        tried = True
+        sock.settimeout(max(remaining, 0.0))
         try:
             sock.connect(path)
             return

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 
 from .._errors import PoolClosedError, ProtocolError, SlotBusyError, UsageError
 from .._transport._closing import ClosedFlag
-from .._transport._unix import bind_unix, check_socket_path, unlink_if_ours
+from .._transport._unix import allowed_uid_set, bind_unix, check_socket_path, unlink_if_ours
 from . import _protocol as proto
 from . import _sockets
 from ._handshake import (
@@ -193,7 +193,7 @@ class PublisherCore(ClosedFlag):
         self._next_expiry: float | None = None
         self._evictions = 0
         euid = os.geteuid()
-        allowed = frozenset({euid} if allowed_uids is None else (int(u) for u in allowed_uids))
+        allowed = allowed_uid_set(allowed_uids, euid)
         self.allowed_uids = allowed
         self._on_join = on_join
         self._on_leave = on_leave

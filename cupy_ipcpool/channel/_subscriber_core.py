@@ -36,7 +36,7 @@ from .._errors import (
     TransportError,
     UsageError,
 )
-from .._transport import connect_unix, peer_credentials
+from .._transport import allowed_uid_set, connect_unix, peer_credentials
 from .._transport._closing import ClosedFlag
 from . import _protocol as proto
 from . import _sockets
@@ -150,7 +150,7 @@ class SubscriberCore(ClosedFlag):
         self.lease_timeout: float | None = None
         self._timeout = timeout
         hello_msg = proto.encode_hello(proto.MODE_CODES[mode], self.credit, os.getpid(), hello)
-        allowed = frozenset({os.geteuid()} if allowed_uids is None else allowed_uids)
+        allowed = allowed_uid_set(allowed_uids, os.geteuid())
         self._held: dict[int, int] = {}
         #: mode="ahead": seq -> slot of frames released before their FRAME message came
         #: (release_ahead); that message, when it comes, is not held
