@@ -312,6 +312,9 @@ CODE_FACTS: dict[str, Callable[[], Any]] = {
         _import("cupy_ipcpool.remote", "serve")(), "send_timeout"
     ),
     "remote.MAX_RELAY_SLOTS": _import("cupy_ipcpool.remote._cli", "MAX_RELAY_SLOTS"),
+    "remote.MAX_ARRAYS": _import("cupy_ipcpool.remote._wire", "MAX_ARRAYS"),
+    "remote.MAX_NDIM": _import("cupy_ipcpool.remote._wire", "MAX_NDIM"),
+    "remote.MAX_METADATA": _import("cupy_ipcpool.remote._wire", "MAX_METADATA"),
 }
 
 #: Facts a page must state with a ``code:`` marker (so that removing one fails).
@@ -336,6 +339,7 @@ REQUIRED_FACTS = {
     },
     "docs/c.md": {"CIP_WIRE_CLOSE_WAIT_MS", "CIP_WIRE_UNMAP_WAIT_MS", "CIP_WIRE_DEATH_WAIT_MS"},
     "docs/transports.md": {"ACCEPT_BACKOFF_MS", "MAX_SOCKET_PATH"},
+    "docs/remote.md": {"remote.MAX_ARRAYS", "remote.MAX_NDIM", "remote.MAX_METADATA"},
 }
 
 
