@@ -136,7 +136,7 @@ def generated() -> str:
         if e.module != current:
             current = e.module
             out += ["", f"## `{e.module}`", ""]
-        out += [f"### `{e.qualname}`", "", "```python", e.signature, "```", ""]
+        out += [f"### `{e.qualname}`", "", "```text", e.signature, "```", ""]
         if e.summary:
             out += [e.summary, ""]
     return "\n".join(out).strip("\n")

@@ -15,7 +15,7 @@ import pytest
 from tests import gen_reference as gen
 
 REGENERATE = "or regenerate the page: python -m tests.gen_reference"
-_ENTRY = re.compile(r"^### `([\w.]+)`\n\n```python\n(.*?)\n```", re.MULTILINE)
+_ENTRY = re.compile(r"^### `([\w.]+)`\n\n```text\n(.*?)\n```", re.MULTILINE)
 
 
 def _page() -> dict[str, str]:
@@ -29,7 +29,7 @@ def _page() -> dict[str, str]:
 
 
 def _entry_text(e: gen.Entry) -> str:
-    return f"### `{e.qualname}`\n\n```python\n{e.signature}\n```\n\n{e.summary}"
+    return f"### `{e.qualname}`\n\n```text\n{e.signature}\n```\n\n{e.summary}"
 
 
 def test_every_public_name_is_listed_with_its_current_signature():
