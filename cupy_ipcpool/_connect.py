@@ -16,15 +16,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from .remote import RemoteSubscriber
 
 
-def _address_text(address: object) -> str | bytes:
+def _address_text(address: object) -> str:
     """``address`` as text: a socket path or ``ucx://host:port``; else a clear error."""
     try:
-        return os.fspath(address)  # type: ignore[call-overload, no-any-return]
+        text = os.fspath(address)  # type: ignore[call-overload]
     except TypeError:
         raise UsageTypeError(
             "an address is a socket path (str or path-like) or 'ucx://host:port', "
             f"not {type(address).__name__}"
         ) from None
+    return os.fsdecode(text)
 
 
 def subscribe(
@@ -88,7 +89,7 @@ def subscribe(
         An option that does not apply to this kind of address.
     """
     text = _address_text(address)
-    if isinstance(text, str) and text.startswith("ucx://"):
+    if text.startswith("ucx://"):
         if allowed_uids is not None:
             raise UsageError("allowed_uids applies to local publishers; remote ones use a secret")
         if spin_us:
@@ -172,7 +173,7 @@ def follow(
         A ``ucx://`` address, or an option :func:`subscribe` does not take.
     """
     text = _address_text(address)
-    if isinstance(text, str) and text.startswith("ucx://"):
+    if text.startswith("ucx://"):
         raise UsageError(
             "follow() follows local publishers; for a ucx:// server, subscribe again "
             "when its stream ends"

@@ -333,9 +333,11 @@ def run(args: argparse.Namespace) -> int:
 
     import cupy_ipcpool as cip
 
-    rows = int(args.frame_mib * MiB) // ROW_NBYTES  # >= 1: --frame-mib is checked
-    shape = (rows, ROW_NBYTES // 4, 4)
-    frame_bytes = rows * ROW_NBYTES
+    nbytes = int(args.frame_mib * (1 << 20))
+    width = 1024
+    rows = max(1, nbytes // (width * 4))
+    shape = (rows, width, 4)
+    frame_bytes = rows * width * 4
     tmpdir = tempfile.mkdtemp(prefix="cupy_ipcpool-demo-")
     address = os.path.join(tmpdir, "demo.sock")
     ctx = mp.get_context("spawn")
@@ -385,7 +387,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with (
             cp.cuda.Device(args.device),
-            cip.IpcPool(args.slots, 2 * frame_bytes + SLOT_SLACK, device=args.device) as pool,
+            cip.IpcPool(args.slots, 2 * frame_bytes + 1024, device=args.device) as pool,
             cip.Publisher(pool, address, max_subscribers=MAX_CONSUMERS) as pub,
         ):
             for i in range(args.consumers):

@@ -302,7 +302,7 @@ def decode_header(data: bytes | bytearray | memoryview) -> tuple[int, int]:
     if len(data) != HEADER.size:
         raise ProtocolError(f"header must be {HEADER.size} bytes, got {len(data)}")
     magic, version, kind, length = HEADER.unpack(data)
-    if not has_magic(data):
+    if magic != MAGIC:
         raise ProtocolError(f"bad magic 0x{magic:04x} (expected 0x{MAGIC:04x})")
     if version != VERSION:
         raise ProtocolError(f"unsupported remote protocol version {version} (this side: {VERSION})")
