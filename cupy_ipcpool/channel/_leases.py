@@ -349,8 +349,12 @@ class LeaseBook:
             elif latest_room and len(sub.leases) < sub.credit:
                 receivers.append(sub_id)
                 n_latest += 1
+        released_early = []  # "ahead" subscribers that released this frame before it came
         for sub_id in receivers:
-            self._subs[sub_id].leases[seq] = slot
+            sub = self._subs[sub_id]
+            sub.leases[seq] = slot
+            if sub.early and sub.early.pop(seq, None) == slot:
+                released_early.append((sub_id, sub))
         if receivers:
             self._holders[slot].update(receivers)
             self._seq[slot] = seq
@@ -360,12 +364,9 @@ class LeaseBook:
                 self._latest_slots += 1
         self._readers[slot].clear()
         self.last_published = (seq, slot)
-        for sub_id in receivers:
-            sub = self._subs[sub_id]
-            if sub.early and sub.early.pop(seq, None) == slot:
-                # released before it was published (an "ahead" subscriber): the lease
-                # ends at once, and the producer's stream orders after its read flag
-                self._end_lease(sub_id, sub, seq, slot)
+        for sub_id, sub in released_early:
+            # its lease ends at once; the producer's stream orders after its read flag
+            self._end_lease(sub_id, sub, seq, slot)
         return receivers
 
     def _latest_drop(self, slot: int) -> None:
