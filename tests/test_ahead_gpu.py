@@ -185,11 +185,12 @@ def _lockstep_consumer(address, frames, q):
 
 def test_a_producer_waiting_for_each_lease_sees_it_at_the_read_flag(tmp_path):
     """Lock step with frames handed out ahead: the consumer waits on its host for frame
-    k + 1's write, after releasing frame k, whose RELEASE message it sends only at its
-    next recv(); the producer waits for frame k's lease before it writes frame k + 1.
-    The lease ends at frame k's read flag, which the consumer's stream wrote after its
-    check, so neither waits for the other's host.  The producer paces its frames (a
-    camera's), so the consumer asks for each frame before it is published: ahead."""
+    k + 1's write, after releasing frame k (its RELEASE goes at release(), often before
+    frame k is published); the producer waits for frame k's lease before it writes frame
+    k + 1.  The lease ends as frame k is published or at its read flag, which the
+    consumer's stream wrote after its check, so neither waits for the other's host.
+    The producer paces its frames (a camera's), so the consumer asks for each frame
+    before it is published: ahead."""
     import time
 
     address = str(tmp_path / "lockstep.sock")

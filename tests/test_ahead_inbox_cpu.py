@@ -7,8 +7,9 @@ oldest frame handed out ahead, or, with none outstanding, is handed out
 itself.  What a user relies on: every frame published before the BYE is
 handed out, once, in order; the frames handed out ahead past the last one
 published are still outstanding at the end (so ``_settle.settle_unpublished``
-ends their waits); a frame predicted is released only once its message has
-confirmed it.  The GPU tier is ``tests/test_ahead_gpu.py``.
+ends their waits); a frame predicted may be released before its message comes
+(``SubscriberCore.release_ahead``), and its message then needs no RELEASE.  The
+GPU tier is ``tests/test_ahead_gpu.py``.
 """
 
 from __future__ import annotations
@@ -39,22 +40,19 @@ class Consumer:
         #: per frame handed out: (seq, "message" or "ahead"); the seqs confirmed, in order
         self.handed_out: list[tuple[int, str]] = []
         self.confirmed: list[int] = []
-        self._released_ahead: set[int] = set()
 
     def _message(self, timeout: float | None) -> tuple[int, int, bytes | memoryview] | None:
         return self.core.next_view(timeout)
 
     def _confirmed(self, entry: Predicted) -> None:
-        self.confirmed.append(entry.seq)
-        if entry.seq in self._released_ahead:  # the deferred RELEASE
-            self.core.release(entry.seq, entry.slot)
+        self.confirmed.append(entry.seq)  # its RELEASE went when it was handed out
 
     def next(self, timeout: float = 10.0) -> None:
         """Hand out the next frame and release it at once (a fast consumer)."""
         got = self.inbox.next(timeout)
         if isinstance(got, Predicted):
             self.handed_out.append((got.seq, "ahead"))
-            self._released_ahead.add(got.seq)
+            self.core.release_ahead(got.seq, got.slot)  # before its message: at once
         else:
             seq, slot, _payload = got
             self.handed_out.append((seq, "message"))

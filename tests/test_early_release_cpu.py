@@ -11,9 +11,8 @@ on the subscriber's host calling ``recv()`` again nor on the GPU running its
 work: the wait that makes ahead mode's round-trip tail (docs/performance.md).
 Only the fixed schedule of ``Publisher(ahead=True)`` explains such a RELEASE:
 anything else costs the sender its connection.  The stream end to end, with
-bytes checked, is ``tests/test_ahead_stream_cpu.py`` (release-early).  The GPU
-subscriber still sends its RELEASE when the frame is confirmed: switching it
-waits for a run of the GPU suite.
+bytes checked, is ``tests/test_ahead_stream_cpu.py`` (release-early); the GPU
+subscriber releases so (``Frame.release`` of a frame handed out ahead).
 """
 
 from __future__ import annotations
@@ -98,6 +97,27 @@ def test_an_early_release_twice_or_before_any_frame_is_refused() -> None:
     empty.add_subscriber(1, AHEAD, 1)
     with pytest.raises(ProtocolError, match="does not hold"):
         empty.release(1, 0, 0)  # nothing published: nothing to predict from
+
+
+def test_an_early_release_off_the_schedules_generation_ends_at_the_read_flag() -> None:
+    """The pool was used outside the publisher: the frame's generation is not the one the
+    subscriber predicted, so its read flag says the wrong one until the message comes.
+    The lease is kept (the producer waits on the host, not on its stream), ends at the
+    rewritten flag, and no second RELEASE is due or accepted."""
+    book = ahead_book()
+    assert book.release(1, SLOTS, 0) is None
+    assert book.publishing(0, SLOTS, early_ends=False) == [1, 2]
+    assert sorted(book.leases(0)) == [(1, SLOTS), (2, SLOTS)]  # kept
+    ended = book.ended
+    with pytest.raises(ProtocolError, match="twice"):
+        book.release(1, SLOTS, 0)  # its one RELEASE came already
+    assert book.settle(1, 0) is False  # the rewritten flag: ended, the block one holds
+    assert book.ended == ended + 1
+    assert book.releases_due == 0  # nothing more is due from it
+    with pytest.raises(ProtocolError, match="does not hold"):
+        book.release(1, SLOTS, 0)
+    book.release(2, SLOTS, 0)
+    assert book.is_free(0)
 
 
 def test_a_subscriber_that_leaves_takes_its_early_releases_with_it() -> None:

@@ -110,6 +110,9 @@ class _Subscriber:
     ahead: bool = False
     # seq -> slot of the frames it released before they were published (:meth:`release`)
     early: dict[int, int] = field(default_factory=dict)
+    # seq -> slot of the leases it released early that :meth:`publishing` kept (a
+    # generation off the schedule): they end at their read flags, with no RELEASE due
+    spent: dict[int, int] = field(default_factory=dict)
 
 
 class LeaseBook:
@@ -302,7 +305,9 @@ class LeaseBook:
 
     # -- frames ------------------------------------------------------------
 
-    def publishing(self, slot: int, seq: int, now: float = 0.0) -> list[int]:
+    def publishing(
+        self, slot: int, seq: int, now: float = 0.0, early_ends: bool = True
+    ) -> list[int]:
         """Decide who receives frame ``seq`` in ``slot`` and record their leases.
 
         Every ``"block"`` subscriber receives it; a ``"latest"`` subscriber
@@ -321,6 +326,14 @@ class LeaseBook:
         now:
             The caller's clock, recorded as the start of these leases (for
             :meth:`overdue`).
+        early_ends:
+            Whether the leases released early (:meth:`_early`) end here.  The
+            publisher passes False when the frame's generation is not the one
+            the schedule predicts (the pool was used outside the publisher):
+            the subscriber's read flag then says the predicted generation
+            until its frame's message comes, so those leases end only when
+            the flag is rewritten (:meth:`settle`, no RELEASE due), and the
+            producer waits for it on the host, as for any lease.
 
         Returns
         -------
@@ -365,8 +378,11 @@ class LeaseBook:
         self._readers[slot].clear()
         self.last_published = (seq, slot)
         for sub_id, sub in released_early:
-            # its lease ends at once; the producer's stream orders after its read flag
-            self._end_lease(sub_id, sub, seq, slot)
+            if early_ends:
+                # its lease ends at once; the producer's stream orders after its read flag
+                self._end_lease(sub_id, sub, seq, slot)
+            else:
+                sub.spent[seq] = slot
         return receivers
 
     def _latest_drop(self, slot: int) -> None:
@@ -416,6 +432,8 @@ class LeaseBook:
                 f"outside 0..{self.num_slots - 1}"
             )
         held = sub.leases.get(seq)
+        if held is not None and sub.spent and seq in sub.spent:
+            raise ProtocolError(f"subscriber {sub_id} released frame {seq} twice")
         if held is None:
             held = sub.due.get(seq)
             if held is None:
@@ -506,6 +524,8 @@ class LeaseBook:
         seq = self._seq[slot]
         if sub is None or seq is None or sub.leases.get(seq) != slot:
             raise LeaseStateError(f"subscriber {sub_id} holds no lease on slot {slot}")
+        if sub.spent and sub.spent.pop(seq, None) is not None:
+            return self._end_lease(sub_id, sub, seq, slot)  # its RELEASE came early
         if len(sub.due) >= self.max_due:
             return None
         sub.due[seq] = slot
@@ -570,6 +590,8 @@ class LeaseBook:
         if sub is None or sub.leases.get(seq) != slot:
             raise ProtocolError(f"subscriber {sub_id} holds no lease on frame {seq} in slot {slot}")
         del sub.leases[seq]
+        if sub.spent:
+            sub.spent.pop(seq, None)
         if sub.mode == LATEST:
             self._latest_drop(slot)
         holders = self._holders[slot]

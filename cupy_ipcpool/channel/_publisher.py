@@ -653,9 +653,12 @@ class Publisher(ClosedFlag):
         self._write_flag(sptr, self._frame_flags[slot], generation)
         if sptr not in self._streams.ptrs:
             self._streams.note(sptr)
+        # an "ahead" subscriber predicts the slot's next generation as the last + 1 and may
+        # release the frame before it comes: that RELEASE ends the lease at once only if so
+        scheduled = generation == self._published[slot] + 1
         self._published[slot] = generation
         with self._leases.lock:
-            seq = self._core.publish(slot, b"".join(parts))
+            seq = self._core.publish(slot, b"".join(parts), scheduled)
         self._end_write(token)
         if self._ahead:
             self._next_slot = (slot + 1) % len(self._ptrs)

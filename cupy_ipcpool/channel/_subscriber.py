@@ -98,7 +98,9 @@ class _Lease:
         if self.confirmed:
             self.subscriber._release(self.seq, self.slot, self.generation, stream)
         else:
-            self.released_on = self.subscriber._release_ahead(self.slot, self.generation, stream)
+            self.released_on = self.subscriber._release_ahead(
+                self.seq, self.slot, self.generation, stream
+            )
 
     @property
     def complete(self) -> bool | None:
@@ -499,18 +501,28 @@ class Subscriber(ClosedFlag):
         entry.frame = frame
         return frame
 
-    def _release_ahead(self, slot: int, generation: int, stream: Any) -> int:
-        """Release a frame handed out ahead: its read flag now, on ``stream``; the RELEASE
-        once its message is here (:meth:`_confirmed`).  Returns the stream's handle."""
+    def _release_ahead(self, seq: int, slot: int, generation: int, stream: Any) -> int:
+        """Release frame ``seq``, handed out ahead of its message: its read flag on
+        ``stream``, then its RELEASE at once (:meth:`SubscriberCore.release_ahead`).
+
+        The publisher (``ahead=True``) ends the lease as it publishes the frame;
+        the producer's stream still waits for the read flag before it writes the
+        slot again.  Returns the stream's handle (the read flag is rewritten
+        there if the frame's message names a later generation).
+        """
         if self._closed:
             return 0
         sptr = self._stream_ptr(stream)
         assert self._sync is not None
         self._sync.write(sptr, self._read_flags[slot], generation)
+        try:
+            self._core.release_ahead(seq, slot)
+        except EndOfStream:  # the producer is gone: nobody to return it to
+            self._settle_if_dead()
         return sptr
 
     def _confirmed(self, entry: Predicted) -> None:
-        """Frame ``entry``'s message arrived: its metadata; its RELEASE if released already."""
+        """Frame ``entry``'s message arrived: its metadata, and its generation if later."""
         frame = entry.frame
         entry.frame = None
         if frame is None:
@@ -527,12 +539,7 @@ class Subscriber(ClosedFlag):
                 self._waits.note(entry.slot, generation)
             if lease.released and lease.released_on and self._sync is not None:
                 self._sync.write(lease.released_on, self._read_flags[entry.slot], generation)
-        lease.confirmed = True
-        if lease.released:
-            try:
-                self._core.release(entry.seq, entry.slot)
-            except EndOfStream:
-                self._settle_if_dead()
+        lease.confirmed = True  # released already: its RELEASE went at release()
 
     def _end_ahead(self) -> None:
         """The publisher is gone: end the waits on frames handed out ahead that never came.

@@ -236,8 +236,9 @@ class CupyIpcPoolAheadLane(CupyIpcPoolLane):
         "none per frame, and the consumer's host does not wait for the FRAME message: the "
         "publisher keeps a fixed slot schedule (ahead=True), so recv() hands frame k+n out "
         "once frame k of the same slot came by message, its stream waiting on the GPU for the "
-        "frame flag of the next generation; the message confirms it later (its metadata, its "
-        "RELEASE). depth=1: one frame ahead of its message at most. The value checked is the "
+        "frame flag of the next generation; the message confirms it later (its metadata). "
+        "release() sends the RELEASE at once, often before the frame is published. "
+        "depth=1: one frame ahead of its message at most. The value checked is the "
         "first frame's (by message) plus the sequence number, and the metadata once confirmed."
     )
     publisher_options: dict[str, Any] = {"ahead": True}
@@ -257,8 +258,8 @@ class CupyIpcPoolAheadSpinLane(CupyIpcPoolAheadLane):
         "as cupy_ipcpool_ahead, and the producer's wait for each latency frame's lease "
         "busy-polls for up to 200 us (Publisher(spin_us=200)) its sockets and the "
         "subscribers' read flags: with ahead=True a lease ends at the read flag, which the "
-        "consumer's stream writes after its check, so the producer learns of it without the "
-        "consumer's host (whose RELEASE message comes at its next recv())."
+        "consumer's stream writes after its check; a frame released before it was published "
+        "is free as it is published."
     )
     publisher_options: dict[str, Any] = {"ahead": True, "spin_us": PRODUCER_SPIN_US}
 
