@@ -372,18 +372,29 @@ def test_latest_skips_for_the_slow_one_only() -> None:
         remote_sub(server.address, mode="latest", slots=1) as slow,
     ):
         wait_for(lambda: len(server.subscribers) == 2)
-        held = None
-        fast_seen, slow_seen = [], []
-        for _ in range(30):
-            publish(pub)
+        fast_seen: list[int] = []
+
+        def next_frame() -> int:
+            newest = publish(pub)
             with fast.recv(timeout=10) as f:
                 fast_seen.append(check(f))
-            if held is None:
-                with contextlib.suppress(TimeoutError):
-                    held = slow.recv(timeout=0.0)
-                    slow_seen.append(check(held))
-        assert fast_seen == list(range(30))  # the block subscriber misses nothing
-        assert held is not None and len(slow_seen) == 1  # holding its only slot: skips
+            return newest
+
+        # the "latest" one skips frames until its first CREDIT reached the server (it is
+        # sent after the handshake): publish until it has one
+        held = None
+        deadline = time.monotonic() + 10
+        while held is None and time.monotonic() < deadline:
+            next_frame()
+            with contextlib.suppress(TimeoutError):
+                held = slow.recv(timeout=0.2)
+        assert held is not None
+        check(held)
+        for _ in range(30):
+            next_frame()
+        assert fast_seen == list(range(len(fast_seen)))  # the block one misses nothing
+        with pytest.raises(TimeoutError):
+            slow.recv(timeout=0.2)  # holding its only slot: it was sent none of them
         held.release()  # credit back: the next frame it gets is the newest one
         got = None
         deadline = time.monotonic() + 10
