@@ -144,13 +144,12 @@ def test_publish_under_attack(benchmark: Any, publisher: tuple[PublisherCore, _S
 
 
 def test_report_ratio() -> None:
-    """Print rate(under attack) / rate(alone); the target is >= 0.9 (not asserted: timing)."""
+    """Print rate(under attack) / rate(alone), an information line (not asserted: timing)."""
     if "alone" not in _medians or "attack" not in _medians:
         pytest.skip("the two measurements did not both run")
     ratio = _medians["alone"] / _medians["attack"]
     rates = {k: BATCH / v for k, v in _medians.items()}
     print(
         f"\nhardening: {rates['alone']:.0f} frames/s alone, {rates['attack']:.0f} frames/s "
-        f"under attack; ratio {ratio:.3f} (target >= 0.9) "
-        f"{'OK' if ratio >= 0.9 else 'MISSED'}"
+        f"under attack; ratio {ratio:.3f} (information: no committed result holds a bound)"
     )

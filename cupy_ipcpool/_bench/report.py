@@ -10,98 +10,25 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from ._targets import (
+    BASELINE,
+    BENCH,
+    BENCH_PAIRED,
+    TARGET_NBYTES,
+    Target,
+    TargetResult,
+    targets_of,
+)
+from ._targets import targets_text as _targets_text
 from .harness import FAILED, OK, SKIPPED, Measurement, MiB, percentile
 
-BASELINE = "cupy_ipcpool"
-TARGET_NBYTES = 64 * MiB
-
-
-@dataclass(frozen=True)
-class Target:
-    """A goal at 64 MiB: ``p50(numerator) / p50(denominator) <op> bound``."""
-
-    label: str
-    numerator: str
-    denominator: str
-    op: str
-    bound: float
-
-
-TARGETS: tuple[Target, ...] = (
-    Target("host staging >= 100x slower than cupy_ipcpool", "host_staging", BASELINE, ">=", 100.0),
-    Target("legacy IPC >= 20x slower than cupy_ipcpool", "legacy_ipc", BASELINE, ">=", 20.0),
-    Target(
-        "torch.multiprocessing >= 10x slower than cupy_ipcpool", "torch_mp", BASELINE, ">=", 10.0
-    ),
-    Target("cuda.core >= 3x slower than cupy_ipcpool", "cuda_core", BASELINE, ">=", 3.0),
-    Target(
-        "cupy_ipcpool within 3x of the bare socket round trip", BASELINE, "socket_floor", "<=", 3.0
-    ),
-    # The floor that does the same GPU work without sharing anything: what is left above
-    # it is the cost of sharing the frame (``n/a`` when that lane was skipped or not run).
-    Target(
-        "cupy_ipcpool within 1.3x of the socket + GPU floor",
-        BASELINE,
-        "socket_gpu_floor",
-        "<=",
-        1.3,
-    ),
-)
-
-
-#: The 1.3x target again, on the interleaved turns (:func:`paired_rows`): the
-#: machine's speed drifts from second to second, so one run of each lane apart
-#: compares two machine states as much as two lanes.
-PAIRED_TARGET = Target(
-    "cupy_ipcpool within 1.3x of the socket + GPU floor, interleaved turns "
-    "(median of the per-turn ratios)",
-    BASELINE,
-    "socket_gpu_floor",
-    "<=",
-    1.3,
-)
-#: The same bound against the ordered floor (the socket + GPU floor plus the
-#: channel's four flag operations, nothing else): what is above it is the
-#: library's own per-frame cost (docs/performance.md, "The floors": the bound
-#: against the bare floor is below what the GPU ordering alone costs); reported
-#: beside it, not
-#: instead of it.
-ORDERED_PAIRED_TARGET = Target(
-    "cupy_ipcpool within 1.3x of the ordered floor, interleaved turns "
-    "(median of the per-turn ratios)",
-    BASELINE,
-    "ordered_floor",
-    "<=",
-    1.3,
-)
-PAIRED_TARGETS: tuple[Target, ...] = (PAIRED_TARGET, ORDERED_PAIRED_TARGET)
+#: The targets of this suite (guards and goals, :mod:`._targets`): the p50 of two lanes at
+#: :data:`TARGET_NBYTES`, and the median per-turn ratio of two lanes' interleaved turns.
+TARGETS: tuple[Target, ...] = targets_of(BENCH)
+PAIRED_TARGETS: tuple[Target, ...] = targets_of(BENCH_PAIRED)
 _PAIRED_TARGET_OF = {(t.numerator, t.denominator): t for t in PAIRED_TARGETS}
-
-
-@dataclass(frozen=True)
-class TargetResult:
-    """The outcome of one :class:`Target`: ``status`` is ``MET``, ``MISSED`` or ``n/a``."""
-
-    target: Target
-    status: str
-    ratio: float | None = None
-    note: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
-        t = self.target
-        return {
-            "label": t.label,
-            "numerator": t.numerator,
-            "denominator": t.denominator,
-            "target": f"{t.op} {t.bound:g}",
-            "ratio": self.ratio,
-            "status": self.status,
-            "note": self.note,
-        }
 
 
 # ------------------------------------------------------------------ format
@@ -200,10 +127,12 @@ def evaluate_targets(
 
     ``paired``: rows of :func:`paired_rows`; a row at ``nbytes`` whose two
     lanes are those of a :data:`PAIRED_TARGETS` entry is checked against it on
-    its median per-turn ratio (rows of other pairs make no target).
+    its median per-turn ratio (rows of other pairs make no target, and a run
+    without interleaved turns has no such result).
     """
     out = []
     for t in TARGETS:
+        assert t.denominator is not None  # every target of this suite is a ratio of two lanes
         num = p50_of(measurements, t.numerator, nbytes)
         den = p50_of(measurements, t.denominator, nbytes)
         if num is None or den is None or den <= 0:
@@ -213,11 +142,9 @@ def evaluate_targets(
                 if v is None or v <= 0
             ]
             why = "; ".join(_why_missing(measurements, name, nbytes) for name in missing)
-            out.append(TargetResult(t, "n/a", None, why))
+            out.append(TargetResult(t, None, why))
             continue
-        r = num / den
-        ok = r >= t.bound if t.op == ">=" else r <= t.bound
-        out.append(TargetResult(t, "MET" if ok else "MISSED", r))
+        out.append(TargetResult(t, num / den))
     for row in paired:
         if row["nbytes"] != nbytes:
             continue
@@ -225,14 +152,12 @@ def evaluate_targets(
         if pt is None:
             continue
         if row["status"] != OK:
-            out.append(TargetResult(pt, "n/a", None, f"{row['status']}: {row['reason']}"))
+            out.append(TargetResult(pt, None, f"{row['status']}: {row['reason']}"))
             continue
-        r = row["ratio_median"]
-        ok = r <= pt.bound
         note = (
             f"{row['turns']} turns, per-turn ratios {row['ratio_min']:.2f}-{row['ratio_max']:.2f}x"
         )
-        out.append(TargetResult(pt, "MET" if ok else "MISSED", r, note))
+        out.append(TargetResult(pt, row["ratio_median"], note))
     return out
 
 
@@ -329,14 +254,8 @@ def _why_missing(measurements: Sequence[Measurement], lane: str, nbytes: int) ->
 
 
 def targets_text(results: Sequence[TargetResult], *, nbytes: int = TARGET_NBYTES) -> str:
-    """The targets as markdown list lines with MET / MISSED / n/a."""
-    lines = [f"Targets at {fmt_size(nbytes)} (p50 ratios):", ""]
-    for r in results:
-        t = r.target
-        ratio = f"{r.ratio:.2f}x" if r.ratio is not None else "-"
-        note = f" ({r.note})" if r.note else ""
-        lines.append(f"- {r.status}: {t.label}: {ratio} (target {t.op} {t.bound:g}x){note}")
-    return "\n".join(lines)
+    """The targets as markdown: the legend, the guards (met / BROKEN), then the goals."""
+    return _targets_text(results, title=f"Targets at {fmt_size(nbytes)} (p50 ratios):")
 
 
 def _scale_table(
