@@ -33,7 +33,9 @@ def cupy_module() -> Any:
             import cupy
         except Exception as exc:
             raise CudaUnavailableError(
-                f"CuPy cannot be imported ({exc}); install cupy-cuda13x (or cupy-cuda12x)"
+                f"CuPy cannot be imported ({exc}); install the GPU stack of your CUDA major "
+                "(cupy-cuda13x or cupy-cuda12x): from the source tree, python3 -m pip install "
+                "-e '.[cu13]' (CUDA 13) or -e '.[cu12]' (CUDA 12)"
             ) from None
         _cupy = cupy
     return _cupy

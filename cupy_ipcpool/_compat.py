@@ -5,6 +5,7 @@ See ``docs/porting.md`` for the mapping table.
 
 from __future__ import annotations
 
+from ._args import DeviceLike
 from ._pool import IpcPool
 
 
@@ -18,7 +19,7 @@ class IPCBufferManager(IpcPool):
     buffer_step:
         Bytes per buffer (the seed's ``bufferStep``).
     device:
-        CUDA device ordinal (the seed hard-coded device 0).
+        CUDA device ordinal, or a ``cupy.cuda.Device`` (the seed hard-coded device 0).
 
     Notes
     -----
@@ -28,7 +29,7 @@ class IPCBufferManager(IpcPool):
     releases everything.
     """
 
-    def __init__(self, size: int, buffer_step: int, *, device: int = 0) -> None:
+    def __init__(self, size: int, buffer_step: int, *, device: DeviceLike = 0) -> None:
         super().__init__(size, buffer_step, device=device)
 
     def getCurBufferPtr(self) -> int:

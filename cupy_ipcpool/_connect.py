@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from ._args import DeviceLike, optional_device
 from ._errors import UsageError, UsageTypeError
 from .channel import Follower, Subscriber
 from .channel import follow as follow_local
@@ -33,7 +34,7 @@ def subscribe(
     *,
     mode: str = "block",
     credit: int | None = None,
-    device: int | None = None,
+    device: DeviceLike | None = None,
     timeout: float = 10.0,
     allowed_uids: Iterable[int] | None = None,
     secret: str | bytes | None = None,
@@ -62,8 +63,8 @@ def subscribe(
         Most frames held at once.  Remote: the number of receive slots
         (default 4).
     device:
-        Local GPU (default: the producer's GPU for a local publisher, 0 for a
-        remote one).
+        Local GPU, an ordinal or a ``cupy.cuda.Device`` (default: the
+        producer's GPU for a local publisher, 0 for a remote one).
     timeout:
         Seconds for connecting and the handshake.
     allowed_uids:
@@ -89,6 +90,7 @@ def subscribe(
         An option that does not apply to this kind of address.
     """
     text = _address_text(address)
+    device = optional_device(device)
     if text.startswith("ucx://"):
         if allowed_uids is not None:
             raise UsageError("allowed_uids applies to local publishers; remote ones use a secret")

@@ -61,7 +61,8 @@ def _load() -> Any:
         except Exception as exc:  # ImportError and any binding-load failure
             _state["error"] = (
                 f"the cuda-bindings package cannot be imported ({exc}); "
-                "install cuda-bindings matching your driver (see docs/install.md)"
+                "install cuda-bindings matching your driver's CUDA major: from the source "
+                "tree, python3 -m pip install -e '.[cu13]' (CUDA 13) or -e '.[cu12]' (CUDA 12)"
             )
             raise CudaUnavailableError(_state["error"]) from None
         try:

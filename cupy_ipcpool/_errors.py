@@ -207,6 +207,15 @@ class ProtocolError(IpcPoolError):
     """A peer sent a message that is malformed or out of protocol."""
 
 
+class ForeignPeerError(ProtocolError):
+    """The peer answered in another protocol: it is no cupy_ipcpool publisher (or remote
+    server) at all, as opposed to one that broke the protocol.
+
+    Raised by a subscriber's handshake, with the address and the first bytes
+    the peer sent.  Not exported: catch :class:`ProtocolError`.
+    """
+
+
 class EndOfStream(IpcPoolError):
     """The publisher closed or died: no more frames will arrive.
 

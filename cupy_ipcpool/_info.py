@@ -12,8 +12,12 @@ from ._errors import CudaError, CudaUnavailableError
 from ._version import __version__
 
 CAP_SYS_PTRACE = 19
-#: How to install the remote extra: the package is on no index, so from its source tree.
-REMOTE_INSTALL = "from the source tree: python3 -m pip install -e '.[remote]'"
+#: How to install the remote extra: UCXX of the CUDA major, from the source tree (the
+#: package is on no index).
+REMOTE_INSTALL = (
+    "from the source tree: python3 -m pip install -e '.[remote-cu13]' (CUDA 13) or "
+    "-e '.[remote-cu12]' (CUDA 12)"
+)
 
 
 def _version(dist: str) -> str:
@@ -72,10 +76,11 @@ def pidfd_summary() -> str:
 
 def remote_summary() -> str:
     """One line on the remote extra (UCXX) and the UCX version it loads."""
-    v = _version("ucxx-cu13")
-    if v == "not installed":
-        return f"remote (UCXX): not installed; {REMOTE_INSTALL}"
-    return f"remote (UCXX): ucxx-cu13 {v}, libucx-cu13 {_version('libucx-cu13')}"
+    for major in ("cu13", "cu12"):
+        v = _version(f"ucxx-{major}")
+        if v != "not installed":
+            return f"remote (UCXX): ucxx-{major} {v}, libucx-{major} {_version(f'libucx-{major}')}"
+    return f"remote (UCXX): not installed; {REMOTE_INSTALL}"
 
 
 def fastpath_summary() -> str:

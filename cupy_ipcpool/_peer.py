@@ -9,6 +9,7 @@ import weakref
 from typing import Any
 
 from . import _driver
+from ._args import DeviceLike, optional_device
 from ._arrays import KeptArray, SlotRef, SlotRefs, cupy_module, view_unchecked
 from ._errors import (
     DescriptorError,
@@ -367,7 +368,7 @@ class PeerPool(FinalizedResource):
 
 
 def attach(
-    descriptor: PoolDescriptor, *, device: int | None = None, transport: str = "auto"
+    descriptor: PoolDescriptor, *, device: DeviceLike | None = None, transport: str = "auto"
 ) -> PeerPool:
     """Map a peer's pool into this process.
 
@@ -387,13 +388,17 @@ def attach(
         From :meth:`IpcPool.descriptor` (bytes via ``PoolDescriptor.from_bytes``,
         or unpickled, in which case it carries its fds).
     device:
-        Local device to map on; default: the exporter's device (by UUID).
-        Another GPU works where it has peer access to that one.
+        Local device to map on, an ordinal or a ``cupy.cuda.Device``; default:
+        the exporter's device (by UUID).  Another GPU works where it has peer
+        access to that one.
     transport:
         ``"auto"``, ``"pidfd"`` or ``"socket"``.
 
     Raises
     ------
+    UsageError, UsageTypeError
+        Not a descriptor, or ``device`` is not a device (checked before any
+        GPU is looked for).
     TransportError
         The fds could not be fetched (the message says why and what to do).
     UnsupportedDeviceError
@@ -408,7 +413,7 @@ def attach_fds(
     descriptor: PoolDescriptor,
     fds: list[int] | None,
     *,
-    device: int | None = None,
+    device: DeviceLike | None = None,
     transport: str = "auto",
 ) -> PeerPool:
     """:func:`attach` with the slot fds already in hand (``None``: fetch them).
@@ -421,8 +426,9 @@ def attach_fds(
             raise UsageTypeError(
                 f"attach() needs a PoolDescriptor, not {type(descriptor).__name__}"
             )
+        ordinal = optional_device(device)
         descriptor.validate()
-        local = _resolve_device(descriptor, device)
+        local = _resolve_device(descriptor, ordinal)
     except BaseException:
         for fd in fds or ():
             os.close(fd)

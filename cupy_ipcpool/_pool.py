@@ -23,6 +23,7 @@ import numpy
 
 from . import _driver
 from ._arena import AllocationScope, ReusableView, SlotArenas
+from ._args import DeviceLike, device_ordinal
 from ._arrays import (
     SlotRef,
     array_info,
@@ -134,7 +135,7 @@ class IpcPool(FinalizedResource):
         Usable bytes per slot; each slot's allocation is rounded up to the
         device's allocation granularity (an aligned size is kept as is).
     device:
-        CUDA device ordinal.
+        CUDA device ordinal, or a ``cupy.cuda.Device``.
     allowed_uids:
         Uids whose processes may fetch the slot fds over the socket transport
         (default: this process's effective uid only).
@@ -166,24 +167,19 @@ class IpcPool(FinalizedResource):
         num_slots: int,
         slot_nbytes: int,
         *,
-        device: int = 0,
+        device: DeviceLike = 0,
         allowed_uids: Iterable[int] | None = None,
         socket_path: str | None = None,
     ) -> None:
-        for name, value in (
-            ("num_slots", num_slots),
-            ("slot_nbytes", slot_nbytes),
-            ("device", device),
-        ):
+        for name, value in (("num_slots", num_slots), ("slot_nbytes", slot_nbytes)):
             if not isinstance(value, (int, numpy.integer)) or isinstance(value, bool):
                 raise UsageTypeError(f"{name} must be an int, not {type(value).__name__}")
-        num_slots, slot_nbytes, device = int(num_slots), int(slot_nbytes), int(device)
+        num_slots, slot_nbytes = int(num_slots), int(slot_nbytes)
         if not 1 <= num_slots <= MAX_SLOTS:
             raise UsageError(f"num_slots must be in 1..{MAX_SLOTS}, got {num_slots}")
         if not 1 <= slot_nbytes <= MAX_SLOT_NBYTES:
             raise UsageError(f"slot_nbytes must be in 1..{MAX_SLOT_NBYTES}, got {slot_nbytes}")
-        if device < 0:
-            raise UsageError(f"device must be a non-negative ordinal, got {device}")
+        device = device_ordinal(device)
         self._allowed_uids = allowed_uid_set(allowed_uids, os.geteuid())
         self._socket_path = socket_path
 

@@ -26,6 +26,7 @@ from typing import Any, Literal
 import numpy
 
 from . import _driver
+from ._args import DeviceLike, device_ordinal
 from ._arrays import SlotRef, SlotRefs, make_array, normalize_dtype, normalize_shape
 from ._errors import (
     CudaError,
@@ -421,13 +422,6 @@ class SeedBuffers(FinalizedResource):
         )
 
 
-def _check_device(device: object) -> int:
-    ordinal = _as_int(device, "device")
-    if ordinal < 0:
-        raise UsageError(f"device must be a non-negative ordinal, got {ordinal}")
-    return ordinal
-
-
 def _import_buffers(
     fds: list[int], pairs: tuple[tuple[int, int], ...], alloc_nbytes: int, device: int
 ) -> list[Allocation]:
@@ -470,7 +464,7 @@ def import_seed_buffers(
     pairs: Sequence[Sequence[int]],
     buffer_step: int,
     *,
-    device: int,
+    device: DeviceLike,
     rounding: Rounding = "seed",
     alloc_nbytes: int | None = None,
 ) -> SeedBuffers:
@@ -493,9 +487,10 @@ def import_seed_buffers(
         Usable bytes per buffer (the seed's ``bufferStep``); arrays are
         bounds-checked against it.
     device:
-        Local device ordinal to map on: the GPU the exporter allocated on (the
-        seed allocates on its device 0, as numbered in its own process), or one
-        with peer access to it.  Its granularity sizes the mapping.
+        Local device to map on, an ordinal or a ``cupy.cuda.Device``: the GPU
+        the exporter allocated on (the seed allocates on its device 0, as
+        numbered in its own process), or one with peer access to it.  Its
+        granularity sizes the mapping.
     rounding:
         How the exporter sized its allocations (:func:`seed_alloc_nbytes`):
         ``"seed"`` (default) for the C++ ``IPCBufferManager``, ``"exact"`` for
@@ -526,7 +521,7 @@ def import_seed_buffers(
     buffer_step = _as_int(buffer_step, "buffer_step")
     if not 1 <= buffer_step <= MAX_SLOT_NBYTES:
         raise UsageError(f"buffer_step must be in 1..{MAX_SLOT_NBYTES}, got {buffer_step}")
-    device = _check_device(device)
+    device = device_ordinal(device)
     if rounding not in ROUNDINGS:
         raise UsageError(f'rounding must be "seed" or "exact", got {rounding!r}')
     if alloc_nbytes is not None:

@@ -9,7 +9,7 @@ that channel to UCX on 127.0.0.1; :func:`cupy_ipcpool.remote.subscribe` with
 Needs no GPU, but needs UCXX: the remote tier's data plane is UCX, even on
 loopback.  From the checkout::
 
-    python3 -m pip install -e '.[remote]'
+    python3 -m pip install -e '.[remote-cu13]'
     python3 examples/remote_loopback.py [--frames N]
 
 Exits 0 when every frame checked out, 1 when one did not, and 2 (with the

@@ -398,6 +398,39 @@ def test_clean_close_ends_iteration(address):
         assert got == 20 and bad == []
 
 
+# --------------------------------------------------------- a cupy.cuda.Device as device
+
+
+def _device_object_consumer(address, q):
+    try:
+        import cupy as cp
+
+        with cip.subscribe(address, device=cp.cuda.Device(0)) as sub:
+            assert sub.peer.device == 0
+            q.put(("ready",))
+            frame = sub.recv(timeout=60)
+            value = int(cp.asnumpy(frame.array)[0])
+            frame.release()
+        q.put(("done", value))
+    except BaseException:
+        report_exception(q)
+
+
+def test_a_subscriber_takes_a_cupy_device(address):
+    """``subscribe(..., device=cupy.cuda.Device(0))`` as CuPy users write it (issue 45)."""
+    import cupy as cp
+
+    with cip.IpcPool(2, 1 << 16, device=cp.cuda.Device(0)) as pool:
+        pub = cip.Publisher(pool, address)
+        proc, q = start_child(_device_object_consumer, address)
+        assert child_message(q)[0] == "ready"
+        wait_subscribers(pub, 1)
+        _produce(pub, 1, start=41)
+        assert child_message(q) == ("done", 41)
+        proc.join(30)
+        pub.close()
+
+
 # ------------------------------------------------------------------- no growth
 
 

@@ -457,12 +457,15 @@ def test_serve_says_a_socket_that_is_no_publisher_is_not_one(tmp_path, memory):
     with foreign_socket(path, socket.SOCK_SEQPACKET):
         out = _cli("serve", path, "--insecure", "--memory", memory, "--listen", "127.0.0.1:0")
     line = _one_error_line(out, 1)
-    assert f"{path} does not answer as a cupy_ipcpool publisher" in line, line
+    assert f"{path} is not a cupy_ipcpool publisher: it answered b'<!DOCTYPE html>'" in line, line
+    assert line.endswith("(bad magic 0x213c, expected 0x4950)"), line
+    assert line.count("cupy_ipcpool publisher") == 1, line
     os.unlink(path)
     with foreign_socket(path, socket.SOCK_STREAM):
         out = _cli("serve", path, "--insecure", "--memory", memory, "--listen", "127.0.0.1:0")
     line = _one_error_line(out, 1)
-    assert f"{path} is not a cupy_ipcpool publisher" in line, line
+    assert f"{path} is not a cupy_ipcpool publisher: its socket is of another type" in line, line
+    assert line.count("cupy_ipcpool publisher") == 1, line
 
 
 def test_the_remote_handshake_names_a_peer_that_is_not_a_server():
@@ -670,8 +673,9 @@ def test_info_says_how_to_install_the_remote_extra_from_a_checkout(monkeypatch):
 
     monkeypatch.setattr(_info, "_version", lambda dist: "not installed")
     line = _info.remote_summary()
-    assert "python3 -m pip install -e '.[remote]'" in line, line
-    assert "cupy_ipcpool[remote]" not in line
+    assert "python3 -m pip install -e '.[remote-cu13]' (CUDA 13)" in line, line
+    assert "-e '.[remote-cu12]' (CUDA 12)" in line, line
+    assert "cupy_ipcpool[remote" not in line
 
 
 def test_the_docs_give_the_install_that_works():
@@ -680,9 +684,17 @@ def test_the_docs_give_the_install_that_works():
     root = pathlib.Path(__file__).resolve().parent.parent
     for page in ("remote.md", "install.md"):
         lines = (root / "docs" / page).read_text().splitlines()
-        assert any("python3 -m pip install -e '.[remote]'" in line for line in lines), page
+        assert any("python3 -m pip install -e '.[remote-cu13]'" in line for line in lines), page
+        assert any("'.[remote-cu12]'" in line for line in lines), page
         # no command to copy that asks an index for the package
         assert not any(line.startswith("python3 -m pip install 'cupy_ipcpool") for line in lines)
+    # one extra per CUDA major (pyproject.toml): the GPU stack, and UCXX with it
+    install = (root / "docs" / "install.md").read_text()
+    assert "python3 -m pip install -e '.[cu13]'" in install
+    assert "python3 -m pip install -e '.[cu12]'" in install
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        text = page.read_text()
+        assert "remote]" not in text, f"{page.name} names the extra 'remote', which is gone"
 
 
 def test_parse_errors_are_one_line_without_the_usage_block(capsys):

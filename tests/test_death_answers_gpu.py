@@ -92,7 +92,7 @@ def test_complete_matches_the_gpu_check_of_every_frame_after_a_sigkill(tmp_path:
                         cp.uint64(CAP),
                     ),
                 )
-                frame.release(stream)  # at once: the read flag is written after the check
+                frame.release(stream=stream)  # at once: the read flag is written after the check
                 at_release[frame.seq] = frame.complete
                 frames.append(frame)
                 if len(frames) == KILL_AT:

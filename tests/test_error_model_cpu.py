@@ -356,7 +356,7 @@ def test_host_publish_of_a_slot_not_acquired_is_a_usage_error(tmp_path: pathlib.
     with HostChannelPublisher(str(tmp_path / "h.sock"), 2, 4096) as pub:
         with pytest.raises(UsageError, match="not acquired"):
             pub.publish(0, ())
-        slot = pub.acquire(0)
+        slot = pub.acquire(timeout=0)
         pub.abandon(slot)
         with pytest.raises(UsageError, match="not acquired"):
             pub.publish(slot, ())

@@ -317,7 +317,7 @@ def test_compiled_parts_are_loaded_only_through_the_loader() -> None:
 
 #: The layers of DESIGN.md, bottom first; a module may import its own layer and below.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("errors", ("_errors", "_version")),
+    ("errors", ("_errors", "_version", "_args")),
     ("handles", ("_handles", "_handles.*")),
     ("driver", ("_driver", "_fastpath")),
     ("vmm", ("_vmm",)),

@@ -39,7 +39,8 @@ def test_remote_loopback_example_says_it_needs_ucxx() -> None:
     done = run()
     assert done.returncode == 2, done.stdout + done.stderr
     assert "UCXX is not available" in done.stderr
-    assert "pip install -e '.[remote]'" in done.stderr
+    assert "pip install -e '.[remote-cu13]'" in done.stderr
+    assert "'.[remote-cu12]' (CUDA 12)" in done.stderr
 
 
 @pytest.mark.parametrize("frames", ["-3", "0", "many"])

@@ -205,6 +205,34 @@ def test_import_cache_and_handle_checks():
             p1.array(good)
 
 
+def test_a_cupy_device_is_taken_wherever_a_device_ordinal_is():
+    """``device=cupy.cuda.Device(0)`` as CuPy users write it: the pool, the seed façade,
+    attach and the remote tier's device ring (issue 45, point 5)."""
+    import cupy as cp
+
+    from cupy_ipcpool.remote import DeviceSlots
+
+    dev = cp.cuda.Device(0)
+    with cip.IpcPool(2, MiB, device=dev) as pool:
+        assert pool.device == 0 and type(pool.device) is int
+        fill(pool.array(dtype=np.uint32, slot=1), 7)
+        dev.synchronize()
+        desc = cip.PoolDescriptor.from_bytes(pool.descriptor(transport="pidfd").to_bytes())
+        with cip.attach(desc, device=dev) as peer:
+            assert peer.device == 0
+            got = peer.array(cip.ArrayHandle.contiguous(1, 0, (MiB // 4,), np.uint32))
+            np.testing.assert_array_equal(cp.asnumpy(got), expected(MiB // 4, 7))
+            del got
+    with cip.IPCBufferManager(2, MiB, device=dev) as seed:
+        assert seed.device == 0
+    slots = DeviceSlots(2, MiB, device=dev)
+    try:
+        assert slots.device == 0 and slots.pool.device == 0
+    finally:
+        slots.close()
+    gc.collect()
+
+
 def _child_second_gpu(desc_bytes, queue):
     try:
         import cupy as cp

@@ -175,8 +175,8 @@ def _channel(nbytes: int, frames: int, memory: str, device: int) -> float:
             specs = (spec_of(_alloc("host", nbytes, device)),)
 
             def send_one() -> None:
-                slot = pub.acquire(60)
-                pub.publish(slot, specs, b"")
+                slot = pub.acquire(timeout=60)
+                pub.publish(slot, specs, metadata=b"")
 
         else:
             import cupy as cp

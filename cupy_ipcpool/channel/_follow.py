@@ -16,8 +16,9 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, overload
 
+from .._args import deprecated, keyword_only_signature, moved_to_keywords, optional_device
 from .._errors import ChannelTimeoutError, EndOfStream, PoolClosedError, UsageError
 from .._transport._closing import ClosedFlag
 from ._iterate import frames_until_clean_end
@@ -26,7 +27,7 @@ from ._waiting import check_wait, connect_waiting
 
 
 class _Receiver(Protocol):
-    def recv(self, timeout: float | None = ...) -> Any: ...
+    def recv(self, *, timeout: float | None = ...) -> Any: ...
 
     def close(self) -> None: ...
 
@@ -104,7 +105,13 @@ class Follower(ClosedFlag, Generic[S]):
         """Subscriptions made after the first."""
         return max(0, self._sessions - 1)
 
-    def recv(self, timeout: float | None = None, **kwargs: Any) -> Any:
+    @overload
+    def recv(self, *, timeout: float | None = None, **kwargs: Any) -> Any: ...
+    @overload
+    @deprecated("pass timeout by keyword: recv(timeout=...)")
+    def recv(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any: ...
+    @keyword_only_signature
+    def recv(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
         """The next frame, from this publisher or the next one.
 
         Parameters
@@ -129,6 +136,8 @@ class Follower(ClosedFlag, Generic[S]):
         PoolClosedError
             The follower is closed.
         """
+        if args:
+            (timeout,) = moved_to_keywords(Follower.recv, args, timeout=timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self._closed:
@@ -142,7 +151,7 @@ class Follower(ClosedFlag, Generic[S]):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             receive: Any = sub.recv  # with the subscriber's own keywords (stream=)
             try:
-                return receive(left, **kwargs)
+                return receive(timeout=left, **kwargs)
             except EndOfStream as exc:
                 self._drop(exc)
                 if exc.clean and not self.restart_on_close:
@@ -201,6 +210,8 @@ def follow(
         inspect.signature(subscribe).bind(text, **options)
     except TypeError as exc:
         raise UsageError(f"follow(): {exc}") from None
+    if "device" in options:
+        options["device"] = optional_device(options["device"])
     mode = options.get("mode", "block")
     if mode not in ("block", "latest", "ahead"):
         raise UsageError(f"mode must be 'block', 'latest' or 'ahead', not {mode!r}")

@@ -37,6 +37,7 @@ from .._handles import MAX_SLOTS as HANDLES_MAX_SLOTS
 MAGIC = 0x4950
 VERSION = 2
 
+
 HELLO = 1
 WELCOME = 2
 REFUSE = 3
@@ -351,6 +352,15 @@ def _payload(
     return bytes(data[head:])
 
 
+def has_magic(data: bytes | bytearray | memoryview) -> bool:
+    """Whether ``data`` (a datagram) begins with the channel protocol's magic.
+
+    A reply without it comes from a peer that speaks something else: not a
+    cupy_ipcpool publisher (or subscriber) at all.
+    """
+    return len(data) >= 2 and data[0] | data[1] << 8 == MAGIC
+
+
 def decode(data: bytes | bytearray | memoryview) -> Message:
     """Decode and validate one datagram.
 
@@ -388,7 +398,10 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
         raise ProtocolError(f"message of {n} bytes is shorter than the {_HEADER.size}-byte header")
     magic, version, kind = _HEADER.unpack_from(data)
     if magic != MAGIC:
-        raise ProtocolError(f"bad magic 0x{magic:04x} (expected 0x{MAGIC:04x})")
+        raise ProtocolError(
+            f"bad magic 0x{magic:04x} (expected 0x{MAGIC:04x}): the peer does not speak "
+            "the cupy_ipcpool channel protocol"
+        )
     if version != VERSION:
         raise ProtocolError(f"unsupported protocol version {version} (this side speaks {VERSION})")
     if kind == FRAME:
@@ -466,4 +479,5 @@ __all__ = [
     "encode_refuse",
     "encode_release",
     "encode_welcome",
+    "has_magic",
 ]

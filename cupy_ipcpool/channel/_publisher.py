@@ -30,8 +30,9 @@ import time
 import warnings
 import weakref
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, overload
 
+from .._args import deprecated, keyword_only_signature, moved_to_keywords
 from .._arrays import cupy_module, stream_ptr
 from .._errors import (
     PeerRefusedError,
@@ -531,7 +532,17 @@ class Publisher(ClosedFlag):
 
     # -- hot path --
 
-    def acquire(self, timeout: float | None = DEFAULT_TIMEOUT, *, stream: Any = None) -> int:
+    @overload
+    def acquire(self, *, timeout: float | None = DEFAULT_TIMEOUT, stream: Any = None) -> int: ...
+    @overload
+    @deprecated("pass timeout by keyword: acquire(timeout=...)")
+    def acquire(
+        self, *args: Any, timeout: float | None = DEFAULT_TIMEOUT, stream: Any = None
+    ) -> int: ...
+    @keyword_only_signature
+    def acquire(
+        self, *args: Any, timeout: float | None = DEFAULT_TIMEOUT, stream: Any = None
+    ) -> int:
         """Take a free slot for the next frame and make it the pool's current slot.
 
         The same call as ``pool.acquire(timeout=timeout, stream=stream)``: a
@@ -554,13 +565,27 @@ class Publisher(ClosedFlag):
             No slot became free within ``timeout`` seconds (``block``
             subscribers hold them, or local arrays do); the message says who.
         """
+        if args:
+            (timeout,) = moved_to_keywords(Publisher.acquire, args, timeout=timeout)
         return self._acquire(timeout, stream).slot
 
     def _acquire(self, timeout: float | None, stream: Any) -> SlotToken:
         self._check()
         return self._take(timeout, stream)
 
-    def frame(self, timeout: float | None = DEFAULT_TIMEOUT, *, stream: Any = None) -> PublishFrame:
+    @overload
+    def frame(
+        self, *, timeout: float | None = DEFAULT_TIMEOUT, stream: Any = None
+    ) -> PublishFrame: ...
+    @overload
+    @deprecated("pass timeout by keyword: frame(timeout=...)")
+    def frame(
+        self, *args: Any, timeout: float | None = DEFAULT_TIMEOUT, stream: Any = None
+    ) -> PublishFrame: ...
+    @keyword_only_signature
+    def frame(
+        self, *args: Any, timeout: float | None = DEFAULT_TIMEOUT, stream: Any = None
+    ) -> PublishFrame:
         """:meth:`acquire` a slot and return a :class:`PublishFrame` for it.
 
         Use as ``with pub.frame() as f: ...; f.publish(y)``; allocations under
@@ -568,6 +593,8 @@ class Publisher(ClosedFlag):
         ``f.slot``.  Leaving the block without publishing gives the slot back
         (with ``ahead=True`` it is published as a void frame).
         """
+        if args:
+            (timeout,) = moved_to_keywords(Publisher.frame, args, timeout=timeout)
         if self._closed:
             raise PoolClosedError("the Publisher is closed")
         return PublishFrame(self, self._take(timeout, stream), stream)
@@ -717,7 +744,13 @@ class Publisher(ClosedFlag):
 
     # -- teardown --
 
-    def close(self, timeout: float = CLOSE_GRACE) -> None:
+    @overload
+    def close(self, *, timeout: float = CLOSE_GRACE) -> None: ...
+    @overload
+    @deprecated("pass timeout by keyword: close(timeout=...)")
+    def close(self, *args: Any, timeout: float = CLOSE_GRACE) -> None: ...
+    @keyword_only_signature
+    def close(self, *args: Any, timeout: float = CLOSE_GRACE) -> None:
         """Say goodbye to every subscriber, close the socket, free the sync page.
 
         Subscribers get a clean end of stream after the frames already sent;
@@ -730,6 +763,8 @@ class Publisher(ClosedFlag):
         stream of ours still waits on after another ``timeout`` keeps the page
         mapped (with a :class:`TeardownWarning`).  Idempotent; never raises.
         """
+        if args:
+            (timeout,) = moved_to_keywords(Publisher.close, args, timeout=timeout)
         if self._closed:
             return
         self._closed = True

@@ -11,8 +11,15 @@ import os
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
+from .._args import (
+    DeviceLike,
+    deprecated,
+    keyword_only_signature,
+    moved_to_keywords,
+    optional_device,
+)
 from .._arrays import cupy_module, stream_ptr
 from .._errors import (
     ChannelTimeoutError,
@@ -200,9 +207,17 @@ class Frame:
         probe = getattr(self._lease, "complete", True)  # a remote lease: copied, so complete
         return None if probe is None else bool(probe)
 
-    def release(self, stream: Any = None) -> None:
+    @overload
+    def release(self, *, stream: Any = None) -> None: ...
+    @overload
+    @deprecated("pass stream by keyword: release(stream=...)")
+    def release(self, *args: Any, stream: Any = None) -> None: ...
+    @keyword_only_signature
+    def release(self, *args: Any, stream: Any = None) -> None:
         """Return the lease: set the read flag on ``stream`` (default: current) and
         tell the producer.  Idempotent."""
+        if args:
+            (stream,) = moved_to_keywords(Frame.release, args, stream=stream)
         self._lease.release(stream)
 
     def __enter__(self) -> Frame:
@@ -225,12 +240,13 @@ class Subscriber(ClosedFlag):
         *,
         mode: str = "block",
         credit: int | None = None,
-        device: int | None = None,
+        device: DeviceLike | None = None,
         timeout: float = 10.0,
         allowed_uids: Iterable[int] | None = None,
         spin_us: float = 0.0,
         depth: int | None = None,
     ) -> None:
+        ordinal = optional_device(device)  # before anything is connected or a GPU looked for
         if depth is not None and (mode != "ahead" or isinstance(depth, bool) or depth < 1):
             raise UsageError(
                 f"depth={depth!r}: a positive number of frames, and only with mode='ahead'"
@@ -262,7 +278,7 @@ class Subscriber(ClosedFlag):
                 # the core's per-frame hang-up check covers the pidfd too: recv looks
                 # at it on its own only once that check has fired (core.alarm)
                 self._core.watch(self._pidfd)
-            self._setup(device)
+            self._setup(ordinal)
         except BaseException:
             self._teardown()
             raise
@@ -357,7 +373,13 @@ class Subscriber(ClosedFlag):
 
     # -- hot path --
 
-    def recv(self, timeout: float | None = None, *, stream: Any = None) -> Frame:
+    @overload
+    def recv(self, *, timeout: float | None = None, stream: Any = None) -> Frame: ...
+    @overload
+    @deprecated("pass timeout by keyword: recv(timeout=...)")
+    def recv(self, *args: Any, timeout: float | None = None, stream: Any = None) -> Frame: ...
+    @keyword_only_signature
+    def recv(self, *args: Any, timeout: float | None = None, stream: Any = None) -> Frame:
         """Wait for the next frame.
 
         ``stream`` (default: CuPy's current stream) is made to wait on the
@@ -382,6 +404,8 @@ class Subscriber(ClosedFlag):
         ProtocolError
             The publisher sent a malformed frame; the subscription is closed.
         """
+        if args:
+            (timeout,) = moved_to_keywords(Subscriber.recv, args, timeout=timeout)
         if self._closed:
             raise PoolClosedError("the Subscriber is closed")
         peer = self._peer
@@ -777,7 +801,7 @@ def subscribe(
     *,
     mode: str = "block",
     credit: int | None = None,
-    device: int | None = None,
+    device: DeviceLike | None = None,
     timeout: float = 10.0,
     allowed_uids: Iterable[int] | None = None,
     spin_us: float = 0.0,
@@ -802,7 +826,8 @@ def subscribe(
     credit:
         Most frames held at once (default 1 for ``latest``).
     device:
-        Local GPU to map on (default: the producer's GPU, by UUID).
+        Local GPU to map on, an ordinal or a ``cupy.cuda.Device`` (default:
+        the producer's GPU, by UUID).
     timeout:
         Seconds for connecting and the handshake.
     allowed_uids:
@@ -830,7 +855,10 @@ def subscribe(
     PeerRefusedError
         The publisher refused this subscriber (uid, capacity), or runs as a
         uid not allowed here.
+    UsageError
+        An argument out of range (checked before anything is connected).
     """
+    device = optional_device(device)
     return connect_waiting(
         lambda: Subscriber(
             address,

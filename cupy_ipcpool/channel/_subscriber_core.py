@@ -30,6 +30,7 @@ from .._errors import (
     ChannelTimeoutError,
     EndOfStream,
     EvictedError,
+    ForeignPeerError,
     PeerRefusedError,
     PoolClosedError,
     ProtocolError,
@@ -233,6 +234,12 @@ class SubscriberCore(ClosedFlag):
                 hint = " (the socket is private to the publisher's uid: allow yours there)"
             elif exc.errno in (errno.ENOENT, errno.ECONNREFUSED):
                 hint = " (is the publisher running?)"
+            elif exc.errno == errno.EPROTOTYPE:
+                raise TransportError(
+                    exc.errno,
+                    f"{self.address} is not a cupy_ipcpool publisher: its socket is of another "
+                    "type (a channel's is a SOCK_SEQPACKET socket)",
+                ) from None
             raise TransportError(
                 exc.errno or errno.EIO,
                 f"cannot connect to the publisher at {self.address}: {exc.strerror}{hint}",
@@ -256,6 +263,13 @@ class SubscriberCore(ClosedFlag):
                 raise ProtocolError("the WELCOME is larger than the protocol allows")
             if not data:
                 raise EndOfStream(f"the publisher at {self.address} closed during the handshake")
+            if not proto.has_magic(data):
+                magic = f"0x{data[0] | data[1] << 8:04x}" if len(data) >= 2 else "none"
+                raise ForeignPeerError(
+                    f"{self.address} is not a cupy_ipcpool publisher: it answered "
+                    f"{bytes(data[:24])!r}{'...' if len(data) > 24 else ''}, not the channel "
+                    f"protocol's messages (bad magic {magic}, expected 0x{proto.MAGIC:04x})"
+                )
             msg = proto.decode(data)
             if isinstance(msg, proto.Refuse):
                 raise PeerRefusedError(f"the publisher at {self.address} refused: {msg.reason}")

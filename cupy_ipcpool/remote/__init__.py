@@ -1,8 +1,8 @@
 """Subscribers on other machines through UCX (UCXX), and a relay that fans out locally.
 
-Needs the ``remote`` extra (from the source tree,
-``python3 -m pip install -e '.[remote]'``); importing this package does not,
-the first session does.  See ``docs/remote.md``.
+Needs the remote extra of the CUDA major in use (from the source tree,
+``python3 -m pip install -e '.[remote-cu13]'``, or ``'.[remote-cu12]'`` for CUDA
+12); importing this package does not, the first session does.  See ``docs/remote.md``.
 """
 
 from ._errors import AuthenticationError, RemoteUnavailableError

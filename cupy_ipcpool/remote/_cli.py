@@ -21,7 +21,6 @@ the server was evicted or failed); 2 for a usage error.
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import signal
 import socket
@@ -30,7 +29,7 @@ import sys
 import threading
 from typing import Any
 
-from .._errors import ProtocolError, TransportError, UsageError
+from .._errors import ForeignPeerError, ProtocolError, UsageError
 from .._transport import check_socket_path
 from ..channel import MAX_CHANNEL_SLOTS
 from . import _auth as auth
@@ -44,39 +43,23 @@ NO_SECRET = (
 )
 
 
-def _address(text: str) -> tuple[bool, str, int | None]:
+def remote_address(text: str) -> str:
+    """An argparse ``type``: ``ucx://host:port`` written out, as the Python API takes it
+    (:func:`~cupy_ipcpool.remote._wire.parse_address`, the one parser of both)."""
     try:
-        return wire.split_address(text)
+        wire.parse_address(text)
     except UsageError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def remote_address(text: str) -> str:
-    """An argparse ``type``: ``ucx://host:port``, the scheme and a port (1..65535) written out."""
-    written, _host, port = _address(text)
-    if not written:
-        raise argparse.ArgumentTypeError(f"{text!r} has no scheme: give ucx://{text}")
-    if port is None:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} has no port: give ucx://HOST:PORT (serve listens on {wire.DEFAULT_PORT} "
-            "unless its --listen says otherwise)"
-        )
-    if port == 0:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: port 0 is no server's port: give the port serve listens on "
-            f"({wire.DEFAULT_PORT} unless its --listen says otherwise)"
-        )
     return text
 
 
 def listen_address(text: str) -> str:
-    """An argparse ``type``: ``host:port`` to listen on, the port written out (0: any free one)."""
-    _written, _host, port = _address(text)
-    if port is None:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} has no port: give HOST:PORT ({wire.DEFAULT_PORT} by default; 0: any "
-            "free port)"
-        )
+    """An argparse ``type``: ``host:port`` to listen on, the port written out (0: any free one),
+    as :class:`~cupy_ipcpool.remote.RemoteServer` takes it (``_wire.parse_listen``)."""
+    try:
+        wire.parse_listen(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 
 
@@ -190,7 +173,7 @@ def check_listen(args: argparse.Namespace) -> None:
     argparse.ArgumentError
         The host is unknown or not this machine's, or the port is taken.
     """
-    host, port = wire.parse_address(args.listen)
+    host, port = wire.parse_listen(args.listen)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         with socket.socket(family, socket.SOCK_STREAM) as probe:
@@ -368,14 +351,8 @@ def run_serve(args: argparse.Namespace) -> int:
             mode=args.mode,
             device=None if args.memory == "host" else args.device,
         )
-    except TransportError as exc:
-        if exc.errno != errno.EPROTOTYPE:
-            raise
-        raise TransportError(
-            errno.EPROTOTYPE,
-            f"{args.path} is not a cupy_ipcpool publisher: its socket is of another type "
-            "(a channel's is a SOCK_SEQPACKET socket)",
-        ) from exc
+    except ForeignPeerError:
+        raise  # no publisher at all: the message says so, with what it answered
     except ProtocolError as exc:
         other = other_memory(args)
         if other is None:

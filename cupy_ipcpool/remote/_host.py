@@ -22,10 +22,11 @@ import mmap
 import os
 import struct
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, overload
 
 import numpy
 
+from .._args import deprecated, keyword_only_signature, moved_to_keywords
 from .._errors import EndOfStream, ProtocolError, UsageError
 from .._transport._closing import ClosesOnExit
 from ..channel._handshake import SubscriberInfo
@@ -109,7 +110,13 @@ class HostChannelPublisher(ClosesOnExit):
         """Adopted subscribers."""
         return self.core.subscribers
 
-    def acquire(self, timeout: float | None = 5.0) -> int:
+    @overload
+    def acquire(self, *, timeout: float | None = 5.0) -> int: ...
+    @overload
+    @deprecated("pass timeout by keyword: acquire(timeout=...)")
+    def acquire(self, *args: Any, timeout: float | None = 5.0) -> int: ...
+    @keyword_only_signature
+    def acquire(self, *args: Any, timeout: float | None = 5.0) -> int:
         """Reserve a free slot (no leases, not reserved) and return it.
 
         Raises
@@ -117,6 +124,8 @@ class HostChannelPublisher(ClosesOnExit):
         SlotBusyError
             None became free within ``timeout``.
         """
+        if args:
+            (timeout,) = moved_to_keywords(HostChannelPublisher.acquire, args, timeout=timeout)
         slot, _readers = self.core.acquire(timeout)
         self.core.hold(slot)
         self._reserved.add(slot)
@@ -126,7 +135,19 @@ class HostChannelPublisher(ClosesOnExit):
         """Writable views of ``specs`` packed in reserved ``slot``."""
         return self.slots.arrays(slot, specs)
 
-    def publish(self, slot: int, specs: tuple[wire.ArraySpec, ...], metadata: bytes = b"") -> int:
+    @overload
+    def publish(
+        self, slot: int, specs: tuple[wire.ArraySpec, ...], *, metadata: bytes = b""
+    ) -> int: ...
+    @overload
+    @deprecated("pass metadata by keyword: publish(slot, specs, metadata=...)")
+    def publish(
+        self, slot: int, specs: tuple[wire.ArraySpec, ...], *args: Any, metadata: bytes = b""
+    ) -> int: ...
+    @keyword_only_signature
+    def publish(
+        self, slot: int, specs: tuple[wire.ArraySpec, ...], *args: Any, metadata: bytes = b""
+    ) -> int:
         """Publish reserved ``slot`` holding ``specs``; return the seq.
 
         Raises
@@ -135,6 +156,8 @@ class HostChannelPublisher(ClosesOnExit):
             ``slot`` was not reserved by :meth:`acquire` (or was published or
             abandoned since).
         """
+        if args:
+            (metadata,) = moved_to_keywords(HostChannelPublisher.publish, args, metadata=metadata)
         if slot not in self._reserved:
             raise UsageError(f"slot {slot} was not acquired")
         payload = encode_payload(specs, metadata)
@@ -151,14 +174,14 @@ class HostChannelPublisher(ClosesOnExit):
     def send(self, *arrays: Any, metadata: bytes = b"", timeout: float | None = 5.0) -> int:
         """Copy ``arrays`` into a free slot and publish them (a convenience; one copy)."""
         specs = tuple(spec_of(a) for a in arrays)
-        slot = self.acquire(timeout)
+        slot = self.acquire(timeout=timeout)
         try:
             for dst, src in zip(self.arrays(slot, specs), arrays, strict=True):
                 dst[...] = src
         except BaseException:
             self.abandon(slot)
             raise
-        return self.publish(slot, specs, metadata)
+        return self.publish(slot, specs, metadata=metadata)
 
     def poll(self, timeout: float | None = 0.0) -> int:
         """Adopt subscribers and collect releases; return how many leases came back."""
@@ -168,8 +191,16 @@ class HostChannelPublisher(ClosesOnExit):
         """Subscriber leases on ``slot``."""
         return self.core.lease_book.lease_count(slot)
 
-    def close(self, linger: float = 0.0) -> None:
+    @overload
+    def close(self, *, linger: float = 0.0) -> None: ...
+    @overload
+    @deprecated("pass linger by keyword: close(linger=...)")
+    def close(self, *args: Any, linger: float = 0.0) -> None: ...
+    @keyword_only_signature
+    def close(self, *args: Any, linger: float = 0.0) -> None:
         """Say BYE to every subscriber and free the slots (they stay mapped where used)."""
+        if args:
+            (linger,) = moved_to_keywords(HostChannelPublisher.close, args, linger=linger)
         self.core.close(linger=linger)
         self.slots.close()
 
@@ -199,8 +230,16 @@ class HostFrame:
         """The first array."""
         return self.arrays[0]
 
-    def release(self, stream: Any = None) -> None:
-        """Return the lease (idempotent)."""
+    @overload
+    def release(self, *, stream: Any = None) -> None: ...
+    @overload
+    @deprecated("pass stream by keyword: release(stream=...)")
+    def release(self, *args: Any, stream: Any = None) -> None: ...
+    @keyword_only_signature
+    def release(self, *args: Any, stream: Any = None) -> None:
+        """Return the lease (idempotent); ``stream`` is taken for the GPU frame's signature."""
+        if args:
+            (stream,) = moved_to_keywords(HostFrame.release, args, stream=stream)
         if self.released:
             return
         self.released = True
@@ -270,7 +309,13 @@ class HostChannelSubscriber(ClosesOnExit):
         """Readable when a frame (or the end) is waiting."""
         return self.core.fileno()
 
-    def recv(self, timeout: float | None = None) -> HostFrame:
+    @overload
+    def recv(self, *, timeout: float | None = None) -> HostFrame: ...
+    @overload
+    @deprecated("pass timeout by keyword: recv(timeout=...)")
+    def recv(self, *args: Any, timeout: float | None = None) -> HostFrame: ...
+    @keyword_only_signature
+    def recv(self, *args: Any, timeout: float | None = None) -> HostFrame:
         """Wait for the next frame.
 
         Raises
@@ -282,6 +327,8 @@ class HostChannelSubscriber(ClosesOnExit):
         ProtocolError
             A malformed frame; the subscription is closed.
         """
+        if args:
+            (timeout,) = moved_to_keywords(HostChannelSubscriber.recv, args, timeout=timeout)
         msg = self.core.recv(timeout)
         try:
             specs, metadata = decode_payload(msg.payload, self.slot_nbytes)

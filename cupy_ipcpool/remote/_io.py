@@ -6,7 +6,7 @@ import contextlib
 import socket
 import time
 
-from .._errors import ChannelTimeoutError, EndOfStream, ProtocolError
+from .._errors import ChannelTimeoutError, EndOfStream, ForeignPeerError, ProtocolError
 from . import _wire as wire
 
 
@@ -56,7 +56,7 @@ def recv_message(
     """
     head = _recv_exact(sock, wire.HEADER.size, deadline)
     if foreign is not None and not wire.has_magic(head):
-        raise ProtocolError(f"{foreign}: it answered {head!r}, not this protocol's messages")
+        raise ForeignPeerError(f"{foreign}: it answered {head!r}, not this protocol's messages")
     kind, length = wire.decode_header(head)
     body = _recv_exact(sock, length, deadline) if length else b""
     return wire.decode_body(kind, body), head + body

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import numpy
 
+from .._args import DeviceLike, device_ordinal
 from .._errors import UsageError
 from . import _wire as wire
 
@@ -153,13 +154,14 @@ class _Pin:
 class DeviceSlots:
     """Slots in device memory: an :class:`~cupy_ipcpool.IpcPool` on ``device``.
 
-    A received frame is a slot like any other; :attr:`pool` can be published
-    from (the relay does).
+    ``device`` is an ordinal or a ``cupy.cuda.Device``.  A received frame is a
+    slot like any other; :attr:`pool` can be published from (the relay does).
     """
 
     kind = "device"
 
-    def __init__(self, num_slots: int, slot_nbytes: int, *, device: int = 0) -> None:
+    def __init__(self, num_slots: int, slot_nbytes: int, *, device: DeviceLike = 0) -> None:
+        device = device_ordinal(device)  # before a GPU is looked for
         from .._arrays import cupy_module
         from .._pool import IpcPool
 

@@ -17,6 +17,7 @@ import select
 import threading
 from typing import Any
 
+from .._args import DeviceLike, device_ordinal
 from .._errors import (
     EndOfStream,
     IpcPoolError,
@@ -50,7 +51,7 @@ class _PublisherSink:
     def close(self, linger: float) -> None:
         """Close the local publisher (if set up), giving its subscribers ``linger`` seconds."""
         if self.pub is not None:
-            self.pub.close(linger)
+            self.pub.close(linger=linger)
 
 
 class _HostSink(_PublisherSink):
@@ -74,7 +75,7 @@ class _HostSink(_PublisherSink):
         out: list[int] = []
         while len(book.granted) + len(book.receiving) + len(out) < self.num_slots:
             try:
-                out.append(self.pub.acquire(0.0))
+                out.append(self.pub.acquire(timeout=0.0))
             except SlotBusyError:
                 break
         return out
@@ -84,7 +85,7 @@ class _HostSink(_PublisherSink):
 
     def deliver(self, frame: Received, book: ClientBook) -> None:
         book.release(frame.slot)  # the local channel's leases guard the slot from here on
-        self.pub.publish(frame.slot, frame.specs, frame.metadata)
+        self.pub.publish(frame.slot, frame.specs, metadata=frame.metadata)
         self.relayed += 1
 
     def abandon(self, slot: int) -> None:
@@ -149,7 +150,8 @@ class _DeviceSink(_PublisherSink):
 
     def close(self, linger: float) -> None:
         self._frame = None
-        super().close(linger)
+        if self.pub is not None:
+            self.pub.close(timeout=linger)  # a Publisher's close calls its linger a timeout
         if self.pool is not None:
             self.pool.close()
 
@@ -175,7 +177,7 @@ class Relay(ClosesOnExit):
         ``"device"``: an IpcPool on ``device`` and a :class:`~cupy_ipcpool.Publisher`;
         ``"host"``: memfd slots and a :class:`HostChannelPublisher` (no GPU).
     device:
-        GPU of the local ring.
+        GPU of the local ring, an ordinal or a ``cupy.cuda.Device``.
     linger:
         On close, seconds local subscribers get to hang up.
     **publisher:
@@ -198,12 +200,14 @@ class Relay(ClosesOnExit):
         mode: str = "block",
         slots: int = 4,
         memory: str = "device",
-        device: int = 0,
+        device: DeviceLike = 0,
         timeout: float = 10.0,
         linger: float = 5.0,
         **publisher: Any,
     ) -> None:
+        wire.parse_address(remote)  # before anything: an address no server can be at
         local = check_socket_path(path)  # before the network: a path no one could reach
+        device = device_ordinal(device)
         self.sink: _HostSink | _DeviceSink
         if memory == "host":
             self.sink = _HostSink(local, slots, publisher)

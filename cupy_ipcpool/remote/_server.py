@@ -69,7 +69,7 @@ class FrameSource(Protocol):
     slot_nbytes: int
     num_slots: int
 
-    def recv(self, timeout: float | None = None) -> Any: ...
+    def recv(self, *, timeout: float | None = None) -> Any: ...
 
     def close(self) -> None: ...
 
@@ -110,8 +110,8 @@ class RemoteServer(ClosesOnExit):
         The bridge: a local subscriber of the producer's channel.  Use
         :func:`serve`, which opens it for you (GPU channel or host channel).
     listen:
-        ``"host:port"`` of the control listener (default ``127.0.0.1:13337``;
-        port 0 picks a free one).  A loopback host also restricts UCX to the
+        ``"host:port"`` of the control listener, the port written out (default
+        ``127.0.0.1:13337``; port 0 picks a free one).  A loopback host also restricts UCX to the
         loopback device.  Bind to another address only on a trusted network:
         UCX does not encrypt.
     secret:
@@ -168,7 +168,7 @@ class RemoteServer(ClosesOnExit):
             )
         if not send_timeout > 0:
             raise UsageError(f"send_timeout must be positive, not {send_timeout}")
-        host, port = wire.parse_address(listen)
+        host, port = wire.parse_listen(listen)
         self._source = source
         self._own_source = own_source
         self._max_subscribers = max_subscribers
@@ -299,7 +299,7 @@ class RemoteServer(ClosesOnExit):
         source = self._source
         while not self._stop:
             try:
-                frame = source.recv(0.2)
+                frame = source.recv(timeout=0.2)
             except (ChannelTimeoutError, TimeoutError):
                 continue
             except EndOfStream as exc:

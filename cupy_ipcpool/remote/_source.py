@@ -9,8 +9,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, overload
 
+from .._args import (
+    DeviceLike,
+    deprecated,
+    keyword_only_signature,
+    moved_to_keywords,
+    optional_device,
+)
 from .._errors import UsageError
 from . import _wire as wire
 from ._accept import HANDSHAKE_TIMEOUT, MAX_PENDING_PER_ADDRESS
@@ -29,7 +36,7 @@ class _DeviceFrame:
 
     def release(self) -> None:
         self.arrays = ()
-        self._frame.release(self._stream)
+        self._frame.release(stream=self._stream)
 
 
 class DeviceSource:
@@ -46,10 +53,11 @@ class DeviceSource:
         *,
         mode: str = "block",
         credit: int | None = None,
-        device: int | None = None,
+        device: DeviceLike | None = None,
         timeout: float = 10.0,
         allowed_uids: Iterable[int] | None = None,
     ) -> None:
+        device = optional_device(device)  # before a GPU is looked for
         from .._arrays import cupy_module
         from ..channel import subscribe
 
@@ -67,14 +75,22 @@ class DeviceSource:
         self.device = self._sub.peer.device
         self._stream: Any = None
 
-    def recv(self, timeout: float | None = None) -> _DeviceFrame:
+    @overload
+    def recv(self, *, timeout: float | None = None) -> _DeviceFrame: ...
+    @overload
+    @deprecated("pass timeout by keyword: recv(timeout=...)")
+    def recv(self, *args: Any, timeout: float | None = None) -> _DeviceFrame: ...
+    @keyword_only_signature
+    def recv(self, *args: Any, timeout: float | None = None) -> _DeviceFrame:
         """The next frame, its arrays contiguous and their writes finished."""
+        if args:
+            (timeout,) = moved_to_keywords(DeviceSource.recv, args, timeout=timeout)
         cp = self._cp
         with cp.cuda.Device(self.device):
             if self._stream is None:
                 self._stream = cp.cuda.Stream(non_blocking=True)
             stream = self._stream
-            frame = self._sub.recv(timeout, stream=stream)
+            frame = self._sub.recv(timeout=timeout, stream=stream)
             with stream:
                 arrays = tuple(
                     a if a.flags.c_contiguous else cp.ascontiguousarray(a) for a in frame.arrays
@@ -96,7 +112,7 @@ def serve(
     memory: str = "device",
     mode: str = "block",
     credit: int | None = None,
-    device: int | None = None,
+    device: DeviceLike | None = None,
     max_subscribers: int = 16,
     max_pending_per_address: int = MAX_PENDING_PER_ADDRESS,
     handshake_timeout: float = HANDSHAKE_TIMEOUT,
@@ -124,7 +140,8 @@ def serve(
         can slow the producer, as local ones can).  ``"latest"``: the remote
         side never slows the producer; every remote subscriber may miss frames.
     device:
-        GPU the bridge maps the producer's pool on (default: the producer's).
+        GPU the bridge maps the producer's pool on, an ordinal or a
+        ``cupy.cuda.Device`` (default: the producer's).
     timeout:
         Seconds to connect to the local channel.
 
@@ -133,6 +150,8 @@ def serve(
     RemoteServer
         Already serving; close it (or use it as a context manager) when done.
     """
+    wire.parse_listen(listen)  # before anything is connected: where it would listen
+    device = optional_device(device)
     source: Any
     if memory == "device":
         source = DeviceSource(address, mode=mode, credit=credit, device=device, timeout=timeout)

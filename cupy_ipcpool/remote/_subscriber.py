@@ -9,8 +9,15 @@ import select
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, overload
 
+from .._args import (
+    DeviceLike,
+    deprecated,
+    device_ordinal,
+    keyword_only_signature,
+    moved_to_keywords,
+)
 from .._errors import (
     ChannelTimeoutError,
     EndOfStream,
@@ -100,9 +107,11 @@ class RemoteSubscriber(ClosedFlag):
         mode: str = "block",
         slots: int = DEFAULT_SLOTS,
         memory: str = "device",
-        device: int = 0,
+        device: DeviceLike = 0,
         timeout: float = 10.0,
     ) -> None:
+        wire.parse_address(address)  # before anything else: an address no server can be at
+        device = device_ordinal(device)
         if memory not in ("device", "host"):
             raise UsageError(f"memory must be 'device' or 'host', not {memory!r}")
         if not 1 <= slots <= wire.MAX_RING_SLOTS:
@@ -205,7 +214,13 @@ class RemoteSubscriber(ClosedFlag):
         with self._cond:
             return dict(self._held)
 
-    def recv(self, timeout: float | None = None, *, stream: Any = None) -> RemoteFrame:
+    @overload
+    def recv(self, *, timeout: float | None = None, stream: Any = None) -> RemoteFrame: ...
+    @overload
+    @deprecated("pass timeout by keyword: recv(timeout=...)")
+    def recv(self, *args: Any, timeout: float | None = None, stream: Any = None) -> RemoteFrame: ...
+    @keyword_only_signature
+    def recv(self, *args: Any, timeout: float | None = None, stream: Any = None) -> RemoteFrame:
         """Wait for the next complete frame.
 
         ``stream`` is accepted for the local subscriber's signature: a remote
@@ -229,6 +244,8 @@ class RemoteSubscriber(ClosedFlag):
         PoolClosedError
             This subscriber is closed.
         """
+        if args:
+            (timeout,) = moved_to_keywords(RemoteSubscriber.recv, args, timeout=timeout)
         if self._closed:
             raise PoolClosedError("the remote subscriber is closed")
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -304,7 +321,7 @@ def subscribe(
     mode: str = "block",
     slots: int = DEFAULT_SLOTS,
     memory: str = "device",
-    device: int = 0,
+    device: DeviceLike = 0,
     timeout: float = 10.0,
 ) -> RemoteSubscriber:
     """Subscribe to a remote server at ``ucx://host:port``.
@@ -326,7 +343,7 @@ def subscribe(
         ``"device"`` (an IpcPool on ``device``; frames are ``cupy.ndarray``)
         or ``"host"`` (frames are ``numpy.ndarray``; no GPU needed).
     device:
-        The GPU that receives.
+        The GPU that receives, an ordinal or a ``cupy.cuda.Device``.
     timeout:
         Seconds for connecting and the handshake.
 

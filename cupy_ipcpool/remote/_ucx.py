@@ -21,18 +21,19 @@ _api: Any = None
 _Array: Any = None
 
 INSTALL_HINT = (
-    "install the remote extra: from the source tree, python3 -m pip install -e '.[remote]'"
+    "install the remote extra of your CUDA major: from the source tree, python3 -m pip "
+    "install -e '.[remote-cu13]' (CUDA 13) or -e '.[remote-cu12]' (CUDA 12)"
 )
 #: What to do when a UCX older than UCXX needs was loaded (a system installation).
 OLD_UCX_HINT = (
-    "an older UCX of the system was loaded instead of the libucx-cu13 wheel's: put the "
+    "an older UCX of the system was loaded instead of the libucx-cu13 (or -cu12) wheel's: put the "
     "wheel's libraries first (LD_LIBRARY_PATH=<site-packages>/libucx/lib), or remove the "
     "system UCX, or upgrade it"
 )
 
 
 def _preload_wheel_ucx() -> None:
-    """Load the libucx-cu13 wheel's UCX libraries, if that wheel is installed.
+    """Load the libucx-cu13 (or -cu12) wheel's UCX libraries, if that wheel is installed.
 
     UCXX's own loader may leave the choice to the dynamic linker, which
     prefers a system UCX in the default library path (seen on the H200

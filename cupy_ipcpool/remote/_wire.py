@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from .._errors import ProtocolError, UsageError
+from .._errors import ProtocolError, UsageError, UsageTypeError
 
 MAGIC = 0x4952
 VERSION = 1
@@ -303,7 +303,10 @@ def decode_header(data: bytes | bytearray | memoryview) -> tuple[int, int]:
         raise ProtocolError(f"header must be {HEADER.size} bytes, got {len(data)}")
     magic, version, kind, length = HEADER.unpack(data)
     if magic != MAGIC:
-        raise ProtocolError(f"bad magic 0x{magic:04x} (expected 0x{MAGIC:04x})")
+        raise ProtocolError(
+            f"bad magic 0x{magic:04x} (expected 0x{MAGIC:04x}): the peer does not speak "
+            "cupy_ipcpool's remote protocol"
+        )
     if version != VERSION:
         raise ProtocolError(f"unsupported remote protocol version {version} (this side: {VERSION})")
     limit = MAX_BODY.get(kind)
@@ -504,18 +507,68 @@ def split_address(address: str) -> tuple[bool, str, int | None]:
     return written, host, port
 
 
-def parse_address(address: str) -> tuple[str, int]:
-    """Split ``ucx://host:port`` (or ``host:port``, ``[v6]:port``) into ``(host, port)``.
+#: Where a server listens unless told otherwise, as :func:`parse_address`'s errors say.
+_LISTENS = (
+    f"a server listens on {DEFAULT_PORT} unless serve's --listen or RemoteServer's listen= "
+    "says otherwise"
+)
 
-    No port means :data:`DEFAULT_PORT`.
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Split a server's address, ``ucx://host:port`` written out, into ``(host, port)``.
+
+    The one parser of the address a subscriber connects to: :func:`subscribe`,
+    :class:`~cupy_ipcpool.remote.RemoteSubscriber`, :class:`~cupy_ipcpool.remote.Relay`
+    and the command line's ``REMOTE`` all take what it takes.  The host may
+    be a name, an IPv4 address or ``[v6]``; the scheme and a port in 1..65535
+    must be written (no default port: a server's port is wherever it listens).
 
     Raises
     ------
     UsageError
-        Not a ``ucx://`` address, or no valid port.
+        No ``ucx://`` scheme (or another one), a path, query or fragment, no
+        host, no port, or a port that is not in 1..65535; the message names
+        the form ``ucx://HOST:PORT``.  A :class:`UsageTypeError` for an
+        address that is not a string.
     """
+    if not isinstance(address, str):
+        raise UsageTypeError(
+            f"a server's address is a string, ucx://HOST:PORT, not {type(address).__name__}"
+        )
+    written, host, port = split_address(address)
+    if not written:
+        raise UsageError(f"{address!r} has no scheme: give ucx://{address}")
+    if port is None:
+        raise UsageError(f"{address!r} has no port: give ucx://HOST:PORT ({_LISTENS})")
+    if port == 0:
+        raise UsageError(
+            f"{address!r}: port 0 is no server's port: give ucx://HOST:PORT, the port the "
+            f"server listens on ({_LISTENS})"
+        )
+    return host, port
+
+
+def parse_listen(address: str) -> tuple[str, int]:
+    """Split where a server listens, ``host:port`` (or ``ucx://host:port``), into ``(host, port)``.
+
+    The one parser of :class:`~cupy_ipcpool.remote.RemoteServer`'s ``listen``
+    and the command line's ``--listen``: the port must be written; 0 means any
+    free port.
+
+    Raises
+    ------
+    UsageError
+        Another scheme, a path, query or fragment, no host, no port, or a port
+        that is not in 0..65535.
+    """
+    if not isinstance(address, str):
+        raise UsageTypeError(f"listen is a string, HOST:PORT, not {type(address).__name__}")
     _written, host, port = split_address(address)
-    return host, DEFAULT_PORT if port is None else port
+    if port is None:
+        raise UsageError(
+            f"{address!r} has no port: give HOST:PORT ({DEFAULT_PORT} by default; 0: any free port)"
+        )
+    return host, port
 
 
 def is_remote_address(address: object) -> bool:
