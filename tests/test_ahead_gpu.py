@@ -337,7 +337,7 @@ def test_a_malformed_frame_closes_an_ahead_subscriber(tmp_path, case):
         if before:
             assert child_message(q) == ("ahead", before, False)
         send = pub._core.publish
-        pub._core.publish = lambda slot, _payload: send(slot, crafted(slot))
+        pub._core.publish = lambda slot, _payload, *_scheduled: send(slot, crafted(slot))
         try:
             _produce(pub, before, 1)
         finally:
