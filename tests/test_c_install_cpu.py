@@ -245,6 +245,30 @@ def test_in_source_cc_line(installed: Installed) -> None:
     assert lib == "-", out  # compiled in: no shared library
 
 
+def test_the_examples_own_build_line(installed: Installed) -> None:
+    """``c/examples/consumer.c`` says how to build it, in its header: that line, with the
+    PKG_CONFIG_PATH it names for a ``$HOME/.local`` install, builds it."""
+    if shutil.which("pkg-config") is None:
+        pytest.skip("pkg-config is not installed (apt-get install pkg-config)")
+    header = (C_DIR / "examples" / "consumer.c").read_text().split("*/", 1)[0]
+    (line,) = [ln for ln in header.splitlines() if "cc consumer.c" in ln]
+    command = line[line.index("cc consumer.c") :].strip()
+    work = installed.root / "example_header"
+    work.mkdir()
+    shutil.copy(C_DIR / "examples" / "consumer.c", work)
+    env = {**installed.env, "PKG_CONFIG_PATH": f"{installed.prefix}/lib/pkgconfig"}
+    sh(command, work, env)
+    done = subprocess.run(
+        [str(work / "consumer"), str(installed.home / "no-publisher.sock")],
+        env=installed.env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.startswith("CIP_ERR_TRANSPORT: cannot connect"), done.stderr
+
+
 def test_installed_example_starts_without_ld_library_path(installed: Installed) -> None:
     missing = installed.home / "no-publisher.sock"
     done = subprocess.run(

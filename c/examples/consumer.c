@@ -1,5 +1,7 @@
 /* consumer.c: print the first value of each frame a cupy_ipcpool Publisher sends.
- * Build: cc consumer.c -lcupy_ipcpool (or find_package(cupy_ipcpool_c)); no CUDA toolkit. */
+ * Build (no CUDA toolkit): cc consumer.c $(pkg-config --cflags --libs cupy_ipcpool_c) -o consumer
+ * with PKG_CONFIG_PATH=$HOME/.local/lib/pkgconfig after a $HOME/.local install; or CMake's
+ * find_package(cupy_ipcpool_c). */
 #include <cupy_ipcpool.h>
 #include <stdio.h>
 #include <stdlib.h>
