@@ -110,8 +110,11 @@ class _Subscriber:
     ahead: bool = False
     # seq -> slot of the frames it released before they were published (:meth:`release`)
     early: dict[int, int] = field(default_factory=dict)
-    # seq -> slot of the leases it released early that :meth:`publishing` kept (a
-    # generation off the schedule): they end at their read flags, with no RELEASE due
+    # seq -> slot of the leases of frames published off the schedule (a generation the
+    # subscriber could not predict), which end at their read flags only: a RELEASE sent
+    # before the frame's message came leaves the predicted generation in the flag
+    flag_only: dict[int, int] = field(default_factory=dict)
+    # seq -> slot of those whose RELEASE came already: no RELEASE is due when they end
     spent: dict[int, int] = field(default_factory=dict)
 
 
@@ -327,13 +330,16 @@ class LeaseBook:
             The caller's clock, recorded as the start of these leases (for
             :meth:`overdue`).
         early_ends:
-            Whether the leases released early (:meth:`_early`) end here.  The
-            publisher passes False when the frame's generation is not the one
-            the schedule predicts (the pool was used outside the publisher):
-            the subscriber's read flag then says the predicted generation
-            until its frame's message comes, so those leases end only when
-            the flag is rewritten (:meth:`settle`, no RELEASE due), and the
-            producer waits for it on the host, as for any lease.
+            Whether the frame's generation is the one the schedule predicts,
+            so that a RELEASE of an ``"ahead"`` subscriber ends its lease
+            (here, for one released early: :meth:`_early`).  The publisher
+            passes False when the pool was used outside it: a subscriber that
+            released the frame before its message came wrote the predicted
+            generation into its read flag, and rewrites it only when the
+            message comes.  Every ``"ahead"`` subscriber's lease on such a
+            frame then ends only at its read flag (:meth:`settle`; a RELEASE
+            before it is no news, and none is due after it), and the producer
+            waits for that on the host, as for any lease.
 
         Returns
         -------
@@ -368,6 +374,8 @@ class LeaseBook:
             sub.leases[seq] = slot
             if sub.early and sub.early.pop(seq, None) == slot:
                 released_early.append((sub_id, sub))
+            elif sub.ahead and not early_ends:
+                sub.flag_only[seq] = slot
         if receivers:
             self._holders[slot].update(receivers)
             self._seq[slot] = seq
@@ -432,8 +440,13 @@ class LeaseBook:
                 f"outside 0..{self.num_slots - 1}"
             )
         held = sub.leases.get(seq)
-        if held is not None and sub.spent and seq in sub.spent:
-            raise ProtocolError(f"subscriber {sub_id} released frame {seq} twice")
+        if held is not None and (sub.spent or sub.flag_only):
+            if seq in sub.spent:
+                raise ProtocolError(f"subscriber {sub_id} released frame {seq} twice")
+            if sub.flag_only.get(seq) == slot:  # published off the schedule
+                del sub.flag_only[seq]
+                sub.spent[seq] = slot  # the lease ends at its read flag
+                return None
         if held is None:
             held = sub.due.get(seq)
             if held is None:
@@ -525,7 +538,9 @@ class LeaseBook:
         if sub is None or seq is None or sub.leases.get(seq) != slot:
             raise LeaseStateError(f"subscriber {sub_id} holds no lease on slot {slot}")
         if sub.spent and sub.spent.pop(seq, None) is not None:
-            return self._end_lease(sub_id, sub, seq, slot)  # its RELEASE came early
+            return self._end_lease(sub_id, sub, seq, slot)  # its RELEASE came already
+        if sub.flag_only:
+            sub.flag_only.pop(seq, None)  # ended at its flag: its RELEASE is due as usual
         if len(sub.due) >= self.max_due:
             return None
         sub.due[seq] = slot
@@ -590,8 +605,9 @@ class LeaseBook:
         if sub is None or sub.leases.get(seq) != slot:
             raise ProtocolError(f"subscriber {sub_id} holds no lease on frame {seq} in slot {slot}")
         del sub.leases[seq]
-        if sub.spent:
+        if sub.spent or sub.flag_only:
             sub.spent.pop(seq, None)
+            sub.flag_only.pop(seq, None)
         if sub.mode == LATEST:
             self._latest_drop(slot)
         holders = self._holders[slot]
