@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib.util
-import multiprocessing as mp
 import os
 import select
 import shutil
@@ -47,11 +46,12 @@ from cupy_ipcpool.channel._syncpage import (
     SharedFlags,
     frame_state,
 )
+from tests import _pipe_child
 from tests._pipe_child import PipeChild
 
 ROOT = Path(__file__).resolve().parent.parent
 C_DIR = ROOT / "c"
-SPAWN = mp.get_context("spawn")
+SPAWN = _pipe_child.SPAWN  # forkserver children (tests/_pipe_child.py)
 CMD_TIMEOUT = 20.0
 CFLAGS = ["-std=c99", "-O2", "-Wall", "-Wextra", "-Werror", "-pthread"]
 

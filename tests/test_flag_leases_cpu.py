@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-import multiprocessing
 import os
 import struct
 import time
@@ -33,9 +32,10 @@ from cupy_ipcpool.channel._leases import BLOCK, LeaseBook, read_flag_done
 from cupy_ipcpool.channel._publisher_core import SETTLE_RECHECK, PublisherCore
 from cupy_ipcpool.channel._subscriber_core import SubscriberCore
 from cupy_ipcpool.channel._syncpage import FlagLayout, SharedFlags
+from tests import _pipe_child
 from tests._memfd_backend import MemfdSlots, pattern
 
-SPAWN = multiprocessing.get_context("spawn")
+SPAWN = _pipe_child.SPAWN  # forkserver children (tests/_pipe_child.py)
 
 
 # -- the book ---------------------------------------------------------------------------

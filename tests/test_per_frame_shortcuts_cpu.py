@@ -26,7 +26,6 @@ real channel.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import resource
 import threading
@@ -61,8 +60,9 @@ from cupy_ipcpool.channel._payload import FRAME_HEAD, FRAME_VOID, frame_head
 from cupy_ipcpool.channel._publisher_core import PublisherCore
 from cupy_ipcpool.channel._sockets import MAX_SPIN_US
 from cupy_ipcpool.channel._subscriber_core import SubscriberCore
+from tests import _pipe_child
 
-CTX = mp.get_context("spawn")
+CTX = _pipe_child.SPAWN  # forkserver children (tests/_pipe_child.py)
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ subscribers / relays with host-memory receive rings; every byte is checked.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import signal
 import socket
@@ -27,8 +26,9 @@ from cupy_ipcpool import EndOfStream, IpcPoolError, PeerRefusedError, ProtocolEr
 from cupy_ipcpool.remote import _auth as auth
 from cupy_ipcpool.remote import _wire as wire
 from cupy_ipcpool.remote._credit import ClientBook, ServerBook
+from tests import _pipe_child
 
-CTX = mp.get_context("spawn")
+CTX = _pipe_child.SPAWN  # forkserver children (tests/_pipe_child.py)
 N_BYTES = 40_000  # above UCX's rendezvous threshold: zero-copy into the receive slot
 N_FLOATS = 300
 

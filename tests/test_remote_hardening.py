@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import multiprocessing as mp
 import os
 import re
 import select
@@ -40,9 +39,10 @@ from cupy_ipcpool import EndOfStream, SlotBusyError, UsageError
 from cupy_ipcpool.remote import _wire as wire
 from cupy_ipcpool.remote._admission import WAIT_PROOF, HandshakeBook, address_key
 from cupy_ipcpool.remote._credit import ServerBook
+from tests import _pipe_child
 from tests._fds import open_fds
 
-CTX = mp.get_context("spawn")
+CTX = _pipe_child.SPAWN  # forkserver children (tests/_pipe_child.py)
 SECRET_ENV = "CUPY_IPCPOOL_SECRET"
 N_BYTES = 1 << 20  # rendezvous on every transport: a send completes only when the peer takes it
 

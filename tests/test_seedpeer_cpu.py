@@ -10,7 +10,6 @@ back through its fetched fds.  The parent fetches the fds by the path
 from __future__ import annotations
 
 import errno
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from cupy_ipcpool._errors import (
 )
 from cupy_ipcpool._seedpeer import fetch_seed_fds, import_seed_buffers, seed_alloc_nbytes
 from cupy_ipcpool._transport import fetch_fds
+from tests import _pipe_child
 from tests._fds import fds_opened_since, open_fds
 from tests.skips import no_driver
 
@@ -39,7 +39,7 @@ pytestmark = pytest.mark.timeout(60)
 MiB = 1 << 20
 NOBODY = 65534
 JOIN_S = 30
-CTX = mp.get_context("spawn")
+CTX = _pipe_child.SPAWN  # forkserver children (tests/_pipe_child.py)
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0, reason="needs root to start a child that drops to uid 65534"

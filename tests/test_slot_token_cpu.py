@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import inspect
-import multiprocessing as mp
 import sys
 import threading
 import time
@@ -24,8 +23,9 @@ from _memfd_backend import MemfdConsumer, MemfdProducer
 from cupy_ipcpool import LeaseSource, SlotBusyError
 from cupy_ipcpool._arrays import SlotRef
 from cupy_ipcpool._slots import SlotTable
+from tests import _pipe_child
 
-CTX = mp.get_context("spawn")
+CTX = _pipe_child.SPAWN  # forkserver children (tests/_pipe_child.py)
 
 
 def test_take_is_round_robin_and_skips_busy_slots() -> None:

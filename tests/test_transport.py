@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import gc
-import multiprocessing as mp
 import os
 import pickle
 import socket
@@ -29,9 +28,10 @@ from cupy_ipcpool._transport import (
     recv_fds,
     send_fds,
 )
+from tests import _pipe_child
 from tests._fds import open_fds
 
-CTX = mp.get_context("spawn")
+CTX = _pipe_child.SPAWN  # forkserver children (tests/_pipe_child.py)
 NOBODY = 65534
 TOKEN = b"secret-token-0123"
 JOIN_S = 30
