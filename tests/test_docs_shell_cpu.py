@@ -180,7 +180,10 @@ def run_here(command: str, tmp: Path) -> None:
 #: Each documented command, and how it runs here (or why it cannot, as a string).
 COMMANDS: dict[str, Callable[[str, Path], None] | str] = {
     "python3 -m pip install -e '.[cu13]' && python3 -m cupy_ipcpool demo": run_install,
-    "python3 -m pip install -e '.[test,remote-cu13]' && python3 -m pytest": CI,
+    (
+        "python3 -m pip install -e '.[test,remote-cu13]' "
+        "&& python3 -m pytest -n auto --dist loadfile"
+    ): CI,
     "python3 -m cupy_ipcpool info": run_here,
     "python3 -m pip install -e '.[cu13]'": run_install,
     "python3 -m pip install -e '.[cu12]'": run_install,
