@@ -1402,7 +1402,12 @@ def _welcome(num_slots: int = 2, credit: int = 1, payload: bytes = b"", **over: 
 
 
 RAW_WELCOMES = {
-    "bad magic": (_welcome(magic=0x1234), "CIP_ERR_PROTOCOL", "bad magic"),
+    # the words both subscribers say, each after "PATH is not a cupy_ipcpool publisher"
+    "bad magic": (
+        _welcome(magic=0x1234),
+        "CIP_ERR_PROTOCOL",
+        "(bad magic 0x1234, expected 0x4950)",
+    ),
     "bad version": (_welcome(version=9), "CIP_ERR_PROTOCOL", "unsupported protocol version 9"),
     "truncated": (_welcome()[:20], "CIP_ERR_PROTOCOL", "truncated WELCOME"),
     "length field too long": (_welcome(payload=b"ab", len=5), "CIP_ERR_PROTOCOL", "length field"),
@@ -1445,6 +1450,8 @@ def test_malformed_welcome_is_refused_and_nothing_leaks(
         answer = probe(f"open_raw {address} block 0 5000")
         assert status(answer) == expected, answer
         assert words in answer
+        if case == "bad magic":  # named as no publisher, as the Python subscriber does
+            assert f"{address} is not a cupy_ipcpool publisher" in answer, answer
         assert probe.fds() == base
         hello = proto.decode(fake.hello)
         assert isinstance(hello, proto.Hello)

@@ -2594,8 +2594,10 @@ handshake(cip_sub *sub, const cip_sub_options *o)
     else if ((size_t)n < CIP_WIRE_HEADER_SIZE)
         st = fail(CIP_ERR_PROTOCOL, "message of %zd bytes is shorter than the header", n);
     else if (RD(buf, HEADER_MAGIC) != CIP_WIRE_MAGIC)
-        st = fail(CIP_ERR_PROTOCOL, "bad magic 0x%04llx (expected 0x%04x)",
-                  (unsigned long long)RD(buf, HEADER_MAGIC), CIP_WIRE_MAGIC);
+        st = fail(CIP_ERR_PROTOCOL,
+                  "%s is not a cupy_ipcpool publisher: it answered in another protocol "
+                  "(bad magic 0x%04llx, expected 0x%04x)",
+                  sub->path, (unsigned long long)RD(buf, HEADER_MAGIC), CIP_WIRE_MAGIC);
     else if (RD(buf, HEADER_VERSION) != CIP_WIRE_VERSION)
         st = fail(CIP_ERR_PROTOCOL, "unsupported protocol version %llu (this side speaks %u)",
                   (unsigned long long)RD(buf, HEADER_VERSION), CIP_WIRE_VERSION);
