@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 #: Children fork from a server process that imported these once (``forkserver``): a
 #: child starts in milliseconds instead of a fresh interpreter's import of the package.
 #: Nothing in the server touches CUDA, so a child is as clean as a spawned one.
-SPAWN = mp.get_context("forkserver")
-SPAWN.set_forkserver_preload(["cupy_ipcpool", "cupy_ipcpool.channel", "numpy", "pytest"])
+CHILDREN = mp.get_context("forkserver")
+CHILDREN.set_forkserver_preload(["cupy_ipcpool", "cupy_ipcpool.channel", "numpy", "pytest"])
 
 C = TypeVar("C", bound="PipeChild")
 
@@ -46,8 +46,8 @@ class PipeChild:
     """A daemon process running ``target(conn, *args)``, and the test's end of the pipe."""
 
     def __init__(self, target: Callable[..., None], *args: Any) -> None:
-        self.conn, child_end = SPAWN.Pipe()
-        self.proc = SPAWN.Process(target=target, args=(child_end, *args), daemon=True)
+        self.conn, child_end = CHILDREN.Pipe()
+        self.proc = CHILDREN.Process(target=target, args=(child_end, *args), daemon=True)
         self.proc.start()
         child_end.close()
 

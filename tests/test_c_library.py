@@ -51,7 +51,7 @@ from tests._pipe_child import PipeChild
 
 ROOT = Path(__file__).resolve().parent.parent
 C_DIR = ROOT / "c"
-SPAWN = _pipe_child.SPAWN  # forkserver children (tests/_pipe_child.py)
+SPAWN = _pipe_child.CHILDREN  # forkserver children (tests/_pipe_child.py)
 CMD_TIMEOUT = 20.0
 CFLAGS = ["-std=c99", "-O2", "-Wall", "-Wextra", "-Werror", "-pthread"]
 

@@ -106,7 +106,7 @@ def test_an_early_release_off_the_schedules_generation_ends_at_the_read_flag() -
     rewritten flag, and no second RELEASE is due or accepted."""
     book = ahead_book()
     assert book.release(1, SLOTS, 0) is None
-    assert book.publishing(0, SLOTS, early_ends=False) == [1, 2]
+    assert book.publishing(0, SLOTS, on_schedule=False) == [1, 2]
     assert sorted(book.leases(0)) == [(1, SLOTS), (2, SLOTS)]  # kept
     ended = book.ended
     with pytest.raises(ProtocolError, match="twice"):
@@ -126,14 +126,14 @@ def test_off_the_schedule_a_release_after_publication_waits_for_the_read_flag() 
     rewritten read flag, for an "ahead" subscriber, while a block one's ends at its RELEASE;
     a RELEASE after the flag is the one due, as usual."""
     book = ahead_book()
-    assert book.publishing(0, SLOTS, early_ends=False) == [1, 2]
+    assert book.publishing(0, SLOTS, on_schedule=False) == [1, 2]
     assert book.release(1, SLOTS, 0) is None  # no news: its flag may say the predicted one
     assert sorted(book.leases(0)) == [(1, SLOTS), (2, SLOTS)]
     assert book.release(2, SLOTS, 0) is False  # a block subscriber: its RELEASE ends it
     assert book.settle(1, 0) is True and book.releases_due == 0
     assert book.is_free(0)
     # the flag first, then the RELEASE: due once, as for any lease ended at its flag
-    book.publishing(1, SLOTS + 1, early_ends=False)
+    book.publishing(1, SLOTS + 1, on_schedule=False)
     book.release(2, SLOTS + 1, 1)
     assert book.settle(1, 1) is True and book.releases_due == 1
     assert book.release(1, SLOTS + 1, 1) is None and book.releases_due == 0

@@ -35,7 +35,7 @@ from cupy_ipcpool.channel._syncpage import FlagLayout, SharedFlags
 from tests import _pipe_child
 from tests._memfd_backend import MemfdSlots, pattern
 
-SPAWN = _pipe_child.SPAWN  # forkserver children (tests/_pipe_child.py)
+SPAWN = _pipe_child.CHILDREN  # forkserver children (tests/_pipe_child.py)
 
 
 # -- the book ---------------------------------------------------------------------------

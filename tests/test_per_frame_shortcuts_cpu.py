@@ -62,7 +62,7 @@ from cupy_ipcpool.channel._sockets import MAX_SPIN_US
 from cupy_ipcpool.channel._subscriber_core import SubscriberCore
 from tests import _pipe_child
 
-CTX = _pipe_child.SPAWN  # forkserver children (tests/_pipe_child.py)
+CTX = _pipe_child.CHILDREN  # forkserver children (tests/_pipe_child.py)
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from cupy_ipcpool.remote import _wire as wire
 from cupy_ipcpool.remote._credit import ClientBook, ServerBook
 from tests import _pipe_child
 
-CTX = _pipe_child.SPAWN  # forkserver children (tests/_pipe_child.py)
+CTX = _pipe_child.CHILDREN  # forkserver children (tests/_pipe_child.py)
 N_BYTES = 40_000  # above UCX's rendezvous threshold: zero-copy into the receive slot
 N_FLOATS = 300
 

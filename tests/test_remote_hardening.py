@@ -42,7 +42,7 @@ from cupy_ipcpool.remote._credit import ServerBook
 from tests import _pipe_child
 from tests._fds import open_fds
 
-CTX = _pipe_child.SPAWN  # forkserver children (tests/_pipe_child.py)
+CTX = _pipe_child.CHILDREN  # forkserver children (tests/_pipe_child.py)
 SECRET_ENV = "CUPY_IPCPOOL_SECRET"
 N_BYTES = 1 << 20  # rendezvous on every transport: a send completes only when the peer takes it
 

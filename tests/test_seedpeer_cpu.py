@@ -39,7 +39,7 @@ pytestmark = pytest.mark.timeout(60)
 MiB = 1 << 20
 NOBODY = 65534
 JOIN_S = 30
-CTX = _pipe_child.SPAWN  # forkserver children (tests/_pipe_child.py)
+CTX = _pipe_child.CHILDREN  # forkserver children (tests/_pipe_child.py)
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0, reason="needs root to start a child that drops to uid 65534"

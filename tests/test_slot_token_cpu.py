@@ -25,7 +25,7 @@ from cupy_ipcpool._arrays import SlotRef
 from cupy_ipcpool._slots import SlotTable
 from tests import _pipe_child
 
-CTX = _pipe_child.SPAWN  # forkserver children (tests/_pipe_child.py)
+CTX = _pipe_child.CHILDREN  # forkserver children (tests/_pipe_child.py)
 
 
 def test_take_is_round_robin_and_skips_busy_slots() -> None:

@@ -31,7 +31,7 @@ from cupy_ipcpool._transport import (
 from tests import _pipe_child
 from tests._fds import open_fds
 
-CTX = _pipe_child.SPAWN  # forkserver children (tests/_pipe_child.py)
+CTX = _pipe_child.CHILDREN  # forkserver children (tests/_pipe_child.py)
 NOBODY = 65534
 TOKEN = b"secret-token-0123"
 JOIN_S = 30

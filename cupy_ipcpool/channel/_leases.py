@@ -309,7 +309,7 @@ class LeaseBook:
     # -- frames ------------------------------------------------------------
 
     def publishing(
-        self, slot: int, seq: int, now: float = 0.0, early_ends: bool = True
+        self, slot: int, seq: int, now: float = 0.0, on_schedule: bool = True
     ) -> list[int]:
         """Decide who receives frame ``seq`` in ``slot`` and record their leases.
 
@@ -329,7 +329,7 @@ class LeaseBook:
         now:
             The caller's clock, recorded as the start of these leases (for
             :meth:`overdue`).
-        early_ends:
+        on_schedule:
             Whether the frame's generation is the one the schedule predicts,
             so that a RELEASE of an ``"ahead"`` subscriber ends its lease
             (here, for one released early: :meth:`_early`).  The publisher
@@ -374,7 +374,7 @@ class LeaseBook:
             sub.leases[seq] = slot
             if sub.early and sub.early.pop(seq, None) == slot:
                 released_early.append((sub_id, sub))
-            elif sub.ahead and not early_ends:
+            elif sub.ahead and not on_schedule:
                 sub.flag_only[seq] = slot
         if receivers:
             self._holders[slot].update(receivers)
@@ -386,7 +386,7 @@ class LeaseBook:
         self._readers[slot].clear()
         self.last_published = (seq, slot)
         for sub_id, sub in released_early:
-            if early_ends:
+            if on_schedule:
                 # its lease ends at once; the producer's stream orders after its read flag
                 self._end_lease(sub_id, sub, seq, slot)
             else:

@@ -358,7 +358,12 @@ def has_magic(data: bytes | bytearray | memoryview) -> bool:
     A reply without it comes from a peer that speaks something else: not a
     cupy_ipcpool publisher (or subscriber) at all.
     """
-    return len(data) >= 2 and data[0] | data[1] << 8 == MAGIC
+    return magic_of(data) == MAGIC
+
+
+def magic_of(data: bytes | bytearray | memoryview) -> int | None:
+    """The magic ``data`` begins with (its first two bytes, little-endian); None if shorter."""
+    return data[0] | data[1] << 8 if len(data) >= 2 else None
 
 
 def decode(data: bytes | bytearray | memoryview) -> Message:

@@ -485,7 +485,7 @@ class PublisherCore(ClosedFlag):
                 remaining = _NOTICE_RETRY if remaining is None else min(remaining, _NOTICE_RETRY)
             self._wait(remaining)
 
-    def publish(self, slot: int, payload: bytes = b"", early_ends: bool = True) -> int:
+    def publish(self, slot: int, payload: bytes = b"", on_schedule: bool = True) -> int:
         """Send frame ``(next seq, slot, payload)`` to the subscribers that take it.
 
         Every ``"block"`` subscriber receives it (a full socket stalls up to
@@ -499,10 +499,10 @@ class PublisherCore(ClosedFlag):
             The slot written (usually from :meth:`acquire`); it must have no leases.
         payload:
             Opaque bytes, at most 64 KiB.
-        early_ends:
-            Whether the leases ``"ahead"`` subscribers released before this
-            frame was published end now (``LeaseBook.publishing``): False when
-            the frame's generation is not the one their schedule predicts.
+        on_schedule:
+            Whether the frame's generation is the one ``"ahead"`` subscribers
+            predict; False makes their leases on it end only at their read
+            flags (``LeaseBook.publishing``).
 
         Returns
         -------
@@ -528,10 +528,10 @@ class PublisherCore(ClosedFlag):
         if len(payload) > proto.MAX_FRAME_PAYLOAD:
             proto.encode_frame(seq, slot, payload)  # raises UsageError
         if self.lease_timeout is None:
-            receivers = self._book.publishing(slot, seq, 0.0, early_ends)
+            receivers = self._book.publishing(slot, seq, 0.0, on_schedule)
         else:
             now = time.monotonic()
-            receivers = self._book.publishing(slot, seq, now, early_ends)
+            receivers = self._book.publishing(slot, seq, now, on_schedule)
             if receivers and self._next_expiry is None:
                 self._next_expiry = now + self.lease_timeout
         acc.next_seq = seq + 1

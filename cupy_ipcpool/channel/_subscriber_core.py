@@ -264,7 +264,8 @@ class SubscriberCore(ClosedFlag):
             if not data:
                 raise EndOfStream(f"the publisher at {self.address} closed during the handshake")
             if not proto.has_magic(data):
-                magic = f"0x{data[0] | data[1] << 8:04x}" if len(data) >= 2 else "none"
+                found = proto.magic_of(data)
+                magic = "none" if found is None else f"0x{found:04x}"
                 raise ForeignPeerError(
                     f"{self.address} is not a cupy_ipcpool publisher: it answered "
                     f"{bytes(data[:24])!r}{'...' if len(data) > 24 else ''}, not the channel "
