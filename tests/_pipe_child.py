@@ -20,7 +20,19 @@ from typing import Any, TypeVar
 #: child starts in milliseconds instead of a fresh interpreter's import of the package.
 #: Nothing in the server touches CUDA, so a child is as clean as a spawned one.
 CHILDREN = mp.get_context("forkserver")
-CHILDREN.set_forkserver_preload(["cupy_ipcpool", "cupy_ipcpool.channel", "numpy", "pytest"])
+CHILDREN.set_forkserver_preload(
+    [
+        "cupy_ipcpool",
+        "cupy_ipcpool.channel",
+        "numpy",
+        "pytest",
+        # the command line and what its parser imports (tests/_cli_child.py)
+        "cupy_ipcpool.__main__",
+        "cupy_ipcpool._bench",
+        "cupy_ipcpool._demo",
+        "cupy_ipcpool.remote._cli",
+    ]
+)
 
 C = TypeVar("C", bound="PipeChild")
 

@@ -1,9 +1,14 @@
 """CPU tier: the command line (version, names, help, errors, the demo's report) without a GPU.
 
-The error tests run the real command line in a subprocess, with
+The error tests run the command line's ``main()`` in a child process, with
 ``CUDA_VISIBLE_DEVICES=""`` (so a machine with a GPU behaves as one without):
 a usage error exits 2 and a runtime error 1, each with exactly one line on
-stderr and no traceback; ``--debug`` shows the traceback.
+stderr and no traceback; ``--debug`` shows the traceback.  The child forks
+from a server that imported the package once (``tests/_cli_child.py``), which
+gives what ``python -m cupy_ipcpool`` gives (the exit status, fds 1 and 2)
+in a tenth of the time; a sample of commands is run both ways and compared,
+and the tests of ``--help``, ``--version`` and the program's name start the
+real interpreter and the installed script.
 """
 
 from __future__ import annotations
@@ -21,26 +26,40 @@ from typing import Any
 
 import pytest
 
+from tests import _cli_child
 from tests.skips import needs_ucx
 
 PROG = "python -m cupy_ipcpool"
 SECRET = "0123456789abcdef-cli-test"
 
 
-def _cli(
-    *argv: str, secret: str | None = None, timeout: float = 120
-) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m cupy_ipcpool ARGV`` without a GPU and without a secret in the env."""
+def _cli_env(secret: str | None) -> dict[str, str]:
+    """This environment without a GPU, its secret ``secret`` (none: unset)."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     env.pop("CUPY_IPCPOOL_SECRET", None)
     if secret is not None:
         env["CUPY_IPCPOOL_SECRET"] = secret
+    return env
+
+
+def _cli(
+    *argv: str, secret: str | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``python -m cupy_ipcpool ARGV`` without a GPU and without a secret in the env.
+
+    Run as :mod:`tests._cli_child` runs it: ``main()`` in a forked child.
+    """
+    return _cli_child.run(list(argv), _cli_env(secret), timeout)
+
+
+def _python_m(*argv: str, secret: str | None = None) -> subprocess.CompletedProcess[str]:
+    """The same in a fresh ``python -m cupy_ipcpool`` interpreter."""
     return subprocess.run(
         [sys.executable, "-m", "cupy_ipcpool", *argv],
         capture_output=True,
         text=True,
-        timeout=timeout,
-        env=env,
+        timeout=120,
+        env=_cli_env(secret),
         check=False,
     )
 
@@ -364,6 +383,30 @@ USAGE_ERRORS = [
     (("demo", "--frame-mib", "1e308"), "--frame-mib"),
     (("demo", "--frame-mib", "0.001"), "--frame-mib"),
 ]
+
+
+#: Commands run both ways, forked and as a fresh ``python -m`` (one of each kind of ending).
+BOTH_WAYS = [
+    ("demo", "--slots", "0"),  # a usage error of a command
+    ("--bogus",),  # the parser's own
+    ("demo",),  # a runtime error: no GPU
+    ("serve", "/tmp/no-such-publisher.sock", "--insecure"),  # one after a connect
+    ("--version",),  # argparse's exit 0, on stdout
+    ("relay", "--help"),
+    ("--debug", "serve", "/tmp/no-such.sock"),  # an uncaught exception
+]
+
+
+@pytest.mark.parametrize("argv", BOTH_WAYS, ids=" ".join)
+def test_the_forked_command_line_ends_as_python_m_does(argv):
+    forked, fresh = _cli(*argv), _python_m(*argv)
+    assert forked.returncode == fresh.returncode, (forked.stderr, fresh.stderr)
+    assert forked.stdout == fresh.stdout
+    if "Traceback" in fresh.stderr:  # the frames above main() differ (runpy vs. the fork)
+        assert "Traceback (most recent call last)" in forked.stderr
+        assert forked.stderr.splitlines()[-1] == fresh.stderr.splitlines()[-1]
+    else:
+        assert forked.stderr == fresh.stderr
 
 
 @pytest.mark.parametrize(("argv", "flag"), USAGE_ERRORS, ids=[" ".join(a) for a, _ in USAGE_ERRORS])
