@@ -83,6 +83,25 @@ def remote_summary() -> str:
     return f"remote (UCXX): not installed; {REMOTE_INSTALL}"
 
 
+def remote_device_path(tls: str | None = None) -> str:
+    """One line on how remote device frames travel with UCX's transports ``tls``.
+
+    ``tls`` defaults to ``$UCX_TLS`` (unset: UCX's own choice, ``cuda_ipc``
+    included).  The rule is :func:`cupy_ipcpool.remote._staging.needs_staging`.
+    """
+    from .remote._staging import transports_include_cuda_ipc
+
+    if tls is None:
+        tls = os.environ.get("UCX_TLS", "")
+    if transports_include_cuda_ipc(tls):
+        return (
+            "remote device frames: staged through cudaMalloc buffers to and from peers on "
+            "this machine (UCX's cuda_ipc cannot export POSIX-fd VMM slots); the slots "
+            "themselves between machines"
+        )
+    return f"remote device frames: the slots themselves (UCX_TLS={tls} leaves out cuda_ipc)"
+
+
 def fastpath_summary() -> str:
     """One line on the compiled parts (``_fastpath``, ``channel._frameio``)."""
     import importlib
@@ -153,6 +172,7 @@ def report() -> tuple[list[str], str | None]:
         f"pidfd_getfd: {pidfd_summary()}",
         "socket transport (SCM_RIGHTS): available",
         remote_summary(),
+        remote_device_path(),
         fastpath_summary(),
     ]
     try:

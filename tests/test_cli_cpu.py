@@ -43,13 +43,17 @@ def _cli_env(secret: str | None) -> dict[str, str]:
 
 
 def _cli(
-    *argv: str, secret: str | None = None, timeout: float = 120
+    *argv: str,
+    secret: str | None = None,
+    timeout: float = 120,
+    env_extra: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``python -m cupy_ipcpool ARGV`` without a GPU and without a secret in the env.
 
     Run as :mod:`tests._cli_child` runs it: ``main()`` in a forked child.
+    ``env_extra``: more environment variables.
     """
-    return _cli_child.run(list(argv), _cli_env(secret), timeout)
+    return _cli_child.run(list(argv), {**_cli_env(secret), **(env_extra or {})}, timeout)
 
 
 def _python_m(*argv: str, secret: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -719,6 +723,23 @@ def test_info_says_how_to_install_the_remote_extra_from_a_checkout(monkeypatch):
     assert "python3 -m pip install -e '.[remote-cu13]' (CUDA 13)" in line, line
     assert "-e '.[remote-cu12]' (CUDA 12)" in line, line
     assert "cupy_ipcpool[remote" not in line
+
+
+@pytest.mark.parametrize(
+    ("tls", "words"),
+    [
+        ("", "staged through cudaMalloc buffers to and from peers on this machine"),
+        ("all", "staged through cudaMalloc buffers"),
+        ("tcp,cuda_copy", "the slots themselves (UCX_TLS=tcp,cuda_copy leaves out cuda_ipc)"),
+    ],
+)
+def test_info_says_how_remote_device_frames_travel(monkeypatch, tls, words):
+    from cupy_ipcpool import _info
+
+    monkeypatch.setenv("UCX_TLS", tls)
+    assert words in _info.remote_device_path()
+    out = _cli("info", env_extra={"UCX_TLS": tls})
+    assert words in out.stdout, out.stdout
 
 
 def test_the_docs_give_the_install_that_works():

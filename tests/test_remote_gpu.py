@@ -1,10 +1,12 @@
 """GPU tier of the remote layer: a real IpcPool + Publisher served over UCX, received on a GPU.
 
-Run on the GPU machine with the remote extra installed.  UCX is forced onto
-TCP (plus ``cuda_copy`` for device buffers) so the test exercises the network
-path even between two processes of one machine::
+Run on the GPU machine with the remote extra installed.  Most tests force UCX
+onto TCP (plus ``cuda_copy`` for device buffers) so that they exercise the
+network path even between two processes of one machine; those named for the
+default transports leave ``UCX_TLS`` unset, so that UCX picks ``cuda_ipc`` and
+the frames are staged (remote/_staging.py)::
 
-    UCX_TLS=tcp,cuda_copy python -m pytest tests/test_remote_gpu.py
+    python -m pytest tests/test_remote_gpu.py
 
 Every frame's bytes are verified on the receiving GPU (a fill kernel's
 pattern, compared by a reduction on the device).
@@ -38,8 +40,15 @@ except Exception as exc:  # pragma: no cover
 needs_ucx = pytest.mark.skipif(ucx_reason is not None, reason=f"remote extra: {ucx_reason}")
 
 
+#: ``tls`` of UCX's own choice (``UCX_TLS`` unset): ``cuda_ipc`` between processes of one machine
+DEFAULT = "default"
+
+
 def _env(tls: str) -> None:
-    os.environ.setdefault("UCX_TLS", tls)
+    if tls == DEFAULT:
+        os.environ.pop("UCX_TLS", None)
+    else:
+        os.environ.setdefault("UCX_TLS", tls)
 
 
 def _expected_ok(array, seq: int) -> bool:
@@ -72,6 +81,7 @@ def producer(address: str, frames: int, device: int, tls: str, q, go=None) -> No
             deadline = time.monotonic() + 60
             while not server.subscribers and time.monotonic() < deadline:
                 pub.poll(0.01)
+            q.put(("local", [s.local for s in server.subscribers]))
             while go is not None and not go.wait(0.01):
                 pub.poll(0.0)
             for seq in range(frames):
@@ -110,7 +120,8 @@ def consumer(address: str, frames: int, device: int, tls: str, mode: str, q) -> 
                     if not _expected_ok(f.array, seq):
                         bad.append(seq)
                     seqs.append(seq)
-        q.put(("ok", seqs, bad))
+            staged = sub.staged
+        q.put(("ok", seqs, bad, staged))
     except BaseException:
         report_exception(q)
 
@@ -126,10 +137,12 @@ def _run_pair(tmp_path, *, frames: int, pdev: int, cdev: int, tls: str, mode: st
         cons = SPAWN.Process(target=consumer, args=(remote, frames, cdev, tls, mode, cq))
         cons.start()
         try:
-            result = child_message(cq, 180)
+            kind, local = child_message(pq, 180)
+            assert kind == "local"
+            _ok, seqs, bad, staged = child_message(cq, 180)
         finally:
             cons.join(60)
-        return result
+        return seqs, bad, local, staged
     finally:
         prod.join(60)
         if prod.is_alive():
@@ -138,9 +151,22 @@ def _run_pair(tmp_path, *, frames: int, pdev: int, cdev: int, tls: str, mode: st
 
 @needs_ucx
 def test_tcp_between_two_processes_every_byte(tmp_path) -> None:
-    _ok, seqs, bad = _run_pair(tmp_path, frames=40, pdev=0, cdev=0, tls="tcp,cuda_copy")
+    seqs, bad, local, staged = _run_pair(tmp_path, frames=40, pdev=0, cdev=0, tls="tcp,cuda_copy")
     assert seqs == list(range(40))
     assert bad == []
+    # transports without cuda_ipc take the slots as they are: nothing is staged
+    assert local == [False] and staged is False
+
+
+@needs_ucx
+def test_default_transports_stage_every_byte_through_cuda_ipc(tmp_path) -> None:
+    """UCX's own transports between two processes of one machine pick cuda_ipc, which
+    cannot export an IpcPool's slots: both sides stage each frame (remote/_staging.py),
+    and every byte arrives."""
+    seqs, bad, local, staged = _run_pair(tmp_path, frames=40, pdev=0, cdev=0, tls=DEFAULT)
+    assert seqs == list(range(40))
+    assert bad == []
+    assert local == [True] and staged is True
 
 
 @needs_ucx
@@ -150,8 +176,11 @@ def test_two_gpus_cuda_ipc_allowed(tmp_path) -> None:
 
     if cp.cuda.runtime.getDeviceCount() < 2:
         pytest.skip("needs two GPUs")
-    _ok, seqs, bad = _run_pair(tmp_path, frames=40, pdev=0, cdev=1, tls="tcp,cuda_copy,cuda_ipc")
+    seqs, bad, local, staged = _run_pair(
+        tmp_path, frames=40, pdev=0, cdev=1, tls="tcp,cuda_copy,cuda_ipc"
+    )
     assert seqs == list(range(40)) and bad == []
+    assert local == [True] and staged is True
 
 
 def local_reader(address: str, frames: int, device: int, q) -> None:
@@ -178,15 +207,19 @@ def local_reader(address: str, frames: int, device: int, q) -> None:
 
 
 @needs_ucx
-def test_relay_feeds_two_local_subscribers(tmp_path) -> None:
-    os.environ.setdefault("UCX_TLS", "tcp,cuda_copy")
+@pytest.mark.parametrize("tls", ["tcp,cuda_copy", DEFAULT])
+def test_relay_feeds_two_local_subscribers(tmp_path, monkeypatch, tls) -> None:
+    if tls == DEFAULT:
+        monkeypatch.delenv("UCX_TLS", raising=False)
+    else:
+        monkeypatch.setenv("UCX_TLS", tls)
     from cupy_ipcpool.remote import Relay
 
     frames = 20
     address = str(tmp_path / "remote.sock")
     local = str(tmp_path / "relay.sock")
     pq, go = SPAWN.Queue(), SPAWN.Event()
-    prod = SPAWN.Process(target=producer, args=(address, frames, 0, "tcp,cuda_copy", pq, go))
+    prod = SPAWN.Process(target=producer, args=(address, frames, 0, tls, pq, go))
     prod.start()
     readers = []
     try:
@@ -204,12 +237,14 @@ def test_relay_feeds_two_local_subscribers(tmp_path) -> None:
             while len(relay.subscribers) < 2 and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert len(relay.subscribers) == 2
+            assert child_message(pq, 180) == ("local", [tls == DEFAULT])
             go.set()  # both local readers are in: publish
             for _p, q in readers:
                 _ok, seqs, bad = child_message(q, 180)
                 assert bad == []
                 assert seqs == list(range(frames))  # every frame, in order, to both
             assert relay.relayed == frames
+            assert relay.staged is (tls == DEFAULT)
         finally:
             relay.close()
     finally:

@@ -253,6 +253,11 @@ class Relay(ClosesOnExit):
         return self.sink.relayed
 
     @property
+    def staged(self) -> bool | None:
+        """Whether device frames come through a staging buffer (None before the first one)."""
+        return self.session.staged
+
+    @property
     def subscribers(self) -> list[Any]:
         """Local subscribers of the republished channel."""
         return self.sink.subscribers

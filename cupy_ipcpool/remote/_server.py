@@ -47,6 +47,7 @@ from . import _ucx as ucx
 from . import _wire as wire
 from ._accept import HANDSHAKE_TIMEOUT, MAX_PENDING_PER_ADDRESS, Acceptor, Joined, refuse
 from ._credit import ServerBook
+from ._staging import StagingBuffers, cuda_ipc_exports, same_machine, transports_include_cuda_ipc
 
 #: Bytes of control messages a subscriber may leave unread before it is dropped.
 MAX_OUTBOX = 1 << 20
@@ -82,6 +83,10 @@ class RemoteInfo:
     peer: str
     mode: str
     num_slots: int
+    #: on this machine, with transports that include UCX's cuda_ipc: device frames to
+    #: it go through a staging buffer unless cuda_ipc exports the slots
+    #: (remote/_staging.py)
+    local: bool = False
 
 
 @dataclass
@@ -178,6 +183,11 @@ class RemoteServer(ClosesOnExit):
         self._remotes: dict[int, _Remote] = {}
         self._by_fd: dict[int, _Remote] = {}
         self._frames: dict[int, Any] = {}
+        # device frames staged for local subscribers (remote/_staging.py): seq -> (buffer,
+        # the frame's arrays in it); the buffers are made when first needed
+        self._staged: dict[int, tuple[Any, list[Any]]] = {}
+        self._staging: StagingBuffers | None = None
+        self._slots_exported: bool | None = None  # by cuda_ipc: known at the first frame
         self._sends: list[_Send] = []
         self._orphans: list[Any] = []  # requests of evicted subscribers, given up
         self._closing_eps: list[Any] = []
@@ -405,7 +415,10 @@ class RemoteServer(ClosesOnExit):
             refuse(joined.sock, f"cannot reach the subscriber's UCX worker: {exc}")
             return
         mode = wire.MODE_NAMES[hello.mode]
-        info = RemoteInfo(sub_id, joined.peer, mode, hello.num_slots)
+        local = same_machine(joined.sock) and transports_include_cuda_ipc(
+            self._worker.config.get("TLS", "")
+        )
+        info = RemoteInfo(sub_id, joined.peer, mode, hello.num_slots, local)
         remote = _Remote(info, joined.sock, endpoint, secrets.randbits(32), joined.reader)
         self._book.add_subscriber(sub_id, mode, hello.num_slots)
         with self._lock:
@@ -473,9 +486,10 @@ class RemoteServer(ClosesOnExit):
                 if self._book.sent(sub_id, seq):
                     self._release(seq)
                 return
+            arrays = self._staged_arrays(seq, frame) if remote.info.local else frame.arrays
             requests = [
                 self._worker.send(remote.endpoint, a, wire.data_tag(remote.key, seq, i))
-                for i, a in enumerate(frame.arrays)
+                for i, a in enumerate(arrays)
             ]
         except Exception as exc:
             if self._book.sent(sub_id, seq):
@@ -484,6 +498,39 @@ class RemoteServer(ClosesOnExit):
             return
         self._sends.append(_Send(sub_id, seq, requests))
         self.frames_sent += 1
+
+    def _staged_arrays(self, seq: int, frame: Any) -> Any:
+        """What a send of frame ``seq`` to a subscriber on this machine reads from.
+
+        Device arrays that UCX's cuda_ipc cannot export (an IpcPool's slots)
+        are copied into a staging buffer once per frame (remote/_staging.py);
+        host arrays, and device memory it exports, are sent as they are.
+        """
+        staged = self._staged.get(seq)
+        if staged is not None:
+            return staged[1]
+        arrays = frame.arrays
+        device = [a for a in arrays if type(a).__module__.startswith("cupy")]
+        if not device:
+            return arrays
+        if self._slots_exported is None:
+            self._slots_exported = cuda_ipc_exports(int(device[0].data.ptr))
+        if self._slots_exported:
+            return arrays
+        if self._staging is None:
+            nbytes = int(self._source.slot_nbytes) + wire.ALIGN * wire.MAX_ARRAYS
+            self._staging = StagingBuffers(nbytes, device[0].device.id)
+        from ._host import spec_of
+
+        memory = self._staging.take()
+        views = self._staging.views(memory, tuple(spec_of(a) for a in arrays))
+        try:
+            self._staging.copy(list(arrays), views)
+        except BaseException:
+            self._staging.give(memory)
+            raise
+        self._staged[seq] = (memory, views)
+        return views
 
     def _reap_sends(self) -> None:
         if self._orphans:
@@ -513,6 +560,9 @@ class RemoteServer(ClosesOnExit):
                 self._drop(remote, f"a UCX send failed: {why}")
 
     def _release(self, seq: int) -> None:
+        staged = self._staged.pop(seq, None)
+        if staged is not None and self._staging is not None:
+            self._staging.give(staged[0])
         frame = self._frames.pop(seq, None)
         if frame is not None:
             try:
@@ -645,6 +695,8 @@ class RemoteServer(ClosesOnExit):
             except Exception as exc:
                 warnings.warn(f"closing the source failed: {exc!r}", TeardownWarning, stacklevel=2)
         self._worker.close()
+        if self._staging is not None:
+            self._staging.close()
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)

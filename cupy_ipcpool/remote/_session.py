@@ -30,6 +30,7 @@ from . import _ucx as ucx
 from . import _wire as wire
 from ._credit import ClientBook
 from ._errors import AuthenticationError
+from ._staging import StagingBuffers, needs_staging
 
 #: Start of the message of a refusal that a new attempt may overcome.
 _BUSY = "busy: the server at "
@@ -79,6 +80,8 @@ class _Pending:
     arrays: list[Any]
     metadata: bytes
     requests: list[Any]
+    #: what UCX receives into when the frame is staged (then copied into ``arrays``)
+    staged: list[Any] | None = None
 
 
 class ClientSession:
@@ -139,6 +142,11 @@ class ClientSession:
         #: spoke out of protocol: what ``recv`` raises once before EndOfStream
         self.failure: IpcPoolError | None = None
         self._pending: dict[int, _Pending] = {}  # slot -> frame, in header (= seq) order
+        #: device frames go through staging buffers (remote/_staging.py): None until
+        #: the first device frame's header decides it
+        self.staged: bool | None = None
+        self._staging: StagingBuffers | None = None
+        self._stage_of: dict[int, Any] = {}  # receive slot -> its staging buffer
         deadline = time.monotonic() + timeout
         # The UCX worker exists before the handshake starts, so that the PROOF
         # follows the CHALLENGE at once: the server admits a handshake per
@@ -303,12 +311,35 @@ class ClientSession:
         except ProtocolError:
             self.book.abandon(msg.slot)
             raise
+        targets = self._staged_targets(msg.slot, msg.specs, arrays)
         requests = [
-            self.worker.recv(a, wire.data_tag(self.key, msg.seq, i)) for i, a in enumerate(arrays)
+            self.worker.recv(a, wire.data_tag(self.key, msg.seq, i))
+            for i, a in enumerate(arrays if targets is None else targets)
         ]
         self._pending[msg.slot] = _Pending(
-            msg.seq, msg.slot, msg.specs, arrays, msg.metadata, requests
+            msg.seq, msg.slot, msg.specs, arrays, msg.metadata, requests, targets
         )
+
+    def _staged_targets(
+        self, slot: int, specs: tuple[wire.ArraySpec, ...], arrays: list[Any]
+    ) -> list[Any] | None:
+        """Where UCX receives a device frame of ``slot`` when it is staged (else None)."""
+        if not arrays or not _on_device(arrays[0]):
+            return None
+        if self.staged is None:
+            assert self.worker is not None
+            tls = self.worker.config.get("TLS", "")
+            self.staged = needs_staging(self.sock, tls, int(arrays[0].data.ptr))
+        if not self.staged:
+            return None
+        if self._staging is None:
+            # a frame's arrays fit max_frame bytes, plus their alignment in the slot
+            nbytes = self.max_frame + wire.ALIGN * wire.MAX_ARRAYS
+            self._staging = StagingBuffers(nbytes, arrays[0].device.id)
+        memory = self._stage_of.get(slot)
+        if memory is None:
+            memory = self._stage_of[slot] = self._staging.take()
+        return self._staging.views(memory, specs)
 
     def _complete(self) -> None:
         if self._pending and self._first_done():
@@ -330,6 +361,9 @@ class ClientSession:
                 self.sink.abandon(slot)
                 self._end(f"receiving frame {first.seq} failed: {errors[0]}", False)
                 return
+            if first.staged is not None:
+                assert self._staging is not None
+                self._staging.copy(first.staged, first.arrays)
             self.book.received(slot)
             self.sink.deliver(
                 Received(first.seq, slot, first.specs, first.arrays, first.metadata), self.book
@@ -371,6 +405,14 @@ class ClientSession:
         self.sock.close()
         if self.worker is not None:
             self.worker.close()
+        self._stage_of.clear()
+        if self._staging is not None:
+            self._staging.close()
+
+
+def _on_device(array: Any) -> bool:
+    """Whether ``array`` is a CuPy array (device memory)."""
+    return type(array).__module__.startswith("cupy")
 
 
 __all__ = ["ClientSession", "Received", "Sink"]

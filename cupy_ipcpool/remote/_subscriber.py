@@ -209,6 +209,15 @@ class RemoteSubscriber(ClosedFlag):
         return self._memory
 
     @property
+    def staged(self) -> bool | None:
+        """Whether device frames come through a staging buffer (None before the first one).
+
+        True when the server is on this machine, UCX may use ``cuda_ipc`` and
+        cannot export the receive ring's slots (docs/remote.md).
+        """
+        return self._session.staged
+
+    @property
     def held(self) -> dict[int, int]:
         """Frames received and not released, as ``{seq: slot}``."""
         with self._cond:
