@@ -16,6 +16,12 @@ UCXX):
   :class:`~cupy_ipcpool.IpcPool` slots (the VMM memory the channel uses), since
   UCX may move such memory by another transport than ``cupy.ones`` buffers.
 
+Each lane is timed from the sender's first send to the receiver's last
+frame (``time.perf_counter``, CLOCK_MONOTONIC, one clock for the processes
+of one machine), divided by the frames: the pipeline's fill is counted, so a
+lane of few frames (large sizes) is timed on the slow side, never faster
+than it runs.
+
 Run ``python -m cupy_ipcpool._bench.remote [--memory device]`` or
 ``benchmarks/test_bench_remote.py``.  ``UCX_TLS`` decides the transport.
 """
@@ -88,13 +94,9 @@ def _child_channel(conn: Connection, address: str, frames: int, memory: str, dev
 
     with subscribe(address, secret=SECRET, memory=memory, device=dev, slots=4) as sub:
         conn.send("ready")
-        t0 = 0.0
-        for i in range(frames):
-            f = sub.recv(timeout=120)
-            if i == 0:
-                t0 = time.perf_counter()
-            f.release()
-        conn.send(time.perf_counter() - t0)
+        for _ in range(frames):
+            sub.recv(timeout=120).release()
+        conn.send(time.perf_counter())  # when the last frame was in
 
 
 def _child_ucxx(
@@ -117,7 +119,6 @@ def _child_ucxx(
     conn.send(worker.address)
     poller = select.poll()
     poller.register(worker.fileno(), select.POLLIN)
-    t0 = 0.0
     pending = [worker.recv(bufs[i % 4], i) for i in range(min(4, frames))]
     posted = len(pending)
     done = 0
@@ -125,15 +126,13 @@ def _child_ucxx(
         worker.progress()
         while pending and ucx.request_state(pending[0]) is not None:
             pending.pop(0)
-            if done == 0:
-                t0 = time.perf_counter()
             done += 1
             if posted < frames:
                 pending.append(worker.recv(bufs[posted % 4], posted))
                 posted += 1
         if done < frames and worker.arm():
             poller.poll(100)
-    conn.send(time.perf_counter() - t0)
+    conn.send(time.perf_counter())  # when the last frame was in
     conn.recv()
     del bufs, pending
     if pool is not None:
@@ -147,17 +146,14 @@ def _child_tcp(conn: Connection, port: int, frames: int, nbytes: int) -> None:
     view = buf.data
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        t0 = 0.0
-        for i in range(frames):
+        for _ in range(frames):
             got = 0
             while got < nbytes:
                 n = s.recv_into(view[got:])
                 if not n:
                     raise EOFError
                 got += n
-            if i == 0:
-                t0 = time.perf_counter()
-        conn.send(time.perf_counter() - t0)
+        conn.send(time.perf_counter())  # when the last frame was in
 
 
 # -- lanes --------------------------------------------------------------------------
@@ -202,18 +198,19 @@ def _channel(nbytes: int, frames: int, memory: str, device: int) -> float:
             deadline = time.monotonic() + 30
             while not server.subscribers and time.monotonic() < deadline:
                 time.sleep(0.01)
+            start = time.perf_counter()
             for _ in range(frames):
                 send_one()
             while not parent.poll(0.01):
                 pub.poll(0.0)
-            elapsed = float(parent.recv())
+            elapsed = float(parent.recv()) - start
         finally:
             proc.join(60)
             server.close()
             pub.close()
             if memory == "device":
                 pool.close()
-    return elapsed / max(frames - 1, 1)
+    return elapsed / frames
 
 
 def _ucxx(nbytes: int, frames: int, memory: str, device: int, vmm: bool = False) -> float:
@@ -237,6 +234,7 @@ def _ucxx(nbytes: int, frames: int, memory: str, device: int, vmm: bool = False)
         poller = select.poll()
         poller.register(worker.fileno(), select.POLLIN)
         inflight: list[Any] = []
+        start = time.perf_counter()
         for i in range(frames):
             inflight.append(worker.send(ep, buf, i))
             while len(inflight) >= 4:
@@ -246,7 +244,7 @@ def _ucxx(nbytes: int, frames: int, memory: str, device: int, vmm: bool = False)
                     poller.poll(10)
         while not parent.poll(0.001):
             worker.progress()
-        elapsed = float(parent.recv())
+        elapsed = float(parent.recv()) - start
         parent.send("bye")
         ucx.close_endpoint(ep)
         worker.progress()
@@ -255,7 +253,7 @@ def _ucxx(nbytes: int, frames: int, memory: str, device: int, vmm: bool = False)
             pool.close()
     finally:
         proc.join(60)
-    return elapsed / max(frames - 1, 1)
+    return elapsed / frames
 
 
 def _tcp(nbytes: int, frames: int, memory: str, device: int) -> float:
@@ -271,13 +269,14 @@ def _tcp(nbytes: int, frames: int, memory: str, device: int) -> float:
             with conn:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 src = _alloc(memory, nbytes, device)
+                start = time.perf_counter()
                 for _ in range(frames):
                     data = src if memory == "host" else src.get()  # host staging
                     conn.sendall(memoryview(data))
-                elapsed = float(parent.recv())
+                elapsed = float(parent.recv()) - start
         finally:
             proc.join(60)
-    return elapsed / max(frames - 1, 1)
+    return elapsed / frames
 
 
 def _ucxx_vmm(nbytes: int, frames: int, memory: str, device: int) -> float:
