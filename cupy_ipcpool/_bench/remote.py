@@ -23,17 +23,21 @@ lane of few frames (large sizes) is timed on the slow side, never faster
 than it runs.
 
 Run ``python -m cupy_ipcpool._bench.remote [--memory device]`` or
-``benchmarks/test_bench_remote.py``.  ``UCX_TLS`` decides the transport.
+``benchmarks/test_bench_remote.py``.  ``UCX_TLS`` decides the transport;
+``--tls default --tls tcp,cuda_copy`` runs the lanes with each set in turn,
+and ``--json FILE`` writes the figures (as committed under docs/bench).
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import socket
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -320,27 +324,88 @@ def report(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command line: ``python -c 'from cupy_ipcpool._bench.remote import main; main()' ...``."""
-    import argparse
+#: ``--tls`` value for UCX's own choice of transports (``UCX_TLS`` unset)
+DEFAULT_TLS = "default"
 
-    p = argparse.ArgumentParser(prog="cupy_ipcpool remote bench")
+
+def with_tls(tls: str) -> contextlib.AbstractContextManager[None]:
+    """``UCX_TLS`` set to ``tls`` (``default``: unset) for the lanes run inside.
+
+    Every lane makes its UCX contexts (and its child processes) afresh, so
+    each reads the setting in effect when it runs.
+    """
+
+    @contextlib.contextmanager
+    def scope() -> Iterator[None]:
+        before = os.environ.get("UCX_TLS")
+        if tls == DEFAULT_TLS:
+            os.environ.pop("UCX_TLS", None)
+        else:
+            os.environ["UCX_TLS"] = tls
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop("UCX_TLS", None)
+            else:
+                os.environ["UCX_TLS"] = before
+
+    return scope()
+
+
+def as_json(by_tls: dict[str, list[Result]]) -> dict[str, Any]:
+    """Seconds per frame of each lane, and each lane's rate over raw UCXX's, per transport set."""
+    out: dict[str, Any] = {}
+    for tls, results in by_tls.items():
+        raw = {r.nbytes: r.seconds / r.frames for r in results if r.lane == "ucxx"}
+        sizes: dict[str, Any] = out.setdefault(tls, {})
+        for r in results:
+            lanes = sizes.setdefault(f"{r.nbytes // MiB}MiB", {"frames": r.frames})
+            lanes[r.lane] = r.seconds / r.frames
+            lanes[f"{r.lane}_gbps"] = r.gbps
+            if r.lane != "ucxx" and r.nbytes in raw:
+                lanes[f"{r.lane}_over_ucxx"] = raw[r.nbytes] / (r.seconds / r.frames)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: ``python -m cupy_ipcpool._bench.remote [options]``."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m cupy_ipcpool._bench.remote")
     p.add_argument("--memory", choices=("host", "device"), default="host")
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--sizes", default="1,64,256", help="MiB, comma-separated")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--budget-mib", type=int, default=2048, help="bytes moved per lane and size")
+    p.add_argument(
+        "--tls",
+        action="append",
+        metavar="TLS",
+        help=f"a UCX_TLS to run the lanes with ('{DEFAULT_TLS}': unset); repeat for several "
+        "(default: the environment's)",
+    )
+    p.add_argument("--json", metavar="FILE", help="also write the figures as JSON to FILE")
     args = p.parse_args(argv)
     sizes = tuple(int(s) * MiB for s in args.sizes.split(","))
-    results = run(
-        sizes,
-        memory=args.memory,
-        device=args.device,
-        repeats=args.repeats,
-        budget_bytes=args.budget_mib * MiB,
-    )
-    print(f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')} memory={args.memory}")
-    print(report(results))
+    sets = args.tls or [os.environ.get("UCX_TLS", DEFAULT_TLS)]
+    by_tls: dict[str, list[Result]] = {}
+    for tls in sets:
+        with with_tls(tls):
+            by_tls[tls] = run(
+                sizes,
+                memory=args.memory,
+                device=args.device,
+                repeats=args.repeats,
+                budget_bytes=args.budget_mib * MiB,
+            )
+        print(f"UCX_TLS={tls} memory={args.memory}")
+        print(report(by_tls[tls]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"memory": args.memory, "transports": as_json(by_tls)}, f, indent=1)
+            f.write("\n")
     return 0
 
 

@@ -1,0 +1,46 @@
+"""CPU tier: the remote bench lane's command line, in host memory over UCX on loopback.
+
+It runs every lane with each transport set asked for (``--tls``, ``UCX_TLS``
+restored after) and writes the figures that docs/bench commits (``--json``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from cupy_ipcpool._bench import remote
+from tests.skips import needs_ucx
+
+
+@needs_ucx
+def test_the_lane_runs_each_transport_set_and_writes_its_figures(tmp_path, monkeypatch):
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    out = tmp_path / "remote.json"
+    argv = ["--sizes", "1", "--repeats", "1", "--budget-mib", "8", "--json", str(out)]
+    assert remote.main([*argv, "--tls", "default", "--tls", "tcp"]) == 0
+    assert os.environ["UCX_TLS"] == "tcp"  # put back as it was
+    figures = json.loads(out.read_text())
+    assert figures["memory"] == "host"
+    assert sorted(figures["transports"]) == ["default", "tcp"]
+    for sizes in figures["transports"].values():
+        lanes = sizes["1MiB"]
+        assert lanes["frames"] == 8
+        for lane in ("channel", "ucxx", "tcp"):
+            assert lanes[lane] > 0  # seconds per frame
+            assert lanes[f"{lane}_gbps"] == pytest.approx((1 << 20) / lanes[lane] / 1e9)
+        assert lanes["channel_over_ucxx"] == pytest.approx(lanes["ucxx"] / lanes["channel"])
+        assert "ucxx_over_ucxx" not in lanes
+
+
+def test_default_tls_means_unset_inside_and_comes_back(monkeypatch):
+    monkeypatch.setenv("UCX_TLS", "rc")
+    with remote.with_tls(remote.DEFAULT_TLS):
+        assert "UCX_TLS" not in os.environ
+    assert os.environ["UCX_TLS"] == "rc"
+    monkeypatch.delenv("UCX_TLS")
+    with remote.with_tls("tcp,cuda_copy"):
+        assert os.environ["UCX_TLS"] == "tcp,cuda_copy"
+    assert "UCX_TLS" not in os.environ
