@@ -22,20 +22,23 @@ def test_the_lane_runs_each_transport_set_and_writes_its_figures(tmp_path, monke
     monkeypatch.setattr(remote, "LANES", {"ucxx": remote._ucxx, "tcp": remote._tcp})
     monkeypatch.setenv("UCX_TLS", "tcp")
     out = tmp_path / "remote.json"
+    out.write_text(json.dumps({"memory": {"device": {"1MiB": {"ucxx": 1.0}}}}))  # another run
     argv = ["--sizes", "1", "--repeats", "1", "--budget-mib", "8", "--json", str(out)]
     assert remote.main([*argv, "--tls", "default", "--tls", "tcp"]) == 0
     assert os.environ["UCX_TLS"] == "tcp"  # put back as it was
     figures = json.loads(out.read_text())
-    assert figures["memory"] == "host"
-    assert sorted(figures["transports"]) == ["default", "tcp"]
-    for sizes in figures["transports"].values():
-        lanes = sizes["1MiB"]
-        assert lanes["frames"] == 8
+    # each transport set under its own key, beside the run that was there
+    assert sorted(figures["memory"]) == ["device", "host", "host_tcp"]
+    assert figures["memory"]["device"] == {"1MiB": {"ucxx": 1.0}}
+    for key in ("host", "host_tcp"):
+        lanes = figures["memory"][key]["1MiB"]
+        assert sorted(lanes) == ["tcp", "tcp_over_ucxx", "ucxx"]
+        assert lanes["tcp_over_ucxx"] == pytest.approx(lanes["ucxx"] / lanes["tcp"])
+        assert figures["frames"][f"{key}_1MiB"] == 8
         for lane in ("ucxx", "tcp"):
             assert lanes[lane] > 0  # seconds per frame
-            assert lanes[f"{lane}_gbps"] == pytest.approx((1 << 20) / lanes[lane] / 1e9)
-        assert lanes["tcp_over_ucxx"] == pytest.approx(lanes["ucxx"] / lanes["tcp"])
-        assert "ucxx_over_ucxx" not in lanes
+            gbps = figures["gbps"][f"{key}_1MiB_{lane}"]
+            assert gbps == pytest.approx((1 << 20) / lanes[lane] / 1e9)
 
 
 def test_default_tls_means_unset_inside_and_comes_back(monkeypatch):

@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from tests import _cli_child
+from tests._foreign import foreign_server
 from tests.skips import needs_ucx
 
 PROG = "python -m cupy_ipcpool"
@@ -469,46 +470,17 @@ def test_relay_help_gives_the_default_port():
     assert "REMOTE ucx://host:port of the remote server (serve listens on port 13337" in text
 
 
-@contextlib.contextmanager
-def foreign_socket(path: str, kind: int) -> Iterator[None]:
-    """A Unix socket at ``path`` that is not a publisher: it answers in another protocol."""
-    listener = socket.socket(socket.AF_UNIX, kind)
-    listener.bind(path)
-    listener.listen(4)
-    stop = threading.Event()
-
-    def answer() -> None:
-        listener.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            with conn:
-                conn.sendall(b"<!DOCTYPE html>")
-                stop.wait(1.0)
-
-    thread = threading.Thread(target=answer, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join(5)
-        listener.close()
-
-
 @pytest.mark.parametrize("memory", ["host", "device"])
 def test_serve_says_a_socket_that_is_no_publisher_is_not_one(tmp_path, memory):
     path = str(tmp_path / "other.sock")
-    with foreign_socket(path, socket.SOCK_SEQPACKET):
+    with foreign_server(path, socket.SOCK_SEQPACKET, b"<!DOCTYPE html>"):
         out = _cli("serve", path, "--insecure", "--memory", memory, "--listen", "127.0.0.1:0")
     line = _one_error_line(out, 1)
     assert f"{path} is not a cupy_ipcpool publisher: it answered b'<!DOCTYPE html>'" in line, line
     assert line.endswith("(bad magic 0x213c, expected 0x4950)"), line
     assert line.count("cupy_ipcpool publisher") == 1, line
     os.unlink(path)
-    with foreign_socket(path, socket.SOCK_STREAM):
+    with foreign_server(path, socket.SOCK_STREAM):
         out = _cli("serve", path, "--insecure", "--memory", memory, "--listen", "127.0.0.1:0")
     line = _one_error_line(out, 1)
     assert f"{path} is not a cupy_ipcpool publisher: its socket is of another type" in line, line

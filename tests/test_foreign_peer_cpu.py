@@ -9,14 +9,12 @@ a peer that does not speak its protocol.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import pickle
 import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -27,42 +25,7 @@ from cupy_ipcpool.channel import _protocol as proto
 from cupy_ipcpool.channel._subscriber_core import SubscriberCore
 from cupy_ipcpool.remote import HostChannelSubscriber
 from cupy_ipcpool.remote import _wire as wire
-
-HTTP = b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/html\r\n\r\n<!DOCTYPE html>"
-
-
-@contextlib.contextmanager
-def foreign_server(path: str, kind: int, answer: bytes = HTTP) -> Iterator[list[bytes]]:
-    """A server at ``path`` that reads what it is sent and answers ``answer``; yields what
-    it read from each connection."""
-    listener = socket.socket(socket.AF_UNIX, kind)
-    listener.bind(path)
-    listener.listen(4)
-    listener.settimeout(0.1)
-    stop = threading.Event()
-    heard: list[bytes] = []
-
-    def serve() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            with conn:
-                conn.settimeout(5)
-                with contextlib.suppress(OSError):
-                    heard.append(conn.recv(1 << 16))
-                    conn.send(answer)
-                stop.wait(0.5)
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield heard
-    finally:
-        stop.set()
-        thread.join(5)
-        listener.close()
+from tests._foreign import HTTP, foreign_server
 
 
 def _subscribers() -> list[Any]:

@@ -353,19 +353,33 @@ def with_tls(tls: str) -> contextlib.AbstractContextManager[None]:
     return scope()
 
 
-def as_json(by_tls: dict[str, list[Result]]) -> dict[str, Any]:
-    """Seconds per frame of each lane, and each lane's rate over raw UCXX's, per transport set."""
-    out: dict[str, Any] = {}
+def memory_key(memory: str, tls: str) -> str:
+    """The result file's key of a run: ``device``, or ``device_tcp_cuda_copy`` for a ``UCX_TLS``."""
+    if tls == DEFAULT_TLS:
+        return memory
+    return f"{memory}_{tls.replace(',', '_')}"
+
+
+def record(figures: dict[str, Any], memory: str, by_tls: dict[str, list[Result]]) -> None:
+    """Put runs into ``figures`` as docs/bench/remote-h200.json holds them.
+
+    ``memory.<key>.<size>``: each lane's seconds per frame and its rate over raw
+    UCXX's (``<lane>_over_ucxx``); ``frames.<key>_<size>`` and
+    ``gbps.<key>_<size>_<lane>`` beside.  Runs of other keys already there stay.
+    """
     for tls, results in by_tls.items():
+        key = memory_key(memory, tls)
         raw = {r.nbytes: r.seconds / r.frames for r in results if r.lane == "ucxx"}
-        sizes: dict[str, Any] = out.setdefault(tls, {})
+        sizes: dict[str, Any] = {}
         for r in results:
-            lanes = sizes.setdefault(f"{r.nbytes // MiB}MiB", {"frames": r.frames})
+            size = f"{r.nbytes // MiB}MiB"
+            lanes = sizes.setdefault(size, {})
             lanes[r.lane] = r.seconds / r.frames
-            lanes[f"{r.lane}_gbps"] = r.gbps
             if r.lane != "ucxx" and r.nbytes in raw:
                 lanes[f"{r.lane}_over_ucxx"] = raw[r.nbytes] / (r.seconds / r.frames)
-    return out
+            figures.setdefault("frames", {})[f"{key}_{size}"] = r.frames
+            figures.setdefault("gbps", {})[f"{key}_{size}_{r.lane}"] = r.gbps
+        figures.setdefault("memory", {})[key] = sizes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -386,7 +400,12 @@ def main(argv: list[str] | None = None) -> int:
         help=f"a UCX_TLS to run the lanes with ('{DEFAULT_TLS}': unset); repeat for several "
         "(default: the environment's)",
     )
-    p.add_argument("--json", metavar="FILE", help="also write the figures as JSON to FILE")
+    p.add_argument(
+        "--json",
+        metavar="FILE",
+        help="also write the figures to FILE (as docs/bench/remote-h200.json; other runs in "
+        "FILE stay)",
+    )
     args = p.parse_args(argv)
     sizes = tuple(int(s) * MiB for s in args.sizes.split(","))
     sets = args.tls or [os.environ.get("UCX_TLS", DEFAULT_TLS)]
@@ -403,8 +422,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"UCX_TLS={tls} memory={args.memory}")
         print(report(by_tls[tls]))
     if args.json:
+        figures: dict[str, Any] = {}
+        if os.path.exists(args.json):  # a host run and a device run go in one file
+            with open(args.json) as f:
+                figures = json.load(f)
+        record(figures, args.memory, by_tls)
         with open(args.json, "w") as f:
-            json.dump({"memory": args.memory, "transports": as_json(by_tls)}, f, indent=1)
+            json.dump(figures, f, indent=1)
             f.write("\n")
     return 0
 
