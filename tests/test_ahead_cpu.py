@@ -166,6 +166,24 @@ def test_a_frame_is_predicted_from_its_slot_confirmed_not_merely_predicted() -> 
     assert [e.seq for e in schedule.outstanding] == [5, 6, 7]
 
 
+def test_a_slot_whose_frame_the_consumer_holds_is_not_predicted_until_released() -> None:
+    """A stream waiting for frame k + n and then releasing frame k would wait forever (the
+    producer writes k + n after k's read flag): while k is held, k + n is not handed out
+    ahead; the other slots' next frames still are, and k + n once k is released."""
+    schedule = warmed(4, 4)
+    for slot in range(4):
+        schedule.handed(slot)  # frames 0 .. 3 handed out by message
+    assert schedule.predict() is None  # frame 4 (slot 0): frame 0 is held
+    schedule.released(0)
+    check_entry(schedule.predict(), 4, 0, gen_of(0) + 1)
+    schedule.handed(0)
+    assert schedule.predict() is None  # frame 5 (slot 1): frame 1 is held
+    schedule.released(1)
+    schedule.released(1)  # twice: no harm
+    check_entry(schedule.predict(), 5, 1, gen_of(1) + 1)
+    assert [e.seq for e in schedule.outstanding] == [4, 5]
+
+
 def test_a_subscriber_joining_mid_stream_waits_for_each_slots_previous_use() -> None:
     """First message seq 1000 in slot 3: nothing predicted until 1004's previous use (1000)."""
     schedule = AheadSchedule(4, 4)

@@ -499,3 +499,58 @@ def test_a_slot_taken_from_the_pool_beside_an_ahead_publisher(tmp_path):
     assert wrong == [], f"frames read with other data: {wrong[:10]}"
     assert all(r[2] is True and r[3] for r in published)
     assert not set(incomplete) & set(range(n))
+
+
+def _holding_consumer(address, n, q):
+    """An "ahead" consumer that holds frame 0 while asking for more: frame 4 (slot 0's
+    next use) must not be handed out ahead then; after frame 0's release it comes."""
+    try:
+        import cupy as cp
+
+        spin_kernel("spin_check")
+        bad = cp.zeros(1 << 16, dtype=cp.uint32)
+        refused = False
+        seqs = []
+        with cip.subscribe(address, mode="ahead", timeout=30) as sub:
+            q.put(("ready",))
+            frames = [sub.recv(timeout=60) for _ in range(4)]  # 0 .. 3, slots 0 .. 3
+            for f in frames:
+                _check(f, bad)
+                seqs.append(f.seq)
+            for f in frames[1:]:
+                f.release()
+            try:
+                sub.recv(timeout=1.0)  # frame 4: slot 0, whose frame 0 is still held
+            except cip.ChannelTimeoutError:
+                refused = True
+            frames[0].release()  # its read flag on the current stream
+            for _ in range(n - 4):  # 4 .. n-1, on the same stream
+                f = sub.recv(timeout=60)
+                _check(f, bad)
+                seqs.append(f.seq)
+                f.release()
+            cp.cuda.get_current_stream().synchronize()  # hangs if the streams deadlocked
+            counts = cp.asnumpy(bad)
+        q.put(("done", refused, seqs, int(counts[:n].sum())))
+    except BaseException:
+        report_exception(q)
+
+
+def test_a_held_frame_keeps_its_slots_next_use_from_being_handed_out_ahead(tmp_path):
+    """protocol.md: while the consumer holds frame k, recv() does not hand out frame
+    k + n (the slot's next use) ahead; a stream that waited for k + n and then released k
+    would queue k's read flag behind that wait, which the producer writes only after the
+    flag.  Once k is released, k + n comes, with its own data, on the same stream."""
+    address = str(tmp_path / "hold.sock")
+    n = 12
+    with cip.IpcPool(4, WORDS * 4) as pool, cip.Publisher(pool, address, ahead=True) as pub:
+        spin_kernel("spin_fill")
+        proc, q = start_child(_holding_consumer, address, n)
+        assert child_message(q)[0] == "ready"
+        wait_subscribers(pub, 1)
+        _produce(pub, 0, n)
+        _, refused, seqs, wrong = child_message(q)
+        proc.join(30)
+    assert refused, "frame 4 was handed out ahead while frame 0 was held"
+    assert seqs == list(range(n))
+    assert wrong == 0

@@ -27,12 +27,12 @@ Whatever the order, the book never refuses the subscriber, neither the
 publisher nor a stream waits forever, and at the end every lease has ended
 and no RELEASE is still due.
 
-The consumer here releases frame *k* before it takes frame *k + n* (the
-slot's next use) ahead.  One that still holds frame *k* then, and releases
-it on the stream that waits for frame *k + n*, deadlocks the two streams:
-its read flag for *k* is queued behind the wait for *k + n*, which the
-producer writes only after that read flag.  The subscriber does not yet
-refuse to hand such a frame out; protocol.md tells the consumer.
+Frame *k + n* (the slot's next use) is handed out ahead only once frame *k*
+is released (:meth:`AheadSchedule.predict`'s rule): a consumer that still
+held *k*, and released it on the stream waiting for *k + n*, would deadlock
+the two streams (its read flag for *k* queued behind the wait for *k + n*,
+which the producer writes only after that read flag).  Without that rule
+this simulation ends with both streams waiting.
 
 protocol.md's ahead section states these rules.  On a GPU, the same
 situation is ``test_ahead_gpu.py``'s
@@ -147,7 +147,7 @@ class Simulation:
         last = self.by_message.get(seq % SLOTS)
         if last is None or last[0] != seq - SLOTS:
             return False
-        # the consumer released the slot's previous frame (see the module's docstring)
+        # AheadSchedule.predict's rule: the slot's previous frame was released
         return self.handed[seq - SLOTS].released
 
     def hand_ahead(self) -> None:

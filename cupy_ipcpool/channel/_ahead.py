@@ -147,6 +147,8 @@ class AheadSchedule:
         self.num_slots = num_slots
         self.depth = depth
         self._slots: list[_SlotState | None] = [None] * num_slots
+        # slots whose frame the consumer holds (handed out, not released): :meth:`handed`
+        self._held: set[int] = set()
         #: frames handed out ahead and not confirmed yet, oldest first
         self.outstanding: deque[Predicted] = deque()
         self._last: tuple[int, int] | None = None  # (seq, slot) of the last frame handed out
@@ -188,18 +190,34 @@ class AheadSchedule:
             parts = state.parts  # a void frame: the layout stays the one seen before
         self._slots[slot] = _SlotState(seq, generation, parts)
 
+    def handed(self, slot: int) -> None:
+        """The consumer was handed ``slot``'s frame (by message or ahead) and holds it."""
+        self._held.add(slot)
+
+    def released(self, slot: int) -> None:
+        """The consumer released ``slot``'s frame (its read flag is queued)."""
+        self._held.discard(slot)
+
     def predict(self) -> Predicted | None:
         """The next frame, if it can be handed out ahead now; it then counts as outstanding.
 
         None while ``depth`` frames are outstanding, before the first message,
-        or when the previous use of the next slot was not received by message
-        (the first ``num_slots`` frames after joining, a void first use).
+        when the previous use of the next slot was not received by message
+        (the first ``num_slots`` frames after joining, a void first use), or
+        while the consumer still holds that previous frame (:meth:`handed`,
+        :meth:`released`).  The last rule keeps the GPU out of a deadlock: a
+        stream waiting for frame *k + n* and then releasing frame *k* would
+        queue *k*'s read flag behind that wait, and the producer writes *k + n*
+        only after that read flag.  Such a frame comes by message instead,
+        once *k* is released, as in ``"block"`` mode.
         """
         last = self._last
         if last is None or len(self.outstanding) >= self.depth:
             return None
         seq = last[0] + 1
         slot = (last[1] + 1) % self.num_slots
+        if slot in self._held:
+            return None
         state = self._slots[slot]
         if state is None or state.parts is None or state.seq != seq - self.num_slots:
             return None

@@ -505,8 +505,12 @@ class Subscriber(ClosedFlag):
             self.close()
             raise
         if isinstance(got, Predicted):
-            return self._hand_out_ahead(got, stream)
-        return self._hand_out(*got, stream)
+            frame = self._hand_out_ahead(got, stream)
+        else:
+            frame = self._hand_out(*got, stream)
+        assert self._ahead is not None
+        self._ahead.handed(frame.slot)  # none of its slot's next use ahead until released
+        return frame
 
     def _hand_out_ahead(self, entry: Predicted, stream: Any) -> Frame:
         """Frame ``entry`` before its message: arrays from the predicted handles (the
@@ -539,6 +543,8 @@ class Subscriber(ClosedFlag):
         sptr = self._stream_ptr(stream)
         assert self._sync is not None
         self._sync.write(sptr, self._read_flags[slot], generation)
+        assert self._ahead is not None
+        self._ahead.released(slot)
         try:
             self._core.release_ahead(seq, slot)
         except EndOfStream:  # the producer is gone: nobody to return it to
@@ -611,6 +617,8 @@ class Subscriber(ClosedFlag):
             return
         if rc:
             raise_driver_error("cuStreamWriteValue32", rc)
+        if self._ahead is not None:
+            self._ahead.released(slot)
 
     # -- the producer's death --
 
