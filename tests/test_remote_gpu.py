@@ -126,7 +126,51 @@ def consumer(address: str, frames: int, device: int, tls: str, mode: str, q) -> 
         report_exception(q)
 
 
-def _run_pair(tmp_path, *, frames: int, pdev: int, cdev: int, tls: str, mode: str = "block"):
+def consumer_reading_late(address: str, frames: int, device: int, tls: str, mode: str, q) -> None:
+    """Receive ``frames`` frames into a ring of one slot; read each on a stream only after
+    a 20 ms spin there, releasing it on that stream at once: each copy must still hold
+    its own frame (the next frame may land in the slot only once the copy has run)."""
+    try:
+        _env(tls)
+        import cupy as cp
+
+        from cupy_ipcpool.remote import subscribe
+        from tests.gpu_helpers import spin_kernel
+
+        cp.cuda.Device(device).use()
+        spin = spin_kernel("spin_fill")
+        scratch = cp.zeros(32, dtype=cp.uint32)
+        cycles = cp.int64(20 * 2_000_000)  # about 20 ms at 2 GHz
+        stream = cp.cuda.Stream(non_blocking=True)
+        copies = []
+        seqs = []
+        with subscribe(address, secret=SECRET, device=device, mode=mode, slots=1) as sub:
+            for _ in range(frames):
+                f = sub.recv(timeout=60)
+                (seq,) = SEQ.unpack(f.metadata)
+                with stream:
+                    spin((1,), (32,), (scratch, cp.uint64(32), cp.uint32(0), cycles))
+                    copies.append(f.array.copy())
+                f.release(stream=stream)
+                seqs.append(seq)
+            stream.synchronize()
+            bad = [seq for seq, c in zip(seqs, copies, strict=True) if not _expected_ok(c, seq)]
+            staged = sub.staged
+        q.put(("ok", seqs, bad, staged))
+    except BaseException:
+        report_exception(q)
+
+
+def _run_pair(
+    tmp_path,
+    *,
+    frames: int,
+    pdev: int,
+    cdev: int,
+    tls: str,
+    mode: str = "block",
+    receive=consumer,
+):
     address = str(tmp_path / "remote.sock")
     pq, cq = SPAWN.Queue(), SPAWN.Queue()
     prod = SPAWN.Process(target=producer, args=(address, frames, pdev, tls, pq))
@@ -134,7 +178,7 @@ def _run_pair(tmp_path, *, frames: int, pdev: int, cdev: int, tls: str, mode: st
     try:
         kind, remote = child_message(pq, 180)
         assert kind == "addr"
-        cons = SPAWN.Process(target=consumer, args=(remote, frames, cdev, tls, mode, cq))
+        cons = SPAWN.Process(target=receive, args=(remote, frames, cdev, tls, mode, cq))
         cons.start()
         try:
             kind, local = child_message(pq, 180)
@@ -167,6 +211,20 @@ def test_default_transports_stage_every_byte_through_cuda_ipc(tmp_path) -> None:
     assert seqs == list(range(40))
     assert bad == []
     assert local == [True] and staged is True
+
+
+@needs_ucx
+@pytest.mark.parametrize("tls", [DEFAULT, "tcp,cuda_copy"])
+def test_a_slot_released_on_a_stream_is_not_refilled_before_that_stream_read_it(
+    tmp_path, tls
+) -> None:
+    """A frame released on a stream with work still queued on it keeps its slot until
+    that work has run, whichever path the frames take (staged or not)."""
+    seqs, bad, _local, _staged = _run_pair(
+        tmp_path, frames=8, pdev=0, cdev=0, tls=tls, receive=consumer_reading_late
+    )
+    assert seqs == list(range(8))
+    assert bad == [], f"frames read after the next one overwrote them: {bad}"
 
 
 @needs_ucx

@@ -16,11 +16,13 @@ UCXX):
   :class:`~cupy_ipcpool.IpcPool` slots (the VMM memory the channel uses), since
   UCX may move such memory by another transport than ``cupy.ones`` buffers.
 
-Each lane is timed from the sender's first send to the receiver's last
-frame (``time.perf_counter``, CLOCK_MONOTONIC, one clock for the processes
-of one machine), divided by the frames: the pipeline's fill is counted, so a
-lane of few frames (large sizes) is timed on the slow side, never faster
-than it runs.
+Each lane first moves :data:`WARMUP` frames untimed (connections, UCX's
+first mappings of each buffer, staging buffers made: costs a stream pays
+once), then is timed from the sender's first timed send to the receiver's
+last frame (``time.perf_counter``, CLOCK_MONOTONIC, one clock for the
+processes of one machine), divided by the frames: the pipeline's fill is
+counted, so a lane of few frames (large sizes) is timed on the slow side,
+never faster than it runs.
 
 Run ``python -m cupy_ipcpool._bench.remote [--memory device]`` or
 ``benchmarks/test_bench_remote.py``.  ``UCX_TLS`` decides the transport;
@@ -43,6 +45,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 MiB = 1 << 20
+#: frames each lane moves before its timed frames (the same in every lane)
+WARMUP = 8
+#: the most timed frames of a lane at one size (small frames: the budget would give more)
+MAX_FRAMES = 1000
 SECRET = "benchmark-secret-not-for-use-0123456789"
 CTX = mp.get_context("spawn")
 
@@ -98,6 +104,9 @@ def _child_channel(conn: Connection, address: str, frames: int, memory: str, dev
 
     with subscribe(address, secret=SECRET, memory=memory, device=dev, slots=4) as sub:
         conn.send("ready")
+        for _ in range(WARMUP):
+            sub.recv(timeout=120).release()
+        conn.send("warm")
         for _ in range(frames):
             sub.recv(timeout=120).release()
         conn.send(time.perf_counter())  # when the last frame was in
@@ -123,18 +132,21 @@ def _child_ucxx(
     conn.send(worker.address)
     poller = select.poll()
     poller.register(worker.fileno(), select.POLLIN)
-    pending = [worker.recv(bufs[i % 4], i) for i in range(min(4, frames))]
+    total = WARMUP + frames
+    pending = [worker.recv(bufs[i % 4], i) for i in range(min(4, total))]
     posted = len(pending)
     done = 0
-    while done < frames:
+    while done < total:
         worker.progress()
         while pending and ucx.request_state(pending[0]) is not None:
             pending.pop(0)
             done += 1
-            if posted < frames:
+            if done == WARMUP:
+                conn.send("warm")
+            if posted < total:
                 pending.append(worker.recv(bufs[posted % 4], posted))
                 posted += 1
-        if done < frames and worker.arm():
+        if done < total and worker.arm():
             poller.poll(100)
     conn.send(time.perf_counter())  # when the last frame was in
     conn.recv()
@@ -150,7 +162,9 @@ def _child_tcp(conn: Connection, port: int, frames: int, nbytes: int) -> None:
     view = buf.data
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for _ in range(frames):
+        for i in range(WARMUP + frames):
+            if i == WARMUP:
+                conn.send("warm")
             got = 0
             while got < nbytes:
                 n = s.recv_into(view[got:])
@@ -202,6 +216,11 @@ def _channel(nbytes: int, frames: int, memory: str, device: int) -> float:
             deadline = time.monotonic() + 30
             while not server.subscribers and time.monotonic() < deadline:
                 time.sleep(0.01)
+            for _ in range(WARMUP):
+                send_one()
+            while not parent.poll(0.001):
+                pub.poll(0.0)
+            assert parent.recv() == "warm"
             start = time.perf_counter()
             for _ in range(frames):
                 send_one()
@@ -238,21 +257,30 @@ def _ucxx(nbytes: int, frames: int, memory: str, device: int, vmm: bool = False)
         poller = select.poll()
         poller.register(worker.fileno(), select.POLLIN)
         inflight: list[Any] = []
+
+        def send(src: Any, first: int, count: int) -> None:
+            for i in range(first, first + count):
+                inflight.append(worker.send(ep, src, i))
+                while len(inflight) >= 4:
+                    worker.progress()
+                    inflight[:] = [r for r in inflight if ucx.request_state(r) is None]
+                    if len(inflight) >= 4 and worker.arm():
+                        poller.poll(10)
+
+        send(buf, 0, WARMUP)
+        while not parent.poll(0.001):
+            worker.progress()
+        assert parent.recv() == "warm"
         start = time.perf_counter()
-        for i in range(frames):
-            inflight.append(worker.send(ep, buf, i))
-            while len(inflight) >= 4:
-                worker.progress()
-                inflight = [r for r in inflight if ucx.request_state(r) is None]
-                if len(inflight) >= 4 and worker.arm():
-                    poller.poll(10)
+        send(buf, WARMUP, frames)
         while not parent.poll(0.001):
             worker.progress()
         elapsed = float(parent.recv()) - start
         parent.send("bye")
         ucx.close_endpoint(ep)
         worker.progress()
-        del buf, inflight
+        inflight.clear()
+        del buf
         if pool is not None:
             pool.close()
     finally:
@@ -273,10 +301,16 @@ def _tcp(nbytes: int, frames: int, memory: str, device: int) -> float:
             with conn:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 src = _alloc(memory, nbytes, device)
+
+                def send(count: int) -> None:
+                    for _ in range(count):
+                        data = src if memory == "host" else src.get()  # host staging
+                        conn.sendall(memoryview(data))
+
+                send(WARMUP)
+                assert parent.recv() == "warm"
                 start = time.perf_counter()
-                for _ in range(frames):
-                    data = src if memory == "host" else src.get()  # host staging
-                    conn.sendall(memoryview(data))
+                send(frames)
                 elapsed = float(parent.recv()) - start
         finally:
             proc.join(60)
@@ -304,7 +338,7 @@ def run(
     """Time every lane at every size; return medians (seconds per frame)."""
     out = []
     for nbytes in sizes:
-        frames = max(4, min(200, budget_bytes // nbytes))
+        frames = max(4, min(MAX_FRAMES, budget_bytes // nbytes))
         lanes = {**LANES, **DEVICE_LANES} if memory == "device" else LANES
         for lane, fn in lanes.items():
             secs = [fn(nbytes, frames, memory, device) for _ in range(repeats)]

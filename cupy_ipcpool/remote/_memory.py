@@ -12,8 +12,11 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import queue
 import threading
 import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import numpy
@@ -151,16 +154,64 @@ class _Pin:
         self.owner = owner
 
 
+class _ReadyWatcher:
+    """A thread that waits on the host for each event it is given, then calls ``notify``.
+
+    A released slot may be written again only when the reader's GPU work on it
+    has finished (an event on the release stream).  The session thread must
+    not block on that (it drives UCX for the other slots), and polling the
+    event on a timer adds the timer's period to every credit; this thread
+    blocks in ``cudaEventSynchronize`` (without the GIL) instead and wakes the
+    session the moment the work is done.  Events are waited for in the order
+    they were recorded.
+    """
+
+    def __init__(
+        self, notify: Callable[[], None], scope: Callable[[], AbstractContextManager[Any]]
+    ) -> None:
+        self._notify = notify
+        self._scope = scope  # makes the events' device current on this thread
+        self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="ipcpool-ready", daemon=True)
+        self._thread.start()
+
+    def watch(self, event: Any) -> None:
+        """Call ``notify`` once ``event`` has completed (or failed: ``ready`` then raises)."""
+        self._events.put(event)
+
+    def close(self) -> None:
+        """Stop after the events given so far (never waits: a hung stream keeps it blocked)."""
+        self._events.put(None)
+
+    def _run(self) -> None:
+        with self._scope():
+            while (event := self._events.get()) is not None:
+                # an error is left to ready(), which raises it on the session thread
+                with contextlib.suppress(Exception):
+                    event.synchronize()
+                self._notify()
+
+
 class DeviceSlots:
     """Slots in device memory: an :class:`~cupy_ipcpool.IpcPool` on ``device``.
 
     ``device`` is an ordinal or a ``cupy.cuda.Device``.  A received frame is a
     slot like any other; :attr:`pool` can be published from (the relay does).
+    ``notify``, when given, is called (from a thread of this object's) as soon
+    as the GPU work noted by :meth:`reading` has finished, so that a caller
+    waiting for :meth:`ready` needs no timer.
     """
 
     kind = "device"
 
-    def __init__(self, num_slots: int, slot_nbytes: int, *, device: DeviceLike = 0) -> None:
+    def __init__(
+        self,
+        num_slots: int,
+        slot_nbytes: int,
+        *,
+        device: DeviceLike = 0,
+        notify: Callable[[], None] | None = None,
+    ) -> None:
         device = device_ordinal(device)  # before a GPU is looked for
         from .._arrays import cupy_module
         from .._pool import IpcPool
@@ -174,6 +225,9 @@ class DeviceSlots:
         self._events: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._closing = False
+        self._watcher = (
+            None if notify is None else _ReadyWatcher(notify, lambda: self._cp.cuda.Device(device))
+        )
 
     def arrays(
         self, slot: int, specs: tuple[wire.ArraySpec, ...], owner: object = None
@@ -201,6 +255,8 @@ class DeviceSlots:
             event.record(s)
         with self._lock:
             self._events[slot] = event
+        if self._watcher is not None:
+            self._watcher.watch(event)
 
     def ready(self, slot: int) -> bool:
         with self._lock:
@@ -228,6 +284,8 @@ class DeviceSlots:
         """Close the pool now, or when the last array carved from it is collected."""
         if self._closing:
             return
+        if self._watcher is not None:
+            self._watcher.close()
         with self._lock:
             self._closing = True
             last = not self._pins

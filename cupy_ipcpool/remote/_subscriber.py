@@ -124,7 +124,6 @@ class RemoteSubscriber(ClosedFlag):
         self._memory: DeviceSlots | HostSlots | None = None
         self._ready: collections.deque[Received] = collections.deque()
         self._released: collections.deque[int] = collections.deque()
-        self._waiting_ready: set[int] = set()
         self._held: dict[int, int] = {}  # seq -> slot, received by the user and not released
         self._cond = threading.Condition()
         self._closed = False
@@ -135,6 +134,8 @@ class RemoteSubscriber(ClosedFlag):
         self.sub_id = self._session.sub_id
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)  # a full pipe already wakes the loop
+        self._wake_lock = threading.Lock()  # the pipe's fds are closed under it
         self._thread = threading.Thread(target=self._run, name="ipcpool-remote-sub", daemon=True)
         self._thread.start()
 
@@ -142,7 +143,9 @@ class RemoteSubscriber(ClosedFlag):
 
     def setup(self, max_frame: int) -> None:
         if self._kind == "device":
-            self._memory = DeviceSlots(self.num_slots, max(max_frame, 1), device=self._device)
+            self._memory = DeviceSlots(
+                self.num_slots, max(max_frame, 1), device=self._device, notify=self._wake
+            )
         else:
             self._memory = HostSlots(self.num_slots, max(max_frame, 1))
 
@@ -152,11 +155,9 @@ class RemoteSubscriber(ClosedFlag):
         while self._released:
             slot = self._released.popleft()
             book.release(slot)
-            self._waiting_ready.add(slot)
         out = []
         for slot in book.free():
-            if memory.ready(slot):
-                self._waiting_ready.discard(slot)
+            if memory.ready(slot):  # else the memory's notify wakes this thread
                 out.append(slot)
         return out
 
@@ -175,8 +176,11 @@ class RemoteSubscriber(ClosedFlag):
     # -- session thread --
 
     def _wake(self) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
+        # also called from the receive ring's thread (DeviceSlots' notify), maybe after
+        # close(): never write to the fd number once it is closed (it may be reused)
+        with self._wake_lock, contextlib.suppress(OSError):
+            if self._wake_w >= 0:
+                os.write(self._wake_w, b"x")
 
     def _run(self) -> None:
         session = self._session
@@ -190,8 +194,7 @@ class RemoteSubscriber(ClosedFlag):
             cupy_module().cuda.Device(self._device).use()
         try:
             while not self._stop and session.ended is None:
-                timeout = 2 if self._waiting_ready else -1
-                session.step(poller, timeout)
+                session.step(poller, -1)
                 with contextlib.suppress(OSError):
                     os.read(self._wake_r, 4096)
         except Exception as exc:
@@ -315,9 +318,11 @@ class RemoteSubscriber(ClosedFlag):
         with self._cond:
             self._ready.clear()
             self._cond.notify_all()
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        with self._wake_lock:
+            for fd in (self._wake_r, self._wake_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._wake_w = -1
         if self._memory is not None:
             self._memory.close()
 
