@@ -22,10 +22,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 from _memfd_backend import pattern
-from test_c_library import _welcome
+from test_c_library import _welcome, status
 from test_scenarios_cpu import (  # noqa: F401 - cip_probe: the C probe's fixture
+    C_WORDS,
     DEADLINE,
     CConsumer,
     Consumer,
@@ -37,7 +39,10 @@ from test_scenarios_cpu import (  # noqa: F401 - cip_probe: the C probe's fixtur
     outcome,
 )
 
+from cupy_ipcpool._errors import ProtocolError
+from cupy_ipcpool._handles import ArrayHandle
 from cupy_ipcpool.channel import _protocol as proto
+from cupy_ipcpool.channel._payload import FRAME_HEAD, check_handles, frame_head
 
 SLOT_SIZE = struct.Struct("<Q")
 KINDS = ["python", "c"]
@@ -325,3 +330,62 @@ def test_a_malformed_refuse_on_a_live_connection_is_a_protocol_error(
     peer.send(proto.encode_frame(0, 0, b""), _malformed_refuse())
     assert frame(consumer.recv()).seq == 0  # taken before the notice, no hang-up since
     _ended_by_protocol_error(consumer, peer, "REFUSE")
+
+
+# ---------------------------------------------------------------- rule 2: handles in the frame
+# docs/protocol.md, "What a subscriber refuses": every array handle of a FRAME names the
+# frame's slot and generation.  The check belongs to the GPU layers (the Python
+# Subscriber's _hand_out calls _payload.check_handles; the C library's cip_sub_recv calls
+# parse_frame_payload, which cip_parse_frame_payload exposes): here both checks run on the
+# payload each consumer received from the same peer.
+
+
+def _handle_payload(slot: int, generation: int, handle_slot: int, handle_generation: int) -> bytes:
+    handle = ArrayHandle(handle_slot, handle_generation, 0, (4,), (8,), np.dtype("float64"))
+    return FRAME_HEAD.pack(slot, generation, 1, 0) + handle.pack()
+
+
+def _payload_check(c: Consumer, got: Got) -> Outcome:
+    """The consumer's check of the frame's array handles against its head."""
+    if isinstance(c, CConsumer):
+        answer = c.probe("parse")
+        return (
+            Outcome("ok") if answer.startswith("ok ") else Outcome(C_WORDS[status(answer)], answer)
+        )
+    generation, count, _meta, _void = frame_head(got.seq, got.slot, got.payload)
+    try:
+        check_handles(got.seq, got.slot, generation, got.payload, count)
+    except ProtocolError as exc:
+        return Outcome("protocol", str(exc))
+    return Outcome("ok")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("handle_slot", "handle_generation", "words"),
+    [
+        (1, 7, "lies in slot 1, not in the frame's"),
+        (0, 6, "is of generation 6, the frame of 7"),
+        (0, 7 + (1 << 32), ""),  # the head carries the low 32 bits: the same generation
+        (0, 7, ""),
+    ],
+)
+def test_each_array_handle_names_the_frame_s_slot_and_generation(
+    consumer: Consumer,
+    address: str,
+    peer_at: Any,
+    handle_slot: int,
+    handle_generation: int,
+    words: str,
+) -> None:
+    peer = peer_at()
+    _open(consumer, address, peer)
+    payload = _handle_payload(0, 7, handle_slot, handle_generation)
+    peer.send(proto.encode_frame(0, 0, payload))
+    got = frame(consumer.recv())
+    checked = _payload_check(consumer, got)
+    if words:
+        assert checked.word == "protocol", checked
+        assert words in checked.message, checked
+    else:
+        assert checked.word == "ok", checked

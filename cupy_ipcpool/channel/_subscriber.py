@@ -35,7 +35,7 @@ from .._peer import PeerPool, attach_fds
 from .._transport._closing import ClosedFlag
 from ._ahead import AheadInbox, AheadSchedule, Predicted
 from ._iterate import frames_until_clean_end
-from ._payload import FRAME_HEAD, WELCOME_HEAD, frame_head
+from ._payload import FRAME_HEAD, WELCOME_HEAD, check_handles, frame_head
 from ._settle import (
     CLOSE_GRACE,
     DEATH_WAIT,
@@ -452,6 +452,7 @@ class Subscriber(ClosedFlag):
         assert peer is not None
         try:
             generation, count, meta_len, void = frame_head(seq, slot, payload)
+            check_handles(seq, slot, generation, payload, count)
             lease = _Lease(self, seq, slot, generation, peer._pin(slot))
             if void:
                 lease.void = True
