@@ -3168,10 +3168,6 @@ cip_sub_close(cip_sub *sub)
     char saved[sizeof tls_error], why[sizeof tls_error] = "";
     memcpy(saved, tls_error, sizeof saved);
     cip_status result = CIP_OK;
-    if (sub->buf != NULL)
-        say_bye_and_close(sub);
-    else if (sub->sock >= 0)
-        close(sub->sock);
     int keep = 0;
     if (sub->gpu && sub->page != NULL && drv.status == CIP_OK) {
         int device = sub->pool ? sub->pool->device : -1;
@@ -3206,6 +3202,13 @@ cip_sub_close(cip_sub *sub)
     } else if (sub->page != NULL) {
         munmap((void *)sub->page, sub->page_nbytes);
     }
+    /* BYE only once our flag operations are done (or abandoned): the publisher may give
+     * this row to a newcomer once we are gone, and a late read-flag write of ours would
+     * land in its row (the Python subscriber's order) */
+    if (sub->buf != NULL)
+        say_bye_and_close(sub);
+    else if (sub->sock >= 0)
+        close(sub->sock);
     /* a stream that may still wait on the page may still read the slots: keep both;
      * else the pool's close waits for this process's queued work on them */
     if (!keep) {
