@@ -320,7 +320,7 @@ def flag_consumer(conn: Connection, address: str, release_after: int) -> None:
                     break
                 if cmd[0] == "flush":
                     for seq, slot in due:
-                        core.release(seq, slot)
+                        core._sock.send(proto.encode_release(seq, slot))
                     due.clear()
                     conn.send(("ok", []))
                     continue
@@ -335,9 +335,13 @@ def flag_consumer(conn: Connection, address: str, release_after: int) -> None:
                         if slots[frame.slot][:] != pattern(frame.seq, size):
                             raise AssertionError(f"frame {frame.seq} overwritten {when}")
                     flags.store(LAYOUT.read_offset(0, frame.slot), frame.seq + 1)
+                    # the flag ends the lease (ahead=True): the core holds the frame no
+                    # more, so the slot's next frame is no protocol error
+                    # (docs/protocol.md, "What a subscriber refuses"); its RELEASE trails
+                    core._forget(frame.seq)
                     due.append((frame.seq, frame.slot))
                     while len(due) > release_after:
-                        core.release(*due.pop(0))
+                        core._sock.send(proto.encode_release(*due.pop(0)))
                     seqs.append(frame.seq)
                 conn.send(("ok", seqs))
             except Exception as exc:

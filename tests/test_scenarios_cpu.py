@@ -642,20 +642,9 @@ def publisher_sigkilled(c: Consumer, env: Env) -> None:
     pub("publish", 2, b"")
     held = frame(c.recv())
     pub.kill()
-    if c.kind == "c":
-        # docs/c.md, "How a stream ends": "the publisher died (even SIGKILL) ...
-        # CIP_ERR_PUBLISHER_GONE | dropped (their flags may never be set)"
-        assert outcome(c.recv()) == "gone", "the frame queued at the death was handed out"
-    else:
-        # DIFFERS: the session core hands out a frame queued before a hang-up without
-        # an eviction notice (its one rule: _subscriber_core.py's module docstring and
-        # SubscriberCore._revoked, "a clean BYE or a dead publisher: the frame's lease
-        # was not revoked"); dropping the frames queued at a death is the GPU
-        # Subscriber's, by its pidfd (docs/protocol.md, "Failures": "the producer dies
-        # ... frames still queued are dropped"; docs/wire.md, "How a subscriber reads a
-        # hang-up"), a layer above the core.
-        assert frame(c.recv()).seq == held.seq + 1
-        assert outcome(c.recv()) == "gone"
+    # docs/protocol.md, "Failures": a hang-up without BYE hands out no frame still queued
+    # (docs/c.md, "How a stream ends": CIP_ERR_PUBLISHER_GONE, dropped)
+    assert outcome(c.recv()) == "gone", "the frame queued at the death was handed out"
     assert outcome(c.recv(0)) == "gone"
     assert c.check(held.seq, held.slot), "the held frame's memory stays readable"
     # docs/c.md, "How a stream ends"; SubscriberCore.release: "only forgets the frame"

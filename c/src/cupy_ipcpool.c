@@ -2103,9 +2103,12 @@ resolve_waits(cip_sub *sub)
     book_resolve(&sub->book, sub->page);
 }
 
+static cip_status protocol_error(cip_sub *sub);
+
 /* The publisher hung up (or died): read everything still queued.  An eviction notice
- * among it means no queued frame may be used; a BYE keeps the frames before it; a
- * hang-up without either ends the stream, queued frames dropped. */
+ * among it means no queued frame may be used (a malformed one: the protocol error,
+ * reported now); a BYE keeps the frames before it; a hang-up without either ends the
+ * stream, queued frames dropped. */
 static void
 scan_after_hangup(cip_sub *sub)
 {
@@ -2131,8 +2134,11 @@ scan_after_hangup(cip_sub *sub)
         unsigned type = msg_type(m->data, m->len);
         if (type == CIP_WIRE_REFUSE) {
             char reason[CIP_WIRE_MAX_REFUSE_REASON + 1];
-            if (refuse_reason(m->data, m->len, reason, sizeof reason) != 0)
-                snprintf(reason, sizeof reason, "(malformed notice)");
+            if (refuse_reason(m->data, m->len, reason, sizeof reason) != 0) {
+                fail(CIP_ERR_PROTOCOL, "malformed REFUSE (%zu bytes)", m->len);
+                protocol_error(sub); /* clears the backlog: no queued frame is handed out */
+                return;
+            }
             backlog_clear(sub);
             sub_end(sub, CIP_ERR_EVICTED, "the publisher evicted this subscriber: %s", reason);
             return;
@@ -3162,10 +3168,6 @@ cip_sub_close(cip_sub *sub)
     char saved[sizeof tls_error], why[sizeof tls_error] = "";
     memcpy(saved, tls_error, sizeof saved);
     cip_status result = CIP_OK;
-    if (sub->buf != NULL)
-        say_bye_and_close(sub);
-    else if (sub->sock >= 0)
-        close(sub->sock);
     int keep = 0;
     if (sub->gpu && sub->page != NULL && drv.status == CIP_OK) {
         int device = sub->pool ? sub->pool->device : -1;
@@ -3200,6 +3202,13 @@ cip_sub_close(cip_sub *sub)
     } else if (sub->page != NULL) {
         munmap((void *)sub->page, sub->page_nbytes);
     }
+    /* BYE only once our flag operations are done (or abandoned): the publisher may give
+     * this row to a newcomer once we are gone, and a late read-flag write of ours would
+     * land in its row (the Python subscriber's order) */
+    if (sub->buf != NULL)
+        say_bye_and_close(sub);
+    else if (sub->sock >= 0)
+        close(sub->sock);
     /* a stream that may still wait on the page may still read the slots: keep both;
      * else the pool's close waits for this process's queued work on them */
     if (!keep) {

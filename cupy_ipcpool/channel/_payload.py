@@ -66,3 +66,43 @@ def frame_head(seq: int, slot: int, payload: bytes | memoryview) -> tuple[int, i
     if void and count:
         raise ProtocolError(f"frame {seq}: a void frame with {count} arrays")
     return generation, count, meta_len, void
+
+
+#: An array handle's head: slot u32, generation u64 (then offset u64, ndim, dtype).
+_HANDLE_HEAD = struct.Struct("<IQ")
+_HANDLE_SIZE = struct.calcsize("<IQQBB")
+_HANDLE_NDIM_AT = 20
+
+
+def check_handles(
+    seq: int, slot: int, generation: int, payload: bytes | memoryview, count: int
+) -> None:
+    """Check that each of FRAME ``seq``'s ``count`` array handles lies in the frame.
+
+    Each handle (from ``payload[FRAME_HEAD.size:]``) must name the frame's
+    ``slot`` and, in its low 32 bits, the ``generation`` of its head: a
+    handle of another slot or generation would point into memory that is not
+    this frame's (and may be written while the frame is held).  Geometry is
+    checked where the arrays are made.
+
+    Raises
+    ------
+    ProtocolError
+        A handle is truncated, or names another slot or generation.
+    """
+    pos = FRAME_HEAD.size
+    n = len(payload)
+    for i in range(count):
+        if n - pos < _HANDLE_SIZE:
+            raise ProtocolError(f"frame {seq}: array handle {i} truncated")
+        handle_slot, handle_generation = _HANDLE_HEAD.unpack_from(payload, pos)
+        if handle_slot != slot:
+            raise ProtocolError(
+                f"frame {seq}: array {i} lies in slot {handle_slot}, not in the frame's"
+            )
+        if handle_generation & 0xFFFFFFFF != generation:
+            raise ProtocolError(
+                f"frame {seq}: array {i} is of generation {handle_generation}, the frame of "
+                f"{generation}"
+            )
+        pos += _HANDLE_SIZE + 16 * payload[pos + _HANDLE_NDIM_AT]

@@ -35,7 +35,7 @@ from .._peer import PeerPool, attach_fds
 from .._transport._closing import ClosedFlag
 from ._ahead import AheadInbox, AheadSchedule, Predicted
 from ._iterate import frames_until_clean_end
-from ._payload import FRAME_HEAD, WELCOME_HEAD, frame_head
+from ._payload import FRAME_HEAD, WELCOME_HEAD, check_handles, frame_head
 from ._settle import (
     CLOSE_GRACE,
     DEATH_WAIT,
@@ -46,7 +46,7 @@ from ._settle import (
     settle_unpublished,
 )
 from ._subscriber_core import SubscriberCore
-from ._syncpage import FrameWaits, SyncPage, raise_driver_error
+from ._syncpage import FrameWaits, SyncPage, frame_state, raise_driver_error
 from ._waiting import connect_waiting
 
 
@@ -435,16 +435,27 @@ class Subscriber(ClosedFlag):
                 self._end_ahead()
             self._answer(exc)
             raise
-        if got is not None and core.alarm and exited(self._pidfd):
+        if got is not None and core.alarm and not self._written(got) and exited(self._pidfd):
             self.close()
             raise self._answer(
                 EndOfStream(
-                    f"the publisher (pid {self._core.producer_pid}) exited; frames still "
-                    "queued are dropped (their flags will never be set)",
+                    f"the publisher (pid {self._core.producer_pid}) exited before frame "
+                    f"{got[0]} was complete; frames still queued are dropped",
                     False,
                 )
             )
         return got
+
+    def _written(self, got: tuple[int, int, memoryview | bytes]) -> bool:
+        """Whether the frame flag of message ``got`` says the producer's stream wrote it
+        (a frame queued before a BYE of a producer that has exited since is handed out
+        then; a payload too short for its head is left to :meth:`_hand_out`)."""
+        _seq, slot, payload = got
+        if len(payload) < FRAME_HEAD.size or self._sync is None:
+            return True
+        generation = FRAME_HEAD.unpack_from(payload)[1]
+        word = self._flags.load(self._sync.layout.frame_offset(slot))
+        return frame_state(word, generation) is True
 
     def _hand_out(self, seq: int, slot: int, payload: memoryview | bytes, stream: Any) -> Frame:
         """Frame ``seq`` from its payload: its arrays, and ``stream`` made to wait for its flag."""
@@ -452,6 +463,7 @@ class Subscriber(ClosedFlag):
         assert peer is not None
         try:
             generation, count, meta_len, void = frame_head(seq, slot, payload)
+            check_handles(seq, slot, generation, payload, count)
             lease = _Lease(self, seq, slot, generation, peer._pin(slot))
             if void:
                 lease.void = True

@@ -160,6 +160,10 @@ class SubscriberCore(ClosedFlag):
         self._eos_clean = False
         self._evicted = False
         self._backlog: collections.deque[bytes] = collections.deque()
+        #: what the read of everything queued at the publisher's hang-up found
+        #: (:meth:`_scan_after_hangup`): None (not read yet), "bye" (a BYE: the frames
+        #: before it are handed out) or "bad" (a malformed eviction notice: none is)
+        self._hangup_read: str | None = None
         self._closed = False
         self._fds: list[int] = []
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -176,6 +180,10 @@ class SubscriberCore(ClosedFlag):
         if welcome.lease_timeout_ms:
             self.lease_timeout = welcome.lease_timeout_ms / 1000.0
         self.welcome_payload = welcome.payload
+        #: the last seq received (-1: none yet) and, per slot, the seq of the frame held
+        #: there (-1: none): a FRAME must come after both (:meth:`_check_frame`)
+        self._last_seq = -1
+        self._slot_seq = [-1] * self.num_slots
         self._buf = bytearray(proto.MAX_FRAME_SIZE + 1)
         self._view = memoryview(self._buf)
         self._hangup = select.poll()
@@ -429,18 +437,50 @@ class SubscriberCore(ClosedFlag):
         n, seq, slot, self._waited = got
         if seq >= 0:
             # a well-formed FRAME and no hang-up: what _accept checks besides
-            if slot >= self.num_slots:
-                self._protocol_error(f"frame {seq} names slot {slot} of {self.num_slots}")
-            held = self._held
-            if seq in held:
-                self._protocol_error(f"frame {seq} received twice")
-            if not self._released_ahead or self._released_ahead.pop(seq, None) is None:
-                held[seq] = slot
+            why = self._check_frame(seq, slot)
+            if why is not None:
+                self._protocol_error(why)
+            self._take(seq, slot)
             return seq, slot, self._view[_FRAME_HEAD_SIZE:n]
         if n == 0:
             self._end("the publisher closed the connection")
         msg = self._accept(self._view[:n])
         return msg.seq, msg.slot, msg.payload
+
+    def _check_frame(self, seq: int, slot: int) -> str | None:
+        """Why FRAME ``seq`` in ``slot`` breaks the protocol, or None if it does not.
+
+        A frame names a slot of the ring; its seq is not below the WELCOME's
+        ``next_seq`` and comes after every seq received before; and its slot
+        holds no frame this subscriber still holds (the publisher never
+        overwrites a leased slot).  Read by the C library's ``judge`` alike.
+        """
+        if slot >= self.num_slots:
+            return f"frame {seq} names slot {slot} of {self.num_slots}"
+        if seq < self.next_seq or seq <= self._last_seq:
+            return (
+                f"frame {seq} arrived after frame {self._last_seq} "
+                f"(or before the first, {self.next_seq})"
+            )
+        holder = self._slot_seq[slot]
+        if holder >= 0:
+            return (
+                f"frame {seq} is in slot {slot}, where this subscriber still holds frame {holder}"
+            )
+        return None
+
+    def _take(self, seq: int, slot: int) -> None:
+        """Note FRAME ``seq`` received (checked): held, unless it was released ahead."""
+        self._last_seq = seq
+        if not self._released_ahead or self._released_ahead.pop(seq, None) is None:
+            self._held[seq] = slot
+            self._slot_seq[slot] = seq
+
+    def _forget(self, seq: int) -> None:
+        """Frame ``seq`` is no longer held."""
+        slot = self._held.pop(seq)
+        if self._slot_seq[slot] == seq:
+            self._slot_seq[slot] = -1
 
     def _from_backlog(self) -> tuple[int, int, bytes]:
         msg = self._accept(self._backlog.popleft())
@@ -478,7 +518,7 @@ class SubscriberCore(ClosedFlag):
             # Reported once, before what is still queued (a dropped subscriber's
             # notice among it): look there first.
             self._scan_after_hangup()
-            if self._evicted:
+            if self._eos is not None:
                 self._raise_end()
             if self._backlog:
                 return
@@ -498,16 +538,12 @@ class SubscriberCore(ClosedFlag):
         try:
             msg = proto.decode(data)
             if type(msg) is Frame:
-                if msg.slot >= self.num_slots:
-                    raise ProtocolError(
-                        f"frame {msg.seq} names slot {msg.slot} of {self.num_slots}"
-                    )
-                if msg.seq in self._held:
-                    raise ProtocolError(f"frame {msg.seq} received twice")
+                why = self._check_frame(msg.seq, msg.slot)
+                if why is not None:
+                    raise ProtocolError(why)
                 if self._revoked():
-                    self._raise_end()
-                if self._released_ahead.pop(msg.seq, None) is None:
-                    self._held[msg.seq] = msg.slot
+                    self._raise_revoked()
+                self._take(msg.seq, msg.slot)
                 return msg
             if type(msg) is proto.Bye:
                 self._end("the publisher said BYE", clean=True)
@@ -521,27 +557,45 @@ class SubscriberCore(ClosedFlag):
         """Whether a FRAME just taken from the socket (or the backlog) must not be handed out.
 
         The one rule for every frame: it is handed out only if, after it was
-        received, the connection had not hung up, or had hung up with no
-        eviction notice queued (a clean BYE or a dead publisher: the frame's
-        lease was not revoked).  The publisher queues the notice and hangs up
-        before it takes an evicted subscriber's leases back, so a hang-up not
-        seen here came after the frame was handed out.  After a hang-up
-        everything still queued is read (:meth:`_scan_after_hangup`); frames
-        in the backlog come from such a complete read that found no notice.
-        (The compiled ``recv_frame`` makes the same check after its receive
-        and hands every frame it cannot vouch for to this one.)
+        received, the connection had not hung up, or had hung up with a BYE
+        queued behind it and no eviction notice (well-formed or not) before
+        that BYE.  A hang-up without BYE (the publisher died, or dropped this
+        subscriber) hands out nothing still queued: the publisher takes a
+        connection's leases back when it ends, so those slots may be written
+        again.  The publisher queues its notice and hangs up before it takes
+        an evicted subscriber's leases back, so a hang-up not seen here came
+        after the frame was handed out.  After a hang-up everything still
+        queued is read once (:meth:`_scan_after_hangup`).  (The compiled
+        ``recv_frame`` makes the same check after its receive and hands every
+        frame it cannot vouch for to this one.)
         """
-        if self._evicted:
+        if self._eos is not None:
             return True
-        if self._backlog:
-            return False  # read after the hang-up, all of it, and no notice was among it
-        return self._hung_up() and self._evicted
+        if self._hangup_read is None and not self._hung_up():
+            return False
+        return self._eos is not None or self._hangup_read == "bad"
+
+    def _raise_revoked(self) -> NoReturn:
+        """End for a revoked frame: the end found, or the malformed notice queued."""
+        if self._eos is None:
+            self._from_backlog()  # the malformed notice: a ProtocolError
+        self._raise_end()
 
     def _scan_after_hangup(self) -> None:
-        """Read everything still queued (the publisher has hung up); note an eviction notice."""
+        """Read everything still queued (the publisher has hung up), once, and judge it.
+
+        An eviction notice before any BYE ends the stream as evicted; a
+        malformed one (the publisher's notice cannot be read) leaves only
+        itself queued, so the next receive raises :class:`ProtocolError` and
+        no frame queued is handed out; a BYE keeps the messages up to it
+        (nothing after a BYE counts); a hang-up without either drops every
+        frame still queued and ends the stream (``clean`` False).
+        """
         self.alarm = True
+        if self._hangup_read is not None or self._eos is not None:
+            return
         reset = False
-        got: list[bytes] = []
+        got: list[bytes] = list(self._backlog)
         while True:
             try:
                 data = self._sock.recv(proto.MAX_FRAME_SIZE + 1, socket.MSG_DONTWAIT)
@@ -555,17 +609,28 @@ class SubscriberCore(ClosedFlag):
             if not data:
                 break
             got.append(data)
-        for data in got:
-            try:
-                msg = proto.decode(data)
-            except ProtocolError:
-                continue  # reported when it is reached
-            if type(msg) is proto.Refuse:
+        self._backlog.clear()
+        for i, data in enumerate(got):
+            kind = proto.kind_of(data)
+            if kind == proto.REFUSE:
+                try:
+                    msg = proto.decode(data)
+                except ProtocolError:
+                    self._hangup_read = "bad"
+                    self._backlog.append(data)
+                    return
+                assert type(msg) is proto.Refuse
                 self._evicted = True
                 self._eos = f"the publisher evicted this subscriber: {msg.reason}"
-                self._backlog.clear()
                 return
-        self._backlog.extend(got)
+            if kind == proto.BYE:
+                self._hangup_read = "bye"
+                self._backlog.extend(got[: i + 1])
+                return
+        self._eos = (
+            "the publisher hung up without BYE (it exited, or dropped this subscriber); "
+            "frames still queued are dropped"
+        )
 
     def _evict(self, reason: str) -> NoReturn:
         self._evicted = True
@@ -624,7 +689,11 @@ class SubscriberCore(ClosedFlag):
             This subscriber is closed.
         """
         self._check_held(seq, slot)
-        del self._held[seq]
+        self._forget(seq)
+        self._send_release(seq, slot)
+
+    def _send_release(self, seq: int, slot: int) -> None:
+        """RELEASE of frame ``seq`` (forgotten already), unless the publisher ended."""
         if self._eos is not None:
             if self._evicted:
                 self._raise_end()
@@ -696,23 +765,26 @@ class SubscriberCore(ClosedFlag):
         As :meth:`release`.
         """
         self._check_held(seq, slot)
+        # forgotten before the RELEASE can reach the publisher: the slot's next frame
+        # may then come at once (to a recv of another thread, say)
+        self._forget(seq)
         if self._eos is not None:
-            self.release(seq, slot)
+            self._send_release(seq, slot)
             return 0
         try:
             rc = _sockets.release_frame(
                 self._sock_fd, self._hup_set, fn, stream, addr, value, flags, seq, slot
             )
         except OSError as exc:  # the flag was written; the RELEASE did not go
-            del self._held[seq]
             self._release_not_sent(exc, seq, slot)
             return 0
         if rc < 0:  # hung up: no write (as connected() answers False)
             self._hung_up()
-            self.release(seq, slot)
+            self._send_release(seq, slot)
             return 0
-        if rc == 0:
-            del self._held[seq]
+        if rc > 0:  # the driver failed: nothing written or sent, the frame still held
+            self._held[seq] = slot
+            self._slot_seq[slot] = seq
         return rc
 
     def _check_held(self, seq: int, slot: int) -> None:
