@@ -54,6 +54,13 @@ C_DIR = ROOT / "c"
 SPAWN = _pipe_child.CHILDREN  # forkserver children (tests/_pipe_child.py)
 CMD_TIMEOUT = 20.0
 CFLAGS = ["-std=c99", "-O2", "-Wall", "-Wextra", "-Werror", "-pthread"]
+#: ``CUPY_IPCPOOL_C_SANITIZE=address,undefined`` (or ``thread``): every program the tests
+#: build is built with those sanitizers, and any finding fails its test (ASan and UBSan stop
+#: the program; LeakSanitizer and ThreadSanitizer report at exit: see ``Probe.close``).
+SANITIZE = os.environ.get("CUPY_IPCPOOL_C_SANITIZE", "").strip()
+if SANITIZE:
+    CFLAGS = [f for f in CFLAGS if not f.startswith("-O")] + ["-O1", "-g"]
+    CFLAGS += ["-fno-omit-frame-pointer", f"-fsanitize={SANITIZE}", "-fno-sanitize-recover=all"]
 
 
 # ---------------------------------------------------------------- building
@@ -118,7 +125,16 @@ def build_c_program(
 
 
 def build_c_library(out_dir: Path) -> Path:
-    """``libcupy_ipcpool.so`` built into ``out_dir`` (for ctypes); skip if no compiler."""
+    """``libcupy_ipcpool.so`` built into ``out_dir`` (for ctypes); skip if no compiler.
+
+    Skipped under ``CUPY_IPCPOOL_C_SANITIZE``: a sanitizer's runtime must be the first
+    library of its process, and ctypes loads this one into an unsanitized Python.
+    """
+    if SANITIZE:
+        pytest.skip(
+            f"CUPY_IPCPOOL_C_SANITIZE={SANITIZE}: the ctypes-loaded library would need the "
+            "sanitizer's runtime preloaded into Python itself; the probes run its code sanitized"
+        )
     return build_c_program(
         out_dir,
         "libcupy_ipcpool.so",
@@ -373,9 +389,15 @@ class Probe:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        err = self.proc.stderr.read() if self.proc.stderr else ""
         for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             if f is not None:
-                f.close()
+                with contextlib.suppress(OSError):  # "quit" unsent to a dead probe
+                    f.close()
+        # a finding reported at exit (LeakSanitizer, ThreadSanitizer) shows in the status
+        assert not SANITIZE or self.proc.returncode <= 0, (
+            f"the C probe exited ({self.proc.returncode}) under -fsanitize={SANITIZE}: {err}"
+        )
 
 
 @pytest.fixture
