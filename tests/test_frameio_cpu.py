@@ -361,6 +361,18 @@ def test_a_full_socket_raises_after_the_write(pair: tuple) -> None:
     assert len(rec.calls) == 1
 
 
+def test_release_without_a_socket_writes_and_sends_nothing(pair: tuple) -> None:
+    """fd -1: the subscriber owes RELEASEs the socket did not take; this one waits behind."""
+    a, b = pair
+    rec = _Recorder()
+    assert release_frame(-1, _hup(a), rec.address, 1, 16, 3, 0, 5, 0) == 0
+    assert rec.calls == [(1, 16, 3, 0)]
+    with pytest.raises(BlockingIOError):
+        b.recv(64, socket.MSG_DONTWAIT)
+    with pytest.raises(ValueError):
+        release_frame(-2, _hup(a), rec.address, 1, 16, 3, 0, 5, 0)
+
+
 def test_release_refuses_bad_arguments(pair: tuple) -> None:
     a, _b = pair
     rec = _Recorder()

@@ -25,10 +25,12 @@ from typing import Any
 import numpy as np
 import pytest
 from _memfd_backend import pattern
+from _memop_recorder import MemopRecorder
 from test_c_library import _welcome, status
 from test_scenarios_cpu import (  # noqa: F401 - cip_probe: the C probe's fixture
     C_WORDS,
     DEADLINE,
+    PY_WORDS,
     CConsumer,
     Consumer,
     Got,
@@ -43,6 +45,7 @@ from cupy_ipcpool._errors import ProtocolError
 from cupy_ipcpool._handles import ArrayHandle
 from cupy_ipcpool.channel import _protocol as proto
 from cupy_ipcpool.channel._payload import FRAME_HEAD, check_handles, frame_head
+from cupy_ipcpool.channel._subscriber_core import SubscriberCore
 
 SLOT_SIZE = struct.Struct("<Q")
 KINDS = ["python", "c"]
@@ -92,6 +95,35 @@ class Peer:
         assert self.conn is not None
         for msg in messages:
             self.conn.send(msg)
+
+    def stream(self, frames: int) -> None:
+        """Send ``frames`` frames from a thread, frame ``seq`` in slot ``seq % num_slots``,
+        reading nothing meanwhile (the subscriber's socket fills with its RELEASEs)."""
+        assert self.joined.wait(DEADLINE)
+        assert self.conn is not None
+        num_slots, conn = len(self.fds), self.conn
+
+        def send_all() -> None:
+            with contextlib.suppress(OSError):  # the subscriber may hang up first
+                for seq in range(frames):
+                    conn.send(proto.encode_frame(seq, seq % num_slots))
+
+        self.thread = threading.Thread(target=send_all, daemon=True)
+        self.thread.start()
+
+    def read(self, count: int, timeout: float) -> list[proto.Message]:
+        """Read until ``count`` messages arrived (or ``timeout``, or the hang-up)."""
+        assert self.conn is not None
+        out: list[proto.Message] = []
+        deadline = time.monotonic() + timeout
+        while len(out) < count and time.monotonic() < deadline:
+            ready, _, _ = select.select([self.conn], [], [], 0.05)
+            if ready:
+                data = self.conn.recv(1 << 17)
+                if not data:
+                    break
+                out.append(proto.decode(data))
+        return out
 
     def hang_up(self) -> None:
         """Close the connection: the subscriber sees a hang-up (after what was queued)."""
@@ -389,3 +421,110 @@ def test_each_array_handle_names_the_frame_s_slot_and_generation(
         assert words in checked.message, checked
     else:
         assert checked.word == "ok", checked
+
+
+# ---------------------------------------------------------------- rule 5: a full socket
+# docs/protocol.md, "Failures": a release never waits for the publisher to read: a
+# RELEASE the socket does not take is kept and sent, in order, at the next receive or
+# release that finds room (and before the BYE at close); past MAX_CREDIT + num_slots
+# owed, no credit explains it and the subscription ends.
+
+
+def _recv_release(c: Consumer, n: int) -> tuple[str, int, str]:
+    """Receive and release ``n`` frames: (outcome word, frames done, message)."""
+    if isinstance(c, CConsumer):
+        answer = c.probe(f"recvrel {n} 5000", timeout=120)
+        if answer.startswith("ok "):
+            return "ok", int(answer.split()[1]), answer
+        return C_WORDS[status(answer)], int(answer.split()[3]), answer
+    assert isinstance(c, PyConsumer) and c.mc is not None
+    core = c.mc.core
+    for done in range(n):
+        try:
+            got = core.recv(5.0)
+            core.release(got.seq, got.slot)
+        except Exception as exc:
+            word = next(w for cls, w in PY_WORDS if isinstance(exc, cls))
+            return word, done, str(exc)
+    return "ok", n, ""
+
+
+@pytest.mark.timeout(120)
+def test_releases_a_full_socket_did_not_take_are_sent_later_in_order(
+    consumer: Consumer, address: str, peer_at: Any
+) -> None:
+    num_slots, frames = 8, 1200  # the subscriber's socket takes a few hundred RELEASEs
+    peer = peer_at(num_slots=num_slots)
+    _open(consumer, address, peer)
+    peer.stream(frames)
+    # every release returns at once, however full the socket (no wait, no error)
+    t0 = time.monotonic()
+    word, done, message = _recv_release(consumer, frames)
+    assert (word, done) == ("ok", frames), message
+    assert time.monotonic() - t0 < 20, "a release waited for the publisher to read"
+    first = peer.read(frames, 0.5)
+    assert 0 < len(first) < frames, (
+        f"{len(first)} RELEASEs were in the socket: it never filled, so this proves nothing"
+    )
+    # the publisher reads again; the subscriber's next call sends what it owes
+    rest: list[proto.Message] = []
+    reader = threading.Thread(target=lambda: rest.extend(peer.read(frames - len(first), 20)))
+    reader.start()
+    assert outcome(consumer.recv(1500)) == "timeout"
+    reader.join(30)
+    got = [(m.seq, m.slot) for m in (*first, *rest) if isinstance(m, proto.Release)]
+    assert got == [(seq, seq % num_slots) for seq in range(frames)], (
+        f"{len(got)} RELEASEs of {frames} arrived, or out of order"
+    )
+    consumer.close()
+    assert any(isinstance(m, proto.Bye) for m in peer.read(1, 10)), "BYE after the RELEASEs"
+
+
+@pytest.mark.timeout(180)
+def test_a_publisher_that_never_reads_ends_the_subscription_clearly(
+    consumer: Consumer, address: str, peer_at: Any
+) -> None:
+    num_slots = 8
+    limit = proto.MAX_CREDIT + num_slots
+    peer = peer_at(num_slots=num_slots)
+    _open(consumer, address, peer)
+    peer.stream(limit + 400)
+    word, done, message = _recv_release(consumer, limit + 400)
+    assert word == "transport", message
+    assert "has not read this subscriber's messages" in message
+    assert limit < done < limit + 400, message
+    assert outcome(consumer.recv(0)) in {"transport", "gone"}  # and every later call ends
+
+
+@pytest.mark.timeout(120)
+def test_the_gpu_release_writes_its_flag_and_queues_its_release_behind_those_owed(
+    address: str, peer_at: Any
+) -> None:
+    """The GPU subscriber's release (the read-flag write and the RELEASE in one compiled
+    call, SubscriberCore.release_with_write): with RELEASEs owed, the write is made at
+    once and the RELEASE goes behind them, never ahead."""
+    num_slots, frames = 8, 1200
+    peer = peer_at(num_slots=num_slots)
+    rec = MemopRecorder()
+    with SubscriberCore(address, timeout=5.0) as core:
+        assert peer.joined.wait(DEADLINE)
+        peer.stream(frames)
+        for i in range(frames):
+            got = core.recv(5.0)
+            if i % 2:
+                core.release(got.seq, got.slot)
+            else:
+                rc = core.release_with_write(
+                    got.seq, got.slot, rec.address, 0x5000, 0x7000_0040 + got.slot, got.seq, 0
+                )
+                assert rc == 0
+        assert len(rec.calls) == frames // 2, "a read-flag write waited for the socket"
+        msgs = peer.read(frames, 0.5)
+        assert 0 < len(msgs) < frames, "the socket never filled: this proves nothing"
+        reader = threading.Thread(target=lambda: msgs.extend(peer.read(frames - len(msgs), 20)))
+        reader.start()
+        with pytest.raises(TimeoutError):
+            core.recv(1.5)
+        reader.join(30)
+    got_order = [(m.seq, m.slot) for m in msgs if isinstance(m, proto.Release)]
+    assert got_order == [(seq, seq % num_slots) for seq in range(frames)]

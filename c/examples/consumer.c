@@ -52,6 +52,7 @@ int main(int argc, char **argv)
         cip_sub_release(sub, &f, stream); /* after the work that reads the frame */
     }
     cip_status closed = cip_sub_close(sub); /* waits for GPU work still queued on the slots */
+    cip_sub_free(sub);
     if (closed != CIP_OK)
         fprintf(stderr, "%s: %s\n", cip_status_name(closed), cip_last_error());
     return st == CIP_OK || st == CIP_ERR_END_OF_STREAM ? 0 : 1;

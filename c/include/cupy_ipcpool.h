@@ -369,11 +369,17 @@ const char *cip_sub_error(const cip_sub *sub);
  * waits for this process's queued GPU work on the device first) and close every
  * fd.  If the operations do not finish, the page and the pool are left mapped
  * (leaked) rather than unmapped under the GPU, and CIP_ERR_TIMEOUT says so; a
- * failure of cip_pool_close is returned as it reported it.  The handle is freed
- * in every case; NULL is ignored (CIP_OK).  The device pointers of held frames
- * are invalid afterwards; ask cip_frame_complete and cip_sub_incomplete_frames
- * before closing. */
+ * failure of cip_pool_close is returned as it reported it.  Every resource is
+ * given back in every case, but the handle stays: cip_frame_complete,
+ * cip_sub_incomplete_frames, cip_sub_forced_flags, cip_sub_untracked_frames,
+ * cip_sub_get_info and cip_sub_error answer as at the close (the frame flags are
+ * kept, forced first if the producer is dead); other calls return
+ * CIP_ERR_INVALID_ARGUMENT; a second close returns CIP_OK.  The device pointers of
+ * held frames are invalid afterwards.  NULL is ignored (CIP_OK). */
 cip_status cip_sub_close(cip_sub *sub);
+/* Close (as cip_sub_close, whose status it returns, if not closed yet) and free the
+ * handle.  NULL is ignored (CIP_OK). */
+cip_status cip_sub_free(cip_sub *sub);
 
 /* ---- the sync page (no GPU) ------------------------------------------------------ */
 

@@ -1975,6 +1975,8 @@ struct cip_sub {
     CUevent *ev_wait, *ev_write;
     uint8_t *wait_recorded, *write_recorded;
     struct frame_book book; /* awaited flags and the record of frames not seen complete */
+    int closed;             /* cip_sub_close ran: only the answers and the error remain */
+    uint32_t *final_flags;  /* the frame flags at close, which the answers read then */
 };
 
 static cip_status
@@ -2075,6 +2077,13 @@ producer_dies_within(cip_sub *sub, int ms)
         if (r == 0 || errno != EINTR)
             return 0;
     }
+}
+
+/* The frame flags the answers read: the page, or after cip_sub_close its last words. */
+static volatile uint32_t *
+answer_flags(const cip_sub *sub)
+{
+    return sub->page != NULL ? sub->page : sub->final_flags;
 }
 
 static int
@@ -2404,6 +2413,8 @@ static cip_status
 next_frame(cip_sub *sub, int timeout_ms, uint64_t *seq, uint32_t *slot, const uint8_t **payload,
            uint32_t *plen)
 {
+    if (sub->closed)
+        return fail(CIP_ERR_INVALID_ARGUMENT, "the subscription is closed");
     if (sub->ended != CIP_OK)
         return fail(sub->ended, "%s", sub->error);
     long long deadline = deadline_of(timeout_ms);
@@ -2693,7 +2704,7 @@ sub_open_raw(const char *path, const cip_sub_options *opts, cip_sub **out)
     sub->buf = (uint8_t *)malloc(CIP_WIRE_MAX_FRAME_SIZE + 1);
     cip_status st = sub->buf ? handshake(sub, &o) : fail(CIP_ERR_NO_MEMORY, "out of memory");
     if (st != CIP_OK) {
-        cip_sub_close(sub);
+        cip_sub_free(sub);
         return st;
     }
     *out = sub;
@@ -2828,6 +2839,8 @@ cip_sub_release_raw(cip_sub *sub, uint64_t seq, uint32_t slot)
         return fail(CIP_ERR_INVALID_ARGUMENT, "cip_sub_release_raw: NULL argument");
     if (sub->gpu)
         return fail(CIP_ERR_INVALID_ARGUMENT, "a GPU subscription releases with cip_sub_release");
+    if (sub->closed)
+        return fail(CIP_ERR_INVALID_ARGUMENT, "the subscription is closed");
     if (slot >= sub->info.num_slots || !sub->held[slot].held || sub->held[slot].seq != seq)
         return fail(CIP_ERR_NOT_HELD, "release of frame %llu in slot %u, which is not held",
                     (unsigned long long)seq, slot);
@@ -2963,7 +2976,7 @@ cip_sub_open(const char *path, const cip_sub_options *opts, cip_sub **out)
     if (st != CIP_OK) {
         char why[sizeof tls_error];
         memcpy(why, tls_error, sizeof why);
-        cip_sub_close(sub);
+        cip_sub_free(sub);
         return fail(st, "%s", why);
     }
     *out = sub;
@@ -3038,6 +3051,8 @@ check_held(cip_sub *sub, const cip_frame *frame)
         return fail(CIP_ERR_INVALID_ARGUMENT, "NULL argument");
     if (!sub->gpu)
         return fail(CIP_ERR_RAW_SESSION, "a raw session has no sync page");
+    if (sub->closed)
+        return fail(CIP_ERR_INVALID_ARGUMENT, "the subscription is closed");
     if (frame->slot >= sub->info.num_slots || !sub->held[frame->slot].held ||
         sub->held[frame->slot].seq != frame->seq)
         return fail(CIP_ERR_NOT_HELD, "frame %llu in slot %u is not held",
@@ -3073,15 +3088,15 @@ cip_frame_wait(cip_sub *sub, const cip_frame *frame, void *stream)
 int
 cip_frame_complete(cip_sub *sub, const cip_frame *frame)
 {
-    if (sub == NULL || frame == NULL || !sub->gpu || sub->page == NULL ||
+    if (sub == NULL || frame == NULL || !sub->gpu || answer_flags(sub) == NULL ||
         frame->slot >= sub->info.num_slots || !sub->have_seq || frame->seq < sub->info.next_seq ||
         frame->seq > sub->last_seq)
         return -1;
     const struct held *h = &sub->held[frame->slot];
     if (h->void_seen && h->void_generation == frame->generation)
         return 0; /* a void frame: taken and not published, never written */
-    int state = cip_flag_state(flag_load(sub->page, frame->slot), frame->generation);
-    if (state < 0 && producer_dead(sub)) {
+    int state = cip_flag_state(flag_load(answer_flags(sub), frame->slot), frame->generation);
+    if (state < 0 && sub->page != NULL && producer_dead(sub)) {
         /* it will never be written by the producer: force what we await (a frame not
          * seen set when received was noted), then the flag answers */
         resolve_waits(sub);
@@ -3104,10 +3119,10 @@ cip_sub_incomplete_frames(cip_sub *sub, uint64_t *seqs, size_t cap, size_t *coun
     if (!sub->gpu)
         return fail(CIP_ERR_RAW_SESSION, "a raw session keeps no record of frame flags");
     *count = 0;
-    if (sub->page == NULL)
+    if (answer_flags(sub) == NULL)
         return CIP_OK;
-    resolve_waits(sub); /* only once the producer is dead */
-    *count = book_answers(&sub->book, sub->page, seqs, cap, NULL);
+    resolve_waits(sub); /* only once the producer is dead (and the page still mapped) */
+    *count = book_answers(&sub->book, answer_flags(sub), seqs, cap, NULL);
     return CIP_OK;
 }
 
@@ -3160,10 +3175,26 @@ gpu_quiesce(cip_sub *sub)
     }
 }
 
+/* The answers after close: the frame flags as they are now (forced first if the
+ * producer is dead), kept in the handle; 0, or -1 out of memory (then none). */
+static int
+freeze_answers(cip_sub *sub)
+{
+    if (!sub->gpu || sub->page == NULL)
+        return 0;
+    resolve_waits(sub);
+    sub->final_flags = (uint32_t *)malloc((size_t)sub->info.num_slots * sizeof(uint32_t));
+    if (sub->final_flags == NULL)
+        return -1;
+    for (uint32_t s = 0; s < sub->info.num_slots; s++)
+        sub->final_flags[s] = flag_load(sub->page, s);
+    return 0;
+}
+
 cip_status
 cip_sub_close(cip_sub *sub)
 {
-    if (sub == NULL)
+    if (sub == NULL || sub->closed)
         return CIP_OK;
     char saved[sizeof tls_error], why[sizeof tls_error] = "";
     memcpy(saved, tls_error, sizeof saved);
@@ -3197,11 +3228,14 @@ cip_sub_close(cip_sub *sub)
         }
         if (pushed)
             ctx_pop();
+        (void)freeze_answers(sub);
         if (!keep)
             munmap((void *)sub->page, sub->page_nbytes);
     } else if (sub->page != NULL) {
+        (void)freeze_answers(sub);
         munmap((void *)sub->page, sub->page_nbytes);
     }
+    sub->page = NULL;
     /* BYE only once our flag operations are done (or abandoned): the publisher may give
      * this row to a newcomer once we are gone, and a late read-flag write of ours would
      * land in its row (the Python subscriber's order) */
@@ -3209,6 +3243,7 @@ cip_sub_close(cip_sub *sub)
         say_bye_and_close(sub);
     else if (sub->sock >= 0)
         close(sub->sock);
+    sub->sock = -1;
     /* a stream that may still wait on the page may still read the slots: keep both;
      * else the pool's close waits for this process's queued work on them */
     if (!keep) {
@@ -3218,18 +3253,21 @@ cip_sub_close(cip_sub *sub)
             memcpy(why, tls_error, sizeof why);
         }
     }
+    sub->pool = NULL;
     if (sub->fds)
         close_fds(sub->fds, sub->nfds);
     if (sub->pidfd >= 0)
         close(sub->pidfd);
+    sub->pidfd = -1;
     backlog_clear(sub);
     if (sub->held) {
         for (uint32_t s = 0; s < sub->info.num_slots; s++) {
             free(sub->held[s].arrays);
             free(sub->held[s].meta);
+            sub->held[s].arrays = NULL;
+            sub->held[s].meta = NULL;
         }
     }
-    free(sub->held);
     free(sub->backlog);
     free(sub->owed);
     free(sub->welcome);
@@ -3239,10 +3277,32 @@ cip_sub_close(cip_sub *sub)
     free(sub->ev_write);
     free(sub->wait_recorded);
     free(sub->write_recorded);
-    book_free(&sub->book);
-    free(sub);
+    sub->backlog = NULL;
+    sub->owed = NULL;
+    sub->owed_len = sub->bl_len = 0;
+    sub->welcome = NULL;
+    sub->welcome_len = 0;
+    sub->fds = NULL;
+    sub->nfds = 0;
+    sub->buf = NULL;
+    sub->ev_wait = sub->ev_write = NULL;
+    sub->wait_recorded = sub->write_recorded = NULL;
+    sub->closed = 1; /* the handle, its answers (held, book, final_flags) and error stay */
     if (result != CIP_OK)
         return fail(result, "%s", why);
     memcpy(tls_error, saved, sizeof saved);
     return CIP_OK;
+}
+
+cip_status
+cip_sub_free(cip_sub *sub)
+{
+    if (sub == NULL)
+        return CIP_OK;
+    cip_status st = cip_sub_close(sub);
+    free(sub->held);
+    book_free(&sub->book);
+    free(sub->final_flags);
+    free(sub);
+    return st;
 }

@@ -322,7 +322,7 @@ main(void)
             }
             printf("\n");
         } else if (!strcmp(cmd, "close")) {
-            st = cip_sub_close(sub);
+            st = cip_sub_free(sub);
             sub = NULL;
             unmap_all();
             if (st != CIP_OK)
@@ -335,7 +335,7 @@ main(void)
             printf("err CIP_ERR_INVALID_ARGUMENT unknown command '%s'\n", cmd);
         }
     }
-    cip_sub_close(sub);
+    cip_sub_free(sub);
     unmap_all();
     if (page != NULL)
         munmap(page, page_nbytes);

@@ -157,7 +157,7 @@ finish(cip_sub *sub, void *stream, int got)
     if (got < 0)
         return 1;
     stream_sync(stream);
-    cip_sub_close(sub);
+    cip_sub_free(sub);
     stream_destroy(stream);
     return 0;
 }
@@ -338,6 +338,8 @@ death(const char *path)
     size_t n_incomplete = 0;
     cip_status listed = cip_sub_incomplete_frames(sub, incomplete, 8, &n_incomplete);
     cip_status closed = cip_sub_close(sub);
+    int complete_closed = cip_frame_complete(sub, &f); /* the same answer after close */
+    cip_sub_free(sub);
     stream_destroy(stream);
     alarm(0);
     double recv_s = (double)(t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) / 1e9;
@@ -345,10 +347,11 @@ death(const char *path)
     int nafter = list_fds(after_fds, 256);
     printf("{\"end\": \"%s\", \"recv_s\": %.3f, \"sync_rc\": %d, \"sync_s\": %.3f, "
            "\"release\": \"%s\", \"complete\": %d, \"complete_released\": %d, "
+           "\"complete_closed\": %d, "
            "\"forced_at_end\": %" PRIu64 ", \"forced\": %" PRIu64 ", \"seq\": %" PRIu64
            ", \"listed\": \"%s\", \"incomplete\": [",
            cip_status_name(end), recv_s, rc, waited, cip_status_name(released), complete,
-           complete_released, forced_at_end, forced, f.seq, cip_status_name(listed));
+           complete_released, complete_closed, forced_at_end, forced, f.seq, cip_status_name(listed));
     for (size_t i = 0; i < n_incomplete && i < 8; i++)
         printf("%s%" PRIu64, i ? ", " : "", incomplete[i]);
     printf("], \"close\": \"%s\", \"fds_before\": %d, \"fds_after\": %d, \"new_fds\": [",

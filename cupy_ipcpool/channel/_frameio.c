@@ -411,7 +411,7 @@ PyDoc_STRVAR(release_frame_doc,
 "stream memory operation ``fn(stream, addr, value, flags)`` (the read-flag\n"
 "write, as ``memop``); if the driver fails, return its CUresult and send\n"
 "nothing; else send the RELEASE datagram on ``fd`` without waiting and\n"
-"return 0.  A failed send (the operation was enqueued) raises the\n"
+"return 0 (``fd`` -1: none is sent; the caller queues it).  A failed send (the operation was enqueued) raises the\n"
 "``OSError`` of its errno (``BlockingIOError``: the socket is full).  The\n"
 "GIL is released during the driver call.");
 
@@ -421,8 +421,11 @@ frameio_release_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssi
     if (check_nargs(nargs, 9,
                     "release_frame(fd, hup, fn, stream, addr, value, flags, seq, slot)") < 0)
         return NULL;
-    int fd = as_fd(args[0], "release_frame");
-    if (fd < 0)
+    long fd_arg = PyLong_AsLong(args[0]);
+    if (fd_arg == -1 && PyErr_Occurred())
+        return NULL;
+    int fd = -1; /* -1: the write only, the caller queues the RELEASE */
+    if (fd_arg != -1 && (fd = as_fd(args[0], "release_frame")) < 0)
         return NULL;
     struct pollfd hup[CIP_MAX_POLLFDS];
     nfds_t nhup;
@@ -446,7 +449,7 @@ frameio_release_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssi
     Py_BEGIN_ALLOW_THREADS
     rc = ((memop_fn)fn)(stream, addr, value, flags);
     Py_END_ALLOW_THREADS
-    if (rc != 0)
+    if (rc != 0 || fd < 0)
         return PyLong_FromLong(rc);
     unsigned char msg[CIP_RELEASE_SIZE];
     put_head(msg, CIP_RELEASE, seq, slot);

@@ -60,10 +60,21 @@ _INT_SIZE = struct.calcsize("i")
 _MAX_WATCHED = 15
 
 
-def _close_subscriber(sock: socket.socket, fds: list[int]) -> None:
-    """Tear a subscriber down (also its finalizer); warns instead of raising."""
+def _close_subscriber(
+    sock: socket.socket, fds: list[int], owed: collections.deque[tuple[int, int]]
+) -> None:
+    """Tear a subscriber down (also its finalizer); warns instead of raising.
+
+    The RELEASEs still owed go first, as far as the socket takes them now (the
+    hang-up returns every lease anyway), then the BYE.
+    """
     try:
         if sock.fileno() >= 0:
+            with contextlib.suppress(OSError):
+                while owed:
+                    sock.send(proto.encode_release(*owed[0]), _DONTWAIT)
+                    owed.popleft()
+            owed.clear()
             _say_bye_and_close(sock)
     except Exception as exc:
         _warn(f"closing the subscriber socket failed: {exc!r}")
@@ -95,8 +106,7 @@ class SubscriberCore(ClosedFlag):
         Opaque bytes for the publisher (at most 64 KiB).
     timeout:
         Seconds for connect and handshake together (a full listen backlog is
-        retried until then); also how long ``release`` may wait for room in
-        the socket.
+        retried until then).
     allowed_uids:
         Uids the publisher may run as (``SO_PEERCRED``); default: own euid.
     spin_us:
@@ -160,6 +170,9 @@ class SubscriberCore(ClosedFlag):
         self._eos_clean = False
         self._evicted = False
         self._backlog: collections.deque[bytes] = collections.deque()
+        #: RELEASEs the socket did not take yet, ``(seq, slot)`` oldest first: sent before
+        #: any other, at the next recv or release (:meth:`_send_release`)
+        self._owed: collections.deque[tuple[int, int]] = collections.deque()
         #: what the read of everything queued at the publisher's hang-up found
         #: (:meth:`_scan_after_hangup`): None (not read yet), "bye" (a BYE: the frames
         #: before it are handed out) or "bad" (a malformed eviction notice: none is)
@@ -167,7 +180,9 @@ class SubscriberCore(ClosedFlag):
         self._closed = False
         self._fds: list[int] = []
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._finalizer = weakref.finalize(self, _close_subscriber, self._sock, self._fds)
+        self._finalizer = weakref.finalize(
+            self, _close_subscriber, self._sock, self._fds, self._owed
+        )
         try:
             welcome = self._handshake(hello_msg, allowed)
         except BaseException:
@@ -414,6 +429,13 @@ class SubscriberCore(ClosedFlag):
             self._raise_end()
         if self._backlog:
             return self._from_backlog()
+        if self._owed:  # RELEASEs the socket did not take before: first
+            timeout = self._wait_owed(timeout)
+            if self._eos is not None:
+                self._raise_end()
+            if timeout is not None and timeout < 0.0:
+                self._waited = True
+                return None
         # One compiled call: the wait (poll(2) of the socket and the hang-up set),
         # the receive, the FRAME's header, and the hang-up check after the receive;
         # with spin_us, non-blocking receives of the same call first.
@@ -530,7 +552,7 @@ class SubscriberCore(ClosedFlag):
         if isinstance(exc, str):
             exc = ProtocolError(exc)
         self._eos = f"the connection was closed after a protocol error: {exc}"
-        _close_subscriber(self._sock, [])
+        _close_subscriber(self._sock, [], self._owed)
         raise exc
 
     def _accept(self, data: bytes | memoryview) -> Frame:
@@ -670,9 +692,11 @@ class SubscriberCore(ClosedFlag):
         return not self._hung_up()
 
     def release(self, seq: int, slot: int) -> None:
-        """Return the lease on frame ``seq`` in ``slot``.
+        """Return the lease on frame ``seq`` in ``slot``; never waits.
 
-        After the publisher ended, releasing only forgets the frame locally.
+        A RELEASE the socket does not take (the publisher is not reading) is
+        kept and sent, in order, at the next :meth:`recv` or release that finds
+        room.  After the publisher ended, releasing only forgets the frame locally.
 
         Raises
         ------
@@ -683,8 +707,9 @@ class SubscriberCore(ClosedFlag):
         ProtocolError
             This subscriber does not hold that frame (never received, released
             twice, wrong slot); nothing is sent.
-        ChannelTimeoutError
-            The publisher did not drain its socket within ``timeout``.
+        TransportError
+            The publisher has not read this subscriber's RELEASEs for longer
+            than any credit explains; the subscription is closed.
         PoolClosedError
             This subscriber is closed.
         """
@@ -693,15 +718,21 @@ class SubscriberCore(ClosedFlag):
         self._send_release(seq, slot)
 
     def _send_release(self, seq: int, slot: int) -> None:
-        """RELEASE of frame ``seq`` (forgotten already), unless the publisher ended."""
+        """RELEASE of frame ``seq`` (forgotten already), unless the publisher ended; never
+        waits: behind the RELEASEs still owed, or owed itself if the socket is full."""
         if self._eos is not None:
             if self._evicted:
                 self._raise_end()
             return
+        if self._owed and not self._flush_owed():
+            self._owe(seq, slot)
+            return
         try:
             self._sock.send(proto.encode_release(seq, slot), _DONTWAIT)
+        except BlockingIOError:
+            self._owe(seq, slot)
         except OSError as exc:
-            self._release_not_sent(exc, seq, slot)
+            self._release_not_sent(exc)
 
     def release_ahead(self, seq: int, slot: int) -> None:
         """Return the lease on frame ``seq`` in ``slot`` before its FRAME message came.
@@ -720,8 +751,9 @@ class SubscriberCore(ClosedFlag):
             ``seq`` was received by message, or released ahead already, or
             ``num_slots`` frames are released ahead already (no schedule
             explains more); nothing is sent.
-        ChannelTimeoutError
-            The publisher did not drain its socket within ``timeout``.
+        TransportError
+            The publisher has not read this subscriber's RELEASEs for longer
+            than any credit explains; the subscription is closed.
         PoolClosedError
             This subscriber is closed.
         """
@@ -735,10 +767,7 @@ class SubscriberCore(ClosedFlag):
                 self._raise_end()
             return
         early[seq] = slot
-        try:
-            self._sock.send(proto.encode_release(seq, slot), _DONTWAIT)
-        except OSError as exc:
-            self._release_not_sent(exc, seq, slot)
+        self._send_release(seq, slot)
 
     def release_with_write(
         self, seq: int, slot: int, fn: int, stream: int, addr: int, value: int, flags: int
@@ -771,14 +800,30 @@ class SubscriberCore(ClosedFlag):
         if self._eos is not None:
             self._send_release(seq, slot)
             return 0
+        # with RELEASEs owed that the socket does not take yet, the write alone (fd -1)
+        # and this RELEASE behind them
+        owing = bool(self._owed) and not self._flush_owed()
         try:
             rc = _sockets.release_frame(
-                self._sock_fd, self._hup_set, fn, stream, addr, value, flags, seq, slot
+                -1 if owing else self._sock_fd,
+                self._hup_set,
+                fn,
+                stream,
+                addr,
+                value,
+                flags,
+                seq,
+                slot,
             )
-        except OSError as exc:  # the flag was written; the RELEASE did not go
-            self._release_not_sent(exc, seq, slot)
+        except BlockingIOError:  # the flag was written; the socket is full
+            self._owe(seq, slot)
             return 0
-        if rc < 0:  # hung up: no write (as connected() answers False)
+        except OSError as exc:  # the flag was written; the RELEASE did not go
+            self._release_not_sent(exc)
+            return 0
+        if rc == 0 and owing:
+            self._owe(seq, slot)
+        elif rc < 0:  # hung up: no write (as connected() answers False)
             self._hung_up()
             self._send_release(seq, slot)
             return 0
@@ -795,34 +840,70 @@ class SubscriberCore(ClosedFlag):
         if held is None or held != slot:
             raise ProtocolError(f"release of frame {seq} in slot {slot}, which is not held")
 
-    def _release_not_sent(self, exc: OSError, seq: int, slot: int) -> None:
-        """A RELEASE's send failed: wait for room, or find out whether we were dropped."""
-        if isinstance(exc, BlockingIOError):
-            self._send_stalled(proto.encode_release(seq, slot))
-            return
-        # The publisher is gone; was this subscriber dropped?
+    def _release_not_sent(self, exc: OSError) -> None:
+        """A RELEASE's send failed other than for room: the publisher is gone; was this
+        subscriber dropped?  The RELEASEs owed are moot (the hang-up returned every lease)."""
+        self._owed.clear()
         self._scan_after_hangup()
         if self._evicted:
             self._raise_end()
 
-    def _send_stalled(self, msg: bytes) -> None:
-        poller = select.poll()
-        poller.register(self._sock, _POLLOUT)
-        deadline = time.monotonic() + self._timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0.0:
-                raise ChannelTimeoutError(
-                    f"the publisher did not take a RELEASE within {self._timeout} s"
-                )
-            poller.poll(_ms(remaining))
+    def _flush_owed(self) -> bool:
+        """Send the RELEASEs owed, oldest first, as far as the socket takes them now;
+        True when none is owed any more."""
+        owed = self._owed
+        while owed:
+            if self._eos is not None:
+                owed.clear()  # nobody to send them to: the connection's end returned them
+                break
             try:
-                self._sock.send(msg, _DONTWAIT)
-                return
+                self._sock.send(proto.encode_release(*owed[0]), _DONTWAIT)
             except BlockingIOError:
-                continue
-            except OSError:
-                return
+                return False
+            except OSError as exc:
+                self._release_not_sent(exc)
+                break
+            owed.popleft()
+        return True
+
+    def _owe(self, seq: int, slot: int) -> None:
+        """Keep a RELEASE the socket did not take, behind the ones owed already.
+
+        Each frame is released once, so an honest publisher's leases bound the
+        queue; past ``MAX_CREDIT + num_slots`` no credit explains it: the end.
+        """
+        if len(self._owed) >= proto.MAX_CREDIT + self.num_slots:
+            why = (
+                "the publisher has not read this subscriber's messages for "
+                f"{len(self._owed)} RELEASEs, more than any credit allows (its socket stays "
+                "full); the subscription is closed"
+            )
+            self._eos = why
+            _close_subscriber(self._sock, [], self._owed)
+            raise TransportError(errno.ENOBUFS, why)
+        self._owed.append((seq, slot))
+
+    def _wait_owed(self, timeout: float | None) -> float | None:
+        """Before a receive while RELEASEs are owed: send them as the socket takes them,
+        until none is owed or something arrives to read (or a watched fd fires).
+
+        Returns the timeout left for the receive (``-1.0``: it ran out first).
+        """
+        poller = select.poll()
+        poller.register(self._sock_fd, select.POLLIN | _POLLOUT | _POLLRDHUP)
+        for fd, events in self._hup_pairs[1:]:
+            poller.register(fd, events)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._flush_owed():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0.0:
+                return -1.0
+            ready = poller.poll(-1 if left is None else _ms(left))
+            if any(fd != self._sock_fd or ev & ~_POLLOUT for fd, ev in ready):
+                break  # a message, a hang-up or a watched fd: the receive takes it
+        if deadline is None:
+            return None
+        return max(0.0, deadline - time.monotonic())
 
 
 __all__ = ["SubscriberCore"]

@@ -50,7 +50,7 @@ import mmap
 import os
 import stat
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from .. import _driver
@@ -229,12 +229,12 @@ class SharedFlags:
 
         What a survivor does for a flag that a dead peer will never write: a
         stream waiting for ``value`` there then goes on.  A flag that is at or
-        past ``value`` is left alone (it never moves backwards).
+        past ``value`` is left alone (it never moves backwards).  A
+        compare-and-swap (:meth:`_force`): a write landing since the read is
+        never overwritten.
         """
-        if ((self._words[offset >> 2] - value) & _MASK) < _HALF:
-            return False
-        self._words[offset >> 2] = value & _MASK
-        return True
+        value &= _MASK
+        return self._force(offset, value, lambda word: value)
 
     def force_frame(self, offset: int, awaited: int) -> bool:
         """Force the frame flag at ``offset`` that a dead producer never set to ``awaited``.
@@ -246,15 +246,22 @@ class SharedFlags:
         on, and :func:`frame_state` tells each frame of the slot apart: at or
         before ``w`` written, after it not.  A flag another survivor forced
         already has reached ``awaited`` and is left alone.  Call only once the
-        producer is dead.  True if stored.
+        producer is dead.  True if stored.  The C library's ``cip_flag_force``,
+        step for step (:meth:`_force`).
         """
-        words = self._words
-        index = offset >> 2
-        word = words[index]
-        if ((word - awaited) & _MASK) < _HALF:
-            return False
-        words[index] = (word + FORCED) & _MASK
-        return True
+        return self._force(offset, awaited & _MASK, lambda word: (word + FORCED) & _MASK)
+
+    def _force(self, offset: int, awaited: int, forced: Callable[[int], int]) -> bool:
+        """Unless the word at ``offset`` reached ``awaited``, swap it for ``forced(word)``
+        if it still holds the ``word`` read; else decide again on the word found."""
+        word = int(self._words[offset >> 2])  # raises once the page is closed
+        cas32 = _cas32()
+        while ((word - awaited) & _MASK) >= _HALF:
+            found = cas32(self.address + offset, word, forced(word))
+            if found == word:
+                return True
+            word = found
+        return False
 
     @property
     def closed(self) -> bool:
@@ -415,6 +422,16 @@ class FrameWaits:
             elif not state:
                 incomplete.append(seq)
         return tuple(incomplete), tuple(pending)
+
+
+def _cas32() -> Callable[[int, int, int], int]:
+    """``_fastpath.cas32``: the compare-and-swap of a flag word from the host."""
+    from .._compiled import load
+
+    cas32: Callable[[int, int, int], int] = load(
+        "cupy_ipcpool._fastpath", MAX_BATCH=_MAX_BATCH
+    ).cas32
+    return cas32
 
 
 def _memops() -> tuple[object, int, int, int, int, object, int]:
