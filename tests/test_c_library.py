@@ -233,6 +233,7 @@ class CLib:
         "cip_sub_forced_flags": (ctypes.c_uint64, [ctypes.c_void_p]),
         "cip_sub_device": (ctypes.c_int, [ctypes.c_void_p]),
         "cip_sub_close": (ctypes.c_int, [ctypes.c_void_p]),
+        "cip_sub_free": (ctypes.c_int, [ctypes.c_void_p]),
         "cip_pool_attach": (
             ctypes.c_int,
             [

@@ -398,6 +398,7 @@ def _c_subscriber_case(lib_path: str, address: str, where: str, queue: Any) -> N
         lib.check(lib.cip_sub_release(sub, ctypes.byref(f), stream.ptr), "cip_sub_release")
         st = lib.cip_sub_close(sub)
         t1 = time.monotonic()
+        lib.cip_sub_free(sub)
         cp.cuda.Device(0).synchronize()  # CUDA_ERROR_ILLEGAL_ADDRESS if the slot went first
         queue.put(("ok", lib.why(st), int(out.get()[0]), t1 - t0))
     except BaseException:
@@ -545,6 +546,13 @@ def _death_consumer(lib_path: str, address: str, producer_pid: int, queue: Any) 
             "forced": int(lib.cip_sub_forced_flags(sub)),
         }
         report["close"] = lib.why(lib.cip_sub_close(sub))
+        # protocol.md: the answers stay readable after close (until cip_sub_free)
+        report["complete_after_close"] = {
+            seq: lib.cip_frame_complete(sub, ctypes.byref(lib.frame(seq, slot, gen)))
+            for seq, slot, gen in frames
+        }
+        report["incomplete_after_close"] = lib.incomplete(sub)
+        lib.cip_sub_free(sub)
         dev.synchronize()
         queue.put(("ok", report))
     except BaseException:
@@ -595,6 +603,8 @@ def test_c_complete_matches_the_gpu_check_of_every_frame_after_a_sigkill(
     bad = [s for s in seqs if checks[s] & 2]
     good = set(seqs) - set(bad)
     assert -1 not in complete.values(), "a frame left unanswered after the death"
+    assert report["complete_after_close"] == complete, "the answers changed at close"
+    assert report["incomplete_after_close"] == report["incomplete"]
     called_incomplete = [s for s in seqs if complete[s] == 0]
     # The one frame the producer's GPU was on when it died may have been filled
     # completely with its flag write not yet run: its data is right, and it is
@@ -659,6 +669,7 @@ def _c_void_case(lib_path: str, address: str, frames: int, queue: Any) -> None:
         incomplete = lib.incomplete(sub)
         stream.synchronize()
         lib.check(lib.cip_sub_close(sub), "cip_sub_close")
+        lib.cip_sub_free(sub)
         queue.put(("ok", got, incomplete))
     except BaseException:
         from gpu_helpers import report_exception

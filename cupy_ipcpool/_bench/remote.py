@@ -49,6 +49,8 @@ MiB = 1 << 20
 WARMUP = 8
 #: the most timed frames of a lane at one size (small frames: the budget would give more)
 MAX_FRAMES = 1000
+#: receive slots of the channel lane's subscriber (raw UCXX keeps as many receives posted)
+SLOTS = 4
 SECRET = "benchmark-secret-not-for-use-0123456789"
 CTX = mp.get_context("spawn")
 
@@ -102,7 +104,7 @@ def _vmm_buffers(count: int, nbytes: int, device: int) -> tuple[Any, list[Any]]:
 def _child_channel(conn: Connection, address: str, frames: int, memory: str, dev: int) -> None:
     from cupy_ipcpool.remote._subscriber import subscribe
 
-    with subscribe(address, secret=SECRET, memory=memory, device=dev, slots=4) as sub:
+    with subscribe(address, secret=SECRET, memory=memory, device=dev, slots=SLOTS) as sub:
         conn.send("ready")
         for _ in range(WARMUP):
             sub.recv(timeout=120).release()
