@@ -63,6 +63,21 @@ if SANITIZE:
     CFLAGS += ["-fno-omit-frame-pointer", f"-fsanitize={SANITIZE}", "-fno-sanitize-recover=all"]
 
 
+def read_messages(conn: socket.socket, count: int, timeout: float) -> list[proto.Message]:
+    """Read a hand-built publisher's connection until ``count`` messages arrived (or
+    ``timeout``, or the hang-up)."""
+    out: list[proto.Message] = []
+    deadline = time.monotonic() + timeout
+    while len(out) < count and time.monotonic() < deadline:
+        ready, _, _ = select.select([conn], [], [], 0.05)
+        if ready:
+            data = conn.recv(1 << 17)
+            if not data:
+                break
+            out.append(proto.decode(data))
+    return out
+
+
 # ---------------------------------------------------------------- building
 
 
@@ -876,16 +891,7 @@ class SlowReader:
     def read(self, count: int, timeout: float) -> list[proto.Message]:
         """Read until ``count`` messages arrived (or the timeout, or the hang-up)."""
         assert self.conn is not None
-        out: list[proto.Message] = []
-        deadline = time.monotonic() + timeout
-        while len(out) < count and time.monotonic() < deadline:
-            ready, _, _ = select.select([self.conn], [], [], 0.05)
-            if ready:
-                data = self.conn.recv(1 << 17)
-                if not data:
-                    break
-                out.append(proto.decode(data))
-        return out
+        return read_messages(self.conn, count, timeout)
 
     def close(self) -> None:
         self.thread.join(20)

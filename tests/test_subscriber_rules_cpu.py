@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from _memfd_backend import pattern
 from _memop_recorder import MemopRecorder
-from test_c_library import _welcome, status
+from test_c_library import _welcome, read_messages, status
 from test_scenarios_cpu import (  # noqa: F401 - cip_probe: the C probe's fixture
     C_WORDS,
     DEADLINE,
@@ -114,16 +114,7 @@ class Peer:
     def read(self, count: int, timeout: float) -> list[proto.Message]:
         """Read until ``count`` messages arrived (or ``timeout``, or the hang-up)."""
         assert self.conn is not None
-        out: list[proto.Message] = []
-        deadline = time.monotonic() + timeout
-        while len(out) < count and time.monotonic() < deadline:
-            ready, _, _ = select.select([self.conn], [], [], 0.05)
-            if ready:
-                data = self.conn.recv(1 << 17)
-                if not data:
-                    break
-                out.append(proto.decode(data))
-        return out
+        return read_messages(self.conn, count, timeout)
 
     def hang_up(self) -> None:
         """Close the connection: the subscriber sees a hang-up (after what was queued)."""
