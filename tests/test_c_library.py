@@ -1201,6 +1201,68 @@ def test_frame_bookkeeping_is_the_python_rule(book_exe: Path, name: str) -> None
         c_page.close()
 
 
+@pytest.fixture(scope="module")
+def close_exe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_c_program(
+        tmp_path_factory.mktemp("cclose"),
+        "cip_close_probe",
+        [C_DIR / "tests" / "cip_close_probe.c"],
+        library=False,
+    )
+
+
+def test_a_closed_subscription_still_answers_which_frames_were_complete(close_exe: Path) -> None:
+    """Rule 9, C side: after cip_sub_close the handle answers as before it, holds nothing.
+
+    A GPU subscription (the library's struct, built as cip_sub_open builds one, over a
+    memfd sync page: c/tests/cip_close_probe.c) whose producer -- a child process -- sent
+    four frames, wrote the flag of the first only (the last is void) and exited: the
+    answers (cip_frame_complete per frame, cip_sub_incomplete_frames, the counts,
+    cip_sub_get_info, cip_sub_error) are the same after the close; the socket and the
+    pidfd are closed and the page unmapped by it; receiving and releasing are refused
+    (CIP_ERR_INVALID_ARGUMENT); a second close is CIP_OK; cip_sub_free frees the rest
+    (checked by LeakSanitizer under ``CUPY_IPCPOOL_C_SANITIZE=address``).
+    """
+    probe = Probe(close_exe)
+    try:
+        fds_alone = probe.fds()
+        opened = probe("open 4")
+        assert opened.startswith("ok "), opened
+        pid = int(opened.split()[1])
+        for seq, (slot, void) in enumerate([(0, 0), (1, 0), (2, 0), (3, 1)]):
+            assert probe(f"publish {seq} {slot} 1 {void}") == f"ok {seq} {slot} 1"
+        assert probe("write 0 1") == "ok"  # frame 0 written; 1 and 2 never; 3 is void
+        assert probe("die") == "ok"
+        assert probe("recv") == "err CIP_ERR_PUBLISHER_GONE"  # cip_sub_error says why
+        before = probe("answers")
+        fields = dict(f.split("=", 1) for f in before.split(" ", 6)[1:])
+        assert fields["complete"] == "1,0,0,0", before
+        incomplete = {int(s) for s in fields["incomplete"].split(",")}
+        assert {1, 2} <= incomplete and 0 not in incomplete, before
+        assert int(fields["forced"]) >= 2, before
+        # sub id, slots, next seq, credit (the default block credit), mode, producer
+        assert fields["info"] == f"CIP_OK,7,4,0,64,0,{pid}", before
+        assert f"(pid {pid}) exited" in fields["error"], before
+        assert probe("held_fds") == "ok 2"  # the socket and the pidfd
+        assert probe("mapped") == "ok 1"
+        fds_open = probe.fds()
+
+        assert probe("close") == "ok CIP_OK"
+        assert probe("answers") == before
+        assert probe("held_fds") == "ok 0"
+        assert probe.fds() == fds_open - 2 == fds_alone
+        assert probe("mapped") == "ok 0"
+        assert probe("recv") == "err CIP_ERR_INVALID_ARGUMENT"
+        assert probe("release 1") == "err CIP_ERR_INVALID_ARGUMENT"
+        assert probe("answers") == before  # the refused calls changed nothing
+        assert probe("close") == "ok CIP_OK"
+        assert probe("answers") == before
+        assert probe("free") == "ok CIP_OK"
+        assert probe.fds() == fds_alone
+    finally:
+        probe.close()
+
+
 def test_the_record_cap_is_the_python_one() -> None:
     header = (C_DIR / "include" / "cupy_ipcpool_wire.h").read_text()
     assert f"#define CIP_WIRE_SYNC_RECORD_CAP {RECORD_CAP}u" in header
