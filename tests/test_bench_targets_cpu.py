@@ -54,12 +54,12 @@ def _recorded_runs() -> dict[str, dict[str, float]]:
     }
     # the remote run: seconds per frame of each lane, as test_bench_remote.py records them
     remote: dict[str, float] = {}
-    for memory, sizes in _load("remote-h200.json")["memory"].items():
+    for memory, sizes in _load("remote.json")["memory"].items():
         for size, lanes in sizes.items():
             for lane, value in lanes.items():
                 if "_over_" not in lane:  # the file's own ratios
                     remote[f"remote_{memory}_{lane}_{size}"] = value
-    runs["remote-h200.json"] = remote
+    runs["remote.json"] = remote
     return runs
 
 
@@ -153,7 +153,7 @@ def test_targets_name_only_what_a_lane_or_a_benchmark_records():
 
 def test_the_committed_summary_prints_no_broken_guard_and_every_goal_away():
     values = {**_recorded_runs()["pytest-benchmarks-h200-summary.json"]}
-    values.update(_recorded_runs()["remote-h200.json"])
+    values.update(_recorded_runs()["remote.json"])
     text, data = _targets.recorded_summary(values)
     assert "- BROKEN" not in text and "guard(s) BROKEN" not in text and "MISSED" not in text
     goals = text[text.index("\nGoals:\n") : text.index("\nFor information")]

@@ -397,7 +397,7 @@ def memory_key(memory: str, tls: str) -> str:
 
 
 def record(figures: dict[str, Any], memory: str, by_tls: dict[str, list[Result]]) -> None:
-    """Put runs into ``figures`` as docs/bench/remote-h200.json holds them.
+    """Put runs into ``figures`` as docs/bench/remote.json holds them.
 
     ``memory.<key>.<size>``: each lane's seconds per frame and its rate over raw
     UCXX's (``<lane>_over_ucxx``); ``frames.<key>_<size>`` and
@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--json",
         metavar="FILE",
-        help="also write the figures to FILE (as docs/bench/remote-h200.json; other runs in "
+        help="also write the figures to FILE (as docs/bench/remote.json; other runs in "
         "FILE stay)",
     )
     args = p.parse_args(argv)
