@@ -439,8 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--json",
         metavar="FILE",
-        help="also write the figures to FILE (as docs/bench/remote.json; other runs in "
-        "FILE stay)",
+        help="also write the figures to FILE (as docs/bench/remote.json; other runs in FILE stay)",
     )
     args = p.parse_args(argv)
     sizes = tuple(int(s) * MiB for s in args.sizes.split(","))
