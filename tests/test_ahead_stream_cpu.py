@@ -230,3 +230,189 @@ def test_an_ahead_stream_hands_out_every_frame_once_with_its_own_bytes(
     if early:  # and some of those were released before they were published
         print(f"{ended_at_publication} of {FRAMES} leases ended as their frame was published")
         assert ended_at_publication, "no frame was released before its publication"
+
+
+#: the frame after which the producer takes a slot from the pool beside the publisher
+BESIDE_AFTER = 2 * SLOTS - 1
+BESIDE_FRAMES = 6 * SLOTS
+
+
+class _NullStream:
+    """A stream object as the GPU subscriber sees it (``.ptr``); handle 0 is CuPy's
+    default stream, what ``recv()`` and ``release()`` use unless told otherwise."""
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+
+def beside_consumer(address: str, stream_handle: int, q: Any) -> None:
+    """An ``"ahead"`` consumer whose frames handed out ahead are released and confirmed
+    by the GPU subscriber's own code (:class:`~cupy_ipcpool.channel._subscriber._Lease`,
+    ``Subscriber._release_ahead`` and ``Subscriber._confirmed``), its read-flag writes
+    going to the stream stand-in: a frame released ahead and then confirmed at a later
+    generation has its read flag rewritten on the stream it was released on.  Says
+    ``("released ahead", seq)`` for each frame released ahead of its message."""
+    from cupy_ipcpool.channel._settle import PageStreams
+    from cupy_ipcpool.channel._subscriber import Frame, Subscriber, _Lease
+
+    core = SubscriberCore(address, mode="ahead", timeout=10)
+    try:
+        fds = core.take_fds()
+        flags = SharedFlags.open(fds[-1], LAYOUT.nbytes)
+        stream = StreamStandIn(flags)
+        handle = _NullStream(stream_handle)
+
+        class Page:  # the SyncPage's write, onto the stream stand-in of that handle
+            def write(self, sptr: int, offset: int, value: int) -> None:
+                assert sptr == stream_handle, f"a read flag written on stream {sptr}"
+                stream.write(offset, value)
+
+        schedule = AheadSchedule(SLOTS, SLOTS)
+        # the GPU subscriber's state that its ahead paths use, nothing more
+        sub = Subscriber.__new__(Subscriber)
+        sub._closed = False
+        sub._sync = Page()  # type: ignore[assignment]
+        sub._waits = None
+        sub._core = core
+        sub._ahead = schedule
+        sub._read_flags = [LAYOUT.read_offset(0, s) for s in range(SLOTS)]
+        sub._streams = PageStreams()
+        sub._last_stream, sub._last_ptr = None, 0
+        wrong: list[int] = []
+
+        def check(seq: int, slot: int) -> None:
+            if os.pread(fds[slot], SLOT_BYTES, 0) != pattern(seq, SLOT_BYTES):
+                wrong.append(seq)
+
+        inbox = AheadInbox(schedule, core.next_view, sub._confirmed)
+        q.put(("ready",))
+        handed_out: list[tuple[int, bool]] = []
+        for _ in range(BESIDE_FRAMES):
+            got = inbox.next(STALL)
+            if isinstance(got, Predicted):
+                seq, slot, generation = got.seq, got.slot, got.generation & M
+                lease = _Lease(sub, seq, slot, generation, None, False)
+                got.frame = Frame(seq, slot, (), b"", lease)
+            else:
+                seq, slot, payload = got
+                generation = FRAME_HEAD.unpack_from(payload, 0)[1]
+                lease = _Lease(sub, seq, slot, generation, None)
+            schedule.handed(slot)
+            stream.wait(LAYOUT.frame_offset(slot), generation)
+            stream.run(functools.partial(check, seq, slot))
+            if lease.confirmed:  # Subscriber._release's flag and RELEASE
+                lease.released = True
+                stream.write(LAYOUT.read_offset(0, slot), generation)
+                core.release(seq, slot)
+                schedule.released(slot)
+            else:
+                lease.release(handle)  # Subscriber._release_ahead
+                q.put(("released ahead", seq))
+            handed_out.append((seq, not lease.confirmed))
+        stream.finish()
+        stream.close()
+        for fd in fds:
+            os.close(fd)
+        q.put(("done", handed_out, wrong))
+    except BaseException as exc:  # reported to the test, which fails with it
+        q.put(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        core.close()
+
+
+@pytest.mark.parametrize("stream_handle", [0, 0x5EED], ids=["default-stream", "own-stream"])
+def test_a_slot_taken_beside_the_publisher_comes_back_after_a_frame_released_ahead(
+    tmp_path: Any, stream_handle: int
+) -> None:
+    """protocol.md: ``pool.acquire()`` beside an ahead publisher works.  The slot taken
+    outside gets a generation the subscriber cannot predict; the frame published there
+    next was handed out ahead and released before its message (its read flag at the
+    predicted generation), so its lease ends only at the read flag its message makes
+    the subscriber rewrite, on the stream it was released on -- also CuPy's default
+    stream, whose handle is 0.  The producer then gets that slot back: every frame goes
+    through, each read with its own bytes (the GPU tier: ``test_ahead_gpu.py``'s
+    ``test_a_slot_taken_from_the_pool_beside_an_ahead_publisher``)."""
+    flags = SharedFlags.create(LAYOUT.nbytes)
+    slots = MemfdSlots(SLOTS, SLOT_BYTES)
+
+    def welcome(info: SubscriberInfo) -> tuple[bytes, list[int]]:
+        payload, fds = slots.welcome(info)
+        return payload, [*fds, flags.fd]
+
+    core = PublisherCore(str(tmp_path / "beside.sock"), SLOTS, welcome=welcome)
+    stream = StreamStandIn(flags)
+    q = SPAWN.Queue()
+    proc = SPAWN.Process(target=beside_consumer, args=(core.address, stream_handle, q))
+    proc.start()
+    released_ahead: set[int] = set()
+
+    def message() -> Any:
+        got = q.get(timeout=STALL)
+        if got[0] == "released ahead":
+            released_ahead.add(got[1])
+        return got
+
+    try:
+        assert q.get(timeout=30) == ("ready",)
+        deadline = time.monotonic() + STALL
+        while not core.subscribers:
+            assert time.monotonic() < deadline, "the consumer did not join"
+            core.poll(0.01)
+        generations = [gen_of(s) - 1 for s in range(SLOTS)]  # each slot's last write
+        published = [0] * SLOTS
+        book = core.lease_book
+
+        def reached(_sub_id: int, slot: int) -> bool:
+            return read_flag_done(flags.reached, LAYOUT.read_offset(0, slot), published[slot])
+
+        def settle() -> int:
+            return book.settle_flagged(reached)
+
+        def wait_free(seq: int, slot: int, settle: Callable[[], int]) -> None:
+            deadline = time.monotonic() + STALL
+            book.settle_flagged(reached, slot)
+            while book.lease_count(slot):
+                assert time.monotonic() < deadline, f"frame {seq}: slot {slot} never came back"
+                core.poll(STALL, settle)
+                book.settle_flagged(reached, slot)
+
+        for seq in range(BESIDE_FRAMES):
+            slot = seq % SLOTS
+            if seq == BESIDE_AFTER + 1:
+                # the consumer hands this frame out ahead (nothing else can come) and
+                # releases it before it is published
+                while seq not in released_ahead:
+                    assert message()[0] == "released ahead", "the consumer stopped"
+                # pool.acquire() beside the publisher takes this slot (the first free
+                # one after the last written) and gives it back unpublished: the slot's
+                # generation grows by one no subscriber sees
+                wait_free(seq, slot, settle)
+                stream.wait(LAYOUT.read_offset(0, slot), published[slot] & M)
+                generations[slot] += 1
+            wait_free(seq, slot, settle)  # Publisher(ahead=True): exactly this slot
+            if published[slot]:
+                stream.wait(LAYOUT.read_offset(0, slot), published[slot] & M)
+            generations[slot] += 1
+            generation = generations[slot]
+            stream.run(functools.partial(slots.write, slot, seq))
+            stream.write(LAYOUT.frame_offset(slot), generation & M)
+            on_schedule = generation == published[slot] + 1  # as Publisher._publish decides
+            published[slot] = generation
+            assert core.publish(slot, frame(slot, generation), on_schedule) == seq
+        answer = message()
+        while answer[0] == "released ahead":
+            answer = message()
+    finally:
+        proc.join(STALL)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        stream.close()
+        core.close()
+        slots.close()
+        flags.close()
+    assert answer[0] == "done", answer
+    _, handed_out, wrong = answer
+    assert [seq for seq, _ahead in handed_out] == list(range(BESIDE_FRAMES))
+    assert (BESIDE_AFTER + 1, True) in handed_out  # the frame off the schedule went ahead
+    assert wrong == [], f"frames read with other bytes: {wrong[:10]}"

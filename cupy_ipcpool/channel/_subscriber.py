@@ -95,7 +95,9 @@ class _Lease:
         self.released = False
         #: False while the frame was handed out ahead of its message ("ahead" mode)
         self.confirmed = confirmed
-        self.released_on = 0  # ahead of its message: the stream its read flag was written on
+        #: released ahead of its message: the stream its read flag was written on (None:
+        #: not released so; 0 is a stream too, CuPy's default one)
+        self.released_on: int | None = None
         self.void = False  # a void frame (FRAME_VOID): taken and not published, never written
 
     def release(self, stream: Any = None) -> None:
@@ -541,17 +543,18 @@ class Subscriber(ClosedFlag):
         entry.frame = frame
         return frame
 
-    def _release_ahead(self, seq: int, slot: int, generation: int, stream: Any) -> int:
+    def _release_ahead(self, seq: int, slot: int, generation: int, stream: Any) -> int | None:
         """Release frame ``seq``, handed out ahead of its message: its read flag on
         ``stream``, then its RELEASE at once (:meth:`SubscriberCore.release_ahead`).
 
         The publisher (``ahead=True``) ends the lease as it publishes the frame;
         the producer's stream still waits for the read flag before it writes the
         slot again.  Returns the stream's handle (the read flag is rewritten
-        there if the frame's message names a later generation).
+        there if the frame's message names a later generation; 0, CuPy's
+        default stream, included), or None when closed (nothing was written).
         """
         if self._closed:
-            return 0
+            return None
         sptr = self._stream_ptr(stream)
         assert self._sync is not None
         self._sync.write(sptr, self._read_flags[slot], generation)
@@ -579,7 +582,7 @@ class Subscriber(ClosedFlag):
             lease.generation = generation
             if self._waits is not None and not entry.void:
                 self._waits.note(entry.slot, generation)
-            if lease.released and lease.released_on and self._sync is not None:
+            if lease.released and lease.released_on is not None and self._sync is not None:
                 self._sync.write(lease.released_on, self._read_flags[entry.slot], generation)
         lease.confirmed = True  # released already: its RELEASE went at release()
 
