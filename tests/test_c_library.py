@@ -51,6 +51,9 @@ from tests._pipe_child import PipeChild
 
 ROOT = Path(__file__).resolve().parent.parent
 C_DIR = ROOT / "c"
+#: The library's sources: every ``.c`` file of ``c/src`` (one concern each; what they share is
+#: declared in ``c/src/cip_internal.h``), as CMake, the docs and every build here take them.
+LIB_SOURCES = sorted((C_DIR / "src").glob("*.c"))
 SPAWN = _pipe_child.CHILDREN  # forkserver children (tests/_pipe_child.py)
 CMD_TIMEOUT = 20.0
 CFLAGS = ["-std=c99", "-O2", "-Wall", "-Wextra", "-Werror", "-pthread"]
@@ -110,7 +113,8 @@ def build_c_program(
     extra:
         More compiler flags.
     library:
-        Add ``c/src/cupy_ipcpool.c`` (False for a program that includes it itself).
+        Add the library's sources, :data:`LIB_SOURCES` (False for a program that is
+        built without them).
 
     Returns
     -------
@@ -129,7 +133,7 @@ def build_c_program(
         *extra,
         f"-I{C_DIR / 'include'}",
         *map(str, sources),
-        *([str(C_DIR / "src" / "cupy_ipcpool.c")] if library else []),
+        *(map(str, LIB_SOURCES) if library else []),
         "-o",
         str(exe),
         "-ldl",
@@ -153,7 +157,7 @@ def build_c_library(out_dir: Path) -> Path:
     return build_c_program(
         out_dir,
         "libcupy_ipcpool.so",
-        [C_DIR / "src" / "cupy_ipcpool.c"],
+        LIB_SOURCES,
         ("-shared", "-fPIC"),
         library=False,
     )
@@ -1057,7 +1061,6 @@ def book_exe(tmp_path_factory: pytest.TempPathFactory) -> Path:
         tmp_path_factory.mktemp("cbook"),
         "cip_book_probe",
         [C_DIR / "tests" / "cip_book_probe.c"],
-        library=False,
     )
 
 
@@ -1207,7 +1210,6 @@ def close_exe(tmp_path_factory: pytest.TempPathFactory) -> Path:
         tmp_path_factory.mktemp("cclose"),
         "cip_close_probe",
         [C_DIR / "tests" / "cip_close_probe.c"],
-        library=False,
     )
 
 

@@ -140,7 +140,7 @@ def test_the_c_library_uses_the_generated_waits_only() -> None:
         ("UNMAP_WAIT_MS", _vmm.DRAIN_TIMEOUT),
     ):
         assert f"#define CIP_WIRE_{name} {round(seconds * 1000)}u" in header, name
-    source = (C_DIR / "src" / "cupy_ipcpool.c").read_text()
+    source = "".join(path.read_text() for path in sorted((C_DIR / "src").glob("*.[ch]")))
     own = re.findall(r"#define\s+(CIP_\w*(?:_WAIT_MS|GRACE|_TIMEOUT\w*))\b", source)
     assert not own, f"the C source defines its own waits: {own}"
     for name in ("DEATH_WAIT_MS", "CLOSE_WAIT_MS", "UNMAP_WAIT_MS"):

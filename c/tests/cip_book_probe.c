@@ -3,8 +3,9 @@
  * what is awaited, the record of frames not seen complete, forcing after the
  * producer's death, the answers) driven over a real sync page without a GPU, for
  * tests/test_c_library.py, which runs the same scenarios against the Python
- * FrameWaits over the same memfd.  The library's source is included so that its
- * internal functions -- the ones cip_sub_recv, cip_frame_wait, cip_frame_complete and
+ * FrameWaits over the same memfd.  The library's internal header is included and the
+ * program linked with the library's sources (c/src/book.c), so that its internal
+ * functions -- the ones cip_sub_recv, cip_frame_wait, cip_frame_complete and
  * cip_sub_incomplete_frames call -- are driven as they are, not a copy of them.
  *
  * Commands (one per line; one answer line each):
@@ -18,7 +19,7 @@
  *   answers                  -> ok INCOMPLETE_SEQS(comma-separated, or -) PENDING UNTRACKED
  *   quit
  */
-#include "../src/cupy_ipcpool.c"
+#include "../src/cip_internal.h"
 
 #include <inttypes.h>
 
@@ -47,7 +48,7 @@ main(void)
             nbytes = (size_t)sb.st_size;
             void *m = mmap(NULL, nbytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
             close(fd);
-            if (m == MAP_FAILED || book_init(&book, (uint32_t)b, (size_t)c) != 0) {
+            if (m == MAP_FAILED || cipi_book_init(&book, (uint32_t)b, (size_t)c) != 0) {
                 printf("err cannot map %s\n", a1);
                 continue;
             }
@@ -62,30 +63,30 @@ main(void)
                 printf("err slot out of range\n");
                 continue;
             }
-            printf("ok %d\n", book_received(&book, flags, strtoull(a1, NULL, 10), slot,
-                                            (uint32_t)c));
+            printf("ok %d\n", cipi_book_received(&book, flags, strtoull(a1, NULL, 10), slot,
+                                                 (uint32_t)c));
         } else if (!strcmp(cmd, "note")) {
             uint32_t slot = (uint32_t)strtoul(a1, NULL, 10);
             if (slot >= book.num_slots) {
                 printf("err slot out of range\n");
                 continue;
             }
-            book_note(&book, slot, (uint32_t)b);
+            cipi_book_note(&book, slot, (uint32_t)b);
             printf("ok\n");
         } else if (!strcmp(cmd, "pending")) {
-            printf("ok %d\n", book_pending(&book, flags));
+            printf("ok %d\n", cipi_book_pending(&book, flags));
         } else if (!strcmp(cmd, "resolve")) {
-            uint32_t now = book_resolve(&book, flags);
+            uint32_t now = cipi_book_resolve(&book, flags);
             printf("ok %u %" PRIu64 "\n", now, book.forced);
         } else if (!strcmp(cmd, "answers")) {
             size_t pending = 0;
-            size_t n = book_answers(&book, flags, NULL, 0, &pending);
+            size_t n = cipi_book_answers(&book, flags, NULL, 0, &pending);
             uint64_t *seqs = (uint64_t *)malloc((n ? n : 1) * sizeof *seqs);
             if (seqs == NULL) {
                 printf("err out of memory\n");
                 continue;
             }
-            book_answers(&book, flags, seqs, n, &pending);
+            cipi_book_answers(&book, flags, seqs, n, &pending);
             printf("ok ");
             for (size_t i = 0; i < n; i++)
                 printf("%s%" PRIu64, i ? "," : "", seqs[i]);
@@ -98,7 +99,7 @@ main(void)
         }
     }
     if (have_book)
-        book_free(&book);
+        cipi_book_free(&book);
     if (flags != NULL)
         munmap((void *)flags, nbytes);
     return 0;

@@ -2,9 +2,10 @@
  * cip_close_probe: a GPU subscription (cip_sub) whose producer died, closed, its answers
  * asked before and after cip_sub_close, for tests/test_c_library.py, without a GPU.
  *
- * The library's source is included (as cip_book_probe does), so that the handle is a
- * real struct cip_sub, built as cip_sub_open builds one -- the fields handshake() sets,
- * then gpu_setup()'s: the sync page (a sealed memfd of cip_sync_layout's size) mapped
+ * The library's internal header is included and the program linked with its sources
+ * (as cip_book_probe is), so that the handle is a real struct cip_sub, built as
+ * cip_sub_open builds one -- the fields handshake() sets, then gpu_setup()'s: the
+ * sync page (a sealed memfd of cip_sync_layout's size) mapped
  * and its fd closed, the event bookkeeping, the frame book -- less what needs the
  * driver: no pool is attached (a stand-in serves cip_sub_recv; see `close`), no event is
  * created and the page is not registered, so cip_sub_close's GPU branch runs on the
@@ -33,7 +34,7 @@
  *   free                  cip_sub_free -> ok STATUS
  *   quit
  */
-#include "../src/cupy_ipcpool.c"
+#include "../src/cip_internal.h"
 
 #include <dirent.h>
 #include <inttypes.h>
@@ -169,9 +170,9 @@ open_sub(uint32_t n)
     sub->write_recorded = (uint8_t *)calloc(n, 1);
     if (!sub->buf || !sub->welcome || !sub->fds || !sub->held || !sub->ev_wait ||
         !sub->ev_write || !sub->wait_recorded || !sub->write_recorded ||
-        book_init(&sub->book, n, CIP_WIRE_SYNC_RECORD_CAP) != 0)
+        cipi_book_init(&sub->book, n, CIP_WIRE_SYNC_RECORD_CAP) != 0)
         return "out of memory";
-    /* attach_fds(): what cip_sub_recv reads of the pool, with no GPU memory behind it */
+    /* cipi_attach_fds(): what cip_sub_recv reads of the pool, with no GPU memory behind it */
     stand_in = (cip_pool *)calloc(1, sizeof *stand_in);
     if (stand_in == NULL)
         return "out of memory";

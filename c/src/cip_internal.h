@@ -1,0 +1,358 @@
+/*
+ * cip_internal.h -- what the modules of the C consumer library of cupy_ipcpool share
+ * (see cupy_ipcpool.h); not installed, not part of the API.
+ *
+ * Every layout and limit comes from cupy_ipcpool_wire.h, generated from the
+ * Python package (c/gen_wire.py); fields are read and written by their
+ * generated offset and width.  The CUDA driver is loaded at run time
+ * (dlopen("libcuda.so.1") + cuGetProcAddress): no CUDA header is needed, the
+ * few types used are declared here.
+ *
+ * Modules (every .c file of c/src is the library; one concern each):
+ *   errors.c     errors: the thread's last message, status names and texts
+ *   util.c       clocks, deadlines, fds and growing rings
+ *   driver.c     the CUDA driver, loaded at run time: dlopen of libcuda, the function
+ *                table, contexts, devices
+ *   wire.c       the wire: compile-time checks against the generated layouts, dtypes, pool
+ *                descriptors, array handles, frame payloads
+ *   sockets.c    Unix sockets: the socket path check, connecting, receiving fds
+ *   fetch.c      fetching a pool's fds: pidfd_getfd, the fd server
+ *   pool.c       pools: attach (import, reserve, map, access), slots, handles, close (no
+ *                unmap under queued GPU work)
+ *   syncpage.c   the sync page: layout, flag states, forcing (no GPU)
+ *   book.c       the frame book: awaited flags, the record of frames, forcing after a
+ *                death, the answers (no GPU)
+ *   session.c    the channel's socket session: the end of a stream, the backlog, hang-ups,
+ *                releases owed, judging messages, the next frame
+ *   handshake.c  opening a subscription: options, the handshake, the raw open
+ *   raw.c        what every session answers (info, welcome, fds, fileno, error) and the raw
+ *                session's receive and release
+ *   gpu_sub.c    the GPU subscription: setup, receive, waits, answers, releases
+ *   sub_close.c  closing a subscription: quiesce the flag operations, freeze the answers,
+ *                the close order, free
+ *
+ * A function or variable one module defines and another uses is declared at the end
+ * of this file, named cipi_* and of hidden visibility: a shared library exports the
+ * API of cupy_ipcpool.h only, and a program that compiles the sources in keeps its own
+ * names.  rd, wr and flag_load, a few lines each, are static inline here.
+ */
+#ifndef CIP_INTERNAL_H
+#define CIP_INTERNAL_H
+
+#define _GNU_SOURCE
+#include "cupy_ipcpool.h"
+#include "cupy_ipcpool_wire.h"
+
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#define CIP_INTERNAL __attribute__((visibility("hidden")))
+
+/* errors.c: the calling thread's last error message (cip_last_error) */
+CIP_INTERNAL extern __thread char cipi_tls_error[768];
+
+#define CIP_ASSERT(cond, name) typedef char cip_assert_##name[(cond) ? 1 : -1]
+#if defined(SYS_pidfd_getfd)
+CIP_ASSERT(SYS_pidfd_getfd == CIP_WIRE_SYS_PIDFD_GETFD_X86_64, pidfd_getfd_nr);
+#define CIP_SYS_PIDFD_GETFD SYS_pidfd_getfd
+#else
+#define CIP_SYS_PIDFD_GETFD CIP_WIRE_SYS_PIDFD_GETFD_X86_64
+#endif
+#if defined(SYS_pidfd_open)
+#define CIP_SYS_PIDFD_OPEN SYS_pidfd_open
+#else
+#define CIP_SYS_PIDFD_OPEN 434
+#endif
+
+#define CIP_I32_MAX 0x7FFFFFFFull
+#define CIP_I64_MAX 0x7FFFFFFFFFFFFFFFull
+/* The waits after a death and at close are the Python package's, generated into
+ * cupy_ipcpool_wire.h (channel/_settle.py, _vmm.py say why each is what it is):
+ * CIP_WIRE_CLOSE_WAIT_MS, how long gpu_quiesce waits for our flag operations at
+ * close; CIP_WIRE_DEATH_WAIT_MS, after a hang-up without BYE while a stream of ours
+ * waits on a frame flag, how long to wait for the producer's pidfd (its sockets
+ * close while it exits, before its pidfd says so: a CUDA process's exit takes
+ * seconds while the driver tears down its context, and the stream must not be left
+ * waiting on a flag nobody will write); CIP_WIRE_UNMAP_WAIT_MS, below. */
+
+/* ---- little-endian fields by generated offset and width ------------------------------ */
+
+static inline uint64_t
+rd(const uint8_t *p, size_t width)
+{
+    uint64_t v = 0;
+    for (size_t i = width; i-- > 0;)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+static inline void
+wr(uint8_t *p, size_t width, uint64_t v)
+{
+    for (size_t i = 0; i < width; i++) {
+        p[i] = (uint8_t)(v & 0xFF);
+        v >>= 8;
+    }
+}
+
+#define RD(base, NAME) rd((const uint8_t *)(base) + CIP_WIRE_##NAME##_OFF, CIP_WIRE_##NAME##_WIDTH)
+#define WR(base, NAME, v) wr((uint8_t *)(base) + CIP_WIRE_##NAME##_OFF, CIP_WIRE_##NAME##_WIDTH, (v))
+
+/* ---- the driver (driver.c) ------------------------------------------------------------ */
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef void *CUcontext;
+typedef void *CUevent;
+typedef uint64_t CUdeviceptr;
+typedef struct {
+    unsigned char bytes[16];
+} cip_cuuuid;
+typedef struct {
+    int type; /* CUmemLocationType: CU_MEM_LOCATION_TYPE_DEVICE = 1 */
+    int id;
+} cip_mem_location;
+typedef struct {
+    cip_mem_location location;
+    int flags; /* CUmemAccess_flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3 */
+} cip_access_desc;
+
+#define CIP_CUDA_SUCCESS 0
+#define CIP_CUDA_ERROR_NOT_READY 600
+#define CIP_CU_MEM_LOCATION_TYPE_DEVICE 1
+#define CIP_CU_MEM_ACCESS_FLAGS_PROT_READWRITE 3
+#define CIP_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR 1
+#define CIP_CU_MEMHOSTREGISTER_PORTABLE 1
+#define CIP_CU_MEMHOSTREGISTER_DEVICEMAP 2
+#define CIP_CU_STREAM_WAIT_VALUE_GEQ 0
+#define CIP_CU_STREAM_WRITE_VALUE_DEFAULT 0
+#define CIP_CU_EVENT_DISABLE_TIMING 2
+#define CIP_CUDA_API_VERSION 12000
+
+typedef CUresult (*getproc_v1_t)(const char *, void **, int, unsigned long long);
+typedef CUresult (*getproc_v2_t)(const char *, void **, int, unsigned long long, int *);
+
+struct cipi_driver {
+    pthread_once_t once;
+    cip_status status;
+    char error[512];
+    void *lib;
+    getproc_v1_t getproc_v1;
+    getproc_v2_t getproc_v2;
+    int version;
+    CUresult (*GetErrorName)(CUresult, const char **);
+    CUresult (*GetErrorString)(CUresult, const char **);
+    CUresult (*DeviceGetCount)(int *);
+    CUresult (*DeviceGet)(CUdevice *, int);
+    CUresult (*DeviceGetUuid)(cip_cuuuid *, CUdevice);
+    CUresult (*DeviceCanAccessPeer)(int *, CUdevice, CUdevice);
+    CUresult (*DevicePrimaryCtxRetain)(CUcontext *, CUdevice);
+    CUresult (*CtxPushCurrent)(CUcontext);
+    CUresult (*CtxPopCurrent)(CUcontext *);
+    CUresult (*CtxSynchronize)(void);
+    CUresult (*MemImportFromShareableHandle)(uint64_t *, void *, int);
+    CUresult (*MemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+    CUresult (*MemMap)(CUdeviceptr, size_t, size_t, uint64_t, unsigned long long);
+    CUresult (*MemSetAccess)(CUdeviceptr, size_t, const cip_access_desc *, size_t);
+    CUresult (*MemUnmap)(CUdeviceptr, size_t);
+    CUresult (*MemAddressFree)(CUdeviceptr, size_t);
+    CUresult (*MemRelease)(uint64_t);
+    CUresult (*MemHostRegister)(void *, size_t, unsigned int);
+    CUresult (*MemHostGetDevicePointer)(CUdeviceptr *, void *, unsigned int);
+    CUresult (*MemHostUnregister)(void *);
+    CUresult (*StreamWaitValue32)(void *, CUdeviceptr, uint32_t, unsigned int);
+    CUresult (*StreamWriteValue32)(void *, CUdeviceptr, uint32_t, unsigned int);
+    CUresult (*EventCreate)(CUevent *, unsigned int);
+    CUresult (*EventRecord)(CUevent, void *);
+    CUresult (*EventQuery)(CUevent);
+    CUresult (*EventDestroy)(CUevent);
+};
+
+/* ---- pools (pool.c) --------------------------------------------------------------------- */
+
+struct cip_pool {
+    cip_descriptor desc;
+    int device;
+    uint32_t num_slots;
+    uint64_t *ptrs;
+    uint64_t *handles;
+    uint64_t *seen;
+};
+
+/* ---- the sync page and the frame book (syncpage.c, book.c) ------------------------------ */
+
+static inline uint32_t
+flag_load(volatile uint32_t *flags, uint32_t slot)
+{
+    return __atomic_load_n(&flags[slot], __ATOMIC_ACQUIRE);
+}
+
+/* A received frame, as the record keeps it. */
+struct seen_frame {
+    uint64_t seq;
+    uint32_t slot, generation;
+};
+
+/* What a GPU subscription knows of the frame flags (the Python FrameWaits, rule for
+ * rule): per slot the generation a stream of ours may wait for, and a bounded record,
+ * oldest first, of the frames received whose flag the host did not see set by the
+ * producer.  When the producer dies, cipi_book_resolve forces the flags it never wrote so
+ * that every wait ends, and cipi_book_answers names the frames never written.  Pure state
+ * over the page's frame flags (the page's first num_slots words). */
+struct frame_book {
+    uint32_t num_slots;
+    uint8_t *awaited_set; /* per slot: a stream of ours may wait on the frame flag ... */
+    uint32_t *awaited;    /* ... for this generation */
+    struct seen_frame *rec; /* a ring of rec_alloc entries, rec_len used from rec_head */
+    size_t rec_head, rec_len, rec_alloc, rec_cap;
+    uint64_t untracked; /* frames dropped from a full record */
+    uint64_t forced;    /* frame flags this subscription forced */
+};
+
+/* ---- the channel (session.c, handshake.c, raw.c, gpu_sub.c, sub_close.c) ---------------- */
+
+struct held {
+    int held;
+    uint64_t seq;
+    uint32_t generation;
+    int void_seen;            /* a void frame was received in this slot ... */
+    uint32_t void_generation; /* ... the last one at this generation (cip_frame_complete 0) */
+    cip_array *arrays; /* CIP_MAX_ARRAYS, made at the slot's first frame (GPU sessions) */
+    uint8_t *meta;     /* CIP_MAX_METADATA */
+};
+
+struct msgbuf {
+    uint8_t *data;
+    size_t len;
+};
+
+/* A RELEASE the socket did not take yet (the publisher is not reading). */
+struct owed_release {
+    uint64_t seq;
+    uint32_t slot;
+};
+
+struct cip_sub {
+    int sock;
+    int pidfd; /* the producer's, -1 where it cannot be opened */
+    int gpu;
+    char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+    cip_sub_info info;
+    uint8_t *welcome;
+    size_t welcome_len;
+    int *fds;
+    size_t nfds;
+    uint8_t *buf; /* one datagram: MAX_FRAME_SIZE + 1 */
+    struct msgbuf *backlog; /* what was still queued when the publisher hung up */
+    size_t bl_head, bl_len, bl_cap;
+    cip_status ended; /* CIP_OK while the stream runs */
+    char error[sizeof cipi_tls_error];
+    int have_seq;
+    uint64_t last_seq;
+    struct held *held; /* by slot: a slot holds at most one frame of ours */
+    struct owed_release *owed; /* a ring: RELEASEs to send, in order, before any other */
+    size_t owed_head, owed_len, owed_alloc;
+    /* GPU sessions */
+    cip_pool *pool;
+    uint32_t row, max_subs;
+    volatile uint32_t *page;
+    size_t page_nbytes, reads_offset;
+    CUdeviceptr page_dev;
+    int registered;
+    int untracked; /* an operation was enqueued without its event: keep the page at close */
+    CUevent *ev_wait, *ev_write;
+    uint8_t *wait_recorded, *write_recorded;
+    struct frame_book book; /* awaited flags and the record of frames not seen complete */
+    int closed;             /* cip_sub_close ran: only the answers and the error remain */
+    uint32_t *final_flags;  /* the frame flags at close, which the answers read then */
+};
+
+/* ---- shared between modules, by the module that defines it ------------------------------ */
+
+/* errors.c */
+CIP_INTERNAL cip_status cipi_fail(cip_status status, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+/* util.c */
+CIP_INTERNAL long long cipi_now_ms(void);
+CIP_INTERNAL int cipi_left_ms(long long deadline);
+CIP_INTERNAL long long cipi_deadline_of(int timeout_ms);
+CIP_INTERNAL void cipi_sleep_us(long us);
+CIP_INTERNAL void cipi_close_fds(int *fds, size_t n);
+CIP_INTERNAL void *cipi_ring_regrow(void *old, size_t size, size_t *head, size_t len, size_t *alloc,
+                                    size_t new_alloc);
+
+/* driver.c */
+CIP_INTERNAL extern struct cipi_driver cipi_drv;
+CIP_INTERNAL cip_status cipi_driver(void);
+CIP_INTERNAL cip_status cipi_cuda_fail(const char *call, CUresult rc);
+CIP_INTERNAL cip_status cipi_ctx_push(int device);
+CIP_INTERNAL void cipi_ctx_pop(void);
+CIP_INTERNAL cip_status cipi_resolve_device(const uint8_t *uuid, int device, int *out);
+
+/* wire.c */
+CIP_INTERNAL cip_status cipi_parse_handle(const uint8_t *p, size_t avail, cip_array *a,
+                                          size_t *used);
+CIP_INTERNAL cip_status cipi_check_fits(const cip_array *a, uint64_t slot_nbytes);
+CIP_INTERNAL cip_status cipi_parse_frame_payload(const void *payload, size_t len, uint64_t seq,
+                                                 uint32_t slot, uint64_t slot_nbytes,
+                                                 uint64_t slot_base, cip_array *arrays, size_t cap,
+                                                 cip_frame *out, int *is_void);
+
+/* sockets.c */
+CIP_INTERNAL cip_status cipi_check_socket_path(const char *path);
+CIP_INTERNAL cip_status cipi_connect_unix(const char *path, int type, long long deadline, int *out,
+                                          int *err);
+CIP_INTERNAL ssize_t cipi_recv_with_fds(int s, void *buf, size_t n, void *control,
+                                        size_t control_len, int *fds, size_t *nfds, size_t maxfds,
+                                        int *excess, int *msg_flags);
+
+/* pool.c */
+CIP_INTERNAL cip_status cipi_attach_fds(const cip_descriptor *d, int *fds, size_t nfds, int device,
+                                        cip_pool **out);
+
+/* book.c */
+CIP_INTERNAL int cipi_book_init(struct frame_book *b, uint32_t num_slots, size_t cap);
+CIP_INTERNAL void cipi_book_free(struct frame_book *b);
+CIP_INTERNAL void cipi_book_note(struct frame_book *b, uint32_t slot, uint32_t generation);
+CIP_INTERNAL int cipi_book_received(struct frame_book *b, volatile uint32_t *flags, uint64_t seq,
+                                    uint32_t slot, uint32_t generation);
+CIP_INTERNAL int cipi_book_pending(const struct frame_book *b, volatile uint32_t *flags);
+CIP_INTERNAL uint32_t cipi_book_resolve(struct frame_book *b, volatile uint32_t *flags);
+CIP_INTERNAL size_t cipi_book_answers(const struct frame_book *b, volatile uint32_t *flags,
+                                      uint64_t *seqs, size_t cap, size_t *pending);
+
+/* session.c */
+CIP_INTERNAL cip_status cipi_sub_end(cip_sub *sub, cip_status status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+CIP_INTERNAL void cipi_backlog_clear(cip_sub *sub);
+CIP_INTERNAL int cipi_refuse_reason(const uint8_t *p, size_t n, char *out, size_t cap);
+CIP_INTERNAL int cipi_producer_dead(cip_sub *sub);
+CIP_INTERNAL void cipi_resolve_waits(cip_sub *sub);
+CIP_INTERNAL void cipi_say_bye_and_close(cip_sub *sub);
+CIP_INTERNAL cip_status cipi_protocol_error(cip_sub *sub);
+CIP_INTERNAL cip_status cipi_next_frame(cip_sub *sub, int timeout_ms, uint64_t *seq, uint32_t *slot,
+                                        const uint8_t **payload, uint32_t *plen);
+CIP_INTERNAL cip_status cipi_release_slot(cip_sub *sub, uint32_t slot, void *stream, int write);
+
+/* handshake.c */
+CIP_INTERNAL cip_status cipi_sub_open_raw(const char *path, const cip_sub_options *opts,
+                                          cip_sub **out);
+
+#endif /* CIP_INTERNAL_H */

@@ -1,0 +1,528 @@
+/* session.c -- the channel's socket session: the end of a stream, the backlog, hang-ups,
+ * releases owed, judging messages, the next frame (cip_internal.h says what the modules
+ * share). */
+#include "cip_internal.h"
+
+/* ---- the channel: frames, hang-ups, releases ----------------------------------------- */
+
+/* The stream ends with `status`: remembered, and reported by every later call. */
+cip_status
+cipi_sub_end(cip_sub *sub, cip_status status, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(sub->error, sizeof sub->error, fmt, ap);
+    va_end(ap);
+    sub->ended = status;
+    return cipi_fail(status, "%s", sub->error);
+}
+
+void
+cipi_backlog_clear(cip_sub *sub)
+{
+    for (size_t i = 0; i < sub->bl_len; i++)
+        free(sub->backlog[(sub->bl_head + i) % sub->bl_cap].data);
+    sub->bl_head = sub->bl_len = 0;
+}
+
+static int
+backlog_push(cip_sub *sub, const uint8_t *data, size_t len)
+{
+    if (sub->bl_len == sub->bl_cap) {
+        size_t cap = sub->bl_cap ? 2 * sub->bl_cap : 16;
+        struct msgbuf *b = (struct msgbuf *)cipi_ring_regrow(sub->backlog, sizeof *b, &sub->bl_head,
+                                                        sub->bl_len, &sub->bl_cap, cap);
+        if (b == NULL)
+            return -1;
+        sub->backlog = b;
+    }
+    uint8_t *copy = (uint8_t *)malloc(len ? len : 1);
+    if (copy == NULL)
+        return -1;
+    memcpy(copy, data, len);
+    struct msgbuf *slot = &sub->backlog[(sub->bl_head + sub->bl_len) % sub->bl_cap];
+    slot->data = copy;
+    slot->len = len;
+    sub->bl_len++;
+    return 0;
+}
+
+/* Type of a datagram with a valid header, else 0. */
+static unsigned
+msg_type(const uint8_t *p, size_t n)
+{
+    if (n < CIP_WIRE_HEADER_SIZE || RD(p, HEADER_MAGIC) != CIP_WIRE_MAGIC ||
+        RD(p, HEADER_VERSION) != CIP_WIRE_VERSION)
+        return 0;
+    return (unsigned)RD(p, HEADER_TYPE);
+}
+
+/* A REFUSE's reason, printable, into out; -1 if malformed. */
+int
+cipi_refuse_reason(const uint8_t *p, size_t n, char *out, size_t cap)
+{
+    if (n < CIP_WIRE_REFUSE_SIZE)
+        return -1;
+    uint64_t len = RD(p, REFUSE_LEN);
+    if (len > CIP_WIRE_MAX_REFUSE_REASON || n != CIP_WIRE_REFUSE_SIZE + len)
+        return -1;
+    size_t k = 0;
+    for (uint64_t i = 0; i < len && k + 1 < cap; i++) {
+        uint8_t c = p[CIP_WIRE_REFUSE_SIZE + i];
+        out[k++] = (c < 0x20 || c == 0x7F) ? '?' : (char)c;
+    }
+    out[k] = '\0';
+    return 0;
+}
+
+int
+cipi_producer_dead(cip_sub *sub)
+{
+    if (sub->pidfd < 0)
+        return 0;
+    struct pollfd p = {sub->pidfd, POLLIN, 0};
+    return poll(&p, 1, 0) > 0;
+}
+
+/* Whether the producer's pidfd becomes readable (it exited) within `ms`. */
+static int
+producer_dies_within(cip_sub *sub, int ms)
+{
+    if (sub->pidfd < 0)
+        return 0;
+    long long deadline = cipi_now_ms() + ms;
+    for (;;) {
+        struct pollfd p = {sub->pidfd, POLLIN, 0};
+        int r = poll(&p, 1, cipi_left_ms(deadline));
+        if (r > 0)
+            return 1;
+        if (r == 0 || errno != EINTR)
+            return 0;
+    }
+}
+
+/* Whether a stream of ours waits (or may wait) on a frame flag that is not set. */
+static int
+waits_pending(const cip_sub *sub)
+{
+    return sub->page != NULL && cipi_book_pending(&sub->book, sub->page);
+}
+
+/* The producer is dead: write, from the host, every frame flag a stream of ours waits
+ * on and that it will never write, so that no stream waits forever: the flag's last
+ * real value plus CIP_WIRE_SYNC_FORCED (cip_flag_force), as the Python subscriber
+ * does, which satisfies every wait on it (GEQ, cyclic) and keeps cip_flag_state
+ * exact, in every process that maps the page, for every frame of the slot. */
+void
+cipi_resolve_waits(cip_sub *sub)
+{
+    if (sub->page == NULL || !cipi_producer_dead(sub))
+        return;
+    cipi_book_resolve(&sub->book, sub->page);
+}
+
+/* The publisher hung up (or died): read everything still queued.  An eviction notice
+ * among it means no queued frame may be used (a malformed one: the protocol error,
+ * reported now); a BYE keeps the frames before it; a hang-up without either ends the
+ * stream, queued frames dropped. */
+static void
+scan_after_hangup(cip_sub *sub)
+{
+    int reset = 0;
+    if (sub->sock >= 0) {
+        for (;;) {
+            ssize_t n = recv(sub->sock, sub->buf, CIP_WIRE_MAX_FRAME_SIZE + 1, MSG_DONTWAIT);
+            if (n < 0 && errno == EINTR)
+                continue;
+            if (n < 0 && errno == ECONNRESET && !reset) {
+                reset = 1; /* reported once, before what is still queued */
+                continue;
+            }
+            if (n <= 0)
+                break;
+            if (backlog_push(sub, sub->buf, (size_t)n) != 0)
+                break;
+        }
+    }
+    size_t bye = sub->bl_len;
+    for (size_t i = 0; i < sub->bl_len; i++) {
+        struct msgbuf *m = &sub->backlog[(sub->bl_head + i) % sub->bl_cap];
+        unsigned type = msg_type(m->data, m->len);
+        if (type == CIP_WIRE_REFUSE) {
+            char reason[CIP_WIRE_MAX_REFUSE_REASON + 1];
+            if (cipi_refuse_reason(m->data, m->len, reason, sizeof reason) != 0) {
+                cipi_fail(CIP_ERR_PROTOCOL, "malformed REFUSE (%zu bytes)", m->len);
+                cipi_protocol_error(sub); /* clears the backlog: no queued frame is handed out */
+                return;
+            }
+            cipi_backlog_clear(sub);
+            cipi_sub_end(sub, CIP_ERR_EVICTED, "the publisher evicted this subscriber: %s", reason);
+            return;
+        }
+        if (type == CIP_WIRE_BYE && bye == sub->bl_len)
+            bye = i;
+    }
+    if (bye == sub->bl_len) {
+        cipi_backlog_clear(sub);
+        /* its sockets close before its pidfd says it exited: while a stream of ours
+         * waits on a flag, give its exit a moment to show, then set that flag */
+        if (cipi_producer_dead(sub) ||
+            (waits_pending(sub) && producer_dies_within(sub, (int)CIP_WIRE_DEATH_WAIT_MS))) {
+            cipi_resolve_waits(sub);
+            cipi_sub_end(sub, CIP_ERR_PUBLISHER_GONE,
+                    "the publisher (pid %d) exited; frames still queued are dropped (their flags "
+                    "may never be set)",
+                    (int)sub->info.producer_pid);
+        } else {
+            cipi_sub_end(sub, CIP_ERR_PUBLISHER_GONE,
+                    "the publisher hung up without BYE (it exited, or dropped this subscriber); "
+                    "frames still queued are dropped");
+        }
+        return;
+    }
+    while (sub->bl_len > bye + 1) { /* nothing after a BYE counts */
+        sub->bl_len--;
+        free(sub->backlog[(sub->bl_head + sub->bl_len) % sub->bl_cap].data);
+    }
+}
+
+/* One poll(0) of the socket's hang-up and the producer's pidfd. */
+static int
+hung_up(cip_sub *sub)
+{
+    struct pollfd p[2] = {{sub->sock, POLLRDHUP, 0}, {sub->pidfd, POLLIN, 0}};
+    int n = sub->pidfd >= 0 ? 2 : 1;
+    int r;
+    do {
+        r = poll(p, (nfds_t)n, 0);
+    } while (r < 0 && errno == EINTR);
+    return r > 0;
+}
+
+/* One RELEASE, without waiting: 1 sent, 0 no room in the socket, -1 failed (errno). */
+static int
+try_send_release(int sock, uint64_t seq, uint32_t slot)
+{
+    uint8_t msg[CIP_WIRE_RELEASE_SIZE];
+    WR(msg, RELEASE_MAGIC, CIP_WIRE_MAGIC);
+    WR(msg, RELEASE_VERSION, CIP_WIRE_VERSION);
+    WR(msg, RELEASE_TYPE, CIP_WIRE_RELEASE);
+    WR(msg, RELEASE_SEQ, seq);
+    WR(msg, RELEASE_SLOT, slot);
+    for (;;) {
+        if (send(sock, msg, sizeof msg, MSG_DONTWAIT | MSG_NOSIGNAL) == (ssize_t)sizeof msg)
+            return 1;
+        if (errno == EINTR)
+            continue;
+        return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -1;
+    }
+}
+
+void
+cipi_say_bye_and_close(cip_sub *sub)
+{
+    if (sub->sock < 0)
+        return;
+    /* the RELEASEs still owed go first, as far as the socket takes them (the hang-up
+     * returns every lease anyway) */
+    while (sub->owed_len && sub->ended == CIP_OK) {
+        const struct owed_release *o = &sub->owed[sub->owed_head];
+        if (try_send_release(sub->sock, o->seq, o->slot) <= 0)
+            break;
+        sub->owed_head = (sub->owed_head + 1) % sub->owed_alloc;
+        sub->owed_len--;
+    }
+    sub->owed_len = 0;
+    /* unread data would reset the peer instead of letting it read our BYE */
+    while (recv(sub->sock, sub->buf, CIP_WIRE_MAX_FRAME_SIZE + 1, MSG_DONTWAIT) > 0)
+        ;
+    uint8_t bye[CIP_WIRE_HEADER_SIZE];
+    WR(bye, HEADER_MAGIC, CIP_WIRE_MAGIC);
+    WR(bye, HEADER_VERSION, CIP_WIRE_VERSION);
+    WR(bye, HEADER_TYPE, CIP_WIRE_BYE);
+    (void)!send(sub->sock, bye, sizeof bye, MSG_DONTWAIT | MSG_NOSIGNAL);
+    close(sub->sock);
+    sub->sock = -1;
+}
+
+cip_status
+cipi_protocol_error(cip_sub *sub)
+{
+    char why[sizeof cipi_tls_error];
+    memcpy(why, cipi_tls_error, sizeof why);
+    cipi_backlog_clear(sub);
+    cipi_say_bye_and_close(sub);
+    return cipi_sub_end(sub, CIP_ERR_PROTOCOL, "the connection was closed after a protocol error: %s",
+                   why);
+}
+
+/* Sending a RELEASE failed other than for room: the publisher is gone; was this
+ * subscriber dropped?  Owed RELEASEs are moot (the hang-up returned every lease). */
+static cip_status
+release_failed(cip_sub *sub)
+{
+    sub->owed_len = 0;
+    scan_after_hangup(sub);
+    if (sub->ended == CIP_ERR_EVICTED)
+        return cipi_fail(CIP_ERR_EVICTED, "%s", sub->error);
+    return CIP_OK;
+}
+
+/* Send the RELEASEs owed, oldest first, as far as the socket takes them now. */
+static cip_status
+flush_owed(cip_sub *sub)
+{
+    while (sub->owed_len) {
+        if (sub->ended != CIP_OK || sub->sock < 0) {
+            sub->owed_len = 0; /* nobody to send them to: the connection's end returned them */
+            break;
+        }
+        const struct owed_release *o = &sub->owed[sub->owed_head];
+        int r = try_send_release(sub->sock, o->seq, o->slot);
+        if (r == 0)
+            return CIP_OK; /* still full: kept, in order */
+        if (r < 0)
+            return release_failed(sub);
+        sub->owed_head = (sub->owed_head + 1) % sub->owed_alloc;
+        sub->owed_len--;
+    }
+    return CIP_OK;
+}
+
+/* Keep a RELEASE the socket did not take, behind the ones owed already. */
+static cip_status
+owe_release(cip_sub *sub, uint64_t seq, uint32_t slot)
+{
+    size_t limit = (size_t)CIP_WIRE_MAX_CREDIT + sub->info.num_slots;
+    if (sub->owed_len >= limit) {
+        cip_status st = cipi_sub_end(sub, CIP_ERR_TRANSPORT,
+                                "the publisher has not read this subscriber's messages for %zu "
+                                "RELEASEs, more than any credit allows (its socket stays full); "
+                                "the subscription is closed",
+                                sub->owed_len);
+        cipi_say_bye_and_close(sub);
+        return st;
+    }
+    if (sub->owed_len == sub->owed_alloc) {
+        size_t alloc = sub->owed_alloc ? 2 * sub->owed_alloc : 16;
+        struct owed_release *r = (struct owed_release *)cipi_ring_regrow(
+            sub->owed, sizeof *r, &sub->owed_head, sub->owed_len, &sub->owed_alloc, alloc);
+        if (r == NULL)
+            return cipi_sub_end(sub, CIP_ERR_NO_MEMORY,
+                           "out of memory keeping a RELEASE the publisher's socket did not take");
+        sub->owed = r;
+    }
+    struct owed_release *o = &sub->owed[(sub->owed_head + sub->owed_len) % sub->owed_alloc];
+    o->seq = seq;
+    o->slot = slot;
+    sub->owed_len++;
+    return CIP_OK;
+}
+
+/* RELEASE of frame `seq` in `slot`, after every RELEASE still owed; never blocks. */
+static cip_status
+send_release(cip_sub *sub, uint64_t seq, uint32_t slot)
+{
+    if (sub->owed_len == 0) {
+        int r = try_send_release(sub->sock, seq, slot);
+        if (r > 0)
+            return CIP_OK;
+        if (r < 0)
+            return release_failed(sub);
+    }
+    cip_status st = owe_release(sub, seq, slot);
+    if (st != CIP_OK)
+        return st;
+    return flush_owed(sub);
+}
+
+/* Judge one message of a live stream: a FRAME we may use comes back as CIP_OK. */
+static cip_status
+judge(cip_sub *sub, const uint8_t *p, size_t n, uint64_t *seq, uint32_t *slot,
+      const uint8_t **payload, uint32_t *plen)
+{
+    if (n < CIP_WIRE_HEADER_SIZE) {
+        cipi_fail(CIP_ERR_PROTOCOL, "message of %zu bytes is shorter than the %d-byte header", n,
+             CIP_WIRE_HEADER_SIZE);
+        return cipi_protocol_error(sub);
+    }
+    if (RD(p, HEADER_MAGIC) != CIP_WIRE_MAGIC) {
+        cipi_fail(CIP_ERR_PROTOCOL, "bad magic 0x%04llx (expected 0x%04x)",
+             (unsigned long long)RD(p, HEADER_MAGIC), CIP_WIRE_MAGIC);
+        return cipi_protocol_error(sub);
+    }
+    if (RD(p, HEADER_VERSION) != CIP_WIRE_VERSION) {
+        cipi_fail(CIP_ERR_PROTOCOL, "unsupported protocol version %llu (this side speaks %u)",
+             (unsigned long long)RD(p, HEADER_VERSION), CIP_WIRE_VERSION);
+        return cipi_protocol_error(sub);
+    }
+    unsigned type = (unsigned)RD(p, HEADER_TYPE);
+    if (type == CIP_WIRE_FRAME) {
+        if (n < CIP_WIRE_FRAME_SIZE) {
+            cipi_fail(CIP_ERR_PROTOCOL, "truncated FRAME (%zu bytes)", n);
+            return cipi_protocol_error(sub);
+        }
+        uint64_t s = RD(p, FRAME_SEQ), sl = RD(p, FRAME_SLOT), len = RD(p, FRAME_LEN);
+        if (len > CIP_WIRE_MAX_FRAME_PAYLOAD || n != CIP_WIRE_FRAME_SIZE + len) {
+            cipi_fail(CIP_ERR_PROTOCOL, "FRAME length field says %llu bytes but the message carries %zu",
+                 (unsigned long long)len, n - CIP_WIRE_FRAME_SIZE);
+            return cipi_protocol_error(sub);
+        }
+        if (sl >= sub->info.num_slots) {
+            cipi_fail(CIP_ERR_PROTOCOL, "frame %llu names slot %llu of %u", (unsigned long long)s,
+                 (unsigned long long)sl, sub->info.num_slots);
+            return cipi_protocol_error(sub);
+        }
+        if (s < sub->info.next_seq || (sub->have_seq && s <= sub->last_seq)) {
+            cipi_fail(CIP_ERR_PROTOCOL, "frame %llu arrived after frame %llu (or before the first, %llu)",
+                 (unsigned long long)s, (unsigned long long)sub->last_seq,
+                 (unsigned long long)sub->info.next_seq);
+            return cipi_protocol_error(sub);
+        }
+        if (sub->held[sl].held) {
+            cipi_fail(CIP_ERR_PROTOCOL, "frame %llu is in slot %llu, where this subscriber still holds "
+                                   "frame %llu",
+                 (unsigned long long)s, (unsigned long long)sl,
+                 (unsigned long long)sub->held[sl].seq);
+            return cipi_protocol_error(sub);
+        }
+        sub->have_seq = 1;
+        sub->last_seq = s;
+        *seq = s;
+        *slot = (uint32_t)sl;
+        *payload = p + CIP_WIRE_FRAME_SIZE;
+        *plen = (uint32_t)len;
+        return CIP_OK;
+    }
+    if (type == CIP_WIRE_BYE) {
+        if (n != CIP_WIRE_HEADER_SIZE) {
+            cipi_fail(CIP_ERR_PROTOCOL, "BYE must be %d bytes, got %zu", CIP_WIRE_HEADER_SIZE, n);
+            return cipi_protocol_error(sub);
+        }
+        cipi_backlog_clear(sub);
+        return cipi_sub_end(sub, CIP_ERR_END_OF_STREAM, "the publisher said BYE");
+    }
+    if (type == CIP_WIRE_REFUSE) {
+        char reason[CIP_WIRE_MAX_REFUSE_REASON + 1];
+        if (cipi_refuse_reason(p, n, reason, sizeof reason) != 0) {
+            cipi_fail(CIP_ERR_PROTOCOL, "malformed REFUSE (%zu bytes)", n);
+            return cipi_protocol_error(sub);
+        }
+        cipi_backlog_clear(sub);
+        return cipi_sub_end(sub, CIP_ERR_EVICTED, "the publisher evicted this subscriber: %s", reason);
+    }
+    cipi_fail(CIP_ERR_PROTOCOL, "unexpected message of type %u from the publisher", type);
+    return cipi_protocol_error(sub);
+}
+
+/* The next frame we may use, or how the stream ended; nothing is marked held. */
+cip_status
+cipi_next_frame(cip_sub *sub, int timeout_ms, uint64_t *seq, uint32_t *slot, const uint8_t **payload,
+           uint32_t *plen)
+{
+    if (sub->closed)
+        return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "the subscription is closed");
+    if (sub->ended != CIP_OK)
+        return cipi_fail(sub->ended, "%s", sub->error);
+    long long deadline = cipi_deadline_of(timeout_ms);
+    for (;;) {
+        if (sub->bl_len) {
+            struct msgbuf m = sub->backlog[sub->bl_head];
+            sub->bl_head = (sub->bl_head + 1) % sub->bl_cap;
+            sub->bl_len--;
+            memcpy(sub->buf, m.data, m.len);
+            free(m.data);
+            return judge(sub, sub->buf, m.len, seq, slot, payload, plen);
+        }
+        if (sub->owed_len) { /* RELEASEs the socket did not take before: first */
+            cip_status st = flush_owed(sub);
+            if (st != CIP_OK)
+                return st;
+            if (sub->ended != CIP_OK)
+                return cipi_fail(sub->ended, "%s", sub->error);
+        }
+        short events = (short)(POLLIN | (sub->owed_len ? POLLOUT : 0));
+        struct pollfd p[2] = {{sub->sock, events, 0}, {sub->pidfd, POLLIN, 0}};
+        int r = poll(p, sub->pidfd >= 0 ? 2 : 1, cipi_left_ms(deadline));
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0)
+            return cipi_sub_end(sub, CIP_ERR_TRANSPORT, "poll: %s", strerror(errno));
+        if (r == 0)
+            return cipi_fail(CIP_ERR_TIMEOUT, "no frame within %d ms", timeout_ms);
+        if (sub->pidfd >= 0 && p[1].revents) {
+            scan_after_hangup(sub); /* ends the stream: evicted, or the producer's death */
+            if (sub->ended != CIP_OK)
+                return cipi_fail(sub->ended, "%s", sub->error);
+            continue;
+        }
+        if ((p[0].revents & ~POLLOUT) == 0)
+            continue; /* only room for the RELEASEs owed: sent at the top */
+        ssize_t n = recv(sub->sock, sub->buf, CIP_WIRE_MAX_FRAME_SIZE + 1, MSG_DONTWAIT);
+        if (n < 0 && (errno == EAGAIN || errno == EINTR))
+            continue;
+        if (n <= 0) { /* reset, closed, failed: the end, or what is still queued */
+            int err = n < 0 ? errno : 0;
+            scan_after_hangup(sub);
+            if (sub->ended != CIP_OK)
+                return cipi_fail(sub->ended, "%s", sub->error);
+            if (!sub->bl_len)
+                return cipi_sub_end(sub, CIP_ERR_PUBLISHER_GONE,
+                               "the connection to the publisher failed: %s",
+                               err ? strerror(err) : "closed");
+            continue;
+        }
+        /* Taken from the socket: hand it out only if the publisher has not hung up
+         * meanwhile; if it has, what is queued behind it decides (an eviction notice). */
+        if (hung_up(sub)) {
+            if (backlog_push(sub, sub->buf, (size_t)n) != 0)
+                return cipi_fail(CIP_ERR_NO_MEMORY, "out of memory");
+            scan_after_hangup(sub);
+            if (sub->ended != CIP_OK)
+                return cipi_fail(sub->ended, "%s", sub->error);
+            continue;
+        }
+        return judge(sub, sub->buf, (size_t)n, seq, slot, payload, plen);
+    }
+}
+
+static void
+forget(cip_sub *sub, uint32_t slot)
+{
+    sub->held[slot].held = 0;
+}
+
+/* A release: no flag write and no message once the publisher has hung up. */
+cip_status
+cipi_release_slot(cip_sub *sub, uint32_t slot, void *stream, int write)
+{
+    struct held *h = &sub->held[slot];
+    if (sub->ended != CIP_OK || sub->sock < 0) {
+        forget(sub, slot);
+        if (sub->ended == CIP_ERR_EVICTED)
+            return cipi_fail(CIP_ERR_EVICTED, "%s", sub->error);
+        return CIP_OK;
+    }
+    if (hung_up(sub)) {
+        scan_after_hangup(sub);
+        forget(sub, slot);
+        if (sub->ended == CIP_ERR_EVICTED)
+            return cipi_fail(CIP_ERR_EVICTED, "%s", sub->error);
+        return CIP_OK;
+    }
+    if (write) {
+        CUdeviceptr addr = sub->page_dev + sub->reads_offset +
+                           ((size_t)sub->row * sub->info.num_slots + slot) * CIP_WIRE_SYNC_FLAG_BYTES;
+        CUresult rc = cipi_drv.StreamWriteValue32(stream, addr, h->generation,
+                                             CIP_CU_STREAM_WRITE_VALUE_DEFAULT);
+        if (rc != CIP_CUDA_SUCCESS)
+            return cipi_cuda_fail("cuStreamWriteValue32", rc); /* still held */
+        if (cipi_drv.EventRecord(sub->ev_write[slot], stream) == CIP_CUDA_SUCCESS)
+            sub->write_recorded[slot] = 1;
+        else
+            sub->untracked = 1;
+    }
+    uint64_t seq = h->seq;
+    forget(sub, slot);
+    return send_release(sub, seq, slot);
+}

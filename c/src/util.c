@@ -1,0 +1,68 @@
+/* util.c -- clocks, deadlines, fds and growing rings (cip_internal.h says what the modules
+ * share). */
+#include "cip_internal.h"
+
+long long
+cipi_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Milliseconds left until `deadline` (-1: none) for poll(2). */
+int
+cipi_left_ms(long long deadline)
+{
+    if (deadline < 0)
+        return -1;
+    long long left = deadline - cipi_now_ms();
+    if (left <= 0)
+        return 0;
+    return left > INT_MAX ? INT_MAX : (int)left;
+}
+
+long long
+cipi_deadline_of(int timeout_ms)
+{
+    return timeout_ms < 0 ? -1 : cipi_now_ms() + timeout_ms;
+}
+
+void
+cipi_sleep_us(long us)
+{
+    struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
+    nanosleep(&ts, NULL);
+}
+
+void
+cipi_close_fds(int *fds, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        if (fds[i] >= 0)
+            close(fds[i]);
+        fds[i] = -1;
+    }
+}
+
+/* The rings of this library (the book's record, the backlog of messages, the RELEASEs owed)
+ * grow alike: the `len` entries of `size` bytes from `*head` of a ring of `*alloc`
+ * entries at `old` are copied, in order, to the start of a new buffer of `new_alloc`
+ * entries, `old` is freed, `*head` becomes 0 and `*alloc` new_alloc.  Returns the new
+ * buffer, or NULL without memory (the ring kept as it was). */
+void *
+cipi_ring_regrow(void *old, size_t size, size_t *head, size_t len, size_t *alloc, size_t new_alloc)
+{
+    uint8_t *r = (uint8_t *)malloc(new_alloc * size);
+    if (r == NULL)
+        return NULL;
+    if (len) {
+        size_t first = *alloc - *head < len ? *alloc - *head : len; /* up to the ring's end */
+        memcpy(r, (uint8_t *)old + *head * size, first * size);
+        memcpy(r + first * size, old, (len - first) * size);
+    }
+    free(old);
+    *head = 0;
+    *alloc = new_alloc;
+    return r;
+}
