@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import importlib.util
 import os
+import re
 import select
 import shutil
 import signal
@@ -589,6 +590,30 @@ def test_generator_offsets_follow_the_struct_formats() -> None:
     assert gen.fields("<4sHBB16sI") == [(0, 4), (4, 2), (6, 1), (7, 1), (8, 16), (24, 4)]
     with pytest.raises(ValueError):
         gen.fields("@I")  # native alignment: not a wire layout
+
+
+# ---------------------------------------------------------------- the library's modules
+
+
+def test_the_library_is_modules_of_one_concern_that_export_the_api_only(
+    tmp_path: Path,
+) -> None:
+    """Issue 44: no source of the library is over ~800 lines, and the shared library exports
+    the functions of cupy_ipcpool.h and nothing else (what the modules share is hidden)."""
+    long = {p.name: n for p in C_DIR.glob("src/*") if (n := len(p.read_text().splitlines())) > 800}
+    assert not long, f"over 800 lines: {long}"
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm on this machine: the exported symbols are not checked")
+    header = re.sub(
+        r"/\*.*?\*/", "", (C_DIR / "include" / "cupy_ipcpool.h").read_text(), flags=re.S
+    )
+    api = set(re.findall(r"^[\w *]*?\b(cip_\w+)\(", header, flags=re.M))
+    lib = build_c_library(tmp_path)
+    done = subprocess.run([nm, "-D", "--defined-only", str(lib)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    exported = {line.split()[-1] for line in done.stdout.splitlines() if line.strip()}
+    assert exported == api, (sorted(exported - api), sorted(api - exported))
 
 
 # ---------------------------------------------------------------- sessions
