@@ -19,12 +19,13 @@ would make fails the deadline).  The GPU tier is ``tests/test_ahead_gpu.py``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import multiprocessing
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -162,64 +163,100 @@ def ahead_consumer(address: str, frames: int, q: Any, early: bool = False) -> No
         core.close()
 
 
+class _Publishing:
+    """The publisher's side of an ahead stream over the stand-ins, a consumer in a child.
+
+    The real :class:`PublisherCore` (its WELCOME passes the memfd slots and the flag
+    page), the producer's stream stand-in, and what the producer last published in
+    each slot; its leases end at the read flags, as with ``Publisher(ahead=True)``.
+    """
+
+    def __init__(
+        self, tmp_path: Any, name: str, consumer: Callable[..., None], args: Callable[..., tuple]
+    ) -> None:
+        self.flags = SharedFlags.create(LAYOUT.nbytes)
+        self.slots = MemfdSlots(SLOTS, SLOT_BYTES)
+        self.core = PublisherCore(str(tmp_path / name), SLOTS, welcome=self._welcome)
+        self.stream = StreamStandIn(self.flags)
+        self.q = SPAWN.Queue()
+        #: ``args(address, q)``: the consumer's arguments
+        self.proc = SPAWN.Process(target=consumer, args=args(self.core.address, self.q))
+        self.book = self.core.lease_book
+        self.published = [0] * SLOTS
+
+    def _welcome(self, info: SubscriberInfo) -> tuple[bytes, list[int]]:
+        payload, fds = self.slots.welcome(info)
+        return payload, [*fds, self.flags.fd]
+
+    def reached(self, _sub_id: int, slot: int) -> bool:
+        return read_flag_done(self.flags.reached, LAYOUT.read_offset(0, slot), self.published[slot])
+
+    def settle(self) -> int:
+        return self.book.settle_flagged(self.reached)
+
+    def wait_free(self, seq: int, slot: int) -> None:
+        """Until ``slot`` has no lease (Publisher(ahead=True) takes exactly this slot)."""
+        deadline = time.monotonic() + STALL
+        self.book.settle_flagged(self.reached, slot)
+        while self.book.lease_count(slot):
+            assert time.monotonic() < deadline, f"frame {seq}: slot {slot} never came back"
+            self.core.poll(STALL, self.settle)
+            self.book.settle_flagged(self.reached, slot)
+
+    def publish(self, seq: int, slot: int, generation: int, on_schedule: bool) -> None:
+        """Frame ``seq`` into ``slot`` (free): the stream orders its write after the
+        previous read, writes the bytes and the frame flag; then the FRAME goes out."""
+        if self.published[slot]:
+            self.stream.wait(LAYOUT.read_offset(0, slot), self.published[slot] & M)
+        self.stream.run(functools.partial(self.slots.write, slot, seq))
+        self.stream.write(LAYOUT.frame_offset(slot), generation & M)
+        self.published[slot] = generation
+        assert self.core.publish(slot, frame(slot, generation), on_schedule) == seq
+
+    def close(self) -> None:
+        self.proc.join(STALL)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.stream.close()
+        self.core.close()
+        self.slots.close()
+        self.flags.close()
+
+
+@contextlib.contextmanager
+def _publishing(
+    tmp_path: Any, name: str, consumer: Callable[..., None], args: Callable[..., tuple]
+) -> Iterator[_Publishing]:
+    """A :class:`_Publishing` whose consumer has joined; everything closed afterwards."""
+    side = _Publishing(tmp_path, name, consumer, args)
+    side.proc.start()
+    try:
+        assert side.q.get(timeout=30) == ("ready",)
+        deadline = time.monotonic() + STALL
+        while not side.core.subscribers:
+            assert time.monotonic() < deadline, "the consumer did not join"
+            side.core.poll(0.01)
+        yield side
+    finally:
+        side.close()
+
+
 @pytest.mark.parametrize("early", [False, True], ids=["release-at-confirmation", "release-early"])
 def test_an_ahead_stream_hands_out_every_frame_once_with_its_own_bytes(
     tmp_path: Any, early: bool
 ) -> None:
-    flags = SharedFlags.create(LAYOUT.nbytes)
-    slots = MemfdSlots(SLOTS, SLOT_BYTES)
-
-    def welcome(info: SubscriberInfo) -> tuple[bytes, list[int]]:
-        payload, fds = slots.welcome(info)
-        return payload, [*fds, flags.fd]
-
-    core = PublisherCore(str(tmp_path / "ahead.sock"), SLOTS, welcome=welcome)
-    stream = StreamStandIn(flags)
-    q = SPAWN.Queue()
-    proc = SPAWN.Process(target=ahead_consumer, args=(core.address, FRAMES, q, early))
-    proc.start()
-    try:
-        assert q.get(timeout=30) == ("ready",)
-        deadline = time.monotonic() + STALL
-        while not core.subscribers:
-            assert time.monotonic() < deadline, "the consumer did not join"
-            core.poll(0.01)
-        published = [0] * SLOTS
-        book = core.lease_book
+    with _publishing(
+        tmp_path, "ahead.sock", ahead_consumer, lambda address, q: (address, FRAMES, q, early)
+    ) as side:
         ended_at_publication = 0
-
-        def reached(_sub_id: int, slot: int) -> bool:
-            return read_flag_done(flags.reached, LAYOUT.read_offset(0, slot), published[slot])
-
-        def settle() -> int:
-            return book.settle_flagged(reached)
-
         for seq in range(FRAMES):
             slot, generation = seq % SLOTS, gen_of(seq % SLOTS) + seq // SLOTS
-            deadline = time.monotonic() + STALL
-            book.settle_flagged(reached, slot)
-            while book.lease_count(slot):  # Publisher(ahead=True): exactly this slot
-                assert time.monotonic() < deadline, f"frame {seq}: slot {slot} never came back"
-                core.poll(STALL, settle)
-                book.settle_flagged(reached, slot)
-            if published[slot]:  # the stream orders its write after the previous read
-                stream.wait(LAYOUT.read_offset(0, slot), published[slot] & M)
-            stream.run(functools.partial(slots.write, slot, seq))
-            stream.write(LAYOUT.frame_offset(slot), generation & M)
-            published[slot] = generation
-            assert core.publish(slot, frame(slot, generation)) == seq
+            side.wait_free(seq, slot)
+            side.publish(seq, slot, generation, True)
             # released before it was published: the lease ended as it was published
-            ended_at_publication += not book.lease_count(slot)
-        answer = q.get(timeout=60)
-    finally:
-        proc.join(STALL)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        stream.close()
-        core.close()
-        slots.close()
-        flags.close()
+            ended_at_publication += not side.book.lease_count(slot)
+        answer = side.q.get(timeout=60)
     assert answer[0] == "done", answer
     _, handed_out, wrong = answer
     assert [seq for seq, _ahead in handed_out] == list(range(FRAMES))
@@ -332,50 +369,21 @@ def test_a_slot_taken_beside_the_publisher_comes_back_after_a_frame_released_ahe
     stream, whose handle is 0.  The producer then gets that slot back: every frame goes
     through, each read with its own bytes (the GPU tier: ``test_ahead_gpu.py``'s
     ``test_a_slot_taken_from_the_pool_beside_an_ahead_publisher``)."""
-    flags = SharedFlags.create(LAYOUT.nbytes)
-    slots = MemfdSlots(SLOTS, SLOT_BYTES)
-
-    def welcome(info: SubscriberInfo) -> tuple[bytes, list[int]]:
-        payload, fds = slots.welcome(info)
-        return payload, [*fds, flags.fd]
-
-    core = PublisherCore(str(tmp_path / "beside.sock"), SLOTS, welcome=welcome)
-    stream = StreamStandIn(flags)
-    q = SPAWN.Queue()
-    proc = SPAWN.Process(target=beside_consumer, args=(core.address, stream_handle, q))
-    proc.start()
     released_ahead: set[int] = set()
+    with _publishing(
+        tmp_path,
+        "beside.sock",
+        beside_consumer,
+        lambda address, q: (address, stream_handle, q),
+    ) as side:
 
-    def message() -> Any:
-        got = q.get(timeout=STALL)
-        if got[0] == "released ahead":
-            released_ahead.add(got[1])
-        return got
+        def message() -> Any:
+            got = side.q.get(timeout=STALL)
+            if got[0] == "released ahead":
+                released_ahead.add(got[1])
+            return got
 
-    try:
-        assert q.get(timeout=30) == ("ready",)
-        deadline = time.monotonic() + STALL
-        while not core.subscribers:
-            assert time.monotonic() < deadline, "the consumer did not join"
-            core.poll(0.01)
         generations = [gen_of(s) - 1 for s in range(SLOTS)]  # each slot's last write
-        published = [0] * SLOTS
-        book = core.lease_book
-
-        def reached(_sub_id: int, slot: int) -> bool:
-            return read_flag_done(flags.reached, LAYOUT.read_offset(0, slot), published[slot])
-
-        def settle() -> int:
-            return book.settle_flagged(reached)
-
-        def wait_free(seq: int, slot: int, settle: Callable[[], int]) -> None:
-            deadline = time.monotonic() + STALL
-            book.settle_flagged(reached, slot)
-            while book.lease_count(slot):
-                assert time.monotonic() < deadline, f"frame {seq}: slot {slot} never came back"
-                core.poll(STALL, settle)
-                book.settle_flagged(reached, slot)
-
         for seq in range(BESIDE_FRAMES):
             slot = seq % SLOTS
             if seq == BESIDE_AFTER + 1:
@@ -386,31 +394,17 @@ def test_a_slot_taken_beside_the_publisher_comes_back_after_a_frame_released_ahe
                 # pool.acquire() beside the publisher takes this slot (the first free
                 # one after the last written) and gives it back unpublished: the slot's
                 # generation grows by one no subscriber sees
-                wait_free(seq, slot, settle)
-                stream.wait(LAYOUT.read_offset(0, slot), published[slot] & M)
+                side.wait_free(seq, slot)
+                side.stream.wait(LAYOUT.read_offset(0, slot), side.published[slot] & M)
                 generations[slot] += 1
-            wait_free(seq, slot, settle)  # Publisher(ahead=True): exactly this slot
-            if published[slot]:
-                stream.wait(LAYOUT.read_offset(0, slot), published[slot] & M)
+            side.wait_free(seq, slot)
             generations[slot] += 1
             generation = generations[slot]
-            stream.run(functools.partial(slots.write, slot, seq))
-            stream.write(LAYOUT.frame_offset(slot), generation & M)
-            on_schedule = generation == published[slot] + 1  # as Publisher._publish decides
-            published[slot] = generation
-            assert core.publish(slot, frame(slot, generation), on_schedule) == seq
+            # as Publisher._publish decides
+            side.publish(seq, slot, generation, generation == side.published[slot] + 1)
         answer = message()
         while answer[0] == "released ahead":
             answer = message()
-    finally:
-        proc.join(STALL)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        stream.close()
-        core.close()
-        slots.close()
-        flags.close()
     assert answer[0] == "done", answer
     _, handed_out, wrong = answer
     assert [seq for seq, _ahead in handed_out] == list(range(BESIDE_FRAMES))

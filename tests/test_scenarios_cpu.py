@@ -19,6 +19,7 @@ contradicts the docs the case is a strict xfail naming the doc (``KNOWN_BUGS``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import mmap
 import os
@@ -310,10 +311,12 @@ def cip_probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-@pytest.fixture
-def consumer(request: pytest.FixtureRequest) -> Iterator[Consumer]:
+@contextlib.contextmanager
+def consumer_of(kind: str, request: pytest.FixtureRequest) -> Iterator[Consumer]:
+    """A consumer of ``kind`` (``"c"``: the C library's raw session through ``cip_probe``;
+    else the Python session core), closed (and its probe) afterwards."""
     made: Consumer = (
-        CConsumer(request.getfixturevalue("cip_probe")) if request.param == "c" else PyConsumer()
+        CConsumer(request.getfixturevalue("cip_probe")) if kind == "c" else PyConsumer()
     )
     try:
         yield made
@@ -321,6 +324,12 @@ def consumer(request: pytest.FixtureRequest) -> Iterator[Consumer]:
         made.close()
         if isinstance(made, CConsumer):
             made.probe.close()
+
+
+@pytest.fixture
+def consumer(request: pytest.FixtureRequest) -> Iterator[Consumer]:
+    with consumer_of(request.param, request) as made:
+        yield made
 
 
 class Env:

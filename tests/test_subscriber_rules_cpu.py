@@ -37,6 +37,7 @@ from test_scenarios_cpu import (  # noqa: F401 - cip_probe: the C probe's fixtur
     Outcome,
     PyConsumer,
     cip_probe,
+    consumer_of,
     frame,
     outcome,
 )
@@ -155,15 +156,8 @@ class Peer:
 @pytest.fixture(params=KINDS)
 def consumer(request: pytest.FixtureRequest) -> Iterator[Consumer]:
     """Each consumer in turn: the Python session core, the C library's raw session."""
-    made: Consumer = (
-        CConsumer(request.getfixturevalue("cip_probe")) if request.param == "c" else PyConsumer()
-    )
-    try:
+    with consumer_of(request.param, request) as made:
         yield made
-    finally:
-        made.close()
-        if isinstance(made, CConsumer):
-            made.probe.close()
 
 
 @pytest.fixture

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import struct
 
-from .._errors import ProtocolError
+from .._errors import DescriptorError, ProtocolError
+from .._handles import ArrayHandle
 from .._transport import SCM_MAX_FD
 
 #: Most bytes of user metadata per frame.
@@ -68,12 +69,6 @@ def frame_head(seq: int, slot: int, payload: bytes | memoryview) -> tuple[int, i
     return generation, count, meta_len, void
 
 
-#: An array handle's head: slot u32, generation u64 (then offset u64, ndim, dtype).
-_HANDLE_HEAD = struct.Struct("<IQ")
-_HANDLE_SIZE = struct.calcsize("<IQQBB")
-_HANDLE_NDIM_AT = 20
-
-
 def check_handles(
     seq: int, slot: int, generation: int, payload: bytes | memoryview, count: int
 ) -> None:
@@ -91,11 +86,12 @@ def check_handles(
         A handle is truncated, or names another slot or generation.
     """
     pos = FRAME_HEAD.size
-    n = len(payload)
     for i in range(count):
-        if n - pos < _HANDLE_SIZE:
-            raise ProtocolError(f"frame {seq}: array handle {i} truncated")
-        handle_slot, handle_generation = _HANDLE_HEAD.unpack_from(payload, pos)
+        try:
+            geometry, handle_generation, pos = ArrayHandle.peek(payload, pos)
+        except DescriptorError:
+            raise ProtocolError(f"frame {seq}: array handle {i} truncated") from None
+        handle_slot = int.from_bytes(geometry[:4], "little")  # a handle begins with its slot
         if handle_slot != slot:
             raise ProtocolError(
                 f"frame {seq}: array {i} lies in slot {handle_slot}, not in the frame's"
@@ -105,4 +101,3 @@ def check_handles(
                 f"frame {seq}: array {i} is of generation {handle_generation}, the frame of "
                 f"{generation}"
             )
-        pos += _HANDLE_SIZE + 16 * payload[pos + _HANDLE_NDIM_AT]

@@ -60,6 +60,14 @@ _INT_SIZE = struct.calcsize("i")
 _MAX_WATCHED = 15
 
 
+def _send_owed(sock: socket.socket, owed: collections.deque[tuple[int, int]]) -> None:
+    """Send the RELEASEs ``owed``, oldest first, as far as ``sock`` takes them now (each
+    leaves the queue once sent); the send's error (BlockingIOError: full) propagates."""
+    while owed:
+        sock.send(proto.encode_release(*owed[0]), _DONTWAIT)
+        owed.popleft()
+
+
 def _close_subscriber(
     sock: socket.socket, fds: list[int], owed: collections.deque[tuple[int, int]]
 ) -> None:
@@ -71,9 +79,7 @@ def _close_subscriber(
     try:
         if sock.fileno() >= 0:
             with contextlib.suppress(OSError):
-                while owed:
-                    sock.send(proto.encode_release(*owed[0]), _DONTWAIT)
-                    owed.popleft()
+                _send_owed(sock, owed)
             owed.clear()
             _say_bye_and_close(sock)
     except Exception as exc:
@@ -851,19 +857,15 @@ class SubscriberCore(ClosedFlag):
     def _flush_owed(self) -> bool:
         """Send the RELEASEs owed, oldest first, as far as the socket takes them now;
         True when none is owed any more."""
-        owed = self._owed
-        while owed:
-            if self._eos is not None:
-                owed.clear()  # nobody to send them to: the connection's end returned them
-                break
-            try:
-                self._sock.send(proto.encode_release(*owed[0]), _DONTWAIT)
-            except BlockingIOError:
-                return False
-            except OSError as exc:
-                self._release_not_sent(exc)
-                break
-            owed.popleft()
+        if self._eos is not None:
+            self._owed.clear()  # nobody to send them to: the connection's end returned them
+            return True
+        try:
+            _send_owed(self._sock, self._owed)
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            self._release_not_sent(exc)  # clears them
         return True
 
     def _owe(self, seq: int, slot: int) -> None:

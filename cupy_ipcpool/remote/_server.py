@@ -47,7 +47,7 @@ from . import _ucx as ucx
 from . import _wire as wire
 from ._accept import HANDSHAKE_TIMEOUT, MAX_PENDING_PER_ADDRESS, Acceptor, Joined, refuse
 from ._credit import ServerBook
-from ._staging import StagingBuffers, cuda_ipc_exports, same_machine, transports_include_cuda_ipc
+from ._staging import StagingBuffers, cuda_ipc_exports, cuda_ipc_may_carry
 
 #: Bytes of control messages a subscriber may leave unread before it is dropped.
 MAX_OUTBOX = 1 << 20
@@ -415,9 +415,7 @@ class RemoteServer(ClosesOnExit):
             refuse(joined.sock, f"cannot reach the subscriber's UCX worker: {exc}")
             return
         mode = wire.MODE_NAMES[hello.mode]
-        local = same_machine(joined.sock) and transports_include_cuda_ipc(
-            self._worker.config.get("TLS", "")
-        )
+        local = cuda_ipc_may_carry(joined.sock, self._worker.config.get("TLS", ""))
         info = RemoteInfo(sub_id, joined.peer, mode, hello.num_slots, local)
         remote = _Remote(info, joined.sock, endpoint, secrets.randbits(32), joined.reader)
         self._book.add_subscriber(sub_id, mode, hello.num_slots)

@@ -86,12 +86,18 @@ def cuda_ipc_exports(ptr: int) -> bool:
     return bool(types & fabric)
 
 
+def cuda_ipc_may_carry(sock: socket.socket, tls: str) -> bool:
+    """Whether UCX may pick ``cuda_ipc`` for device frames to or from the peer of ``sock``:
+    it is on this machine and the worker's ``TLS`` setting ``tls`` leaves it in."""
+    return same_machine(sock) and transports_include_cuda_ipc(tls)
+
+
 def needs_staging(sock: socket.socket, tls: str, ptr: int) -> bool:
     """Whether a device frame to or from the peer of ``sock`` goes through a staging buffer.
 
     ``tls``: the worker's ``TLS`` setting; ``ptr``: device memory of the slots.
     """
-    return same_machine(sock) and transports_include_cuda_ipc(tls) and not cuda_ipc_exports(ptr)
+    return cuda_ipc_may_carry(sock, tls) and not cuda_ipc_exports(ptr)
 
 
 class StagingBuffers:
@@ -164,6 +170,7 @@ class StagingBuffers:
 __all__ = [
     "StagingBuffers",
     "cuda_ipc_exports",
+    "cuda_ipc_may_carry",
     "needs_staging",
     "same_machine",
     "transports_include_cuda_ipc",
