@@ -1,14 +1,18 @@
 """The compiled parts of cupy_ipcpool (everything else is in pyproject.toml).
 
-Two small C extensions with no dependency beyond Python's headers, built by
+Three C extensions with no dependency beyond Python's headers, built by
 ``pip install .`` (or ``-e .``) with the system's C compiler:
 ``cupy_ipcpool._fastpath`` (the per-frame stream memory operations, driver
-layer) and ``cupy_ipcpool.channel._frameio`` (the channel's per-frame socket
-calls).
+layer), ``cupy_ipcpool.channel._frameio`` (the channel's per-frame socket
+calls) and ``cupy_ipcpool._engine`` (the channel engine: every ``c/src``
+file, the C library's own sources, under Python; the driver is loaded at run
+time, so no CUDA header or library is needed to build it).
 docs/install.md ("The compiled parts") says what each saves per frame and why
 it is plain C; ``cupy_ipcpool._compiled.load`` loads them and checks each
 build's layout constants against the Python definitions.
 """
+
+from pathlib import Path
 
 import setuptools
 from setuptools import Extension, setup
@@ -37,6 +41,9 @@ if _version(setuptools.__version__) < SETUPTOOLS_NEEDED:
 
 _FLAGS = ["-O2", "-Wall", "-Wextra", "-Werror=implicit-function-declaration"]
 _SHARED = ["cupy_ipcpool/_memop_args.h", "cupy_ipcpool/_le.h"]
+#: The engine: the C library's sources (one concern each), and its Python binding.
+_ENGINE_SOURCES = ["c/python/engine.c", *sorted(str(p) for p in Path("c/src").glob("*.c"))]
+_ENGINE_HEADERS = sorted(str(p) for d in ("c/src", "c/include") for p in Path(d).glob("*.h"))
 
 setup(
     ext_modules=[
@@ -51,6 +58,17 @@ setup(
             sources=["cupy_ipcpool/channel/_frameio.c"],
             depends=_SHARED,
             extra_compile_args=_FLAGS,
+        ),
+        Extension(
+            "cupy_ipcpool._engine",
+            sources=_ENGINE_SOURCES,
+            depends=_ENGINE_HEADERS,
+            include_dirs=["c/include", "c/src"],
+            # the engine's cip_* functions stay this module's own (the C library, loaded
+            # beside it through ctypes, has the same names)
+            extra_compile_args=[*_FLAGS, "-std=gnu11", "-pthread", "-fvisibility=hidden"],
+            extra_link_args=["-pthread"],
+            libraries=["dl"],
         ),
     ]
 )

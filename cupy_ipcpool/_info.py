@@ -103,11 +103,15 @@ def remote_device_path(tls: str | None = None) -> str:
 
 
 def fastpath_summary() -> str:
-    """One line on the compiled parts (``_fastpath``, ``channel._frameio``)."""
+    """One line on the compiled parts (``_fastpath``, ``channel._frameio``, ``_engine``)."""
     import importlib
 
     built, missing = [], []
-    for name in ("cupy_ipcpool._fastpath", "cupy_ipcpool.channel._frameio"):
+    for name in (
+        "cupy_ipcpool._fastpath",
+        "cupy_ipcpool.channel._frameio",
+        "cupy_ipcpool._engine",
+    ):
         try:
             module = importlib.import_module(name)
         except ImportError:

@@ -325,6 +325,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("pool", ("_arrays", "_compiled", "_slots", "_arena", "_pool")),
     ("peer", ("_peer", "_seedpeer")),
     ("allocator", ("_allocator", "_compat")),
+    ("engine", ("_engine",)),
     (
         "channel",
         ("channel.*",),

@@ -45,7 +45,7 @@ from test_scenarios_cpu import (  # noqa: F401 - cip_probe: the C probe's fixtur
 from cupy_ipcpool._errors import ProtocolError
 from cupy_ipcpool._handles import ArrayHandle
 from cupy_ipcpool.channel import _protocol as proto
-from cupy_ipcpool.channel._payload import FRAME_HEAD, check_handles, frame_head
+from cupy_ipcpool.channel._payload import FRAME_HEAD, check_frame
 from cupy_ipcpool.channel._subscriber_core import SubscriberCore
 
 SLOT_SIZE = struct.Struct("<Q")
@@ -352,9 +352,9 @@ def test_a_malformed_refuse_on_a_live_connection_is_a_protocol_error(
 # ---------------------------------------------------------------- rule 2: handles in the frame
 # docs/protocol.md, "What a subscriber refuses": every array handle of a FRAME names the
 # frame's slot and generation.  The check belongs to the GPU layers (the Python
-# Subscriber's _hand_out calls _payload.check_handles; the C library's cip_sub_recv calls
-# parse_frame_payload, which cip_parse_frame_payload exposes): here both checks run on the
-# payload each consumer received from the same peer.
+# Subscriber's _hand_out calls _payload.check_frame, the engine's; the C library's
+# cip_sub_recv calls the same C function, which cip_parse_frame_payload exposes): here it
+# runs on the payload each consumer received from the same peer, through each way in.
 
 
 def _handle_payload(slot: int, generation: int, handle_slot: int, handle_generation: int) -> bytes:
@@ -369,9 +369,8 @@ def _payload_check(c: Consumer, got: Got) -> Outcome:
         return (
             Outcome("ok") if answer.startswith("ok ") else Outcome(C_WORDS[status(answer)], answer)
         )
-    generation, count, _meta, _void = frame_head(got.seq, got.slot, got.payload)
     try:
-        check_handles(got.seq, got.slot, generation, got.payload, count)
+        check_frame(got.seq, got.slot, got.payload, 1 << 20)
     except ProtocolError as exc:
         return Outcome("protocol", str(exc))
     return Outcome("ok")

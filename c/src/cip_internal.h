@@ -39,7 +39,9 @@
 #ifndef CIP_INTERNAL_H
 #define CIP_INTERNAL_H
 
+#ifndef _GNU_SOURCE /* Python.h defines it already when the engine is built under Python */
 #define _GNU_SOURCE
+#endif
 #include "cupy_ipcpool.h"
 #include "cupy_ipcpool_wire.h"
 
@@ -307,6 +309,14 @@ CIP_INTERNAL void cipi_ctx_pop(void);
 CIP_INTERNAL cip_status cipi_resolve_device(const uint8_t *uuid, int device, int *out);
 
 /* wire.c */
+struct cipi_frame_head {
+    uint32_t generation;   /* the low 32 bits of the slot's generation */
+    uint32_t num_arrays;
+    uint32_t metadata_len;
+    int is_void;           /* the flag index carries CIP_WIRE_FRAME_VOID */
+};
+CIP_INTERNAL cip_status cipi_frame_head(const void *payload, size_t len, uint64_t seq,
+                                        uint32_t slot, struct cipi_frame_head *out);
 CIP_INTERNAL cip_status cipi_parse_handle(const uint8_t *p, size_t avail, cip_array *a,
                                           size_t *used);
 CIP_INTERNAL cip_status cipi_check_fits(const cip_array *a, uint64_t slot_nbytes);

@@ -292,17 +292,16 @@ cipi_check_fits(const cip_array *a, uint64_t slot_nbytes)
     return CIP_OK;
 }
 
-/* cip_parse_frame_payload, and whether the frame is void (its flag index carries
- * CIP_WIRE_FRAME_VOID: a frame of a Publisher(ahead=True) taken and not published,
- * with no arrays, never written). */
+/* The head of FRAME seq's payload, received for slot: the one check of a FRAME head, for
+ * every way a subscriber takes a frame (by message, or as the confirmation of a frame handed
+ * out ahead).  The flag index is the slot, or slot | CIP_WIRE_FRAME_VOID for a void frame
+ * (a frame of a Publisher(ahead=True) taken and not published: no arrays, never written);
+ * at most CIP_WIRE_MAX_ARRAYS arrays and CIP_WIRE_MAX_METADATA metadata bytes. */
 cip_status
-cipi_parse_frame_payload(const void *payload, size_t len, uint64_t seq, uint32_t slot,
-                    uint64_t slot_nbytes, uint64_t slot_base, cip_array *arrays, size_t cap,
-                    cip_frame *out, int *is_void)
+cipi_frame_head(const void *payload, size_t len, uint64_t seq, uint32_t slot,
+                struct cipi_frame_head *out)
 {
     const uint8_t *p = (const uint8_t *)payload;
-    if ((p == NULL && len) || out == NULL || (arrays == NULL && cap))
-        return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "cip_parse_frame_payload: NULL argument");
     unsigned long long s = (unsigned long long)seq;
     if (len < CIP_WIRE_FRAME_HEAD_SIZE)
         return cipi_fail(CIP_ERR_PROTOCOL, "frame %llu: payload too short (%zu bytes)", s, len);
@@ -318,6 +317,28 @@ cipi_parse_frame_payload(const void *payload, size_t len, uint64_t seq, uint32_t
     if (void_frame && count)
         return cipi_fail(CIP_ERR_PROTOCOL, "frame %llu: a void frame with %llu arrays", s,
                     (unsigned long long)count);
+    out->generation = (uint32_t)generation;
+    out->num_arrays = (uint32_t)count;
+    out->metadata_len = (uint32_t)meta_len;
+    out->is_void = void_frame;
+    return CIP_OK;
+}
+
+/* cip_parse_frame_payload, and whether the frame is void. */
+cip_status
+cipi_parse_frame_payload(const void *payload, size_t len, uint64_t seq, uint32_t slot,
+                    uint64_t slot_nbytes, uint64_t slot_base, cip_array *arrays, size_t cap,
+                    cip_frame *out, int *is_void)
+{
+    const uint8_t *p = (const uint8_t *)payload;
+    if ((p == NULL && len) || out == NULL || (arrays == NULL && cap))
+        return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "cip_parse_frame_payload: NULL argument");
+    unsigned long long s = (unsigned long long)seq;
+    struct cipi_frame_head head;
+    cip_status st = cipi_frame_head(payload, len, seq, slot, &head);
+    if (st != CIP_OK)
+        return st;
+    uint64_t generation = head.generation, count = head.num_arrays, meta_len = head.metadata_len;
     if (count > cap)
         return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "frame %llu has %llu arrays, room for %zu", s,
                     (unsigned long long)count, cap);
@@ -325,7 +346,7 @@ cipi_parse_frame_payload(const void *payload, size_t len, uint64_t seq, uint32_t
     for (uint64_t i = 0; i < count; i++) {
         size_t used = 0;
         cip_array *a = &arrays[i];
-        cip_status st = cipi_parse_handle(p + pos, len - pos, a, &used);
+        st = cipi_parse_handle(p + pos, len - pos, a, &used);
         if (st == CIP_OK && a->slot != slot)
             st = cipi_fail(CIP_ERR_DESCRIPTOR, "array %llu lies in slot %u, not in the frame's", 
                       (unsigned long long)i, a->slot);
@@ -353,7 +374,7 @@ cipi_parse_frame_payload(const void *payload, size_t len, uint64_t seq, uint32_t
     out->arrays = arrays;
     out->metadata = p + pos;
     if (is_void)
-        *is_void = void_frame;
+        *is_void = head.is_void;
     return CIP_OK;
 }
 

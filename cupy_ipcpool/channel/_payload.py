@@ -1,5 +1,5 @@
 """The channel's GPU-level payloads: limits, the WELCOME / FRAME payload heads, and the
-check of a FRAME head (:func:`frame_head`).
+check of a FRAME payload (:func:`frame_head`, :func:`check_frame`: the engine's).
 
 Shared by :mod:`._publisher` and :mod:`._subscriber`; the framing around them
 (message kinds, sequence numbers, versions) is :mod:`._protocol`'s.
@@ -8,9 +8,10 @@ Shared by :mod:`._publisher` and :mod:`._subscriber`; the framing around them
 from __future__ import annotations
 
 import struct
+from types import ModuleType
 
-from .._errors import DescriptorError, ProtocolError
-from .._handles import ArrayHandle
+from .._compiled import load
+from .._handles import _HANDLE_HEADER
 from .._transport import SCM_MAX_FD
 
 #: Most bytes of user metadata per frame.
@@ -35,11 +36,29 @@ FRAME_HEAD = struct.Struct("<IIHH")
 FRAME_VOID = 1 << 31
 
 
+_engine: ModuleType | None = None
+
+
+def _load_engine() -> ModuleType:
+    """The channel engine (``cupy_ipcpool._engine``), built for these layouts and limits."""
+    global _engine
+    _engine = load(
+        "cupy_ipcpool._engine",
+        FRAME_HEAD_SIZE=FRAME_HEAD.size,
+        FRAME_VOID=FRAME_VOID,
+        MAX_ARRAYS=MAX_ARRAYS,
+        MAX_METADATA=MAX_METADATA,
+        HANDLE_SIZE=_HANDLE_HEADER.size,
+    )
+    return _engine
+
+
 def frame_head(seq: int, slot: int, payload: bytes | memoryview) -> tuple[int, int, int, bool]:
     """Read and check the head of FRAME ``seq``'s payload, received for ``slot``.
 
-    The one check of a FRAME payload's head, for every way a subscriber takes
-    a frame (by message, or as the confirmation of a frame handed out ahead).
+    The one check of a FRAME payload's head (the engine's, ``c/src/wire.c``), for
+    every way a subscriber takes a frame (by message, or as the confirmation of a
+    frame handed out ahead).  :func:`check_frame` checks the whole payload.
 
     Returns
     -------
@@ -53,51 +72,33 @@ def frame_head(seq: int, slot: int, payload: bytes | memoryview) -> tuple[int, i
         The payload is shorter than its head, its flag index is neither
         ``slot`` nor ``slot | FRAME_VOID``, it declares more arrays or metadata
         than a frame may carry, or a void frame declares arrays.
+    CompiledPartError
+        The engine is not built (:mod:`cupy_ipcpool._compiled`).
     """
-    if len(payload) < FRAME_HEAD.size:
-        raise ProtocolError(f"frame {seq}: payload too short")
-    flag, generation, count, meta_len = FRAME_HEAD.unpack_from(payload, 0)
-    void = False
-    if flag != slot:
-        if flag != slot | FRAME_VOID:
-            raise ProtocolError(f"frame {seq} in slot {slot} names flag {flag}")
-        void = True
-    if count > MAX_ARRAYS or meta_len > MAX_METADATA:
-        raise ProtocolError(f"frame {seq}: {count} arrays, {meta_len} metadata bytes")
-    if void and count:
-        raise ProtocolError(f"frame {seq}: a void frame with {count} arrays")
-    return generation, count, meta_len, void
+    return (_engine or _load_engine()).frame_head(payload, seq, slot)
 
 
-def check_handles(
-    seq: int, slot: int, generation: int, payload: bytes | memoryview, count: int
-) -> None:
-    """Check that each of FRAME ``seq``'s ``count`` array handles lies in the frame.
+def check_frame(
+    seq: int, slot: int, payload: bytes | memoryview, slot_nbytes: int
+) -> tuple[int, int, int, bool]:
+    """Check FRAME ``seq``'s whole payload, received for ``slot`` of slots of ``slot_nbytes``.
 
-    Each handle (from ``payload[FRAME_HEAD.size:]``) must name the frame's
-    ``slot`` and, in its low 32 bits, the ``generation`` of its head: a
-    handle of another slot or generation would point into memory that is not
-    this frame's (and may be written while the frame is held).  Geometry is
-    checked where the arrays are made.
+    The engine's check (``c/src/wire.c``, the C library's ``cip_parse_frame_payload``):
+    the head as :func:`frame_head`; each array handle well formed, naming the
+    frame's slot and, in its low 32 bits, the generation of the head (a handle
+    of another slot or generation would point into memory that is not this
+    frame's), every byte of its array inside the slot, its offset and strides
+    multiples of its item size; the metadata's length.
+
+    Returns
+    -------
+    As :func:`frame_head`; the metadata is the payload's last ``metadata length`` bytes.
 
     Raises
     ------
     ProtocolError
-        A handle is truncated, or names another slot or generation.
+        Any of the above does not hold (the engine's words).
+    CompiledPartError
+        The engine is not built.
     """
-    pos = FRAME_HEAD.size
-    for i in range(count):
-        try:
-            geometry, handle_generation, pos = ArrayHandle.peek(payload, pos)
-        except DescriptorError:
-            raise ProtocolError(f"frame {seq}: array handle {i} truncated") from None
-        handle_slot = int.from_bytes(geometry[:4], "little")  # a handle begins with its slot
-        if handle_slot != slot:
-            raise ProtocolError(
-                f"frame {seq}: array {i} lies in slot {handle_slot}, not in the frame's"
-            )
-        if handle_generation & 0xFFFFFFFF != generation:
-            raise ProtocolError(
-                f"frame {seq}: array {i} is of generation {handle_generation}, the frame of "
-                f"{generation}"
-            )
+    return (_engine or _load_engine()).check_frame(payload, seq, slot, slot_nbytes)

@@ -35,7 +35,7 @@ from .._peer import PeerPool, attach_fds
 from .._transport._closing import ClosedFlag
 from ._ahead import AheadInbox, AheadSchedule, Predicted
 from ._iterate import frames_until_clean_end
-from ._payload import FRAME_HEAD, WELCOME_HEAD, check_handles, frame_head
+from ._payload import FRAME_HEAD, WELCOME_HEAD, check_frame
 from ._settle import (
     CLOSE_GRACE,
     DEATH_WAIT,
@@ -464,15 +464,11 @@ class Subscriber(ClosedFlag):
         peer = self._peer
         assert peer is not None
         try:
-            generation, count, meta_len, void = frame_head(seq, slot, payload)
-            check_handles(seq, slot, generation, payload, count)
+            generation, count, _meta_len, void = check_frame(seq, slot, payload, peer.slot_nbytes)
             lease = _Lease(self, seq, slot, generation, peer._pin(slot))
             if void:
                 lease.void = True
             arrays, pos = self._arrays(seq, payload, FRAME_HEAD.size, count, lease)
-            if len(payload) - pos != meta_len:
-                lease.released = True
-                raise ProtocolError(f"frame {seq}: metadata length does not match")
         except ProtocolError:
             self.close()
             raise

@@ -1,0 +1,138 @@
+"""The channel engine under Python (``cupy_ipcpool._engine``, built from ``c/src``).
+
+The FRAME payload check is the engine's only copy of that rule: the Python
+subscriber calls it through ``_payload.check_frame`` and the C library's
+``cip_sub_recv`` through the same C function.  These tests feed it payloads
+built independently of it (``FRAME_HEAD.pack``, ``ArrayHandle.pack``, raw
+bytes) and check every refusal's kind and words, that the module's C
+functions stay its own (the C library, loaded beside it by ctypes, has the
+same names), and that a build for other layouts is refused.
+"""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+
+import numpy as np
+import pytest
+
+from cupy_ipcpool import _compiled, _engine
+from cupy_ipcpool._errors import CompiledPartError, ProtocolError
+from cupy_ipcpool._handles import ArrayHandle
+from cupy_ipcpool.channel._payload import FRAME_HEAD, FRAME_VOID, check_frame
+
+SLOT_NBYTES = 4096
+M = 0xFFFFFFFF
+
+
+def _payload(slot: int, generation: int, handles: list[ArrayHandle], meta: bytes = b"") -> bytes:
+    head = FRAME_HEAD.pack(slot, generation & M, len(handles), len(meta))
+    return head + b"".join(h.pack() for h in handles) + meta
+
+
+def _f32(slot: int, generation: int, offset: int, shape: tuple[int, ...], strides=None):
+    strides = strides if strides is not None else tuple(4 for _ in shape)
+    return ArrayHandle(slot, generation, offset, shape, strides, np.dtype("float32"))
+
+
+def test_a_well_formed_frame_is_read_as_written() -> None:
+    handles = [_f32(3, 7, 0, (16,)), _f32(3, 7, 64, (4, 4), (16, 4))]
+    payload = _payload(3, 7, handles, b"meta")
+    assert check_frame(11, 3, payload, SLOT_NBYTES) == (7, 2, 4, False)
+    assert check_frame(11, 3, memoryview(payload), SLOT_NBYTES) == (7, 2, 4, False)
+    # an array ending on the slot's last byte fits; the generation's high bits are the handle's
+    assert check_frame(11, 3, _payload(3, 7, [_f32(3, 7 + (1 << 32), 4092, (1,))]), 4096) == (
+        7,
+        1,
+        0,
+        False,
+    )
+    assert check_frame(11, 3, FRAME_HEAD.pack(3 | FRAME_VOID, 9, 0, 2) + b"xy", 16) == (
+        9,
+        0,
+        2,
+        True,
+    )
+
+
+def _refusals() -> dict[str, tuple[bytes, str]]:
+    good = _f32(3, 7, 0, (16,))
+    packed = good.pack()
+    return {
+        "another slot's array": (_payload(3, 7, [_f32(2, 7, 0, (4,))]), "lies in slot 2"),
+        "another generation": (_payload(3, 7, [_f32(3, 6, 0, (4,))]), "of generation 6"),
+        "past the slot's end": (
+            _payload(3, 7, [_f32(3, 7, 4064, (16,))]),
+            "do not fit in a slot of 4096 bytes",
+        ),
+        "a negative stride before the slot": (
+            _payload(3, 7, [_f32(3, 7, 0, (4,), (-4,))]),
+            "do not fit",
+        ),
+        "an offset off the item size": (
+            _payload(3, 7, [_f32(3, 7, 2, (4,))]),
+            "multiple of the item size",
+        ),
+        "a truncated handle": (
+            FRAME_HEAD.pack(3, 7, 1, 0) + packed[:-1],
+            "truncated",
+        ),
+        "a handle missing": (FRAME_HEAD.pack(3, 7, 2, 0) + packed, "truncated"),
+        "metadata shorter than said": (
+            FRAME_HEAD.pack(3, 7, 1, 5) + packed + b"abc",
+            "metadata length does not match",
+        ),
+        "bytes after the metadata": (
+            FRAME_HEAD.pack(3, 7, 1, 0) + packed + b"x",
+            "metadata length does not match",
+        ),
+        "an unknown dtype code": (
+            FRAME_HEAD.pack(3, 7, 1, 0) + packed[:21] + bytes([200]) + packed[22:],
+            "dtype code 200",
+        ),
+        "a head naming another flag": (_payload(2, 7, [good]), "in slot 3 names flag 2"),
+        "a void frame with arrays": (
+            FRAME_HEAD.pack(3 | FRAME_VOID, 7, 1, 0) + packed,
+            "void frame with 1 arrays",
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_refusals()))
+def test_each_refusal_is_a_protocol_error_in_the_engine_s_words(case: str) -> None:
+    payload, words = _refusals()[case]
+    with pytest.raises(ProtocolError, match=r"^frame 11") as caught:
+        check_frame(11, 3, payload, SLOT_NBYTES)
+    assert words in str(caught.value)
+
+
+def test_arguments_of_the_wrong_kind_are_refused_before_the_bytes_are_read() -> None:
+    payload = _payload(3, 7, [_f32(3, 7, 0, (4,))])
+    with pytest.raises(OverflowError):
+        _engine.check_frame(payload, 1, 1 << 32, SLOT_NBYTES)
+    with pytest.raises(OverflowError):
+        _engine.check_frame(payload, -1, 3, SLOT_NBYTES)
+    with pytest.raises(TypeError):
+        _engine.check_frame("not bytes", 1, 3, SLOT_NBYTES)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="4 arguments"):
+        _engine.check_frame(payload, 1, 3)  # type: ignore[call-arg]
+
+
+def test_the_engine_exports_nothing_but_its_module_init() -> None:
+    """Its cip_* functions are hidden: a process that also loads libcupy_ipcpool.so (by
+    ctypes, as the C library's tests and users' tools do) gets two copies that do not mix."""
+    nm = subprocess.run(
+        ["nm", "-D", "--defined-only", _engine.__file__],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    exported = [line.split()[-1] for line in nm.stdout.splitlines() if " T " in line]
+    assert exported == ["PyInit__engine"]
+
+
+def test_a_build_for_other_limits_is_refused() -> None:
+    with pytest.raises(CompiledPartError, match="MAX_ARRAYS: the build has 64, this code 65"):
+        _compiled.load("cupy_ipcpool._engine", MAX_ARRAYS=65)
+    assert _engine.FRAME_HEAD_SIZE == FRAME_HEAD.size == struct.calcsize("<IIHH")
