@@ -122,6 +122,7 @@ def generate() -> str:
         define("BYE", p.BYE),
         define("MODE_BLOCK", p.MODE_BLOCK),
         define("MODE_LATEST", p.MODE_LATEST),
+        define("MODE_AHEAD", p.MODE_AHEAD),
         define("MAX_HELLO_PAYLOAD", p.MAX_HELLO_PAYLOAD),
         define("MAX_WELCOME_PAYLOAD", p.MAX_WELCOME_PAYLOAD),
         define("MAX_REFUSE_REASON", p.MAX_REFUSE_REASON),

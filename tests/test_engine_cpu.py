@@ -1,8 +1,9 @@
 """The channel engine under Python (``cupy_ipcpool._engine``, built from ``c/src``).
 
-The FRAME payload check is the engine's only copy of that rule: the Python
-subscriber calls it through ``_payload.check_frame`` and the C library's
-``cip_sub_recv`` through the same C function.  These tests feed it payloads
+The FRAME payload check and the message decoder are the engine's only copies
+of those rules: the Python channel calls them through ``_payload.check_frame``
+and ``_protocol.decode``, the C library's subscriber through the same C
+functions.  These tests feed it payloads
 built independently of it (``FRAME_HEAD.pack``, ``ArrayHandle.pack``, raw
 bytes) and check every refusal's kind and words, that the module's C
 functions stay its own (the C library, loaded beside it by ctypes, has the
@@ -16,10 +17,13 @@ import subprocess
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cupy_ipcpool import _compiled, _engine
 from cupy_ipcpool._errors import CompiledPartError, ProtocolError
 from cupy_ipcpool._handles import ArrayHandle
+from cupy_ipcpool.channel import _protocol as proto
 from cupy_ipcpool.channel._payload import FRAME_HEAD, FRAME_VOID, check_frame
 
 SLOT_NBYTES = 4096
@@ -136,3 +140,73 @@ def test_a_build_for_other_limits_is_refused() -> None:
     with pytest.raises(CompiledPartError, match="MAX_ARRAYS: the build has 64, this code 65"):
         _compiled.load("cupy_ipcpool._engine", MAX_ARRAYS=65)
     assert _engine.FRAME_HEAD_SIZE == FRAME_HEAD.size == struct.calcsize("<IIHH")
+
+
+# ------------------------------------------------------------------ channel messages
+# The engine's decoder (c/src/message.c) is _protocol.decode and the C library's
+# judge of every message: its refusals are checked here against references it does not
+# share (Python's own UTF-8 codec, hand-packed structs).
+
+
+def _refuse(raw: bytes) -> bytes:
+    return struct.pack("<HBBI", proto.MAGIC, proto.VERSION, proto.REFUSE, len(raw)) + raw
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=40))
+def test_a_refuse_reason_is_taken_exactly_when_it_is_utf8(raw: bytes) -> None:
+    try:
+        expected: str | None = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        expected = None
+    try:
+        got: str | None = proto.decode(_refuse(raw)).reason  # type: ignore[union-attr]
+    except ProtocolError as exc:
+        assert "REFUSE reason is not valid UTF-8" in str(exc)
+        got = None
+    assert got == expected
+
+
+@pytest.mark.parametrize(
+    ("raw", "valid"),
+    [
+        (b"lease_timeout", True),
+        (b"nul\x00inside", True),  # a reason may hold any character, NUL too
+        ("caf\u00e9 \u2603 \U0001f600".encode(), True),
+        (b"\xc0\xaf", False),  # an overlong '/'
+        (b"\xed\xa0\x80", False),  # a surrogate
+        (b"\xf4\x90\x80\x80", False),  # past U+10FFFF
+        (b"ok\xe2\x82", False),  # cut inside a character
+    ],
+)
+def test_refuse_reasons_at_the_edges_of_utf8(raw: bytes, valid: bool) -> None:
+    if valid:
+        assert proto.decode(_refuse(raw)) == proto.Refuse(raw.decode())
+    else:
+        with pytest.raises(ProtocolError, match="REFUSE reason is not valid UTF-8"):
+            proto.decode(_refuse(raw))
+
+
+def test_a_hello_of_each_mode_is_taken_and_an_unknown_mode_refused() -> None:
+    for mode in proto.MODE_NAMES:
+        hello = struct.pack("<HBBBHII", proto.MAGIC, proto.VERSION, proto.HELLO, mode, 4, 99, 2)
+        assert proto.decode(hello + b"hi") == proto.Hello(mode, 4, 99, b"hi")
+    bad = struct.pack("<HBBBHII", proto.MAGIC, proto.VERSION, proto.HELLO, 3, 4, 99, 0)
+    with pytest.raises(ProtocolError, match="HELLO has unknown mode 3"):
+        proto.decode(bad)
+
+
+def test_a_message_of_every_kind_comes_back_as_encoded() -> None:
+    welcome = struct.pack(
+        "<HBBIIQHII", proto.MAGIC, proto.VERSION, proto.WELCOME, 5, 8, 1 << 40, 3, 250, 2
+    )
+    assert proto.decode(welcome + b"wp") == proto.Welcome(5, 8, 1 << 40, b"wp", 3, 250)
+    assert proto.decode(proto.encode_frame((1 << 64) - 1, 7, b"x" * 9)) == proto.Frame(
+        (1 << 64) - 1, 7, b"x" * 9
+    )
+    assert proto.decode(bytearray(proto.encode_release(12, 3))) == proto.Release(12, 3)
+    assert proto.decode(memoryview(proto.encode_bye())) == proto.Bye()
+    with pytest.raises(ProtocolError, match="unknown message type 9"):
+        proto.decode(struct.pack("<HBB", proto.MAGIC, proto.VERSION, 9))
+    with pytest.raises(TypeError):
+        proto.decode("not bytes")  # type: ignore[arg-type]

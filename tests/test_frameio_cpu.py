@@ -24,6 +24,7 @@ from _memop_recorder import MemopRecorder as _Recorder
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cupy_ipcpool._errors import ProtocolError
 from cupy_ipcpool.channel import _protocol as proto
 from cupy_ipcpool.channel._frameio import (
     PROTOCOL,
@@ -255,7 +256,7 @@ def test_it_takes_exactly_what_decode_reads_as_a_frame(data: bytes) -> None:
         assert bytes(buf[:n]) == data
         try:
             msg = proto.decode(data)
-        except proto.ProtocolError:
+        except ProtocolError:
             msg = None
         if type(msg) is proto.Frame:
             assert (seq, slot, bytes(buf[_HEAD:n])) == (msg.seq, msg.slot, msg.payload)
@@ -527,7 +528,7 @@ def test_wait_releases_takes_exactly_what_decode_reads_as_a_release(data: bytes)
         _fd, seq, what = got[0]
         try:
             msg = proto.decode(data[: proto.MAX_RELEASE_SIZE + 1])
-        except proto.ProtocolError:
+        except ProtocolError:
             msg = None
         if type(msg) is proto.Release and len(data) == proto.MAX_RELEASE_SIZE:
             assert (seq, what) == (msg.seq, msg.slot)

@@ -319,18 +319,26 @@ def test_frames_queued_before_a_bye_are_handed_out_and_nothing_after_it(
 # an eviction; queued at a hang-up it keeps every frame queued from being handed out.
 
 
-def _malformed_refuse() -> bytes:
-    good = proto.encode_refuse("lease_timeout")
-    return good[:-2]  # its length field now says more than it carries
+#: Malformed REFUSEs: its length field says more than it carries; its reason is not UTF-8
+#: (the C library took it as an eviction, with the bytes as the reason).
+MALFORMED_REFUSES = {
+    "short": proto.encode_refuse("lease_timeout")[:-2],
+    "not utf-8": struct.pack("<HBBI", proto.MAGIC, proto.VERSION, proto.REFUSE, 3) + b"ok\xff",
+}
+
+
+@pytest.fixture(params=sorted(MALFORMED_REFUSES))
+def malformed_refuse(request: pytest.FixtureRequest) -> bytes:
+    return MALFORMED_REFUSES[request.param]
 
 
 @pytest.mark.timeout(60)
 def test_a_malformed_refuse_queued_at_a_hang_up_is_a_protocol_error(
-    consumer: Consumer, address: str, peer_at: Any
+    consumer: Consumer, address: str, peer_at: Any, malformed_refuse: bytes
 ) -> None:
     peer = peer_at()
     _open(consumer, address, peer)
-    peer.send(proto.encode_frame(0, 0, b""), _malformed_refuse(), proto.encode_bye())
+    peer.send(proto.encode_frame(0, 0, b""), malformed_refuse, proto.encode_bye())
     peer.hang_up()
     got = consumer.recv()
     assert outcome(got) == "protocol", f"not a protocol error: {got}"
@@ -340,11 +348,11 @@ def test_a_malformed_refuse_queued_at_a_hang_up_is_a_protocol_error(
 
 @pytest.mark.timeout(60)
 def test_a_malformed_refuse_on_a_live_connection_is_a_protocol_error(
-    consumer: Consumer, address: str, peer_at: Any
+    consumer: Consumer, address: str, peer_at: Any, malformed_refuse: bytes
 ) -> None:
     peer = peer_at()
     _open(consumer, address, peer)
-    peer.send(proto.encode_frame(0, 0, b""), _malformed_refuse())
+    peer.send(proto.encode_frame(0, 0, b""), malformed_refuse)
     assert frame(consumer.recv()).seq == 0  # taken before the notice, no hang-up since
     _ended_by_protocol_error(consumer, peer, "REFUSE")
 

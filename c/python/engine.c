@@ -7,8 +7,9 @@
  * module's own, whatever else the process loads (libcupy_ipcpool.so through
  * ctypes, say).  Each rule of the protocol that moved into the engine has its
  * one implementation in c/src and a thin call here; Python keeps none of it
- * (docs/design.md, "One engine").  Today: the check of a FRAME payload (its head, its
- * array handles, its metadata's length).
+ * (docs/design.md, "One engine").  Today: the decoding and checks of every channel
+ * message, and the check of a FRAME payload (its head, its array handles, its metadata's
+ * length).
  *
  * Errors are raised as cupy_ipcpool's own exceptions, with the engine's words
  * (cip_last_error): a rule's message is the same in Python and in C.
@@ -125,9 +126,65 @@ engine_check_frame(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return frame_call(module, args, nargs, 1);
 }
 
+/* ---- channel messages -------------------------------------------------------------- */
+
+PyDoc_STRVAR(
+    decode_doc,
+    "decode(data, /) -> tuple\n"
+    "\n"
+    "Decode and check one channel message (a datagram, of any kind).  Returns its type\n"
+    "and fields: (FRAME, seq, slot, payload), (RELEASE, seq, slot), (BYE,),\n"
+    "(HELLO, mode, credit, pid, payload), (WELCOME, sub_id, num_slots, next_seq, payload,\n"
+    "credit, lease_timeout_ms) or (REFUSE, reason); payloads are bytes, the reason str.\n"
+    "\n"
+    "Raises ProtocolError (cupy_ipcpool's) with the engine's message: wrong magic, version\n"
+    "or type; truncated or trailing bytes; a length or field out of range; a REFUSE\n"
+    "reason that is not UTF-8.");
+
+static PyObject *
+engine_decode(PyObject *module, PyObject *data)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    struct cipi_msg m;
+    PyObject *out = NULL;
+    if (cipi_decode(view.buf, (size_t)view.len, &m) != CIP_OK) {
+        PyErr_SetString(state_of(module)->protocol_error, cip_last_error());
+    } else {
+        const char *payload = (const char *)m.payload;
+        Py_ssize_t len = (Py_ssize_t)m.len;
+        switch (m.type) {
+        case CIP_WIRE_FRAME:
+            out = Py_BuildValue("(IKIy#)", m.type, (unsigned long long)m.seq, m.slot, payload, len);
+            break;
+        case CIP_WIRE_RELEASE:
+            out = Py_BuildValue("(IKI)", m.type, (unsigned long long)m.seq, m.slot);
+            break;
+        case CIP_WIRE_BYE:
+            out = Py_BuildValue("(I)", m.type);
+            break;
+        case CIP_WIRE_HELLO:
+            out = Py_BuildValue("(IIIIy#)", m.type, m.mode, m.credit, m.pid, payload, len);
+            break;
+        case CIP_WIRE_WELCOME:
+            out = Py_BuildValue("(IIIKy#II)", m.type, m.sub_id, m.num_slots,
+                                (unsigned long long)m.seq, payload, len, m.credit,
+                                m.lease_timeout_ms);
+            break;
+        default: /* CIP_WIRE_REFUSE: cipi_decode checked the reason is UTF-8 */
+            out = Py_BuildValue("(Is#)", m.type, payload, len);
+            break;
+        }
+    }
+    PyBuffer_Release(&view);
+    return out;
+}
+
 /* ---- the module --------------------------------------------------------------------- */
 
 static PyMethodDef engine_methods[] = {
+    {"decode", (PyCFunction)engine_decode, METH_O, decode_doc},
     {"frame_head", (PyCFunction)(void (*)(void))engine_frame_head, METH_FASTCALL,
      frame_head_doc},
     {"check_frame", (PyCFunction)(void (*)(void))engine_check_frame, METH_FASTCALL,
@@ -161,7 +218,9 @@ engine_exec(PyObject *module)
         return -1;
     /* the layouts and limits the engine was built for: cupy_ipcpool._compiled.load
      * refuses a build whose values differ from the Python definitions */
-    if (add_int(module, "WIRE_VERSION", CIP_WIRE_VERSION) < 0 ||
+    if (add_int(module, "MAGIC", CIP_WIRE_MAGIC) < 0 ||
+        add_int(module, "WIRE_VERSION", CIP_WIRE_VERSION) < 0 ||
+        add_int(module, "MAX_FRAME_PAYLOAD", CIP_WIRE_MAX_FRAME_PAYLOAD) < 0 ||
         add_int(module, "FRAME_HEAD_SIZE", CIP_WIRE_FRAME_HEAD_SIZE) < 0 ||
         add_int(module, "FRAME_VOID", CIP_WIRE_FRAME_VOID) < 0 ||
         add_int(module, "MAX_ARRAYS", CIP_WIRE_MAX_ARRAYS) < 0 ||

@@ -15,6 +15,7 @@
  *                table, contexts, devices
  *   wire.c       the wire: compile-time checks against the generated layouts, dtypes, pool
  *                descriptors, array handles, frame payloads
+ *   message.c    one channel message decoded and checked, of every kind: the message rules
  *   sockets.c    Unix sockets: the socket path check, connecting, receiving fds
  *   fetch.c      fetching a pool's fds: pidfd_getfd, the fd server
  *   pool.c       pools: attach (import, reserve, map, access), slots, handles, close (no
@@ -309,6 +310,7 @@ CIP_INTERNAL void cipi_ctx_pop(void);
 CIP_INTERNAL cip_status cipi_resolve_device(const uint8_t *uuid, int device, int *out);
 
 /* wire.c */
+CIP_INTERNAL int cipi_valid_utf8(const uint8_t *s, size_t n, int allow_nul);
 struct cipi_frame_head {
     uint32_t generation;   /* the low 32 bits of the slot's generation */
     uint32_t num_arrays;
@@ -324,6 +326,20 @@ CIP_INTERNAL cip_status cipi_parse_frame_payload(const void *payload, size_t len
                                                  uint32_t slot, uint64_t slot_nbytes,
                                                  uint64_t slot_base, cip_array *arrays, size_t cap,
                                                  cip_frame *out, int *is_void);
+
+/* message.c: one channel message, decoded and checked (every kind, either direction) */
+struct cipi_msg {
+    unsigned type;           /* CIP_WIRE_HELLO .. CIP_WIRE_BYE */
+    uint64_t seq;            /* FRAME, RELEASE; WELCOME: next_seq */
+    uint32_t slot;           /* FRAME, RELEASE */
+    uint32_t mode, pid;      /* HELLO */
+    uint32_t credit;         /* HELLO, WELCOME */
+    uint32_t sub_id, num_slots, lease_timeout_ms; /* WELCOME */
+    const uint8_t *payload;  /* HELLO, WELCOME, FRAME: the payload; REFUSE: the reason
+                                (UTF-8, not NUL-terminated); points into the message */
+    uint32_t len;            /* the payload's length */
+};
+CIP_INTERNAL cip_status cipi_decode(const void *data, size_t n, struct cipi_msg *out);
 
 /* sockets.c */
 CIP_INTERNAL cip_status cipi_check_socket_path(const char *path);
@@ -352,7 +368,7 @@ CIP_INTERNAL size_t cipi_book_answers(const struct frame_book *b, volatile uint3
 CIP_INTERNAL cip_status cipi_sub_end(cip_sub *sub, cip_status status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 CIP_INTERNAL void cipi_backlog_clear(cip_sub *sub);
-CIP_INTERNAL int cipi_refuse_reason(const uint8_t *p, size_t n, char *out, size_t cap);
+CIP_INTERNAL void cipi_refuse_reason(const struct cipi_msg *m, char *out, size_t cap);
 CIP_INTERNAL int cipi_producer_dead(cip_sub *sub);
 CIP_INTERNAL void cipi_resolve_waits(cip_sub *sub);
 CIP_INTERNAL void cipi_say_bye_and_close(cip_sub *sub);

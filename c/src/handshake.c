@@ -123,7 +123,7 @@ handshake(cip_sub *sub, const cip_sub_options *o)
         break;
     }
     st = CIP_OK;
-    unsigned type = 0;
+    struct cipi_msg m = {0};
     if (flags & MSG_CTRUNC)
         st = cipi_fail(CIP_ERR_PROTOCOL, "the WELCOME carried more fds than fit (MSG_CTRUNC)");
     else if ((flags & MSG_TRUNC) || (size_t)n >= cap)
@@ -131,63 +131,38 @@ handshake(cip_sub *sub, const cip_sub_options *o)
     else if (n == 0)
         st = cipi_fail(CIP_ERR_PUBLISHER_GONE, "the publisher at %s closed during the handshake",
                   sub->path);
-    else if ((size_t)n < CIP_WIRE_HEADER_SIZE)
-        st = cipi_fail(CIP_ERR_PROTOCOL, "message of %zd bytes is shorter than the header", n);
-    else if (RD(buf, HEADER_MAGIC) != CIP_WIRE_MAGIC)
+    /* a reply in another protocol: the peer is no publisher (said before the decoder's
+     * words, which speak of a malformed message) */
+    else if ((size_t)n >= CIP_WIRE_HEADER_SIZE && RD(buf, HEADER_MAGIC) != CIP_WIRE_MAGIC)
         st = cipi_fail(CIP_ERR_PROTOCOL,
                   "%s is not a cupy_ipcpool publisher: it answered in another protocol "
                   "(bad magic 0x%04llx, expected 0x%04x)",
                   sub->path, (unsigned long long)RD(buf, HEADER_MAGIC), CIP_WIRE_MAGIC);
-    else if (RD(buf, HEADER_VERSION) != CIP_WIRE_VERSION)
-        st = cipi_fail(CIP_ERR_PROTOCOL, "unsupported protocol version %llu (this side speaks %u)",
-                  (unsigned long long)RD(buf, HEADER_VERSION), CIP_WIRE_VERSION);
     else
-        type = (unsigned)RD(buf, HEADER_TYPE);
-    if (st == CIP_OK && type == CIP_WIRE_REFUSE) {
+        st = cipi_decode(buf, (size_t)n, &m);
+    if (st == CIP_OK && m.type == CIP_WIRE_REFUSE) {
         char reason[CIP_WIRE_MAX_REFUSE_REASON + 1];
-        if (cipi_refuse_reason(buf, (size_t)n, reason, sizeof reason) != 0)
-            st = cipi_fail(CIP_ERR_PROTOCOL, "malformed REFUSE (%zd bytes)", n);
-        else
-            st = cipi_fail(CIP_ERR_REFUSED, "the publisher at %s refused: %s", sub->path, reason);
-    } else if (st == CIP_OK && type != CIP_WIRE_WELCOME) {
-        st = cipi_fail(CIP_ERR_PROTOCOL, "expected WELCOME, got a message of type %u", type);
+        cipi_refuse_reason(&m, reason, sizeof reason);
+        st = cipi_fail(CIP_ERR_REFUSED, "the publisher at %s refused: %s", sub->path, reason);
+    } else if (st == CIP_OK && m.type != CIP_WIRE_WELCOME) {
+        st = cipi_fail(CIP_ERR_PROTOCOL, "expected WELCOME, got a message of type %u", m.type);
     } else if (st == CIP_OK) {
-        uint64_t num_slots = 0, credit = 0, len = 0;
-        if ((size_t)n < CIP_WIRE_WELCOME_SIZE) {
-            st = cipi_fail(CIP_ERR_PROTOCOL, "truncated WELCOME (%zd bytes)", n);
+        sub->info.sub_id = m.sub_id;
+        sub->info.num_slots = m.num_slots;
+        sub->info.next_seq = m.seq;
+        sub->info.credit = m.credit;
+        sub->info.lease_timeout_ms = m.lease_timeout_ms;
+        sub->welcome = (uint8_t *)malloc(m.len ? m.len : 1);
+        sub->fds = (int *)malloc((nfds ? nfds : 1) * sizeof(int));
+        sub->held = (struct held *)calloc(m.num_slots, sizeof(struct held));
+        if (!sub->welcome || !sub->fds || !sub->held) {
+            st = cipi_fail(CIP_ERR_NO_MEMORY, "out of memory");
         } else {
-            num_slots = RD(buf, WELCOME_NUM_SLOTS);
-            credit = RD(buf, WELCOME_CREDIT);
-            len = RD(buf, WELCOME_LEN);
-            if (num_slots < 1 || num_slots > CIP_WIRE_MAX_SLOTS)
-                st = cipi_fail(CIP_ERR_PROTOCOL, "WELCOME num_slots %llu is outside 1..%u",
-                          (unsigned long long)num_slots, CIP_WIRE_MAX_SLOTS);
-            else if (credit < 1)
-                st = cipi_fail(CIP_ERR_PROTOCOL, "WELCOME credit must be at least 1");
-            else if (len > CIP_WIRE_MAX_WELCOME_PAYLOAD ||
-                     (size_t)n != CIP_WIRE_WELCOME_SIZE + len)
-                st = cipi_fail(CIP_ERR_PROTOCOL,
-                          "WELCOME length field says %llu bytes but the message carries %zu",
-                          (unsigned long long)len, (size_t)n - CIP_WIRE_WELCOME_SIZE);
-        }
-        if (st == CIP_OK) {
-            sub->info.sub_id = (uint32_t)RD(buf, WELCOME_SUB_ID);
-            sub->info.num_slots = (uint32_t)num_slots;
-            sub->info.next_seq = RD(buf, WELCOME_NEXT_SEQ);
-            sub->info.credit = (uint32_t)credit;
-            sub->info.lease_timeout_ms = (uint32_t)RD(buf, WELCOME_LEASE_TIMEOUT_MS);
-            sub->welcome = (uint8_t *)malloc(len ? len : 1);
-            sub->fds = (int *)malloc((nfds ? nfds : 1) * sizeof(int));
-            sub->held = (struct held *)calloc(num_slots, sizeof(struct held));
-            if (!sub->welcome || !sub->fds || !sub->held) {
-                st = cipi_fail(CIP_ERR_NO_MEMORY, "out of memory");
-            } else {
-                memcpy(sub->welcome, buf + CIP_WIRE_WELCOME_SIZE, len);
-                sub->welcome_len = len;
-                memcpy(sub->fds, fds, nfds * sizeof(int));
-                sub->nfds = nfds;
-                nfds = 0;
-            }
+            memcpy(sub->welcome, m.payload, m.len);
+            sub->welcome_len = m.len;
+            memcpy(sub->fds, fds, nfds * sizeof(int));
+            sub->nfds = nfds;
+            nfds = 0;
         }
     }
     free(buf);

@@ -57,22 +57,16 @@ msg_type(const uint8_t *p, size_t n)
     return (unsigned)RD(p, HEADER_TYPE);
 }
 
-/* A REFUSE's reason, printable, into out; -1 if malformed. */
-int
-cipi_refuse_reason(const uint8_t *p, size_t n, char *out, size_t cap)
+/* A REFUSE's reason (m: a REFUSE from cipi_decode), printable, into out. */
+void
+cipi_refuse_reason(const struct cipi_msg *m, char *out, size_t cap)
 {
-    if (n < CIP_WIRE_REFUSE_SIZE)
-        return -1;
-    uint64_t len = RD(p, REFUSE_LEN);
-    if (len > CIP_WIRE_MAX_REFUSE_REASON || n != CIP_WIRE_REFUSE_SIZE + len)
-        return -1;
     size_t k = 0;
-    for (uint64_t i = 0; i < len && k + 1 < cap; i++) {
-        uint8_t c = p[CIP_WIRE_REFUSE_SIZE + i];
+    for (uint32_t i = 0; i < m->len && k + 1 < cap; i++) {
+        uint8_t c = m->payload[i];
         out[k++] = (c < 0x20 || c == 0x7F) ? '?' : (char)c;
     }
     out[k] = '\0';
-    return 0;
 }
 
 int
@@ -149,12 +143,13 @@ scan_after_hangup(cip_sub *sub)
         struct msgbuf *m = &sub->backlog[(sub->bl_head + i) % sub->bl_cap];
         unsigned type = msg_type(m->data, m->len);
         if (type == CIP_WIRE_REFUSE) {
-            char reason[CIP_WIRE_MAX_REFUSE_REASON + 1];
-            if (cipi_refuse_reason(m->data, m->len, reason, sizeof reason) != 0) {
-                cipi_fail(CIP_ERR_PROTOCOL, "malformed REFUSE (%zu bytes)", m->len);
+            struct cipi_msg msg;
+            if (cipi_decode(m->data, m->len, &msg) != CIP_OK) {
                 cipi_protocol_error(sub); /* clears the backlog: no queued frame is handed out */
                 return;
             }
+            char reason[CIP_WIRE_MAX_REFUSE_REASON + 1];
+            cipi_refuse_reason(&msg, reason, sizeof reason);
             cipi_backlog_clear(sub);
             cipi_sub_end(sub, CIP_ERR_EVICTED, "the publisher evicted this subscriber: %s", reason);
             return;
@@ -341,33 +336,12 @@ static cip_status
 judge(cip_sub *sub, const uint8_t *p, size_t n, uint64_t *seq, uint32_t *slot,
       const uint8_t **payload, uint32_t *plen)
 {
-    if (n < CIP_WIRE_HEADER_SIZE) {
-        cipi_fail(CIP_ERR_PROTOCOL, "message of %zu bytes is shorter than the %d-byte header", n,
-             CIP_WIRE_HEADER_SIZE);
+    struct cipi_msg m;
+    if (cipi_decode(p, n, &m) != CIP_OK)
         return cipi_protocol_error(sub);
-    }
-    if (RD(p, HEADER_MAGIC) != CIP_WIRE_MAGIC) {
-        cipi_fail(CIP_ERR_PROTOCOL, "bad magic 0x%04llx (expected 0x%04x)",
-             (unsigned long long)RD(p, HEADER_MAGIC), CIP_WIRE_MAGIC);
-        return cipi_protocol_error(sub);
-    }
-    if (RD(p, HEADER_VERSION) != CIP_WIRE_VERSION) {
-        cipi_fail(CIP_ERR_PROTOCOL, "unsupported protocol version %llu (this side speaks %u)",
-             (unsigned long long)RD(p, HEADER_VERSION), CIP_WIRE_VERSION);
-        return cipi_protocol_error(sub);
-    }
-    unsigned type = (unsigned)RD(p, HEADER_TYPE);
+    unsigned type = m.type;
     if (type == CIP_WIRE_FRAME) {
-        if (n < CIP_WIRE_FRAME_SIZE) {
-            cipi_fail(CIP_ERR_PROTOCOL, "truncated FRAME (%zu bytes)", n);
-            return cipi_protocol_error(sub);
-        }
-        uint64_t s = RD(p, FRAME_SEQ), sl = RD(p, FRAME_SLOT), len = RD(p, FRAME_LEN);
-        if (len > CIP_WIRE_MAX_FRAME_PAYLOAD || n != CIP_WIRE_FRAME_SIZE + len) {
-            cipi_fail(CIP_ERR_PROTOCOL, "FRAME length field says %llu bytes but the message carries %zu",
-                 (unsigned long long)len, n - CIP_WIRE_FRAME_SIZE);
-            return cipi_protocol_error(sub);
-        }
+        uint64_t s = m.seq, sl = m.slot;
         if (sl >= sub->info.num_slots) {
             cipi_fail(CIP_ERR_PROTOCOL, "frame %llu names slot %llu of %u", (unsigned long long)s,
                  (unsigned long long)sl, sub->info.num_slots);
@@ -390,24 +364,17 @@ judge(cip_sub *sub, const uint8_t *p, size_t n, uint64_t *seq, uint32_t *slot,
         sub->last_seq = s;
         *seq = s;
         *slot = (uint32_t)sl;
-        *payload = p + CIP_WIRE_FRAME_SIZE;
-        *plen = (uint32_t)len;
+        *payload = m.payload;
+        *plen = m.len;
         return CIP_OK;
     }
     if (type == CIP_WIRE_BYE) {
-        if (n != CIP_WIRE_HEADER_SIZE) {
-            cipi_fail(CIP_ERR_PROTOCOL, "BYE must be %d bytes, got %zu", CIP_WIRE_HEADER_SIZE, n);
-            return cipi_protocol_error(sub);
-        }
         cipi_backlog_clear(sub);
         return cipi_sub_end(sub, CIP_ERR_END_OF_STREAM, "the publisher said BYE");
     }
     if (type == CIP_WIRE_REFUSE) {
         char reason[CIP_WIRE_MAX_REFUSE_REASON + 1];
-        if (cipi_refuse_reason(p, n, reason, sizeof reason) != 0) {
-            cipi_fail(CIP_ERR_PROTOCOL, "malformed REFUSE (%zu bytes)", n);
-            return cipi_protocol_error(sub);
-        }
+        cipi_refuse_reason(&m, reason, sizeof reason);
         cipi_backlog_clear(sub);
         return cipi_sub_end(sub, CIP_ERR_EVICTED, "the publisher evicted this subscriber: %s", reason);
     }

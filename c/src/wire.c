@@ -59,15 +59,17 @@ cip_dtype_itemsize(int dtype)
 
 /* ---- descriptors and array handles ------------------------------------------------ */
 
-static int
-valid_utf8(const uint8_t *s, size_t n)
+/* Whether s[0..n) is valid UTF-8 (no overlong forms, no surrogates, nothing past
+ * U+10FFFF), with a NUL byte allowed only if allow_nul. */
+int
+cipi_valid_utf8(const uint8_t *s, size_t n, int allow_nul)
 {
     size_t i = 0;
     while (i < n) {
         uint8_t c = s[i];
         size_t extra;
         uint32_t cp;
-        if (c == 0)
+        if (c == 0 && !allow_nul)
             return 0;
         if (c < 0x80) {
             i++;
@@ -146,7 +148,7 @@ cip_parse_descriptor(const void *bytes, size_t n, cip_descriptor *out)
     if (n > pos + path_len)
         return cipi_fail(CIP_ERR_DESCRIPTOR, "pool descriptor has %zu trailing bytes after its end",
                     n - pos - path_len);
-    if (path_len && !valid_utf8(p + pos, path_len))
+    if (path_len && !cipi_valid_utf8(p + pos, path_len, 0))
         return cipi_fail(CIP_ERR_DESCRIPTOR, "socket path is not valid UTF-8 (or holds a NUL)");
     cip_descriptor d;
     memset(&d, 0, sizeof d);

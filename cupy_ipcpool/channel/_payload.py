@@ -40,7 +40,8 @@ _engine: ModuleType | None = None
 
 
 def _load_engine() -> ModuleType:
-    """The channel engine (``cupy_ipcpool._engine``), built for these layouts and limits."""
+    """The engine (``cupy_ipcpool._engine``), checked against this module's layouts and
+    limits (:mod:`.._protocol` checks its own)."""
     global _engine
     _engine = load(
         "cupy_ipcpool._engine",

@@ -22,16 +22,20 @@ BYE=6     either side                 (empty)
 
 Version 2 added the granted credit and the lease timeout to WELCOME.  A
 REFUSE after the WELCOME means the subscriber was evicted.  Payloads are
-opaque bytes for the GPU layer.  :func:`decode` checks every field
-and raises only :class:`~cupy_ipcpool._errors.ProtocolError` on malformed input.
+opaque bytes for the GPU layer.  :func:`decode` checks every field (the engine does,
+``c/src/message.c``: the C library decodes with the same code) and raises only
+:class:`~cupy_ipcpool._errors.ProtocolError` on malformed input.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
-from .._errors import ProtocolError, UsageError
+from .._compiled import load
+from .._errors import UsageError
 from .._handles import MAX_SLOTS as HANDLES_MAX_SLOTS
 
 MAGIC = 0x4950
@@ -68,7 +72,6 @@ _REFUSE = struct.Struct("<HBBI")
 _FRAME = struct.Struct("<HBBQII")
 _RELEASE = struct.Struct("<HBBQI")
 _BYE = _HEADER
-_FRAME_SIZE = _FRAME.size
 
 #: Largest datagram of each kind, for receive buffers.
 MAX_HELLO_SIZE = _HELLO.size + MAX_HELLO_PAYLOAD
@@ -340,18 +343,6 @@ def encode_bye() -> bytes:
     return _BYE_BYTES
 
 
-def _payload(
-    data: bytes | bytearray | memoryview, head: int, length: int, limit: int, what: str
-) -> bytes:
-    if length > limit:
-        raise ProtocolError(f"{what} length {length} exceeds the limit of {limit} bytes")
-    if len(data) != head + length:
-        raise ProtocolError(
-            f"{what} length field says {length} bytes but the message carries {len(data) - head}"
-        )
-    return bytes(data[head:])
-
-
 def has_magic(data: bytes | bytearray | memoryview) -> bool:
     """Whether ``data`` (a datagram) begins with the channel protocol's magic.
 
@@ -378,7 +369,7 @@ def kind_of(data: bytes | bytearray | memoryview) -> int | None:
 
 
 def decode(data: bytes | bytearray | memoryview) -> Message:
-    """Decode and validate one datagram.
+    """Decode and validate one datagram (the engine's decoder, ``c/src/message.c``).
 
     Parameters
     ----------
@@ -395,78 +386,39 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
     ------
     ProtocolError
         Wrong magic, version or type; truncated or trailing bytes; a length or
-        field out of range.  Nothing else is raised.
+        field out of range; a REFUSE reason that is not UTF-8.
+    CompiledPartError
+        The engine is not built (:mod:`cupy_ipcpool._compiled`).
     """
-    n = len(data)
-    if n >= _FRAME_SIZE:
-        # the per-frame message first, with one unpack; anything else (or a FRAME
-        # that does not add up) takes the checks below
-        magic, version, kind, seq, slot, length = _FRAME.unpack_from(data)
-        if (
-            kind == FRAME
-            and magic == MAGIC
-            and version == VERSION
-            and length <= MAX_FRAME_PAYLOAD
-            and n == _FRAME_SIZE + length
-        ):
-            return Frame(seq, slot, bytes(data[_FRAME_SIZE:]))
-    if n < _HEADER.size:
-        raise ProtocolError(f"message of {n} bytes is shorter than the {_HEADER.size}-byte header")
-    magic, version, kind = _HEADER.unpack_from(data)
-    if magic != MAGIC:
-        raise ProtocolError(
-            f"bad magic 0x{magic:04x} (expected 0x{MAGIC:04x}): the peer does not speak "
-            "the cupy_ipcpool channel protocol"
-        )
-    if version != VERSION:
-        raise ProtocolError(f"unsupported protocol version {version} (this side speaks {VERSION})")
-    if kind == FRAME:
-        if n < _FRAME.size:
-            raise ProtocolError(f"truncated FRAME ({n} bytes)")
-        _, _, _, seq, slot, length = _FRAME.unpack_from(data)
-        return Frame(seq, slot, _payload(data, _FRAME.size, length, MAX_FRAME_PAYLOAD, "FRAME"))
-    if kind == RELEASE:
-        if n != _RELEASE.size:
-            raise ProtocolError(f"RELEASE must be {_RELEASE.size} bytes, got {n}")
-        _, _, _, seq, slot = _RELEASE.unpack_from(data)
-        return Release(seq, slot)
-    if kind == BYE:
-        if n != _BYE.size:
-            raise ProtocolError(f"BYE must be {_BYE.size} bytes, got {n}")
-        return Bye()
-    if kind == HELLO:
-        if n < _HELLO.size:
-            raise ProtocolError(f"truncated HELLO ({n} bytes)")
-        _, _, _, mode, credit, pid, length = _HELLO.unpack_from(data)
-        if mode not in MODE_NAMES:
-            raise ProtocolError(f"HELLO has unknown mode {mode}")
-        if credit < 1:
-            raise ProtocolError("HELLO credit must be at least 1")
-        payload = _payload(data, _HELLO.size, length, MAX_HELLO_PAYLOAD, "HELLO")
-        return Hello(mode, credit, pid, payload)
-    if kind == WELCOME:
-        if n < _WELCOME.size:
-            raise ProtocolError(f"truncated WELCOME ({n} bytes)")
-        _, _, _, sub_id, num_slots, next_seq, credit, timeout_ms, length = _WELCOME.unpack_from(
-            data
-        )
-        if not 1 <= num_slots <= MAX_SLOTS:
-            raise ProtocolError(f"WELCOME num_slots {num_slots} is outside 1..{MAX_SLOTS}")
-        if credit < 1:
-            raise ProtocolError("WELCOME credit must be at least 1")
-        payload = _payload(data, _WELCOME.size, length, MAX_WELCOME_PAYLOAD, "WELCOME")
-        return Welcome(sub_id, num_slots, next_seq, payload, credit, timeout_ms)
-    if kind == REFUSE:
-        if n < _REFUSE.size:
-            raise ProtocolError(f"truncated REFUSE ({n} bytes)")
-        (length,) = struct.unpack_from("<I", data, _HEADER.size)
-        raw = _payload(data, _REFUSE.size, length, MAX_REFUSE_REASON, "REFUSE")
-        try:
-            reason = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise ProtocolError(f"REFUSE reason is not valid UTF-8: {exc}") from None
-        return Refuse(reason)
-    raise ProtocolError(f"unknown message type {kind}")
+    kind, *fields = (_engine or _load_engine()).decode(data)
+    return _MESSAGES[kind](*fields)
+
+
+_engine: ModuleType | None = None
+
+
+def _load_engine() -> ModuleType:
+    """The engine (``cupy_ipcpool._engine``), checked against this module's layouts
+    (:mod:`._payload` checks its own)."""
+    global _engine
+    _engine = load(
+        "cupy_ipcpool._engine",
+        MAGIC=MAGIC,
+        WIRE_VERSION=VERSION,
+        MAX_FRAME_PAYLOAD=MAX_FRAME_PAYLOAD,
+    )
+    return _engine
+
+
+#: What :func:`decode` builds from the engine's answer (its fields in the class's order).
+_MESSAGES: dict[int, Callable[..., Message]] = {
+    HELLO: Hello,
+    WELCOME: Welcome,
+    REFUSE: Refuse,
+    FRAME: Frame,
+    RELEASE: Release,
+    BYE: Bye,
+}
 
 
 __all__ = [

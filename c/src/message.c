@@ -1,0 +1,106 @@
+/* message.c -- one channel message decoded and checked, of every kind and either direction:
+ * the protocol's message rules, once (the Python channel and this library's subscriber both
+ * decode with cipi_decode; cip_internal.h says what the modules share). */
+#include "cip_internal.h"
+
+/* A message of `what` whose fixed part has `head` bytes and whose length field says `len`:
+ * the payload is the rest, to the byte, and at most `limit` bytes. */
+static cip_status
+payload_of(const uint8_t *p, size_t n, size_t head, uint64_t len, uint64_t limit,
+           const char *what, struct cipi_msg *out)
+{
+    if (len > limit)
+        return cipi_fail(CIP_ERR_PROTOCOL, "%s length %llu exceeds the limit of %llu bytes", what,
+                         (unsigned long long)len, (unsigned long long)limit);
+    if (n != head + len)
+        return cipi_fail(CIP_ERR_PROTOCOL,
+                         "%s length field says %llu bytes but the message carries %zu", what,
+                         (unsigned long long)len, n - head);
+    out->payload = p + head;
+    out->len = (uint32_t)len;
+    return CIP_OK;
+}
+
+cip_status
+cipi_decode(const void *data, size_t n, struct cipi_msg *out)
+{
+    const uint8_t *p = (const uint8_t *)data;
+    memset(out, 0, sizeof *out);
+    if (n < CIP_WIRE_HEADER_SIZE)
+        return cipi_fail(CIP_ERR_PROTOCOL, "message of %zu bytes is shorter than the %d-byte header",
+                         n, CIP_WIRE_HEADER_SIZE);
+    if (RD(p, HEADER_MAGIC) != CIP_WIRE_MAGIC)
+        return cipi_fail(CIP_ERR_PROTOCOL,
+                         "bad magic 0x%04llx (expected 0x%04x): the peer does not speak the "
+                         "cupy_ipcpool channel protocol",
+                         (unsigned long long)RD(p, HEADER_MAGIC), CIP_WIRE_MAGIC);
+    if (RD(p, HEADER_VERSION) != CIP_WIRE_VERSION)
+        return cipi_fail(CIP_ERR_PROTOCOL, "unsupported protocol version %llu (this side speaks %u)",
+                         (unsigned long long)RD(p, HEADER_VERSION), CIP_WIRE_VERSION);
+    out->type = (unsigned)RD(p, HEADER_TYPE);
+    switch (out->type) {
+    case CIP_WIRE_FRAME:
+        if (n < CIP_WIRE_FRAME_SIZE)
+            return cipi_fail(CIP_ERR_PROTOCOL, "truncated FRAME (%zu bytes)", n);
+        out->seq = RD(p, FRAME_SEQ);
+        out->slot = (uint32_t)RD(p, FRAME_SLOT);
+        return payload_of(p, n, CIP_WIRE_FRAME_SIZE, RD(p, FRAME_LEN), CIP_WIRE_MAX_FRAME_PAYLOAD,
+                          "FRAME", out);
+    case CIP_WIRE_RELEASE:
+        if (n != CIP_WIRE_RELEASE_SIZE)
+            return cipi_fail(CIP_ERR_PROTOCOL, "RELEASE must be %d bytes, got %zu",
+                             CIP_WIRE_RELEASE_SIZE, n);
+        out->seq = RD(p, RELEASE_SEQ);
+        out->slot = (uint32_t)RD(p, RELEASE_SLOT);
+        return CIP_OK;
+    case CIP_WIRE_BYE:
+        if (n != CIP_WIRE_HEADER_SIZE)
+            return cipi_fail(CIP_ERR_PROTOCOL, "BYE must be %d bytes, got %zu", CIP_WIRE_HEADER_SIZE,
+                             n);
+        return CIP_OK;
+    case CIP_WIRE_HELLO: {
+        if (n < CIP_WIRE_HELLO_SIZE)
+            return cipi_fail(CIP_ERR_PROTOCOL, "truncated HELLO (%zu bytes)", n);
+        uint64_t mode = RD(p, HELLO_MODE), credit = RD(p, HELLO_CREDIT);
+        if (mode != CIP_WIRE_MODE_BLOCK && mode != CIP_WIRE_MODE_LATEST &&
+            mode != CIP_WIRE_MODE_AHEAD)
+            return cipi_fail(CIP_ERR_PROTOCOL, "HELLO has unknown mode %llu",
+                             (unsigned long long)mode);
+        if (credit < 1)
+            return cipi_fail(CIP_ERR_PROTOCOL, "HELLO credit must be at least 1");
+        out->mode = (uint32_t)mode;
+        out->credit = (uint32_t)credit;
+        out->pid = (uint32_t)RD(p, HELLO_PID);
+        return payload_of(p, n, CIP_WIRE_HELLO_SIZE, RD(p, HELLO_LEN), CIP_WIRE_MAX_HELLO_PAYLOAD,
+                          "HELLO", out);
+    }
+    case CIP_WIRE_WELCOME: {
+        if (n < CIP_WIRE_WELCOME_SIZE)
+            return cipi_fail(CIP_ERR_PROTOCOL, "truncated WELCOME (%zu bytes)", n);
+        uint64_t num_slots = RD(p, WELCOME_NUM_SLOTS), credit = RD(p, WELCOME_CREDIT);
+        if (num_slots < 1 || num_slots > CIP_WIRE_MAX_SLOTS)
+            return cipi_fail(CIP_ERR_PROTOCOL, "WELCOME num_slots %llu is outside 1..%u",
+                             (unsigned long long)num_slots, CIP_WIRE_MAX_SLOTS);
+        if (credit < 1)
+            return cipi_fail(CIP_ERR_PROTOCOL, "WELCOME credit must be at least 1");
+        out->sub_id = (uint32_t)RD(p, WELCOME_SUB_ID);
+        out->num_slots = (uint32_t)num_slots;
+        out->seq = RD(p, WELCOME_NEXT_SEQ);
+        out->credit = (uint32_t)credit;
+        out->lease_timeout_ms = (uint32_t)RD(p, WELCOME_LEASE_TIMEOUT_MS);
+        return payload_of(p, n, CIP_WIRE_WELCOME_SIZE, RD(p, WELCOME_LEN),
+                          CIP_WIRE_MAX_WELCOME_PAYLOAD, "WELCOME", out);
+    }
+    case CIP_WIRE_REFUSE: {
+        if (n < CIP_WIRE_REFUSE_SIZE)
+            return cipi_fail(CIP_ERR_PROTOCOL, "truncated REFUSE (%zu bytes)", n);
+        cip_status st = payload_of(p, n, CIP_WIRE_REFUSE_SIZE, RD(p, REFUSE_LEN),
+                                   CIP_WIRE_MAX_REFUSE_REASON, "REFUSE", out);
+        if (st == CIP_OK && !cipi_valid_utf8(out->payload, out->len, 1))
+            return cipi_fail(CIP_ERR_PROTOCOL, "REFUSE reason is not valid UTF-8");
+        return st;
+    }
+    default:
+        return cipi_fail(CIP_ERR_PROTOCOL, "unknown message type %u", out->type);
+    }
+}
