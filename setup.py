@@ -1,12 +1,12 @@
 """The compiled parts of cupy_ipcpool (everything else is in pyproject.toml).
 
-Three C extensions with no dependency beyond Python's headers, built by
+Two C extensions with no dependency beyond Python's headers, built by
 ``pip install .`` (or ``-e .``) with the system's C compiler:
 ``cupy_ipcpool._fastpath`` (the per-frame stream memory operations, driver
-layer), ``cupy_ipcpool.channel._frameio`` (the channel's per-frame socket
-calls) and ``cupy_ipcpool._engine`` (the channel engine: every ``c/src``
-file, the C library's own sources, under Python; the driver is loaded at run
-time, so no CUDA header or library is needed to build it).
+layer) and ``cupy_ipcpool._engine`` (the channel engine: every ``c/src``
+file, the C library's own sources, and the binding in ``c/python``, with the
+channel's per-frame socket calls; the driver is loaded at run time, so no
+CUDA header or library is needed to build it).
 docs/install.md ("The compiled parts") says what each saves per frame and why
 it is plain C; ``cupy_ipcpool._compiled.load`` loads them and checks each
 build's layout constants against the Python definitions.
@@ -40,10 +40,13 @@ if _version(setuptools.__version__) < SETUPTOOLS_NEEDED:
     )
 
 _FLAGS = ["-O2", "-Wall", "-Wextra", "-Werror=implicit-function-declaration"]
-_SHARED = ["cupy_ipcpool/_memop_args.h", "cupy_ipcpool/_le.h"]
+_SHARED = ["cupy_ipcpool/_memop_args.h"]
 #: The engine: the C library's sources (one concern each), and its Python binding.
-_ENGINE_SOURCES = ["c/python/engine.c", *sorted(str(p) for p in Path("c/src").glob("*.c"))]
-_ENGINE_HEADERS = sorted(str(p) for d in ("c/src", "c/include") for p in Path(d).glob("*.h"))
+_ENGINE_SOURCES = sorted(str(p) for d in ("c/python", "c/src") for p in Path(d).glob("*.c"))
+_ENGINE_HEADERS = [
+    *_SHARED,
+    *sorted(str(p) for d in ("c/python", "c/src", "c/include") for p in Path(d).glob("*.h")),
+]
 
 setup(
     ext_modules=[
@@ -54,16 +57,10 @@ setup(
             extra_compile_args=_FLAGS,
         ),
         Extension(
-            "cupy_ipcpool.channel._frameio",
-            sources=["cupy_ipcpool/channel/_frameio.c"],
-            depends=_SHARED,
-            extra_compile_args=_FLAGS,
-        ),
-        Extension(
             "cupy_ipcpool._engine",
             sources=_ENGINE_SOURCES,
             depends=_ENGINE_HEADERS,
-            include_dirs=["c/include", "c/src"],
+            include_dirs=["c/include", "c/src", "c/python", "cupy_ipcpool"],
             # the engine's cip_* functions stay this module's own (the C library, loaded
             # beside it through ctypes, has the same names)
             extra_compile_args=[*_FLAGS, "-std=gnu11", "-pthread", "-fvisibility=hidden"],

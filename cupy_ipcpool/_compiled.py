@@ -1,13 +1,13 @@
 """Loading cupy_ipcpool's compiled parts: one loader, one error text, layouts checked.
 
 The two C extensions (``cupy_ipcpool._fastpath`` and
-``cupy_ipcpool.channel._frameio``) are loaded only through :func:`load`,
+``cupy_ipcpool._engine``) are loaded only through :func:`load`,
 by the module that makes their calls, when it is first used: ``import
 cupy_ipcpool`` (and ``python -m cupy_ipcpool info``, which reports a missing
 build) works without them.
 
 Each extension exports the constants of the layouts and limits it was built
-for (``_frameio.PROTOCOL``, ``_fastpath.MAX_BATCH``); the caller passes the
+for (``_engine.PROTOCOL``, ``_fastpath.MAX_BATCH``); the caller passes the
 values of its own Python definitions, the one source of each layout, and a
 build that differs is refused.  Each caller checks only what its own code
 defines: the sync page the batch limit of its memory operations, the
@@ -34,7 +34,7 @@ def load(name: str, **expected: object) -> ModuleType:
     Parameters
     ----------
     name:
-        The module's full name, for example ``"cupy_ipcpool.channel._frameio"``.
+        The module's full name, for example ``"cupy_ipcpool._engine"``.
     **expected:
         Attribute name -> the value this code's Python definitions give it (a
         layout's sizes and offsets, a protocol's constants); every one must

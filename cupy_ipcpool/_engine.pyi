@@ -1,5 +1,7 @@
 """Type stub of the compiled module ``cupy_ipcpool._engine`` (source: ``c/python/engine.c``
-over the C library's ``c/src``)."""
+and ``c/python/frameio.c`` over the C library's ``c/src``)."""
+
+from typing import Any
 
 #: The layouts and limits the engine was built for (``cupy_ipcpool._compiled.load`` checks them).
 FRAME_HEAD_SIZE: int
@@ -8,6 +10,8 @@ MAX_ARRAYS: int
 MAX_METADATA: int
 HANDLE_SIZE: int
 WIRE_VERSION: int
+MAGIC: int
+MAX_FRAME_PAYLOAD: int
 
 def frame_head(
     payload: bytes | bytearray | memoryview, seq: int, slot: int, /
@@ -18,3 +22,50 @@ def check_frame(
     payload: bytes | bytearray | memoryview, seq: int, slot: int, slot_nbytes: int, /
 ) -> tuple[int, int, int, bool]:
     """Check a whole FRAME payload (head, handles, metadata length); as :func:`frame_head`."""
+
+def decode(data: bytes | bytearray | memoryview, /) -> tuple[Any, ...]:
+    """Decode and check one channel message; return its type and fields."""
+
+# -- the channel's per-frame socket calls (c/python/frameio.c)
+
+#: (magic, version, FRAME, RELEASE, FRAME header size, RELEASE size, most FRAME payload bytes)
+PROTOCOL: tuple[int, int, int, int, int, int, int]
+
+def pollfds(pairs: object, /) -> bytes:
+    """Pack ``(fd, events)`` pairs (at most 16) as a ``struct pollfd`` array."""
+
+def recv_frame(
+    fd: int, buf: bytearray, timeout_ms: int, poll_first: bool, hup: bytes, /
+) -> tuple[int, int, int, bool] | None:
+    """Wait for one datagram; ``(n, seq, slot, waited)``, seq -1 when not a FRAME to take.
+
+    A FRAME counts as one to take only if no fd of ``hup`` was ready after it was received.
+    """
+
+def release_frame(
+    fd: int,
+    hup: bytes,
+    fn: int,
+    stream: int,
+    addr: int,
+    value: int,
+    flags: int,
+    seq: int,
+    slot: int,
+    /,
+) -> int:
+    """Hang-up check, read-flag write, RELEASE; -1 after a hang-up, else the CUresult."""
+
+def send_frame(
+    fds: tuple[int, ...], seq: int, slot: int, payload: bytes, /
+) -> list[tuple[int, int]] | None:
+    """Send one FRAME on every socket; None, or ``(index, errno)`` of the sends that failed."""
+
+def wait_releases(
+    pollset: bytearray, timeout_us: int, limit: int, /
+) -> list[tuple[int, int, Any]] | None:
+    """Wait, then receive up to ``limit`` datagrams per readable socket.
+
+    Per datagram ``(fd, seq, slot)`` for a RELEASE, ``(fd, -1, data: bytes)`` for
+    anything else, ``(fd, -2, errno)`` for a failed receive.
+    """

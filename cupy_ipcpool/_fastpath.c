@@ -11,7 +11,7 @@
  * pointer (from cuGetProcAddress, resolved once by cupy_ipcpool._driver).
  * The module knows nothing of CUDA's headers (see _memop_args.h).
  *
- * The channel's per-frame socket work is cupy_ipcpool.channel._frameio.
+ * The channel's per-frame socket work is cupy_ipcpool._engine's (c/python/frameio.c).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

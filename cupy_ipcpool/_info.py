@@ -103,15 +103,11 @@ def remote_device_path(tls: str | None = None) -> str:
 
 
 def fastpath_summary() -> str:
-    """One line on the compiled parts (``_fastpath``, ``channel._frameio``, ``_engine``)."""
+    """One line on the compiled parts (``_fastpath``, ``_engine``)."""
     import importlib
 
     built, missing = [], []
-    for name in (
-        "cupy_ipcpool._fastpath",
-        "cupy_ipcpool.channel._frameio",
-        "cupy_ipcpool._engine",
-    ):
+    for name in ("cupy_ipcpool._fastpath", "cupy_ipcpool._engine"):
         try:
             module = importlib.import_module(name)
         except ImportError:

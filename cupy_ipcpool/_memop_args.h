@@ -1,6 +1,6 @@
 /*
  * The argument conversion shared by cupy_ipcpool's compiled modules
- * (cupy_ipcpool._fastpath and cupy_ipcpool.channel._frameio): a stream memory
+ * (cupy_ipcpool._fastpath and cupy_ipcpool._engine): a stream memory
  * operation's function pointer, stream, value and flags, from Python ints.
  *
  * A memory operation is

@@ -149,7 +149,7 @@ def run_offline(command: str, tmp: Path) -> None:
     # what install.md asks of the environment first (a plain venv's setuptools is older)
     _ok(venv.run("python3 -m pip install -q -U 'setuptools>=77'"), "setuptools")
     _ok(venv.run(command, cwd=tree), command)
-    check = "import cupy_ipcpool._fastpath, cupy_ipcpool.channel._frameio as m; print(m.__file__)"
+    check = "import cupy_ipcpool._fastpath, cupy_ipcpool._engine as m; print(m.__file__)"
     imported = venv.run(f"python3 -c '{check}'", cwd=tmp)
     _ok(imported, "import")
     assert imported.stdout.strip().startswith(str(tree)), imported.stdout

@@ -30,6 +30,7 @@ from cupy_ipcpool._vmm import UndoStack, round_up
 from tests._fds import fds_opened_since, open_fds
 
 PACKAGE = pathlib.Path(cip.__file__).parent
+ROOT = PACKAGE.parent
 
 
 # ----------------------------------------------------------------- error classes
@@ -196,12 +197,12 @@ def _expected_constants() -> dict[str, dict[str, object]]:
     from cupy_ipcpool.channel import _sockets, _syncpage
 
     return {
-        "cupy_ipcpool.channel._frameio": {"PROTOCOL": _sockets._PROTOCOL},
+        "cupy_ipcpool._engine": {"PROTOCOL": _sockets._PROTOCOL},
         "cupy_ipcpool._fastpath": {"MAX_BATCH": _syncpage._MAX_BATCH},
     }
 
 
-COMPILED = ("cupy_ipcpool._fastpath", "cupy_ipcpool.channel._frameio")
+COMPILED = ("cupy_ipcpool._fastpath", "cupy_ipcpool._engine")
 
 
 def test_each_build_exports_the_layouts_of_the_python_definitions() -> None:
@@ -213,10 +214,9 @@ def test_each_build_exports_the_layouts_of_the_python_definitions() -> None:
         module = importlib.import_module(name)
         for attr, want in constants.items():
             assert getattr(module, attr) == want, (name, attr)
-    # the FRAME message's header before its payload (_frameio); the payload's own
-    # head (FRAME_HEAD) is read in Python only
-    frameio = importlib.import_module("cupy_ipcpool.channel._frameio")
-    assert frameio.PROTOCOL[4] == proto.MAX_FRAME_SIZE - proto.MAX_FRAME_PAYLOAD == 20
+    # the FRAME message's header before its payload (the engine's per-frame calls)
+    engine = importlib.import_module("cupy_ipcpool._engine")
+    assert engine.PROTOCOL[4] == proto.MAX_FRAME_SIZE - proto.MAX_FRAME_PAYLOAD == 20
     for name in COMPILED:  # and the sites accept this build
         try:
             _load_at_site(name)
@@ -262,7 +262,7 @@ def test_the_missing_build_text_is_the_same_for_every_part(monkeypatch: pytest.M
 @pytest.mark.parametrize(
     ("name", "attr"),
     [
-        ("cupy_ipcpool.channel._frameio", "PROTOCOL"),
+        ("cupy_ipcpool._engine", "PROTOCOL"),
         ("cupy_ipcpool._fastpath", "MAX_BATCH"),
     ],
 )
@@ -421,9 +421,16 @@ _C_ATTRIBUTE = [
 ]
 
 
-def _c_sources() -> dict[str, pathlib.Path]:
-    """Compiled module name -> its C source (each has a stub beside it)."""
-    return {_module_name(c): c for c in PACKAGE.rglob("*.c") if c.with_suffix(".pyi").exists()}
+def _c_sources() -> dict[str, str]:
+    """Compiled module name -> the text of its C sources: a source with a stub beside it in
+    the package, and the engine's binding (c/python; c/src touches no Python object)."""
+    sources = {
+        _module_name(c): c.read_text()
+        for c in PACKAGE.rglob("*.c")
+        if c.with_suffix(".pyi").exists()
+    }
+    sources["_engine"] = "".join(c.read_text() for c in sorted((ROOT / "c" / "python").glob("*.c")))
+    return sources
 
 
 def _c_imports(text: str) -> set[str]:
@@ -500,7 +507,7 @@ def _graph() -> dict[str, set[str]]:
         name = _module_name(path)
         graph[name] = {m for m in (*_imports(path), *_loads(path)) if m != name}
     for name, source in _c_sources().items():
-        graph[name] = _c_imports(source.read_text()) - {name}
+        graph[name] = _c_imports(source) - {name}
     return graph
 
 
@@ -543,9 +550,10 @@ def test_no_import_cycle() -> None:
 def test_the_graph_holds_the_compiled_parts_and_the_loads_by_name() -> None:
     graph = _graph()
     compiled = set(_c_sources())
-    assert compiled == {"_fastpath", "channel._frameio"}
+    assert compiled == {"_fastpath", "_engine"}
     assert compiled <= set(graph)
-    assert "channel._frameio" in graph["channel._sockets"]
+    assert "_engine" in graph["channel._sockets"]
+    assert {"_errors"} <= graph["_engine"]  # the exceptions it raises
     assert "_fastpath" in graph["channel._syncpage"]
 
 
@@ -565,10 +573,10 @@ def test_the_c_scanner_finds_imports_and_attributes() -> None:
     assert "_fastpath (driver) touches .holder, defined only above" in found  # the peer's
     assert "_fastpath (driver) touches ._book, defined only above" in found  # the channel's
     # a real source with these lines added: the channel's code reads the pool's private
-    real = _c_sources()["channel._frameio"].read_text() + text
-    found = _c_attribute_violations("channel._frameio", _c_attributes(real), owners)
-    assert "channel._frameio (channel) touches the private ._memptr of another layer" in found
-    assert "channel._frameio (channel) touches ._book, defined only above" not in found  # its own
+    real = _c_sources()["_engine"] + text
+    found = _c_attribute_violations("_engine", _c_attributes(real), owners)
+    assert "_engine (engine) touches the private ._memptr of another layer" in found
+    assert "_engine (engine) touches ._book, defined only above" in found  # the channel's
     assert not any(".acquire" in f for f in found)  # the pool's own acquire, and a lock's
 
 
@@ -579,7 +587,7 @@ def test_compiled_code_touches_no_attribute_of_a_higher_layer() -> None:
     owners = _attribute_owners()
     found = set()
     for module, source in _c_sources().items():
-        found |= _c_attribute_violations(module, _c_attributes(source.read_text()), owners)
+        found |= _c_attribute_violations(module, _c_attributes(source), owners)
     assert found == set(), "compiled code breaks the layers"
 
 

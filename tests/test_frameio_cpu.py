@@ -1,4 +1,4 @@
-"""The channel's compiled per-frame socket calls (``cupy_ipcpool.channel._frameio``).
+"""The channel's compiled per-frame socket calls (``cupy_ipcpool._engine``, ``c/python/frameio.c``).
 
 Real ``SOCK_SEQPACKET`` socket pairs, pipes as watched fds, threads as the
 other end.  The stream memory operation that ``release_frame`` makes is a
@@ -24,9 +24,7 @@ from _memop_recorder import MemopRecorder as _Recorder
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cupy_ipcpool._errors import ProtocolError
-from cupy_ipcpool.channel import _protocol as proto
-from cupy_ipcpool.channel._frameio import (
+from cupy_ipcpool._engine import (
     PROTOCOL,
     pollfds,
     recv_frame,
@@ -34,6 +32,8 @@ from cupy_ipcpool.channel._frameio import (
     send_frame,
     wait_releases,
 )
+from cupy_ipcpool._errors import ProtocolError
+from cupy_ipcpool.channel import _protocol as proto
 
 _HEAD = 20  # the FRAME header: "<HBBQII"
 _BUF = proto.MAX_FRAME_SIZE + 1
@@ -568,10 +568,11 @@ def _unloaded(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_build_for_another_protocol_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cupy_ipcpool.channel import _frameio, _sockets
+    from cupy_ipcpool import _engine
+    from cupy_ipcpool.channel import _sockets
 
     _unloaded(monkeypatch)
-    monkeypatch.setattr(_frameio, "PROTOCOL", (*PROTOCOL[:1], PROTOCOL[1] + 1, *PROTOCOL[2:]))
+    monkeypatch.setattr(_engine, "PROTOCOL", (*PROTOCOL[:1], PROTOCOL[1] + 1, *PROTOCOL[2:]))
     with pytest.raises(ImportError, match="rebuild it"):
         _sockets._load_frameio()
     assert not hasattr(_sockets, "recv_frame")
@@ -580,13 +581,13 @@ def test_a_build_for_another_protocol_is_refused(monkeypatch: pytest.MonkeyPatch
 def test_a_missing_build_is_reported_not_hidden(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    import cupy_ipcpool.channel
+    import cupy_ipcpool
     from cupy_ipcpool import _info
     from cupy_ipcpool.channel import _sockets
 
     _unloaded(monkeypatch)
-    monkeypatch.delattr(cupy_ipcpool.channel, "_frameio")
-    monkeypatch.setitem(sys.modules, "cupy_ipcpool.channel._frameio", None)
+    monkeypatch.delattr(cupy_ipcpool, "_engine")
+    monkeypatch.setitem(sys.modules, "cupy_ipcpool._engine", None)
     with pytest.raises(ImportError, match="is not built"):
         _sockets._load_frameio()
-    assert "NOT BUILT (_frameio)" in _info.fastpath_summary()
+    assert "NOT BUILT (_engine)" in _info.fastpath_summary()

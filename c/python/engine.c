@@ -8,8 +8,8 @@
  * ctypes, say).  Each rule of the protocol that moved into the engine has its
  * one implementation in c/src and a thin call here; Python keeps none of it
  * (docs/design.md, "One engine").  Today: the decoding and checks of every channel
- * message, and the check of a FRAME payload (its head, its array handles, its metadata's
- * length).
+ * message, the check of a FRAME payload (its head, its array handles, its metadata's
+ * length), and the channel's per-frame socket calls (frameio.c).
  *
  * Errors are raised as cupy_ipcpool's own exceptions, with the engine's words
  * (cip_last_error): a rule's message is the same in Python and in C.
@@ -18,6 +18,7 @@
 #include <Python.h>
 
 #include "cip_internal.h"
+#include "engine.h"
 
 typedef struct {
     PyObject *protocol_error; /* cupy_ipcpool._errors.ProtocolError */
@@ -227,7 +228,7 @@ engine_exec(PyObject *module)
         add_int(module, "MAX_METADATA", CIP_WIRE_MAX_METADATA) < 0 ||
         add_int(module, "HANDLE_SIZE", CIP_WIRE_HANDLE_SIZE) < 0)
         return -1;
-    return 0;
+    return cipy_frameio_exec(module);
 }
 
 static int

@@ -1,8 +1,8 @@
 """The channel layer: publish / subscribe frames between processes.
 
-Modules, bottom first: :mod:`._protocol` (the wire format, pure),
+Modules, bottom first: :mod:`._protocol` (the wire format; the engine decodes),
 :mod:`._leases` (the lease book, pure), the GPU-free session core --
-:mod:`._sockets` (the compiled per-frame socket calls from ``_frameio.c``,
+:mod:`._sockets` (the engine's per-frame socket calls, ``c/python/frameio.c``,
 limits, how a connection ends), :mod:`._handshake` (the accept thread and
 admission), :mod:`._publisher_core` and :mod:`._subscriber_core` --, then
 :mod:`._syncpage` (the GPU flags), :mod:`._payload` (limits and payload

@@ -647,7 +647,7 @@ class PublisherCore(ClosedFlag):
 
         What ended (leases, subscribers) is counted in the lease book.
 
-        One compiled call (``_frameio.wait_releases``) polls the sockets and
+        One compiled call (the engine's ``wait_releases``) polls the sockets and
         receives; a RELEASE comes back decoded, anything else as its bytes.
         """
         if not self._by_fd and timeout == 0.0:

@@ -1,6 +1,6 @@
 """What the channel's handshake thread and both session cores share: compiled calls, ends.
 
-The compiled per-frame socket calls of :mod:`._frameio` (``recv_frame``,
+The engine's per-frame socket calls (``cupy_ipcpool._engine``: ``recv_frame``,
 ``release_frame``, ``send_frame``, ``wait_releases``, ``pollfds``) are loaded
 here, once, at the first session (:func:`_load_frameio`), and used from here
 by :mod:`._publisher_core` and :mod:`._subscriber_core`.  The helpers below end
@@ -23,7 +23,7 @@ from .._errors import TeardownWarning, UsageError
 from . import _protocol as proto
 
 if TYPE_CHECKING:  # imported at the first session (_load_frameio), used by the two cores
-    from ._frameio import (  # noqa: F401
+    from .._engine import (  # noqa: F401
         pollfds,
         recv_frame,
         release_frame,
@@ -44,8 +44,8 @@ _POLLRDHUP = select.POLLRDHUP
 _DONTWAIT = socket.MSG_DONTWAIT
 _FRAME_HEAD_SIZE = proto.MAX_FRAME_SIZE - proto.MAX_FRAME_PAYLOAD
 
-# The compiled per-frame calls (channel/_frameio.c) read and write FRAME and RELEASE
-# datagrams themselves: a build that disagrees is refused.
+# The engine's per-frame calls (c/python/frameio.c) write FRAME and RELEASE datagrams
+# themselves: a build that disagrees is refused.
 _PROTOCOL = (
     proto.MAGIC,
     proto.VERSION,
@@ -73,13 +73,13 @@ def _load_frameio() -> None:
         return
     from .._compiled import load
 
-    _frameio = load("cupy_ipcpool.channel._frameio", PROTOCOL=_PROTOCOL)
+    engine = load("cupy_ipcpool._engine", PROTOCOL=_PROTOCOL)
     pollfds, recv_frame, release_frame = (
-        _frameio.pollfds,
-        _frameio.recv_frame,
-        _frameio.release_frame,
+        engine.pollfds,
+        engine.recv_frame,
+        engine.release_frame,
     )
-    send_frame, wait_releases = _frameio.send_frame, _frameio.wait_releases
+    send_frame, wait_releases = engine.send_frame, engine.wait_releases
 
 
 def _spin_ns(spin_us: float) -> int:

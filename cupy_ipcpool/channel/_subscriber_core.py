@@ -781,7 +781,7 @@ class SubscriberCore(ClosedFlag):
         """:meth:`release`, preceded by a stream memory operation unless the publisher hung up.
 
         The GPU subscriber's release in one compiled call
-        (``_frameio.release_frame``): the hang-up check of :meth:`connected`;
+        (the engine's ``release_frame``): the hang-up check of :meth:`connected`;
         if the publisher is still there, ``fn(stream, addr, value, flags)``
         (the driver's ``cuStreamWriteValue32`` of the read flag, as
         ``_fastpath.memop`` calls it); then the RELEASE.  After a hang-up the

@@ -558,7 +558,7 @@ class SyncPage:
     def write_op(self) -> tuple[int, int]:
         """``(function pointer, flags)`` of :meth:`write`'s driver call, for a compiled caller.
 
-        ``channel._frameio.release_frame`` makes the subscriber's read-flag write and
+        the engine's ``release_frame`` makes the subscriber's read-flag write and
         its RELEASE in one call; it takes the ``cuStreamWriteValue32``
         pointer and flags from here.
         """

@@ -1,16 +1,16 @@
 /*
- * cupy_ipcpool.channel._frameio: the channel's per-frame socket work, compiled.
+ * The channel's per-frame socket work, in cupy_ipcpool._engine (engine.c adds these
+ * calls to the module).
  *
  * The subscriber's wait and receive of a FRAME with its header checked
  * (recv_frame), its release: hang-up check, read-flag write, RELEASE
  * (release_frame); the publisher's FRAME to every receiver (send_frame) and
  * its wait for RELEASEs (wait_releases).  Each is one call instead of several
- * Python layers (docs/install.md, "The compiled parts"; what each per-frame
- * step costs is not in docs/performance.md's committed results).  It
- * knows the two fixed message layouts of cupy_ipcpool.channel._protocol
- * (PROTOCOL below; the session layer refuses to import a build whose
- * constants differ) and nothing of CUDA: the read-flag write is a function
- * pointer (see ../_memop_args.h).
+ * Python layers (docs/install.md, "The compiled parts").  A message is
+ * recognised by the engine's decoder (cipi_decode, c/src/message.c), the one
+ * check of every message, and written from the generated layouts
+ * (cupy_ipcpool_wire.h); the read-flag write is a function pointer (see
+ * cupy_ipcpool/_memop_args.h): nothing here knows CUDA.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -22,26 +22,10 @@
 #include <sys/uio.h>
 #include <time.h>
 
-#include "../_le.h"
-#include "../_memop_args.h"
+#include "cip_internal.h"
+#include "_memop_args.h"
+#include "engine.h"
 
-/* ------------------------------------------------------------------------ */
-/* The subscriber's per-frame socket work                                    */
-/* ------------------------------------------------------------------------ */
-
-/* cupy_ipcpool.channel._protocol: header "<HBB" (magic, version, type), FRAME
- * "<HBBQII" (+ seq, slot, payload length, then the payload), RELEASE "<HBBQI".
- * CIP_FRAME_MSG_HEAD is the FRAME message's header before its payload (the
- * payload's own head, "<IIHH", is _payload.py's FRAME_HEAD, read in Python).  Exported
- * as PROTOCOL; cupy_ipcpool._compiled refuses a build that differs from
- * _protocol.py at import. */
-#define CIP_MAGIC 0x4950u
-#define CIP_VERSION 2u
-#define CIP_FRAME 4u
-#define CIP_RELEASE 5u
-#define CIP_FRAME_MSG_HEAD 20
-#define CIP_RELEASE_SIZE 16
-#define CIP_MAX_FRAME_PAYLOAD (64u * 1024u)
 #define CIP_MAX_POLLFDS 16             /* a hang-up set: the socket and watched fds */
 #define CIP_MAX_SUBSCRIBER_FDS 65536  /* a publisher's set of subscriber sockets */
 
@@ -92,26 +76,26 @@ as_seq_slot(PyObject *seq_obj, PyObject *slot_obj, const char *name, unsigned lo
     return 0;
 }
 
-/* The head every FRAME and RELEASE starts with: header (magic, version, `type`), seq, slot. */
+/* The head of a FRAME (its payload length apart) or the whole of a RELEASE. */
 static inline void
-put_head(unsigned char *p, unsigned int type, unsigned long long seq, unsigned long slot)
+put_frame_head(unsigned char *p, unsigned long long seq, unsigned long slot, size_t length)
 {
-    p[0] = CIP_MAGIC & 0xFF;
-    p[1] = CIP_MAGIC >> 8;
-    p[2] = CIP_VERSION;
-    p[3] = (unsigned char)type;
-    for (int i = 0; i < 8; i++)
-        p[4 + i] = (unsigned char)(seq >> (8 * i));
-    for (int i = 0; i < 4; i++)
-        p[12 + i] = (unsigned char)(slot >> (8 * i));
+    WR(p, FRAME_MAGIC, CIP_WIRE_MAGIC);
+    WR(p, FRAME_VERSION, CIP_WIRE_VERSION);
+    WR(p, FRAME_TYPE, CIP_WIRE_FRAME);
+    WR(p, FRAME_SEQ, seq);
+    WR(p, FRAME_SLOT, slot);
+    WR(p, FRAME_LEN, length);
 }
 
-/* Whether the header at `p` (4 bytes there at least) is this protocol's, of `type`. */
-static inline int
-is_header(const unsigned char *p, unsigned int type)
+static inline void
+put_release(unsigned char *p, unsigned long long seq, unsigned long slot)
 {
-    return p[0] == (CIP_MAGIC & 0xFF) && p[1] == (CIP_MAGIC >> 8) && p[2] == CIP_VERSION &&
-           p[3] == type;
+    WR(p, RELEASE_MAGIC, CIP_WIRE_MAGIC);
+    WR(p, RELEASE_VERSION, CIP_WIRE_VERSION);
+    WR(p, RELEASE_TYPE, CIP_WIRE_RELEASE);
+    WR(p, RELEASE_SEQ, seq);
+    WR(p, RELEASE_SLOT, slot);
 }
 
 /* A pollfd set made by pollfds(): copied (poll writes revents), count returned. */
@@ -369,28 +353,23 @@ frameio_recv_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
     }
     long long seq = -1;
     unsigned int slot = 0;
-    const unsigned char *p = (const unsigned char *)buf;
-    if (n >= CIP_FRAME_MSG_HEAD && (size_t)n <= size && is_header(p, CIP_FRAME)) {
-        unsigned int length = le32(p + 16);
-        if (length <= CIP_MAX_FRAME_PAYLOAD &&
-            (size_t)n == CIP_FRAME_MSG_HEAD + (size_t)length) {
-            /* The check is made AFTER the receive, always: a wait that saw only
-             * data says nothing about a hang-up that came while this process was
-             * descheduled (or stopped) between the wait and the receive, and an
-             * eviction in that gap revokes the frame just received. */
-            int ready = hup_fired;
-            if (!ready) {
-                ready = any_ready(hup, nhup);
-                if (ready < 0)
-                    goto fail;
-            }
-            if (!ready) {
-                unsigned long long s = le64(p + 4);
-                slot = le32(p + 12);
-                PyBuffer_Release(&view);
-                return Py_BuildValue("(nKIO)", (Py_ssize_t)n, s, slot,
-                                     waited ? Py_True : Py_False);
-            }
+    struct cipi_msg m;
+    if ((size_t)n <= size && cipi_decode(buf, (size_t)n, &m) == CIP_OK &&
+        m.type == CIP_WIRE_FRAME) {
+        /* The check is made AFTER the receive, always: a wait that saw only
+         * data says nothing about a hang-up that came while this process was
+         * descheduled (or stopped) between the wait and the receive, and an
+         * eviction in that gap revokes the frame just received. */
+        int ready = hup_fired;
+        if (!ready) {
+            ready = any_ready(hup, nhup);
+            if (ready < 0)
+                goto fail;
+        }
+        if (!ready) {
+            PyBuffer_Release(&view);
+            return Py_BuildValue("(nKIO)", (Py_ssize_t)n, (unsigned long long)m.seq, m.slot,
+                                 waited ? Py_True : Py_False);
         }
     }
     PyBuffer_Release(&view);
@@ -451,8 +430,8 @@ frameio_release_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssi
     Py_END_ALLOW_THREADS
     if (rc != 0 || fd < 0)
         return PyLong_FromLong(rc);
-    unsigned char msg[CIP_RELEASE_SIZE];
-    put_head(msg, CIP_RELEASE, seq, slot);
+    unsigned char msg[CIP_WIRE_RELEASE_SIZE];
+    put_release(msg, seq, slot);
     for (;;) {
         ssize_t sent = send(fd, msg, sizeof msg, MSG_DONTWAIT | MSG_NOSIGNAL);
         if (sent == (ssize_t)sizeof msg)
@@ -502,9 +481,9 @@ frameio_send_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
         return NULL;
     }
     Py_ssize_t length = PyBytes_GET_SIZE(args[3]);
-    if (length > (Py_ssize_t)CIP_MAX_FRAME_PAYLOAD) {
+    if (length > (Py_ssize_t)CIP_WIRE_MAX_FRAME_PAYLOAD) {
         PyErr_Format(PyExc_ValueError, "send_frame: payload of %zd bytes; at most %u", length,
-                     CIP_MAX_FRAME_PAYLOAD);
+                     CIP_WIRE_MAX_FRAME_PAYLOAD);
         return NULL;
     }
     Py_ssize_t count = PyTuple_GET_SIZE(args[0]);
@@ -523,10 +502,8 @@ frameio_send_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
             return NULL;
         }
     }
-    unsigned char head[CIP_FRAME_MSG_HEAD];
-    put_head(head, CIP_FRAME, seq, slot);
-    for (int i = 0; i < 4; i++)
-        head[16 + i] = (unsigned char)((unsigned long)length >> (8 * i));
+    unsigned char head[CIP_WIRE_FRAME_SIZE];
+    put_frame_head(head, seq, slot, (size_t)length);
     struct iovec iov[2] = {{head, sizeof head}, {PyBytes_AS_STRING(args[3]), (size_t)length}};
     struct msghdr mh;
     memset(&mh, 0, sizeof mh);
@@ -540,7 +517,7 @@ frameio_send_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
             sent = sendmsg(fds[i], &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
             err = errno;
         } while (sent < 0 && err == EINTR);
-        if (sent == (ssize_t)(CIP_FRAME_MSG_HEAD + length))
+        if (sent == (ssize_t)(CIP_WIRE_FRAME_SIZE + length))
             continue;
         if (sent >= 0)
             err = EMSGSIZE; /* a datagram goes whole or not at all */
@@ -669,7 +646,7 @@ frameio_wait_releases(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssi
         PyBuffer_Release(&view);
         return NULL;
     }
-    unsigned char buf[CIP_RELEASE_SIZE + 1];
+    unsigned char buf[CIP_WIRE_RELEASE_SIZE + 1];
     for (nfds_t i = 0; i < count; i++) {
         if (!set[i].revents)
             continue;
@@ -688,9 +665,10 @@ frameio_wait_releases(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssi
                     goto error;
                 break;
             }
-            if (n == CIP_RELEASE_SIZE && is_header(buf, CIP_RELEASE)) {
-                if (append_triple(out, fd, PyLong_FromUnsignedLongLong(le64(buf + 4)),
-                                  PyLong_FromUnsignedLong(le32(buf + 12))) < 0)
+            struct cipi_msg m;
+            if (cipi_decode(buf, (size_t)n, &m) == CIP_OK && m.type == CIP_WIRE_RELEASE) {
+                if (append_triple(out, fd, PyLong_FromUnsignedLongLong(m.seq),
+                                  PyLong_FromUnsignedLong(m.slot)) < 0)
                     goto error;
                 continue;
             }
@@ -711,7 +689,7 @@ error:
     return NULL;
 }
 
-static PyMethodDef frameio_methods[] = {
+static PyMethodDef cipy_frameio_methods[] = {
     {"pollfds", (PyCFunction)frameio_pollfds, METH_O, pollfds_doc},
     {"recv_frame", (PyCFunction)(void (*)(void))frameio_recv_frame, METH_FASTCALL,
      recv_frame_doc},
@@ -724,41 +702,19 @@ static PyMethodDef frameio_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static int
-frameio_exec(PyObject *module)
+int
+cipy_frameio_exec(PyObject *module)
 {
-    /* what the calls take the protocol to be */
+    /* what the calls take the protocol to be (_sockets.py refuses a build that differs) */
     PyObject *protocol =
-        Py_BuildValue("(IIIIiiI)", CIP_MAGIC, CIP_VERSION, CIP_FRAME, CIP_RELEASE,
-                      CIP_FRAME_MSG_HEAD, CIP_RELEASE_SIZE, CIP_MAX_FRAME_PAYLOAD);
+        Py_BuildValue("(IIIIiiI)", CIP_WIRE_MAGIC, CIP_WIRE_VERSION, CIP_WIRE_FRAME,
+                      CIP_WIRE_RELEASE, CIP_WIRE_FRAME_SIZE, CIP_WIRE_RELEASE_SIZE,
+                      CIP_WIRE_MAX_FRAME_PAYLOAD);
     if (protocol == NULL)
         return -1;
     if (PyModule_AddObject(module, "PROTOCOL", protocol) < 0) {
         Py_DECREF(protocol);
         return -1;
     }
-    return 0;
-}
-
-static PyModuleDef_Slot frameio_slots[] = {
-    {Py_mod_exec, frameio_exec},
-    {0, NULL},
-};
-
-static struct PyModuleDef frameio_module = {
-    PyModuleDef_HEAD_INIT,
-    "cupy_ipcpool.channel._frameio",
-    "The channel's per-frame socket calls, compiled (see docs/performance.md).",
-    0,
-    frameio_methods,
-    frameio_slots,
-    NULL,
-    NULL,
-    NULL,
-};
-
-PyMODINIT_FUNC
-PyInit__frameio(void)
-{
-    return PyModuleDef_Init(&frameio_module);
+    return PyModule_AddFunctions(module, cipy_frameio_methods);
 }
