@@ -97,7 +97,7 @@ def millis(seconds: float) -> int:
 def generate() -> str:
     p, h, t = _protocol, _handles, _transport
     dtypes = h._DTYPES
-    page_align = _syncpage.FlagLayout(1, 1).reads_offset  # frame flags end 256-aligned
+    page_align = _syncpage._READS_ALIGN  # frame flags end at this alignment
     seals = int(_syncpage._SEALS)
     out = [
         "/*",

@@ -17,6 +17,7 @@ channel's sockets the FRAME message's protocol constants.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from types import ModuleType
 
 from ._errors import CompiledPartError
@@ -68,3 +69,21 @@ def load(name: str, **expected: object) -> ModuleType:
                 f"{built!r}, this code {want!r}): rebuild it: {FIX}"
             )
     return module
+
+
+def loader(name: str, **expected: object) -> Callable[[], ModuleType]:
+    """A call that :func:`load`\\ s ``name`` the first time it is made and returns it after.
+
+    For a module whose calls use a compiled part on some paths only: ``_engine =
+    loader("cupy_ipcpool._engine", MAX_ARRAYS=MAX_ARRAYS)`` at import, then
+    ``_engine().check_frame(...)`` where needed; nothing is imported before that.
+    A failed load is raised at each call until one succeeds.
+    """
+    loaded: list[ModuleType] = []
+
+    def get() -> ModuleType:
+        if not loaded:
+            loaded.append(load(name, **expected))
+        return loaded[0]
+
+    return get

@@ -12,6 +12,9 @@ HANDLE_SIZE: int
 WIRE_VERSION: int
 MAGIC: int
 MAX_FRAME_PAYLOAD: int
+SYNC_FORCED: int
+SYNC_SET_WINDOW: int
+SYNC_READS_ALIGN: int
 
 def frame_head(
     payload: bytes | bytearray | memoryview, seq: int, slot: int, /
@@ -25,6 +28,15 @@ def check_frame(
 
 def decode(data: bytes | bytearray | memoryview, /) -> tuple[Any, ...]:
     """Decode and check one channel message; return its type and fields."""
+
+def sync_layout(num_slots: int, max_subscribers: int, /) -> tuple[int, int]:
+    """(reads_offset, nbytes) of a sync page; UsageError outside the limits."""
+
+def flag_state(word: int, generation: int, /) -> int:
+    """1 set (or forced after the write), 0 forced before it, -1 not set yet."""
+
+def flag_force(page: bytearray | memoryview | object, offset: int, awaited: int, /) -> bool:
+    """Force a dead producer's frame flag (compare-and-swap); True if this call stored it."""
 
 # -- the channel's per-frame socket calls (c/python/frameio.c)
 

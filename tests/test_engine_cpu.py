@@ -210,3 +210,50 @@ def test_a_message_of_every_kind_comes_back_as_encoded() -> None:
         proto.decode(struct.pack("<HBB", proto.MAGIC, proto.VERSION, 9))
     with pytest.raises(TypeError):
         proto.decode("not bytes")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ the sync page
+# The flag rules (c/src/syncpage.c) against the table of docs/wire.md ("Forced flags"),
+# written out here as numbers, not as the engine's arithmetic.
+
+FORCED = 3 << 29
+
+
+@pytest.mark.parametrize(
+    ("word", "generation", "state"),
+    [
+        (5, 5, 1),  # set for this frame
+        (9, 5, 1),  # set for a later one
+        (4, 5, -1),  # not yet
+        (5 + (1 << 31), 5, -1),  # half the ring ahead: behind, not ahead
+        (4 + FORCED, 5, 0),  # forced after the death from 4: frame 5 never written
+        (5 + FORCED, 5, 1),  # forced from 5: written before the death
+        (5 + (1 << 29), 5, 0),  # the start of the forced-before window
+        ((0xFFFFFFFF + FORCED) & 0xFFFFFFFF, 0, 0),  # across the wrap: forced from -1
+        (2, (1 << 32) + 2, 1),  # generations are taken mod 2**32
+    ],
+)
+def test_a_flag_word_says_what_the_table_says(word: int, generation: int, state: int) -> None:
+    assert _engine.flag_state(word, generation) == state
+
+
+def test_forcing_a_frame_flag_moves_it_past_every_wait_once() -> None:
+    page = bytearray(64)
+    struct.pack_into("<I", page, 8, 4)  # generation 4 written; 6 awaited
+    assert _engine.flag_force(page, 8, 6) is True
+    assert struct.unpack_from("<I", page, 8)[0] == 4 + FORCED
+    assert _engine.flag_force(page, 8, 6) is False  # reached: another survivor forced it
+    struct.pack_into("<I", page, 12, 7)
+    assert _engine.flag_force(page, 12, 6) is False  # the producer got there first
+    assert struct.unpack_from("<I", page, 12)[0] == 7
+    assert bytes(page[:8]) == bytes(8) and bytes(page[16:]) == bytes(48)
+
+
+@pytest.mark.parametrize("offset", [-4, 2, 61, 64])
+def test_forcing_outside_the_page_or_off_a_word_is_refused(offset: int) -> None:
+    from cupy_ipcpool._errors import UsageError
+
+    with pytest.raises(UsageError, match=f"offset {offset} is not a flag of a page of 64 bytes"):
+        _engine.flag_force(bytearray(64), offset, 1)
+    with pytest.raises(BufferError):
+        _engine.flag_force(bytes(64), 0, 1)  # read-only

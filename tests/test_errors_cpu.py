@@ -390,8 +390,8 @@ def _imports(path: pathlib.Path) -> Iterator[str]:
 
 
 def _loads(path: pathlib.Path) -> Iterator[str]:
-    """Modules of the package that ``path`` loads by name: ``load("cupy_ipcpool.x")``
-    (the compiled parts' loader) or ``importlib.import_module("cupy_ipcpool.x")``."""
+    """Modules of the package that ``path`` loads by name: ``load("cupy_ipcpool.x")`` or
+    ``loader(...)`` (the compiled parts' loaders) or ``importlib.import_module(...)``."""
     for node in ast.walk(ast.parse(path.read_text())):
         if not isinstance(node, ast.Call) or not node.args:
             continue
@@ -399,7 +399,7 @@ def _loads(path: pathlib.Path) -> Iterator[str]:
         called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
         first = node.args[0]
         if (
-            called in ("load", "import_module")
+            called in ("load", "loader", "import_module")
             and isinstance(first, ast.Constant)
             and isinstance(first.value, str)
             and first.value.startswith("cupy_ipcpool.")

@@ -9,7 +9,8 @@
  * one implementation in c/src and a thin call here; Python keeps none of it
  * (docs/design.md, "One engine").  Today: the decoding and checks of every channel
  * message, the check of a FRAME payload (its head, its array handles, its metadata's
- * length), and the channel's per-frame socket calls (frameio.c).
+ * length), the sync page's layout, flag states and the forcing of a dead producer's
+ * frame flag, and the channel's per-frame socket calls (frameio.c).
  *
  * Errors are raised as cupy_ipcpool's own exceptions, with the engine's words
  * (cip_last_error): a rule's message is the same in Python and in C.
@@ -22,6 +23,7 @@
 
 typedef struct {
     PyObject *protocol_error; /* cupy_ipcpool._errors.ProtocolError */
+    PyObject *usage_error;    /* cupy_ipcpool._errors.UsageError */
 } engine_state;
 
 static engine_state *
@@ -182,10 +184,117 @@ engine_decode(PyObject *module, PyObject *data)
     return out;
 }
 
+/* ---- the sync page ----------------------------------------------------------------- */
+
+PyDoc_STRVAR(
+    sync_layout_doc,
+    "sync_layout(num_slots, max_subscribers, /) -> (reads_offset, nbytes)\n"
+    "\n"
+    "Where the read flags of a sync page of ``num_slots`` frame flags and\n"
+    "``max_subscribers`` rows of read flags start, and the page's size (whole host\n"
+    "pages).  Raises UsageError (cupy_ipcpool's) outside 1..MAX_SLOTS slots or\n"
+    "1..65536 rows.");
+
+static PyObject *
+engine_sync_layout(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "sync_layout takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    uint32_t n[2];
+    for (int i = 0; i < 2; i++) {
+        long long v = PyLong_AsLongLong(args[i]);
+        if (v == -1 && PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+                return NULL;
+            PyErr_Clear();
+            v = 0;
+        }
+        n[i] = v < 0 || v > UINT32_MAX ? 0 : (uint32_t)v; /* 0: refused, in the engine's words */
+    }
+    size_t reads_offset, nbytes;
+    if (cip_sync_layout(n[0], n[1], &reads_offset, &nbytes) != CIP_OK) {
+        PyErr_SetString(state_of(module)->usage_error, cip_last_error());
+        return NULL;
+    }
+    return Py_BuildValue("(nn)", (Py_ssize_t)reads_offset, (Py_ssize_t)nbytes);
+}
+
+PyDoc_STRVAR(
+    flag_state_doc,
+    "flag_state(word, generation, /) -> int\n"
+    "\n"
+    "What frame flag value ``word`` says about the frame of ``generation`` (both taken\n"
+    "mod 2**32): 1, the producer's stream set it for this frame or a later one (or it\n"
+    "was forced after the producer wrote the frame); 0, forced after the producer's death\n"
+    "before it wrote this frame; -1, not set yet.");
+
+static PyObject *
+engine_flag_state(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "flag_state takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    unsigned long long word = PyLong_AsUnsignedLongLongMask(args[0]);
+    if (word == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    unsigned long long generation = PyLong_AsUnsignedLongLongMask(args[1]);
+    if (generation == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    return PyLong_FromLong(cip_flag_state((uint32_t)word, (uint32_t)generation));
+}
+
+PyDoc_STRVAR(
+    flag_force_doc,
+    "flag_force(page, offset, awaited, /) -> bool\n"
+    "\n"
+    "Force the frame flag at byte ``offset`` of the writable buffer ``page`` (a mapped\n"
+    "sync page) that a dead producer never set to ``awaited``: unless it has reached\n"
+    "``awaited`` (cyclic), its value w becomes w + FORCED, by compare-and-swap (a write\n"
+    "landing since the read is never overwritten; a word that changed is decided\n"
+    "again).  True if this call stored it.");
+
+static PyObject *
+engine_flag_force(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "flag_force takes 3 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    Py_ssize_t offset = PyLong_AsSsize_t(args[1]);
+    if (offset == -1 && PyErr_Occurred())
+        return NULL;
+    unsigned long long awaited = PyLong_AsUnsignedLongLongMask(args[2]);
+    if (awaited == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (offset < 0 || offset % CIP_WIRE_SYNC_FLAG_BYTES ||
+        offset > view.len - (Py_ssize_t)CIP_WIRE_SYNC_FLAG_BYTES) {
+        PyErr_Format(state_of(module)->usage_error,
+                     "flag_force: offset %zd is not a flag of a page of %zd bytes", offset,
+                     view.len);
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    int stored = cip_flag_force((uint32_t *)((char *)view.buf + offset), (uint32_t)awaited);
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(stored == 1);
+}
+
 /* ---- the module --------------------------------------------------------------------- */
 
 static PyMethodDef engine_methods[] = {
     {"decode", (PyCFunction)engine_decode, METH_O, decode_doc},
+    {"sync_layout", (PyCFunction)(void (*)(void))engine_sync_layout, METH_FASTCALL,
+     sync_layout_doc},
+    {"flag_state", (PyCFunction)(void (*)(void))engine_flag_state, METH_FASTCALL,
+     flag_state_doc},
+    {"flag_force", (PyCFunction)(void (*)(void))engine_flag_force, METH_FASTCALL,
+     flag_force_doc},
     {"frame_head", (PyCFunction)(void (*)(void))engine_frame_head, METH_FASTCALL,
      frame_head_doc},
     {"check_frame", (PyCFunction)(void (*)(void))engine_check_frame, METH_FASTCALL,
@@ -214,8 +323,9 @@ engine_exec(PyObject *module)
         return -1;
     engine_state *st = state_of(module);
     st->protocol_error = PyObject_GetAttrString(errors, "ProtocolError");
+    st->usage_error = PyObject_GetAttrString(errors, "UsageError");
     Py_DECREF(errors);
-    if (st->protocol_error == NULL)
+    if (st->protocol_error == NULL || st->usage_error == NULL)
         return -1;
     /* the layouts and limits the engine was built for: cupy_ipcpool._compiled.load
      * refuses a build whose values differ from the Python definitions */
@@ -226,7 +336,10 @@ engine_exec(PyObject *module)
         add_int(module, "FRAME_VOID", CIP_WIRE_FRAME_VOID) < 0 ||
         add_int(module, "MAX_ARRAYS", CIP_WIRE_MAX_ARRAYS) < 0 ||
         add_int(module, "MAX_METADATA", CIP_WIRE_MAX_METADATA) < 0 ||
-        add_int(module, "HANDLE_SIZE", CIP_WIRE_HANDLE_SIZE) < 0)
+        add_int(module, "HANDLE_SIZE", CIP_WIRE_HANDLE_SIZE) < 0 ||
+        add_int(module, "SYNC_FORCED", CIP_WIRE_SYNC_FORCED) < 0 ||
+        add_int(module, "SYNC_SET_WINDOW", CIP_WIRE_SYNC_SET_WINDOW) < 0 ||
+        add_int(module, "SYNC_READS_ALIGN", CIP_WIRE_SYNC_READS_ALIGN) < 0)
         return -1;
     return cipy_frameio_exec(module);
 }
@@ -235,6 +348,7 @@ static int
 engine_traverse(PyObject *module, visitproc visit, void *arg)
 {
     Py_VISIT(state_of(module)->protocol_error);
+    Py_VISIT(state_of(module)->usage_error);
     return 0;
 }
 
@@ -242,6 +356,7 @@ static int
 engine_clear(PyObject *module)
 {
     Py_CLEAR(state_of(module)->protocol_error);
+    Py_CLEAR(state_of(module)->usage_error);
     return 0;
 }
 

@@ -8,9 +8,8 @@ Shared by :mod:`._publisher` and :mod:`._subscriber`; the framing around them
 from __future__ import annotations
 
 import struct
-from types import ModuleType
 
-from .._compiled import load
+from .._compiled import loader
 from .._handles import _HANDLE_HEADER
 from .._transport import SCM_MAX_FD
 
@@ -36,22 +35,16 @@ FRAME_HEAD = struct.Struct("<IIHH")
 FRAME_VOID = 1 << 31
 
 
-_engine: ModuleType | None = None
-
-
-def _load_engine() -> ModuleType:
-    """The engine (``cupy_ipcpool._engine``), checked against this module's layouts and
-    limits (:mod:`.._protocol` checks its own)."""
-    global _engine
-    _engine = load(
-        "cupy_ipcpool._engine",
-        FRAME_HEAD_SIZE=FRAME_HEAD.size,
-        FRAME_VOID=FRAME_VOID,
-        MAX_ARRAYS=MAX_ARRAYS,
-        MAX_METADATA=MAX_METADATA,
-        HANDLE_SIZE=_HANDLE_HEADER.size,
-    )
-    return _engine
+#: The engine, loaded at the first check, built for these layouts and limits
+#: (:mod:`._protocol` and :mod:`._syncpage` check their own).
+_engine = loader(
+    "cupy_ipcpool._engine",
+    FRAME_HEAD_SIZE=FRAME_HEAD.size,
+    FRAME_VOID=FRAME_VOID,
+    MAX_ARRAYS=MAX_ARRAYS,
+    MAX_METADATA=MAX_METADATA,
+    HANDLE_SIZE=_HANDLE_HEADER.size,
+)
 
 
 def frame_head(seq: int, slot: int, payload: bytes | memoryview) -> tuple[int, int, int, bool]:
@@ -76,7 +69,7 @@ def frame_head(seq: int, slot: int, payload: bytes | memoryview) -> tuple[int, i
     CompiledPartError
         The engine is not built (:mod:`cupy_ipcpool._compiled`).
     """
-    return (_engine or _load_engine()).frame_head(payload, seq, slot)
+    return _engine().frame_head(payload, seq, slot)
 
 
 def check_frame(
@@ -102,4 +95,4 @@ def check_frame(
     CompiledPartError
         The engine is not built.
     """
-    return (_engine or _load_engine()).check_frame(payload, seq, slot, slot_nbytes)
+    return _engine().check_frame(payload, seq, slot, slot_nbytes)

@@ -32,9 +32,8 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
 
-from .._compiled import load
+from .._compiled import loader
 from .._errors import UsageError
 from .._handles import MAX_SLOTS as HANDLES_MAX_SLOTS
 
@@ -390,24 +389,18 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
     CompiledPartError
         The engine is not built (:mod:`cupy_ipcpool._compiled`).
     """
-    kind, *fields = (_engine or _load_engine()).decode(data)
+    kind, *fields = _engine().decode(data)
     return _MESSAGES[kind](*fields)
 
 
-_engine: ModuleType | None = None
-
-
-def _load_engine() -> ModuleType:
-    """The engine (``cupy_ipcpool._engine``), checked against this module's layouts
-    (:mod:`._payload` checks its own)."""
-    global _engine
-    _engine = load(
-        "cupy_ipcpool._engine",
-        MAGIC=MAGIC,
-        WIRE_VERSION=VERSION,
-        MAX_FRAME_PAYLOAD=MAX_FRAME_PAYLOAD,
-    )
-    return _engine
+#: The engine, loaded at the first decode, built for these layouts (:mod:`._payload` and
+#: :mod:`._syncpage` check their own).
+_engine = loader(
+    "cupy_ipcpool._engine",
+    MAGIC=MAGIC,
+    WIRE_VERSION=VERSION,
+    MAX_FRAME_PAYLOAD=MAX_FRAME_PAYLOAD,
+)
 
 
 #: What :func:`decode` builds from the engine's answer (its fields in the class's order).

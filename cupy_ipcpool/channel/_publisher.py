@@ -253,7 +253,7 @@ class Publisher(ClosedFlag):
         Uids that may subscribe (checked with ``SO_PEERCRED``); default: this
         process's effective uid.
     max_subscribers:
-        Further subscribers are refused.
+        Further subscribers are refused (1..65536: the sync page's rows).
     send_timeout:
         How long a ``"block"`` subscriber's full socket may stall a publish
         before it is dropped.

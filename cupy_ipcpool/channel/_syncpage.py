@@ -54,11 +54,12 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from .. import _driver
+from .._compiled import loader
 from .._errors import ProtocolError, UsageError
-from .._vmm import round_up
 
 _FLAG = 4
-_PAGE = mmap.PAGESIZE
+#: Read-flag rows start at this alignment after the frame flags.
+_READS_ALIGN = 256
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _HALF = 1 << 31
 _MASK = 0xFFFFFFFF
@@ -75,6 +76,17 @@ FORCED = 3 << 29
 _SET_WINDOW = 1 << 29
 #: Most frames a :class:`FrameWaits` records as not yet seen complete.
 RECORD_CAP = 65536
+
+#: The engine, loaded at the first use of a rule it keeps (layout, flag states, forcing),
+#: built for these constants (:mod:`._protocol` and :mod:`._payload` check their own).
+_engine = loader(
+    "cupy_ipcpool._engine",
+    SYNC_FORCED=FORCED,
+    SYNC_SET_WINDOW=_SET_WINDOW,
+    SYNC_READS_ALIGN=_READS_ALIGN,
+)
+#: :func:`frame_state`'s answer for the engine's (``cip_flag_state``).
+_STATES: dict[int, bool | None] = {1: True, 0: False, -1: None}
 
 
 def frame_state(word: int, generation: int) -> bool | None:
@@ -101,12 +113,9 @@ def frame_state(word: int, generation: int) -> bool | None:
         to the frame had finished.  False: it died before that, and a survivor
         forced the flag (:meth:`SharedFlags.force_frame`): the frame's contents
         are whatever the producer's kernels had written by then.  None: not
-        set yet.
+        set yet.  The engine's rule (``cip_flag_state``), the C subscriber's too.
     """
-    distance = (word - generation) & _MASK
-    if distance >= _HALF:
-        return None
-    return distance < _SET_WINDOW or distance >= FORCED
+    return _STATES[_engine().flag_state(word, generation)]
 
 
 class FlagLayout:
@@ -120,15 +129,16 @@ class FlagLayout:
     __slots__ = ("max_subscribers", "nbytes", "num_slots", "reads_offset")
 
     def __init__(self, num_slots: int, max_subscribers: int) -> None:
-        if num_slots < 1 or max_subscribers < 1:
-            raise UsageError(
-                f"a sync page needs at least one slot and one subscriber row "
-                f"(got {num_slots} and {max_subscribers})"
-            )
+        for n in (num_slots, max_subscribers):
+            if not 0 <= n <= _MASK:  # the engine's refusal would name another number
+                raise UsageError(
+                    f"a sync page has no {n} slots or subscriber rows (got {num_slots} and "
+                    f"{max_subscribers})"
+                )
         self.num_slots = num_slots
         self.max_subscribers = max_subscribers
-        self.reads_offset = round_up(num_slots * _FLAG, 256)
-        self.nbytes = round_up(self.reads_offset + num_slots * max_subscribers * _FLAG, _PAGE)
+        # the engine's layout (cip_sync_layout): it refuses counts out of range
+        self.reads_offset, self.nbytes = _engine().sync_layout(num_slots, max_subscribers)
 
     def frame_offset(self, slot: int) -> int:
         """Byte offset of ``slot``'s frame flag."""
@@ -233,8 +243,7 @@ class SharedFlags:
         compare-and-swap (:meth:`_force`): a write landing since the read is
         never overwritten.
         """
-        value &= _MASK
-        return self._force(offset, value, lambda word: value)
+        return self._force(offset, value & _MASK)
 
     def force_frame(self, offset: int, awaited: int) -> bool:
         """Force the frame flag at ``offset`` that a dead producer never set to ``awaited``.
@@ -246,18 +255,19 @@ class SharedFlags:
         on, and :func:`frame_state` tells each frame of the slot apart: at or
         before ``w`` written, after it not.  A flag another survivor forced
         already has reached ``awaited`` and is left alone.  Call only once the
-        producer is dead.  True if stored.  The C library's ``cip_flag_force``,
-        step for step (:meth:`_force`).
+        producer is dead.  True if stored.  The engine's ``cip_flag_force`` (a
+        compare-and-swap), the C subscriber's too.
         """
-        return self._force(offset, awaited & _MASK, lambda word: (word + FORCED) & _MASK)
+        # a closed page's mmap gives no buffer (ValueError), as its words give no value
+        return bool(_engine().flag_force(self._mm, offset, awaited))
 
-    def _force(self, offset: int, awaited: int, forced: Callable[[int], int]) -> bool:
-        """Unless the word at ``offset`` reached ``awaited``, swap it for ``forced(word)``
-        if it still holds the ``word`` read; else decide again on the word found."""
+    def _force(self, offset: int, value: int) -> bool:
+        """Unless the word at ``offset`` reached ``value``, swap it for ``value`` if it
+        still holds the word read; else decide again on the word found."""
         word = int(self._words[offset >> 2])  # raises once the page is closed
         cas32 = _cas32()
-        while ((word - awaited) & _MASK) >= _HALF:
-            found = cas32(self.address + offset, word, forced(word))
+        while ((word - value) & _MASK) >= _HALF:
+            found = cas32(self.address + offset, word, value)
             if found == word:
                 return True
             word = found
