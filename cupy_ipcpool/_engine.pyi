@@ -15,6 +15,7 @@ MAX_FRAME_PAYLOAD: int
 SYNC_FORCED: int
 SYNC_SET_WINDOW: int
 SYNC_READS_ALIGN: int
+SYNC_RECORD_CAP: int
 
 def frame_head(
     payload: bytes | bytearray | memoryview, seq: int, slot: int, /
@@ -37,6 +38,27 @@ def flag_state(word: int, generation: int, /) -> int:
 
 def flag_force(page: bytearray | memoryview | object, offset: int, awaited: int, /) -> bool:
     """Force a dead producer's frame flag (compare-and-swap); True if this call stored it."""
+
+class FrameBook:
+    """The engine's frame book (c/src/book.c) for one subscriber."""
+
+    record: tuple[tuple[int, int, int], ...]
+    generations: list[int]
+    final: list[int] | None
+    forced: int
+    untracked: int
+    record_cap: int
+
+    def __init__(self, num_slots: int, *, record_cap: int = ...) -> None: ...
+    def __len__(self) -> int: ...
+    def note(self, slot: int, generation: int, /) -> None: ...
+    def received(self, page: object, seq: int, slot: int, generation: int, /) -> bool: ...
+    def prune(self, page: object, /) -> None: ...
+    def pending(self, page: object, /) -> list[int]: ...
+    def resolve(self, page: object, /) -> list[int]: ...
+    def freeze(self, page: object, /) -> None: ...
+    def state(self, page: object, slot: int, generation: int, /) -> int: ...
+    def answers(self, page: object, /) -> tuple[tuple[int, ...], tuple[int, ...]]: ...
 
 # -- the channel's per-frame socket calls (c/python/frameio.c)
 

@@ -1179,8 +1179,11 @@ BOOK_SCENARIOS: dict[str, tuple[int, int, list[tuple[Any, ...]]]] = {
 
 
 @pytest.mark.parametrize("name", sorted(BOOK_SCENARIOS))
-def test_frame_bookkeeping_is_the_python_rule(book_exe: Path, name: str) -> None:
-    """One table of scenarios against the C book and the Python FrameWaits, step by step."""
+def test_frame_bookkeeping_answers_as_the_table_says(book_exe: Path, name: str) -> None:
+    """One table of scenarios, step by step, against the engine's frame book through both
+    ways in: the Python FrameWaits (``_engine.FrameBook``) and the C library's own calls (the
+    probe, as cip_sub_recv and cip_sub_incomplete_frames make them).  Both run c/src/book.c
+    now; the table's ``expect`` steps, written by hand, are the reference."""
     num_slots, cap, steps = BOOK_SCENARIOS[name]
     layout = FlagLayout(num_slots, 1)
     py_page, c_page = SharedFlags.create(layout.nbytes), SharedFlags.create(layout.nbytes)

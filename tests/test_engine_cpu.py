@@ -257,3 +257,40 @@ def test_forcing_outside_the_page_or_off_a_word_is_refused(offset: int) -> None:
         _engine.flag_force(bytearray(64), offset, 1)
     with pytest.raises(BufferError):
         _engine.flag_force(bytes(64), 0, 1)  # read-only
+
+
+# ------------------------------------------------------------------ the frame book
+# Its rules are tested through FrameWaits (tests/test_death_answers_cpu.py) and against a
+# table of scenarios (tests/test_c_library.py); here, what the binding refuses.
+
+
+def test_a_frame_book_refuses_what_it_cannot_hold() -> None:
+    from cupy_ipcpool._errors import UsageError
+
+    with pytest.raises(UsageError, match=r"1\.\.65536 slots, not 0"):
+        _engine.FrameBook(0)
+    with pytest.raises(UsageError, match=r"record_cap must be at least 1 \(got 0\)"):
+        _engine.FrameBook(2, record_cap=0)
+    book = _engine.FrameBook(2, record_cap=4)
+    with pytest.raises(UsageError, match="slot 2 of a book of 2 slots"):
+        book.note(2, 1)
+    with pytest.raises(UsageError, match="a sync page of 4 bytes has no 2 frame flags"):
+        book.received(bytearray(4), 0, 0, 1)
+    with pytest.raises(BufferError):
+        book.prune(bytes(64))  # read-only
+    assert book.record == () and book.generations == [-1, -1] and len(book) == 0
+
+
+def test_a_frame_book_records_what_the_page_does_not_show_written() -> None:
+    page = bytearray(64)
+    book = _engine.FrameBook(2, record_cap=4)
+    assert book.received(page, 7, 1, 3) is True  # flag 0, generation 3 awaited: recorded
+    struct.pack_into("<I", page, 0, 5)
+    assert book.received(page, 8, 0, 5) is False  # set already: complete, not recorded
+    assert book.record == ((7, 1, 3),) and book.generations == [-1, 3]
+    assert book.pending(page) == [1] and book.answers(page) == ((), (7,))
+    assert book.resolve(page) == [1] and book.forced == 1
+    assert book.answers(page) == ((7,), ()) and book.state(page, 1, 3) == 0
+    book.freeze(page)
+    page[:] = bytes(64)  # the page gone: the frozen words answer
+    assert book.final == [5, FORCED] and book.answers(None) == ((7,), ())

@@ -10,7 +10,8 @@
  * (docs/design.md, "One engine").  Today: the decoding and checks of every channel
  * message, the check of a FRAME payload (its head, its array handles, its metadata's
  * length), the sync page's layout, flag states and the forcing of a dead producer's
- * frame flag, and the channel's per-frame socket calls (frameio.c).
+ * frame flag, the frame book (book.c), and the channel's per-frame socket calls
+ * (frameio.c).
  *
  * Errors are raised as cupy_ipcpool's own exceptions, with the engine's words
  * (cip_last_error): a rule's message is the same in Python and in C.
@@ -340,6 +341,9 @@ engine_exec(PyObject *module)
         add_int(module, "SYNC_FORCED", CIP_WIRE_SYNC_FORCED) < 0 ||
         add_int(module, "SYNC_SET_WINDOW", CIP_WIRE_SYNC_SET_WINDOW) < 0 ||
         add_int(module, "SYNC_READS_ALIGN", CIP_WIRE_SYNC_READS_ALIGN) < 0)
+        return -1;
+    if (add_int(module, "SYNC_RECORD_CAP", CIP_WIRE_SYNC_RECORD_CAP) < 0 ||
+        cipy_book_exec(module) < 0)
         return -1;
     return cipy_frameio_exec(module);
 }

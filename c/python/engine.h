@@ -7,4 +7,7 @@
 /* frameio.c: the channel's per-frame socket calls, and PROTOCOL, added to the module */
 int cipy_frameio_exec(PyObject *module);
 
+/* book.c: the FrameBook type (the engine's frame book for the Python subscriber) */
+int cipy_book_exec(PyObject *module);
+
 #endif /* CIPY_ENGINE_H */

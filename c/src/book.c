@@ -31,8 +31,8 @@ set_by_producer(volatile uint32_t *flags, uint32_t slot, uint32_t generation)
 
 /* Drop from the front of the record the frames the producer's stream has set.  A
  * forced flag is never taken for the producer's write: such frames stay. */
-static void
-book_prune(struct frame_book *b, volatile uint32_t *flags)
+void
+cipi_book_prune(struct frame_book *b, volatile uint32_t *flags)
 {
     while (b->rec_len) {
         const struct seen_frame *f = &b->rec[b->rec_head];
@@ -58,7 +58,7 @@ int
 cipi_book_received(struct frame_book *b, volatile uint32_t *flags, uint64_t seq, uint32_t slot,
               uint32_t generation)
 {
-    book_prune(b, flags);
+    cipi_book_prune(b, flags);
     if (set_by_producer(flags, slot, generation))
         return 0;
     cipi_book_note(b, slot, generation);
@@ -87,40 +87,58 @@ cipi_book_received(struct frame_book *b, volatile uint32_t *flags, uint64_t seq,
     return 1;
 }
 
+/* Whether a stream of ours waits (or may wait) on slot's frame flag, which is not set. */
+int
+cipi_book_waits_on(const struct frame_book *b, volatile uint32_t *flags, uint32_t slot)
+{
+    return b->awaited_set[slot] && (int32_t)(flag_load(flags, slot) - b->awaited[slot]) < 0;
+}
+
 /* Whether a stream of ours waits (or may wait) on a frame flag that is not set. */
 int
 cipi_book_pending(const struct frame_book *b, volatile uint32_t *flags)
 {
     for (uint32_t s = 0; s < b->num_slots; s++)
-        if (b->awaited_set[s] && (int32_t)(flag_load(flags, s) - b->awaited[s]) < 0)
+        if (cipi_book_waits_on(b, flags, s))
             return 1;
     return 0;
 }
 
-/* The producer is dead: force every frame flag still awaited (cip_flag_force), so that
- * every wait a stream of ours has on it ends.  Returns how many were stored. */
+/* The producer is dead: force slot's frame flag if a stream of ours may wait on it
+ * (cip_flag_force), so that every such wait ends.  Returns 1 if this call stored it. */
+int
+cipi_book_resolve_slot(struct frame_book *b, volatile uint32_t *flags, uint32_t slot)
+{
+    if (!b->awaited_set[slot] || cip_flag_force((uint32_t *)&flags[slot], b->awaited[slot]) != 1)
+        return 0;
+    b->forced++;
+    return 1;
+}
+
+/* cipi_book_resolve_slot of every slot.  Returns how many were stored. */
 uint32_t
 cipi_book_resolve(struct frame_book *b, volatile uint32_t *flags)
 {
     uint32_t forced = 0;
     for (uint32_t s = 0; s < b->num_slots; s++)
-        if (b->awaited_set[s] && cip_flag_force((uint32_t *)&flags[s], b->awaited[s]) == 1)
-            forced++;
-    b->forced += forced;
+        forced += (uint32_t)cipi_book_resolve_slot(b, flags, s);
     return forced;
 }
 
 /* The recorded frames never written (cip_flag_state 0): up to `cap` seqs into `seqs`,
- * their number returned; `*pending`: those not known yet (-1). */
+ * their number returned; `*pending`: those not known yet (-1), of which up to
+ * `pending_cap` seqs go into `pending_seqs` (NULL: none). */
 size_t
 cipi_book_answers(const struct frame_book *b, volatile uint32_t *flags, uint64_t *seqs, size_t cap,
-             size_t *pending)
+             size_t *pending, uint64_t *pending_seqs, size_t pending_cap)
 {
     size_t n = 0, unknown = 0;
     for (size_t i = 0; i < b->rec_len; i++) {
         const struct seen_frame *f = &b->rec[(b->rec_head + i) % b->rec_alloc];
         int state = cip_flag_state(flag_load(flags, f->slot), f->generation);
         if (state < 0) {
+            if (pending_seqs != NULL && unknown < pending_cap)
+                pending_seqs[unknown] = f->seq;
             unknown++;
         } else if (state == 0) {
             if (n < cap)

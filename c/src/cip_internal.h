@@ -359,10 +359,16 @@ CIP_INTERNAL void cipi_book_free(struct frame_book *b);
 CIP_INTERNAL void cipi_book_note(struct frame_book *b, uint32_t slot, uint32_t generation);
 CIP_INTERNAL int cipi_book_received(struct frame_book *b, volatile uint32_t *flags, uint64_t seq,
                                     uint32_t slot, uint32_t generation);
+CIP_INTERNAL void cipi_book_prune(struct frame_book *b, volatile uint32_t *flags);
+CIP_INTERNAL int cipi_book_waits_on(const struct frame_book *b, volatile uint32_t *flags,
+                                    uint32_t slot);
 CIP_INTERNAL int cipi_book_pending(const struct frame_book *b, volatile uint32_t *flags);
+CIP_INTERNAL int cipi_book_resolve_slot(struct frame_book *b, volatile uint32_t *flags,
+                                        uint32_t slot);
 CIP_INTERNAL uint32_t cipi_book_resolve(struct frame_book *b, volatile uint32_t *flags);
 CIP_INTERNAL size_t cipi_book_answers(const struct frame_book *b, volatile uint32_t *flags,
-                                      uint64_t *seqs, size_t cap, size_t *pending);
+                                      uint64_t *seqs, size_t cap, size_t *pending,
+                                      uint64_t *pending_seqs, size_t pending_cap);
 
 /* session.c */
 CIP_INTERNAL cip_status cipi_sub_end(cip_sub *sub, cip_status status, const char *fmt, ...)

@@ -290,7 +290,7 @@ cip_sub_incomplete_frames(cip_sub *sub, uint64_t *seqs, size_t cap, size_t *coun
     if (answer_flags(sub) == NULL)
         return CIP_OK;
     cipi_resolve_waits(sub); /* only once the producer is dead (and the page still mapped) */
-    *count = cipi_book_answers(&sub->book, answer_flags(sub), seqs, cap, NULL);
+    *count = cipi_book_answers(&sub->book, answer_flags(sub), seqs, cap, NULL, NULL, 0);
     return CIP_OK;
 }
 

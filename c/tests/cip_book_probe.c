@@ -2,8 +2,9 @@
  * cip_book_probe: the GPU subscription's bookkeeping of frame flags (struct frame_book:
  * what is awaited, the record of frames not seen complete, forcing after the
  * producer's death, the answers) driven over a real sync page without a GPU, for
- * tests/test_c_library.py, which runs the same scenarios against the Python
- * FrameWaits over the same memfd.  The library's internal header is included and the
+ * tests/test_c_library.py, which runs the same scenarios through the Python
+ * FrameWaits (the same c/src/book.c, in cupy_ipcpool._engine) and checks both against
+ * the answers its table expects.  The library's internal header is included and the
  * program linked with the library's sources (c/src/book.c), so that its internal
  * functions -- the ones cip_sub_recv, cip_frame_wait, cip_frame_complete and
  * cip_sub_incomplete_frames call -- are driven as they are, not a copy of them.
@@ -80,13 +81,13 @@ main(void)
             printf("ok %u %" PRIu64 "\n", now, book.forced);
         } else if (!strcmp(cmd, "answers")) {
             size_t pending = 0;
-            size_t n = cipi_book_answers(&book, flags, NULL, 0, &pending);
+            size_t n = cipi_book_answers(&book, flags, NULL, 0, &pending, NULL, 0);
             uint64_t *seqs = (uint64_t *)malloc((n ? n : 1) * sizeof *seqs);
             if (seqs == NULL) {
                 printf("err out of memory\n");
                 continue;
             }
-            cipi_book_answers(&book, flags, seqs, n, &pending);
+            cipi_book_answers(&book, flags, seqs, n, &pending, NULL, 0);
             printf("ok ");
             for (size_t i = 0; i < n; i++)
                 printf("%s%" PRIu64, i ? "," : "", seqs[i]);

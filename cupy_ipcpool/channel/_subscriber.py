@@ -347,7 +347,7 @@ class Subscriber(ClosedFlag):
         # per frame that had to wait: note it and record it until its flag is seen set
         self._flags = sync.flags
         self._track = waits.track
-        self._record = waits.record
+        self._record = waits  # true while its record holds a frame
         self._prune = waits.prune
         # per-frame lookups, made once
         self._frame_flags = [sync.frame_flag(i) for i in range(n)]

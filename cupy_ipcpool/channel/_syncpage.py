@@ -49,7 +49,6 @@ import fcntl
 import mmap
 import os
 import stat
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
@@ -84,6 +83,7 @@ _engine = loader(
     SYNC_FORCED=FORCED,
     SYNC_SET_WINDOW=_SET_WINDOW,
     SYNC_READS_ALIGN=_READS_ALIGN,
+    SYNC_RECORD_CAP=RECORD_CAP,
 )
 #: :func:`frame_state`'s answer for the engine's (``cip_flag_state``).
 _STATES: dict[int, bool | None] = {1: True, 0: False, -1: None}
@@ -297,7 +297,9 @@ class FrameWaits:
     When the producer dies, :meth:`resolve` forces the flags it never wrote,
     so that those waits end, and :meth:`answers` names the frames that were
     not written; :meth:`freeze` keeps the frame flags' last values for
-    :meth:`state` and :meth:`answers` once the page is unmapped.
+    :meth:`state` and :meth:`answers` once the page is unmapped.  The
+    engine's frame book (``c/src/book.c``, ``_engine.FrameBook``) keeps all of
+    it, as it does for the C subscriber.
 
     Parameters
     ----------
@@ -308,130 +310,114 @@ class FrameWaits:
         counted in :attr:`untracked`.
     """
 
-    __slots__ = (
-        "_layout",
-        "final",
-        "forced",
-        "generations",
-        "record",
-        "record_cap",
-        "untracked",
-    )
+    __slots__ = ("_book", "_layout")
 
     def __init__(self, layout: FlagLayout, *, record_cap: int = RECORD_CAP) -> None:
-        if record_cap < 1:
-            raise UsageError(f"record_cap must be at least 1 (got {record_cap})")
         self._layout = layout
-        #: per slot: the generation last waited for (low 32 bits), or -1
-        self.generations = [-1] * layout.num_slots
-        #: the frame flags as they were when the page was unmapped, else None
-        self.final: list[int] | None = None
-        #: how many frame flags :meth:`resolve` forced so far
-        self.forced = 0
-        #: ``(seq, slot, generation)`` of frames received whose flag the host did
-        #: not see set by the producer, oldest first (see :meth:`track`)
-        self.record: deque[tuple[int, int, int]] = deque()
-        self.record_cap = record_cap
-        #: frames dropped from the record because it was full: not in :meth:`answers`
-        self.untracked = 0
+        self._book = _engine().FrameBook(layout.num_slots, record_cap=record_cap)
+
+    def __len__(self) -> int:
+        """Frames in the record."""
+        return len(self._book)
+
+    @property
+    def record(self) -> tuple[tuple[int, int, int], ...]:
+        """``(seq, slot, generation)`` of frames received whose flag the host did not
+        see set by the producer, oldest first (see :meth:`track`)."""
+        record: tuple[tuple[int, int, int], ...] = self._book.record
+        return record
+
+    @property
+    def generations(self) -> list[int]:
+        """Per slot: the generation last waited for (low 32 bits), or -1."""
+        generations: list[int] = self._book.generations
+        return generations
+
+    @property
+    def final(self) -> list[int] | None:
+        """The frame flags as they were when the page was unmapped, else None."""
+        final: list[int] | None = self._book.final
+        return final
+
+    @property
+    def forced(self) -> int:
+        """How many frame flags :meth:`resolve` forced so far."""
+        return int(self._book.forced)
+
+    @property
+    def untracked(self) -> int:
+        """Frames dropped from the record because it was full: not in :meth:`answers`."""
+        return int(self._book.untracked)
+
+    @property
+    def record_cap(self) -> int:
+        """Most frames the record holds."""
+        return int(self._book.record_cap)
 
     def note(self, slot: int, generation: int) -> None:
         """A stream was made to wait for ``slot``'s frame flag to reach ``generation``."""
-        self.generations[slot] = generation & _MASK
+        self._book.note(slot, generation)
 
     def track(self, flags: SharedFlags, seq: int, slot: int, generation: int) -> None:
         """:meth:`note`, and record frame ``seq``: its flag was not seen set when received.
 
         First drops from the front of the record the frames whose flags the
         host now sees set by the producer (:meth:`prune`); a full record drops
-        its oldest frame and counts it in :attr:`untracked`.  O(1) amortised.
+        its oldest frame and counts it in :attr:`untracked`.  A frame whose flag
+        the producer has set by now is neither noted nor recorded (complete).
         """
-        generation &= _MASK
-        self.generations[slot] = generation
-        record = self.record
-        if record:
-            # prune() written out (per frame that waited)
-            words = flags.words
-            while record:
-                first = record[0]
-                if ((words[first[1]] - first[2]) & _MASK) >= _SET_WINDOW:
-                    break
-                record.popleft()
-            if len(record) >= self.record_cap:
-                record.popleft()
-                self.untracked += 1
-        record.append((seq, slot, generation))
+        self._book.received(flags._mm, seq, slot, generation)
 
     def prune(self, flags: SharedFlags) -> None:
         """Drop from the front of the record the frames the producer's stream has set.
 
-        One host load per frame dropped, and one for the first that stays.  A
-        flag that was forced is never taken for the producer's own write (it
+        A flag that was forced is never taken for the producer's own write (it
         stays, for :meth:`answers`), so pruning is safe at any time.
         """
-        record = self.record
-        words = flags.words  # frame flags are the page's first words, one per slot
-        while record:
-            _seq, slot, generation = record[0]
-            if ((words[slot] - generation) & _MASK) >= _SET_WINDOW:
-                return
-            record.popleft()
+        self._book.prune(flags._mm)
 
     def pending(self, flags: SharedFlags) -> list[int]:
         """The slots whose last awaited generation the host does not see set yet."""
-        layout = self._layout
-        return [
-            slot
-            for slot, gen in enumerate(self.generations)
-            if gen >= 0 and not flags.reached(layout.frame_offset(slot), gen)
-        ]
+        pending: list[int] = self._book.pending(flags._mm)
+        return pending
 
     def resolve(self, flags: SharedFlags) -> list[int]:
-        """Force every frame flag still awaited (:meth:`SharedFlags.force_frame`).
+        """Force every frame flag still awaited (``cip_flag_force``).
 
         Call only once the producer is dead (or given up on): afterwards every
         stream wait this subscriber enqueued can end.  Returns the slots forced.
         """
-        layout = self._layout
-        forced = [
-            slot
-            for slot in self.pending(flags)
-            if flags.force_frame(layout.frame_offset(slot), self.generations[slot])
-        ]
-        self.forced += len(forced)
+        forced: list[int] = self._book.resolve(flags._mm)
         return forced
 
     def freeze(self, flags: SharedFlags) -> None:
         """Keep the frame flags' values, for :meth:`state` after the page is unmapped."""
-        layout = self._layout
-        self.final = [flags.load(layout.frame_offset(s)) for s in range(layout.num_slots)]
+        self._book.freeze(flags._mm)
+
+    def _readable(self, flags: SharedFlags | None) -> bool:
+        return self._book.final is not None or (flags is not None and not flags.closed)
 
     def state(self, flags: SharedFlags | None, slot: int, generation: int) -> bool | None:
         """:func:`frame_state` of ``slot``'s frame flag for ``generation`` (live, or frozen)."""
-        if self.final is not None:
-            return frame_state(self.final[slot], generation)
-        if flags is None or flags.closed:
+        if not self._readable(flags):
             return None
-        return frame_state(flags.load(self._layout.frame_offset(slot)), generation)
+        return _STATES[self._book.state(flags._mm if flags is not None else None, slot, generation)]
 
     def answers(self, flags: SharedFlags | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """``(incomplete, pending)``: seqs of the recorded frames by :meth:`state`.
 
         ``incomplete``: frames the producer never wrote (False: forced after
-        its death).  ``pending``: frames whose flag is not set yet (None).
-        Every other frame received (the record's pruned ones, and those whose
-        flag was set when they arrived) is complete; :attr:`untracked` frames
-        are not known here.
+        its death).  ``pending``: frames whose flag is not set yet (None), or
+        every recorded frame while no flag can be read.  Every other frame
+        received (the record's pruned ones, and those whose flag was set when
+        they arrived) is complete; :attr:`untracked` frames are not known here.
         """
-        incomplete: list[int] = []
-        pending: list[int] = []
-        for seq, slot, generation in self.record:
-            state = self.state(flags, slot, generation)
-            if state is None:
-                pending.append(seq)
-            elif not state:
-                incomplete.append(seq)
-        return tuple(incomplete), tuple(pending)
+        if not self._readable(flags):
+            return (), tuple(seq for seq, _slot, _generation in self._book.record)
+        answers: tuple[tuple[int, ...], tuple[int, ...]] = self._book.answers(
+            flags._mm if flags is not None else None
+        )
+        return answers
 
 
 def _cas32() -> Callable[[int, int, int], int]:
