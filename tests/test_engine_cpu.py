@@ -12,6 +12,7 @@ same names), and that a build for other layouts is refused.
 
 from __future__ import annotations
 
+import re
 import struct
 import subprocess
 
@@ -294,3 +295,74 @@ def test_a_frame_book_records_what_the_page_does_not_show_written() -> None:
     book.freeze(page)
     page[:] = bytes(64)  # the page gone: the frozen words answer
     assert book.final == [5, FORCED] and book.answers(None) == ((7,), ())
+
+
+# ------------------------------------------------------------------ the WELCOME
+# What the subscriber checks before it maps anything (c/src/welcome.c): the C subscriber's
+# gpu_setup and the Python Subscriber's _setup both call it.
+
+
+def _welcome_payload(num_slots: int, rows: int, row: int, sync_nbytes: int) -> bytes:
+    from cupy_ipcpool._handles import PoolDescriptor
+    from cupy_ipcpool.channel._payload import WELCOME_HEAD
+
+    desc = PoolDescriptor(
+        pool_id=b"p" * 16,
+        exporter_pid=1,
+        exporter_start_time=1,
+        exporter_uid=0,
+        device_uuid=b"u" * 16,
+        device_ordinal=0,
+        num_slots=num_slots,
+        slot_nbytes=4096,
+        alloc_nbytes=4096,
+        fds=tuple(range(100, 100 + num_slots)),  # not in the bytes: they travel beside them
+    ).to_bytes()
+    return WELCOME_HEAD.pack(len(desc), num_slots, rows, row, sync_nbytes) + desc
+
+
+def test_a_welcome_that_adds_up_is_taken() -> None:
+    from cupy_ipcpool.channel._payload import WELCOME_HEAD, check_welcome
+    from cupy_ipcpool.channel._syncpage import FlagLayout
+
+    nbytes = FlagLayout(4, 8).nbytes
+    payload = _welcome_payload(4, 8, 3, nbytes)
+    row, rows, sync_nbytes, at, length = check_welcome(payload, 4, 5)
+    assert (row, rows, sync_nbytes, at) == (3, 8, nbytes, WELCOME_HEAD.size)
+    assert at + length == len(payload)
+
+
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        ("short", "WELCOME payload too short"),
+        ("another slot count", "WELCOME does not add up: 5 slots (session says 4)"),
+        ("a row past the rows", "row 8 of 8"),
+        ("too many rows", "row 3 of 70000"),
+        ("an fd missing", "4 fds"),
+        ("another page size", "announces a 8192-byte sync page; 4 slots and 8 rows take 4096"),
+        ("a bad descriptor", "bad pool descriptor in WELCOME"),
+    ],
+)
+def test_a_welcome_that_does_not_add_up_is_a_protocol_error(case: str, words: str) -> None:
+    from cupy_ipcpool.channel._payload import check_welcome
+    from cupy_ipcpool.channel._syncpage import FlagLayout
+
+    nbytes = FlagLayout(4, 8).nbytes
+    payload, n, nfds = _welcome_payload(4, 8, 3, nbytes), 4, 5
+    if case == "short":
+        payload = payload[:10]
+    elif case == "another slot count":
+        payload = _welcome_payload(5, 8, 3, nbytes)
+    elif case == "a row past the rows":
+        payload = _welcome_payload(4, 8, 8, nbytes)
+    elif case == "too many rows":
+        payload = _welcome_payload(4, 70000, 3, nbytes)
+    elif case == "an fd missing":
+        nfds = 4
+    elif case == "another page size":
+        payload = _welcome_payload(4, 8, 3, 2 * nbytes)
+    else:
+        payload = payload[:30] + b"\xff" + payload[31:]
+    with pytest.raises(ProtocolError, match=re.escape(words)):
+        check_welcome(payload, n, nfds)

@@ -179,8 +179,8 @@ def test_import_refuses_a_size_that_does_not_fit_the_layout_before_mapping() -> 
     layout = FlagLayout(4, 2)
     fd = _memfd(layout.nbytes * 2, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
     try:
-        with pytest.raises(ProtocolError, match="sync page"):
-            SyncPage.import_fd(fd, layout.nbytes * 2, 4, 2, 0)
+        with pytest.raises(ProtocolError, match=f"is {layout.nbytes * 2} bytes, the WELCOME says"):
+            SyncPage.import_fd(fd, 4, 2, 0)
     finally:
         os.close(fd)
 

@@ -34,7 +34,7 @@ def page():
 
 
 def test_a_stream_write_lands_where_the_host_and_another_mapping_see_it(cp, page):
-    other = SyncPage.import_fd(page.fd, page.nbytes, 4, 2, 0)
+    other = SyncPage.import_fd(page.fd, 4, 2, 0)
     try:
         stream = cp.cuda.Stream(non_blocking=True)
         flag = page.frame_flag(3)

@@ -9,7 +9,7 @@
  * one implementation in c/src and a thin call here; Python keeps none of it
  * (docs/design.md, "One engine").  Today: the decoding and checks of every channel
  * message, the check of a FRAME payload (its head, its array handles, its metadata's
- * length), the sync page's layout, flag states and the forcing of a dead producer's
+ * length), the check of a WELCOME and of the sync page's fd, the sync page's layout, flag states and the forcing of a dead producer's
  * frame flag, the frame book (book.c), and the channel's per-frame socket calls
  * (frameio.c).
  *
@@ -185,6 +185,84 @@ engine_decode(PyObject *module, PyObject *data)
     return out;
 }
 
+/* ---- the WELCOME --------------------------------------------------------------------- */
+
+PyDoc_STRVAR(
+    check_welcome_doc,
+    "check_welcome(payload, num_slots, nfds, /) -> (row, max_subscribers, sync_nbytes,\n"
+    "                                             desc_offset, desc_len)\n"
+    "\n"
+    "Check a WELCOME's payload for a session of ``num_slots`` slots that received ``nfds``\n"
+    "fds: its head adds up (the slots, the descriptor's length, this subscriber's row among\n"
+    "at most 65536, one fd per slot and the sync page's), the pool descriptor parses and\n"
+    "has those slots, and the announced sync page is the layout's size.  Returns this\n"
+    "subscriber's row, the rows, the page's size, and where the descriptor lies.\n"
+    "\n"
+    "Raises ProtocolError (cupy_ipcpool's) with the engine's message.");
+
+static PyObject *
+engine_check_welcome(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "check_welcome takes 3 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    unsigned long n = PyLong_AsUnsignedLong(args[1]);
+    if (n == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t nfds = PyLong_AsSsize_t(args[2]);
+    if (nfds == -1 && PyErr_Occurred())
+        return NULL;
+    if (n > UINT32_MAX || nfds < 0) {
+        PyErr_Format(PyExc_OverflowError, "check_welcome: %lu slots, %zd fds", n, nfds);
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    struct cipi_welcome w;
+    cip_status st = cipi_check_welcome(view.buf, (size_t)view.len, (uint32_t)n, (size_t)nfds, &w);
+    PyBuffer_Release(&view);
+    if (st != CIP_OK) {
+        PyErr_SetString(state_of(module)->protocol_error, cip_last_error());
+        return NULL;
+    }
+    return Py_BuildValue("(IInnn)", w.row, w.max_subscribers, (Py_ssize_t)w.sync_nbytes,
+                         (Py_ssize_t)w.desc_offset, (Py_ssize_t)w.desc_len);
+}
+
+PyDoc_STRVAR(
+    check_sync_fd_doc,
+    "check_sync_fd(fd, nbytes, /)\n"
+    "\n"
+    "Check that ``fd``, a publisher's sync page, is a memfd sealed against shrinking and\n"
+    "growing (else the publisher could truncate it under this process) of ``nbytes`` bytes.\n"
+    "Raises ProtocolError (cupy_ipcpool's) with the engine's message.");
+
+static PyObject *
+engine_check_sync_fd(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "check_sync_fd takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    long fd = PyLong_AsLong(args[0]);
+    if (fd == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[1]);
+    if (nbytes == -1 && PyErr_Occurred())
+        return NULL;
+    if (fd < 0 || fd > INT_MAX || nbytes < 0) {
+        PyErr_Format(PyExc_ValueError, "check_sync_fd: fd %ld, %zd bytes", fd, nbytes);
+        return NULL;
+    }
+    if (cipi_check_sync_fd((int)fd, (size_t)nbytes) != CIP_OK) {
+        PyErr_SetString(state_of(module)->protocol_error, cip_last_error());
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 /* ---- the sync page ----------------------------------------------------------------- */
 
 PyDoc_STRVAR(
@@ -290,6 +368,10 @@ engine_flag_force(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 static PyMethodDef engine_methods[] = {
     {"decode", (PyCFunction)engine_decode, METH_O, decode_doc},
+    {"check_welcome", (PyCFunction)(void (*)(void))engine_check_welcome, METH_FASTCALL,
+     check_welcome_doc},
+    {"check_sync_fd", (PyCFunction)(void (*)(void))engine_check_sync_fd, METH_FASTCALL,
+     check_sync_fd_doc},
     {"sync_layout", (PyCFunction)(void (*)(void))engine_sync_layout, METH_FASTCALL,
      sync_layout_doc},
     {"flag_state", (PyCFunction)(void (*)(void))engine_flag_state, METH_FASTCALL,

@@ -16,6 +16,7 @@
  *   wire.c       the wire: compile-time checks against the generated layouts, dtypes, pool
  *                descriptors, array handles, frame payloads
  *   message.c    one channel message decoded and checked, of every kind: the message rules
+ *   welcome.c    what the WELCOME brought (payload, sync page fd), checked before mapping
  *   sockets.c    Unix sockets: the socket path check, connecting, receiving fds
  *   fetch.c      fetching a pool's fds: pidfd_getfd, the fd server
  *   pool.c       pools: attach (import, reserve, map, access), slots, handles, close (no
@@ -340,6 +341,17 @@ struct cipi_msg {
     uint32_t len;            /* the payload's length */
 };
 CIP_INTERNAL cip_status cipi_decode(const void *data, size_t n, struct cipi_msg *out);
+
+/* welcome.c: what the WELCOME brought, checked before anything is mapped (no GPU) */
+struct cipi_welcome {
+    cip_descriptor desc;     /* the pool's descriptor, parsed */
+    size_t desc_offset, desc_len; /* where its bytes lie in the payload */
+    uint32_t row, max_subscribers; /* this subscriber's row of read flags, and the rows */
+    size_t reads_offset, sync_nbytes; /* the sync page's layout */
+};
+CIP_INTERNAL cip_status cipi_check_welcome(const uint8_t *p, size_t len, uint32_t n, size_t nfds,
+                                           struct cipi_welcome *out);
+CIP_INTERNAL cip_status cipi_check_sync_fd(int fd, size_t nbytes);
 
 /* sockets.c */
 CIP_INTERNAL cip_status cipi_check_socket_path(const char *path);

@@ -22,68 +22,16 @@ flag_reached(const cip_sub *sub, uint32_t slot, uint32_t value)
 static cip_status
 gpu_setup(cip_sub *sub, int device)
 {
-    const uint8_t *p = sub->welcome;
-    size_t len = sub->welcome_len;
     uint32_t n = sub->info.num_slots;
-    if (len < CIP_WIRE_WELCOME_HEAD_SIZE) {
-        cipi_fail(CIP_ERR_PROTOCOL, "WELCOME payload too short (%zu bytes)", len);
+    struct cipi_welcome w;
+    if (cipi_check_welcome(sub->welcome, sub->welcome_len, n, sub->nfds, &w) != CIP_OK)
         return cipi_protocol_error(sub);
-    }
-    uint64_t desc_len = RD(p, WELCOME_HEAD_DESC_LEN), n_slots = RD(p, WELCOME_HEAD_NUM_SLOTS);
-    uint64_t max_subs = RD(p, WELCOME_HEAD_MAX_SUBSCRIBERS), row = RD(p, WELCOME_HEAD_ROW);
-    uint64_t sync_nbytes = RD(p, WELCOME_HEAD_SYNC_NBYTES);
-    if (n_slots != n || len != CIP_WIRE_WELCOME_HEAD_SIZE + desc_len || !(row < max_subs) ||
-        max_subs > 65536 || sub->nfds != (size_t)n + 1) {
-        cipi_fail(CIP_ERR_PROTOCOL,
-             "WELCOME does not add up: %llu slots (session says %u), %zu payload bytes for a "
-             "%llu-byte descriptor, row %llu of %llu, %zu fds",
-             (unsigned long long)n_slots, n, len, (unsigned long long)desc_len,
-             (unsigned long long)row, (unsigned long long)max_subs, sub->nfds);
-        return cipi_protocol_error(sub);
-    }
-    cip_descriptor d;
-    if (cip_parse_descriptor(p + CIP_WIRE_WELCOME_HEAD_SIZE, (size_t)desc_len, &d) != CIP_OK) {
-        char why[sizeof cipi_tls_error];
-        memcpy(why, cipi_tls_error, sizeof why);
-        cipi_fail(CIP_ERR_PROTOCOL, "bad pool descriptor in WELCOME: %s", why);
-        return cipi_protocol_error(sub);
-    }
-    if (d.num_slots != n) {
-        cipi_fail(CIP_ERR_PROTOCOL, "WELCOME announces %u slots, the descriptor %u", n, d.num_slots);
-        return cipi_protocol_error(sub);
-    }
-    size_t reads = 0, nbytes = 0;
-    if (cip_sync_layout(n, (uint32_t)max_subs, &reads, &nbytes) != CIP_OK) {
-        char why[sizeof cipi_tls_error];
-        memcpy(why, cipi_tls_error, sizeof why);
-        cipi_fail(CIP_ERR_PROTOCOL, "WELCOME: %s", why);
-        return cipi_protocol_error(sub);
-    }
-    if (sync_nbytes != nbytes) {
-        cipi_fail(CIP_ERR_PROTOCOL,
-             "the WELCOME announces a %llu-byte sync page; %u slots and %llu rows take %zu",
-             (unsigned long long)sync_nbytes, n, (unsigned long long)max_subs, nbytes);
-        return cipi_protocol_error(sub);
-    }
     int page_fd = sub->fds[n];
-    struct stat st;
-    int seals = fcntl(page_fd, F_GET_SEALS);
-    if (fstat(page_fd, &st) != 0 || seals < 0) {
-        cipi_fail(CIP_ERR_PROTOCOL, "the sync page fd is no sealed memfd (%s)", strerror(errno));
+    if (cipi_check_sync_fd(page_fd, w.sync_nbytes) != CIP_OK)
         return cipi_protocol_error(sub);
-    }
-    if (!S_ISREG(st.st_mode) || (seals & CIP_WIRE_SYNC_SEALS) != CIP_WIRE_SYNC_SEALS) {
-        cipi_fail(CIP_ERR_PROTOCOL,
-             "the sync page fd is not sealed against shrinking and growing (seals 0x%x); "
-             "refusing to map it",
-             seals);
-        return cipi_protocol_error(sub);
-    }
-    if ((uint64_t)st.st_size != nbytes) {
-        cipi_fail(CIP_ERR_PROTOCOL, "the sync page is %lld bytes, the WELCOME says %zu",
-             (long long)st.st_size, nbytes);
-        return cipi_protocol_error(sub);
-    }
+    size_t nbytes = w.sync_nbytes, reads = w.reads_offset;
+    uint64_t row = w.row, max_subs = w.max_subscribers;
+    cip_descriptor d = w.desc;
     /* everything checked: now the GPU */
     cip_status status = cipi_driver();
     if (status != CIP_OK)

@@ -72,6 +72,27 @@ def frame_head(seq: int, slot: int, payload: bytes | memoryview) -> tuple[int, i
     return _engine().frame_head(payload, seq, slot)
 
 
+def check_welcome(payload: bytes | memoryview, num_slots: int, nfds: int) -> tuple[int, ...]:
+    """Check a WELCOME's payload (the engine's check, ``c/src/welcome.c``, the C subscriber's).
+
+    For a session of ``num_slots`` slots that received ``nfds`` fds: the head
+    adds up (the slots; the descriptor's length; this subscriber's row among at
+    most 65536; one fd per slot and the sync page's), the pool descriptor parses
+    and has those slots, and the announced sync page is its layout's size.
+
+    Returns
+    -------
+    (row, max_subscribers, sync_nbytes, desc_offset, desc_len)
+
+    Raises
+    ------
+    ProtocolError
+        Any of the above does not hold (the engine's words).
+    """
+    checked: tuple[int, ...] = _engine().check_welcome(payload, num_slots, nfds)
+    return checked
+
+
 def check_frame(
     seq: int, slot: int, payload: bytes | memoryview, slot_nbytes: int
 ) -> tuple[int, int, int, bool]:

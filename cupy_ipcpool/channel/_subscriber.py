@@ -35,7 +35,7 @@ from .._peer import PeerPool, attach_fds
 from .._transport._closing import ClosedFlag
 from ._ahead import AheadInbox, AheadSchedule, Predicted
 from ._iterate import frames_until_clean_end
-from ._payload import FRAME_HEAD, WELCOME_HEAD, check_frame
+from ._payload import FRAME_HEAD, check_frame, check_welcome
 from ._settle import (
     CLOSE_GRACE,
     DEATH_WAIT,
@@ -312,26 +312,12 @@ class Subscriber(ClosedFlag):
         fds = core.take_fds()
         try:
             n = core.num_slots
-            if len(payload) < WELCOME_HEAD.size:
-                raise ProtocolError("WELCOME payload too short")
-            desc_len, n_slots, max_subs, index, sync_nbytes = WELCOME_HEAD.unpack_from(payload)
-            if (
-                n_slots != n
-                or len(payload) != WELCOME_HEAD.size + desc_len
-                or not 0 <= index < max_subs <= 1 << 16
-                or len(fds) != n + 1
-            ):
-                raise ProtocolError(
-                    f"WELCOME does not add up: {n_slots} slots (session says {n}), "
-                    f"{len(payload)} payload bytes for a {desc_len}-byte descriptor, "
-                    f"row {index} of {max_subs}, {len(fds)} fds"
-                )
-            try:
-                desc = PoolDescriptor.from_bytes(payload[WELCOME_HEAD.size :])
+            # the engine's check of the payload (its head, the descriptor, the page's size)
+            index, max_subs, _sync_nbytes, at, desc_len = check_welcome(payload, n, len(fds))
+            try:  # the descriptor as the pool layer reads it, which the engine accepted
+                desc = PoolDescriptor.from_bytes(payload[at : at + desc_len])
             except DescriptorError as exc:
                 raise ProtocolError(f"bad pool descriptor in WELCOME: {exc}") from None
-            if desc.num_slots != n:
-                raise ProtocolError(f"WELCOME announces {n} slots, the descriptor {desc.num_slots}")
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -339,7 +325,7 @@ class Subscriber(ClosedFlag):
         sync_fd = fds.pop()
         try:
             self._peer = peer = attach_fds(desc, fds, device=device)
-            self._sync = sync = SyncPage.import_fd(sync_fd, sync_nbytes, n, max_subs, peer.device)
+            self._sync = sync = SyncPage.import_fd(sync_fd, n, max_subs, peer.device)
         finally:
             os.close(sync_fd)
         self._index = index

@@ -48,13 +48,12 @@ import ctypes
 import fcntl
 import mmap
 import os
-import stat
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from .. import _driver
 from .._compiled import loader
-from .._errors import ProtocolError, UsageError
+from .._errors import UsageError
 
 _FLAG = 4
 #: Read-flag rows start at this alignment after the frame flags.
@@ -198,18 +197,7 @@ class SharedFlags:
             publisher could otherwise truncate it under this process), or its
             size is not ``nbytes``.
         """
-        try:
-            st = os.fstat(fd)
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError as exc:
-            raise ProtocolError(f"the sync page fd is no sealed memfd ({exc})") from None
-        if not stat.S_ISREG(st.st_mode) or seals & _SEALS != _SEALS:
-            raise ProtocolError(
-                "the sync page fd is not sealed against shrinking and growing "
-                f"(seals {seals:#x}); refusing to map it"
-            )
-        if st.st_size != nbytes:
-            raise ProtocolError(f"the sync page is {st.st_size} bytes, the WELCOME says {nbytes}")
+        _engine().check_sync_fd(fd, nbytes)  # the engine's check, the C subscriber's too
         own = os.dup(fd)
         try:
             return cls(own, nbytes)
@@ -505,9 +493,7 @@ class SyncPage:
             raise
 
     @classmethod
-    def import_fd(
-        cls, fd: int, nbytes: int, num_slots: int, max_subscribers: int, device: int
-    ) -> SyncPage:
+    def import_fd(cls, fd: int, num_slots: int, max_subscribers: int, device: int) -> SyncPage:
         """Map and register the publisher's page from ``fd`` (which stays owned by the caller).
 
         Raises
@@ -516,12 +502,7 @@ class SyncPage:
             The fd is not a sealed memfd of exactly the layout's size.
         """
         layout = FlagLayout(num_slots, max_subscribers)
-        if nbytes != layout.nbytes:
-            raise ProtocolError(
-                f"the WELCOME announces a {nbytes}-byte sync page; {num_slots} slots and "
-                f"{max_subscribers} rows take {layout.nbytes}"
-            )
-        flags = SharedFlags.open(fd, nbytes)
+        flags = SharedFlags.open(fd, layout.nbytes)
         try:
             return cls(flags, layout, device)
         except BaseException:

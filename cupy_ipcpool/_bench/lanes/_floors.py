@@ -402,7 +402,7 @@ class _OrderedFloorConsumer(_SocketGpuFloorConsumer):
         """Map the producer's sync page (overridden by the CPU tests)."""
         from ...channel._syncpage import SyncPage
 
-        return SyncPage.import_fd(fd, nbytes, slots, consumers, cfg.device)
+        return SyncPage.import_fd(fd, slots, consumers, cfg.device)
 
     def stream_handle(self) -> int:
         """The raw handle of the work's stream (overridden by the CPU tests)."""
