@@ -12,6 +12,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "_memop_args.h"
 #include "cip_internal.h"
 #include "engine.h"
 
@@ -20,8 +21,14 @@ typedef struct {
     struct frame_book book;
     int ready;          /* book initialised */
     uint32_t *final;    /* the frame flags at freeze(), else NULL */
-    PyObject *usage_error;
 } FrameBook;
+
+/* cupy_ipcpool's UsageError, from the state of the module that made this type */
+static PyObject *
+usage_error(FrameBook *self)
+{
+    return ((engine_state *)PyType_GetModuleState(Py_TYPE(self)))->usage_error;
+}
 
 /* The page's frame flags, from a writable buffer of at least num_slots flags. */
 static int
@@ -30,7 +37,7 @@ page_flags(FrameBook *self, PyObject *page, Py_buffer *view, volatile uint32_t *
     if (PyObject_GetBuffer(page, view, PyBUF_WRITABLE) < 0)
         return -1;
     if ((size_t)view->len < (size_t)self->book.num_slots * CIP_WIRE_SYNC_FLAG_BYTES) {
-        PyErr_Format(self->usage_error, "a sync page of %zd bytes has no %u frame flags",
+        PyErr_Format(usage_error(self), "a sync page of %zd bytes has no %u frame flags",
                      view->len, self->book.num_slots);
         PyBuffer_Release(view);
         return -1;
@@ -46,7 +53,7 @@ slot_arg(FrameBook *self, PyObject *obj, uint32_t *slot)
     if (v == (unsigned long)-1 && PyErr_Occurred())
         return -1;
     if (v >= self->book.num_slots) {
-        PyErr_Format(self->usage_error, "slot %lu of a book of %u slots", v, self->book.num_slots);
+        PyErr_Format(usage_error(self), "slot %lu of a book of %u slots", v, self->book.num_slots);
         return -1;
     }
     *slot = (uint32_t)v;
@@ -75,12 +82,12 @@ book_init(FrameBook *self, PyObject *args, PyObject *kwds)
         return -1;
     }
     if (num_slots < 1 || num_slots > CIP_WIRE_MAX_SLOTS) {
-        PyErr_Format(self->usage_error, "a frame book has 1..%u slots, not %lld",
+        PyErr_Format(usage_error(self), "a frame book has 1..%u slots, not %lld",
                      CIP_WIRE_MAX_SLOTS, num_slots);
         return -1;
     }
     if (cap < 1) {
-        PyErr_Format(self->usage_error, "record_cap must be at least 1 (got %lld)", cap);
+        PyErr_Format(usage_error(self), "record_cap must be at least 1 (got %lld)", cap);
         return -1;
     }
     if (cipi_book_init(&self->book, (uint32_t)num_slots, (size_t)cap) != 0) {
@@ -98,7 +105,6 @@ book_dealloc(FrameBook *self)
     if (self->ready)
         cipi_book_free(&self->book);
     PyMem_Free(self->final);
-    Py_XDECREF(self->usage_error);
     PyTypeObject *type = Py_TYPE(self);
     type->tp_free((PyObject *)self);
     Py_DECREF(type);
@@ -123,10 +129,8 @@ book_note(FrameBook *self, PyObject *const *args, Py_ssize_t nargs)
     uint32_t slot, generation;
     if (check_ready(self) < 0)
         return NULL;
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "note takes 2 arguments (%zd given)", nargs);
+    if (check_nargs(nargs, 2, "note") < 0)
         return NULL;
-    }
     if (slot_arg(self, args[0], &slot) < 0 || generation_arg(args[1], &generation) < 0)
         return NULL;
     cipi_book_note(&self->book, slot, generation);
@@ -145,10 +149,8 @@ book_received(FrameBook *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (check_ready(self) < 0)
         return NULL;
-    if (nargs != 4) {
-        PyErr_Format(PyExc_TypeError, "received takes 4 arguments (%zd given)", nargs);
+    if (check_nargs(nargs, 4, "received") < 0)
         return NULL;
-    }
     unsigned long long seq = PyLong_AsUnsignedLongLong(args[1]);
     if (seq == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
@@ -275,10 +277,8 @@ book_state(FrameBook *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (check_ready(self) < 0)
         return NULL;
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "state takes 3 arguments (%zd given)", nargs);
+    if (check_nargs(nargs, 3, "state") < 0)
         return NULL;
-    }
     uint32_t slot, generation;
     if (slot_arg(self, args[1], &slot) < 0 || generation_arg(args[2], &generation) < 0)
         return NULL;
@@ -435,29 +435,11 @@ static PyGetSetDef book_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyObject *
-book_new(PyTypeObject *type, PyObject *Py_UNUSED(args), PyObject *Py_UNUSED(kwds))
-{
-    FrameBook *self = (FrameBook *)type->tp_alloc(type, 0);
-    if (self == NULL)
-        return NULL;
-    PyObject *errors = PyImport_ImportModule("cupy_ipcpool._errors");
-    if (errors != NULL) {
-        self->usage_error = PyObject_GetAttrString(errors, "UsageError");
-        Py_DECREF(errors);
-    }
-    if (self->usage_error == NULL) {
-        Py_DECREF(self);
-        return NULL;
-    }
-    return (PyObject *)self;
-}
-
 static PyType_Slot book_slots[] = {
     {Py_tp_doc, "FrameBook(num_slots, *, record_cap=RECORD_CAP): the engine's frame book "
                 "(c/src/book.c) for one subscriber: awaited frame flags, the record of frames "
                 "not seen complete, forcing after the producer's death, the answers."},
-    {Py_tp_new, book_new},
+    {Py_tp_new, PyType_GenericNew},
     {Py_tp_init, book_init},
     {Py_tp_dealloc, book_dealloc},
     {Py_tp_methods, book_methods},
@@ -477,7 +459,7 @@ static PyType_Spec book_spec = {
 int
 cipy_book_exec(PyObject *module)
 {
-    PyObject *type = PyType_FromSpec(&book_spec);
+    PyObject *type = PyType_FromModuleAndSpec(module, &book_spec, NULL);
     if (type == NULL)
         return -1;
     if (PyModule_AddObject(module, "FrameBook", type) < 0) {

@@ -19,13 +19,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "_memop_args.h"
 #include "cip_internal.h"
 #include "engine.h"
-
-typedef struct {
-    PyObject *protocol_error; /* cupy_ipcpool._errors.ProtocolError */
-    PyObject *usage_error;    /* cupy_ipcpool._errors.UsageError */
-} engine_state;
 
 static engine_state *
 state_of(PyObject *module)
@@ -40,12 +36,8 @@ state_of(PyObject *module)
 static PyObject *
 frame_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs, int whole)
 {
-    const char *name = whole ? "check_frame" : "frame_head";
-    if (nargs != 3 + whole) {
-        PyErr_Format(PyExc_TypeError, "%s takes %d arguments (%zd given)", name, 3 + whole,
-                     nargs);
+    if (check_nargs(nargs, 3 + whole, whole ? "check_frame" : "frame_head") < 0)
         return NULL;
-    }
     unsigned long long seq = PyLong_AsUnsignedLongLong(args[1]);
     if (seq == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
@@ -203,10 +195,8 @@ PyDoc_STRVAR(
 static PyObject *
 engine_check_welcome(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "check_welcome takes 3 arguments (%zd given)", nargs);
+    if (check_nargs(nargs, 3, "check_welcome") < 0)
         return NULL;
-    }
     unsigned long n = PyLong_AsUnsignedLong(args[1]);
     if (n == (unsigned long)-1 && PyErr_Occurred())
         return NULL;
@@ -242,10 +232,8 @@ PyDoc_STRVAR(
 static PyObject *
 engine_check_sync_fd(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "check_sync_fd takes 2 arguments (%zd given)", nargs);
+    if (check_nargs(nargs, 2, "check_sync_fd") < 0)
         return NULL;
-    }
     long fd = PyLong_AsLong(args[0]);
     if (fd == -1 && PyErr_Occurred())
         return NULL;
@@ -277,20 +265,21 @@ PyDoc_STRVAR(
 static PyObject *
 engine_sync_layout(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "sync_layout takes 2 arguments (%zd given)", nargs);
+    if (check_nargs(nargs, 2, "sync_layout") < 0)
         return NULL;
-    }
     uint32_t n[2];
     for (int i = 0; i < 2; i++) {
-        long long v = PyLong_AsLongLong(args[i]);
-        if (v == -1 && PyErr_Occurred()) {
-            if (!PyErr_ExceptionMatches(PyExc_OverflowError))
-                return NULL;
-            PyErr_Clear();
-            v = 0;
+        int overflow;
+        long long v = PyLong_AsLongLongAndOverflow(args[i], &overflow);
+        if (v == -1 && PyErr_Occurred())
+            return NULL;
+        if (overflow || v < 0 || v > UINT32_MAX) { /* no count the engine takes */
+            PyErr_Format(state_of(module)->usage_error,
+                         "a sync page has no %S slots or subscriber rows (got %S and %S)",
+                         args[i], args[0], args[1]);
+            return NULL;
         }
-        n[i] = v < 0 || v > UINT32_MAX ? 0 : (uint32_t)v; /* 0: refused, in the engine's words */
+        n[i] = (uint32_t)v; /* the engine refuses those out of its range, in its words */
     }
     size_t reads_offset, nbytes;
     if (cip_sync_layout(n[0], n[1], &reads_offset, &nbytes) != CIP_OK) {
@@ -312,10 +301,8 @@ PyDoc_STRVAR(
 static PyObject *
 engine_flag_state(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "flag_state takes 2 arguments (%zd given)", nargs);
+    if (check_nargs(nargs, 2, "flag_state") < 0)
         return NULL;
-    }
     unsigned long long word = PyLong_AsUnsignedLongLongMask(args[0]);
     if (word == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
@@ -338,10 +325,8 @@ PyDoc_STRVAR(
 static PyObject *
 engine_flag_force(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "flag_force takes 3 arguments (%zd given)", nargs);
+    if (check_nargs(nargs, 3, "flag_force") < 0)
         return NULL;
-    }
     Py_ssize_t offset = PyLong_AsSsize_t(args[1]);
     if (offset == -1 && PyErr_Occurred())
         return NULL;
@@ -412,22 +397,20 @@ engine_exec(PyObject *module)
         return -1;
     /* the layouts and limits the engine was built for: cupy_ipcpool._compiled.load
      * refuses a build whose values differ from the Python definitions */
-    if (add_int(module, "MAGIC", CIP_WIRE_MAGIC) < 0 ||
-        add_int(module, "WIRE_VERSION", CIP_WIRE_VERSION) < 0 ||
-        add_int(module, "MAX_FRAME_PAYLOAD", CIP_WIRE_MAX_FRAME_PAYLOAD) < 0 ||
-        add_int(module, "FRAME_HEAD_SIZE", CIP_WIRE_FRAME_HEAD_SIZE) < 0 ||
+    if (add_int(module, "FRAME_HEAD_SIZE", CIP_WIRE_FRAME_HEAD_SIZE) < 0 ||
         add_int(module, "FRAME_VOID", CIP_WIRE_FRAME_VOID) < 0 ||
         add_int(module, "MAX_ARRAYS", CIP_WIRE_MAX_ARRAYS) < 0 ||
         add_int(module, "MAX_METADATA", CIP_WIRE_MAX_METADATA) < 0 ||
         add_int(module, "HANDLE_SIZE", CIP_WIRE_HANDLE_SIZE) < 0 ||
         add_int(module, "SYNC_FORCED", CIP_WIRE_SYNC_FORCED) < 0 ||
         add_int(module, "SYNC_SET_WINDOW", CIP_WIRE_SYNC_SET_WINDOW) < 0 ||
-        add_int(module, "SYNC_READS_ALIGN", CIP_WIRE_SYNC_READS_ALIGN) < 0)
+        add_int(module, "SYNC_READS_ALIGN", CIP_WIRE_SYNC_READS_ALIGN) < 0 ||
+        add_int(module, "SYNC_RECORD_CAP", CIP_WIRE_SYNC_RECORD_CAP) < 0)
         return -1;
-    if (add_int(module, "SYNC_RECORD_CAP", CIP_WIRE_SYNC_RECORD_CAP) < 0 ||
-        cipy_book_exec(module) < 0)
+    /* PROTOCOL (the message layouts), the per-frame socket calls, FrameBook */
+    if (cipy_frameio_exec(module) < 0)
         return -1;
-    return cipy_frameio_exec(module);
+    return cipy_book_exec(module);
 }
 
 static int

@@ -4,6 +4,13 @@
 
 #include <Python.h>
 
+/* The module's state: cupy_ipcpool's exceptions, which every call of the binding raises
+ * (engine.c fills it at import; FrameBook finds it through its type, book.c). */
+typedef struct {
+    PyObject *protocol_error; /* cupy_ipcpool._errors.ProtocolError */
+    PyObject *usage_error;    /* cupy_ipcpool._errors.UsageError */
+} engine_state;
+
 /* frameio.c: the channel's per-frame socket calls, and PROTOCOL, added to the module */
 int cipy_frameio_exec(PyObject *module);
 

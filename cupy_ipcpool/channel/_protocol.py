@@ -72,6 +72,11 @@ _FRAME = struct.Struct("<HBBQII")
 _RELEASE = struct.Struct("<HBBQI")
 _BYE = _HEADER
 
+#: The message layouts the engine's calls were built for, as its ``PROTOCOL`` says them:
+#: magic, version, FRAME, RELEASE, FRAME header size, RELEASE size, most FRAME payload
+#: bytes (a build that differs is refused, by :func:`decode` and by the channel's sockets).
+ENGINE_PROTOCOL = (MAGIC, VERSION, FRAME, RELEASE, _FRAME.size, _RELEASE.size, MAX_FRAME_PAYLOAD)
+
 #: Largest datagram of each kind, for receive buffers.
 MAX_HELLO_SIZE = _HELLO.size + MAX_HELLO_PAYLOAD
 MAX_WELCOME_SIZE = _WELCOME.size + MAX_WELCOME_PAYLOAD
@@ -395,12 +400,7 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
 
 #: The engine, loaded at the first decode, built for these layouts (:mod:`._payload` and
 #: :mod:`._syncpage` check their own).
-_engine = loader(
-    "cupy_ipcpool._engine",
-    MAGIC=MAGIC,
-    WIRE_VERSION=VERSION,
-    MAX_FRAME_PAYLOAD=MAX_FRAME_PAYLOAD,
-)
+_engine = loader("cupy_ipcpool._engine", PROTOCOL=ENGINE_PROTOCOL)
 
 
 #: What :func:`decode` builds from the engine's answer (its fields in the class's order).

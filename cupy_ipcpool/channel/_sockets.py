@@ -46,15 +46,7 @@ _FRAME_HEAD_SIZE = proto.MAX_FRAME_SIZE - proto.MAX_FRAME_PAYLOAD
 
 # The engine's per-frame calls (c/python/frameio.c) write FRAME and RELEASE datagrams
 # themselves: a build that disagrees is refused.
-_PROTOCOL = (
-    proto.MAGIC,
-    proto.VERSION,
-    proto.FRAME,
-    proto.RELEASE,
-    _FRAME_HEAD_SIZE,
-    proto.MAX_RELEASE_SIZE,
-    proto.MAX_FRAME_PAYLOAD,
-)
+_PROTOCOL = proto.ENGINE_PROTOCOL
 
 
 def _load_frameio() -> None:

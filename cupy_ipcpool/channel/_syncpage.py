@@ -49,11 +49,14 @@ import fcntl
 import mmap
 import os
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from .. import _driver
 from .._compiled import loader
 from .._errors import UsageError
+
+if TYPE_CHECKING:  # the engine is loaded at first use (_engine below)
+    from .._engine import FrameBook
 
 _FLAG = 4
 #: Read-flag rows start at this alignment after the frame flags.
@@ -128,12 +131,6 @@ class FlagLayout:
     __slots__ = ("max_subscribers", "nbytes", "num_slots", "reads_offset")
 
     def __init__(self, num_slots: int, max_subscribers: int) -> None:
-        for n in (num_slots, max_subscribers):
-            if not 0 <= n <= _MASK:  # the engine's refusal would name another number
-                raise UsageError(
-                    f"a sync page has no {n} slots or subscriber rows (got {num_slots} and "
-                    f"{max_subscribers})"
-                )
         self.num_slots = num_slots
         self.max_subscribers = max_subscribers
         # the engine's layout (cip_sync_layout): it refuses counts out of range
@@ -298,11 +295,10 @@ class FrameWaits:
         counted in :attr:`untracked`.
     """
 
-    __slots__ = ("_book", "_layout")
+    __slots__ = ("_book",)
 
     def __init__(self, layout: FlagLayout, *, record_cap: int = RECORD_CAP) -> None:
-        self._layout = layout
-        self._book = _engine().FrameBook(layout.num_slots, record_cap=record_cap)
+        self._book: FrameBook = _engine().FrameBook(layout.num_slots, record_cap=record_cap)
 
     def __len__(self) -> int:
         """Frames in the record."""
@@ -312,35 +308,32 @@ class FrameWaits:
     def record(self) -> tuple[tuple[int, int, int], ...]:
         """``(seq, slot, generation)`` of frames received whose flag the host did not
         see set by the producer, oldest first (see :meth:`track`)."""
-        record: tuple[tuple[int, int, int], ...] = self._book.record
-        return record
+        return self._book.record
 
     @property
     def generations(self) -> list[int]:
         """Per slot: the generation last waited for (low 32 bits), or -1."""
-        generations: list[int] = self._book.generations
-        return generations
+        return self._book.generations
 
     @property
     def final(self) -> list[int] | None:
         """The frame flags as they were when the page was unmapped, else None."""
-        final: list[int] | None = self._book.final
-        return final
+        return self._book.final
 
     @property
     def forced(self) -> int:
         """How many frame flags :meth:`resolve` forced so far."""
-        return int(self._book.forced)
+        return self._book.forced
 
     @property
     def untracked(self) -> int:
         """Frames dropped from the record because it was full: not in :meth:`answers`."""
-        return int(self._book.untracked)
+        return self._book.untracked
 
     @property
     def record_cap(self) -> int:
         """Most frames the record holds."""
-        return int(self._book.record_cap)
+        return self._book.record_cap
 
     def note(self, slot: int, generation: int) -> None:
         """A stream was made to wait for ``slot``'s frame flag to reach ``generation``."""
@@ -366,8 +359,7 @@ class FrameWaits:
 
     def pending(self, flags: SharedFlags) -> list[int]:
         """The slots whose last awaited generation the host does not see set yet."""
-        pending: list[int] = self._book.pending(flags._mm)
-        return pending
+        return self._book.pending(flags._mm)
 
     def resolve(self, flags: SharedFlags) -> list[int]:
         """Force every frame flag still awaited (``cip_flag_force``).
@@ -375,8 +367,7 @@ class FrameWaits:
         Call only once the producer is dead (or given up on): afterwards every
         stream wait this subscriber enqueued can end.  Returns the slots forced.
         """
-        forced: list[int] = self._book.resolve(flags._mm)
-        return forced
+        return self._book.resolve(flags._mm)
 
     def freeze(self, flags: SharedFlags) -> None:
         """Keep the frame flags' values, for :meth:`state` after the page is unmapped."""
@@ -402,10 +393,7 @@ class FrameWaits:
         """
         if not self._readable(flags):
             return (), tuple(seq for seq, _slot, _generation in self._book.record)
-        answers: tuple[tuple[int, ...], tuple[int, ...]] = self._book.answers(
-            flags._mm if flags is not None else None
-        )
-        return answers
+        return self._book.answers(flags._mm if flags is not None else None)
 
 
 def _cas32() -> Callable[[int, int, int], int]:
