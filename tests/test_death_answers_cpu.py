@@ -495,8 +495,9 @@ def children() -> Iterator[list[_Child]]:
     made: list[_Child] = []
     yield made
     for child in made:
-        if child.proc.is_alive() and child.proc.pid is not None:
-            os.kill(child.proc.pid, signal.SIGKILL)
+        # Process.kill, not os.kill of the pid: a forkserver child is reaped by the
+        # forkserver, so its pid can be gone while is_alive() still says True
+        child.proc.kill()
         child.finish()
 
 
