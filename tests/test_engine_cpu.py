@@ -297,6 +297,119 @@ def test_a_frame_book_records_what_the_page_does_not_show_written() -> None:
     assert book.final == [5, FORCED] and book.answers(None) == ((7,), ())
 
 
+# ------------------------------------------------------------------ the frame ledger
+# Rule 1 (docs/protocol.md, "Failures") and the frames held: the C subscriber's judge and
+# releases and the Python SubscriberCore both call c/src/ledger.c.  Both run against one
+# hand-built publisher in tests/test_subscriber_rules_cpu.py; here, the ledger alone.
+
+
+def test_a_ledger_takes_frames_in_order_one_per_slot() -> None:
+    ledger = _engine.FrameLedger(2, 5)
+    assert ledger.held == {} and ledger.last_seq == -1
+    assert ledger.take(5, 0) is True and ledger.take(7, 1) is True  # gaps are allowed
+    assert ledger.held == {5: 0, 7: 1} and ledger.last_seq == 7
+    ledger.release(5, 0)
+    assert ledger.take(8, 0) is True and ledger.held == {7: 1, 8: 0}
+
+
+@pytest.mark.parametrize(
+    ("seq", "slot", "words"),
+    [
+        (9, 2, "frame 9 names slot 2 of 2"),
+        (4, 1, "frame 4 arrived before the first, 5"),
+        (6, 1, "frame 6 arrived after frame 6"),
+        (7, 0, "frame 7 is in slot 0, where this subscriber still holds frame 6"),
+    ],
+)
+def test_a_frame_that_breaks_rule_1_is_refused_and_changes_nothing(
+    seq: int, slot: int, words: str
+) -> None:
+    ledger = _engine.FrameLedger(2, 5)
+    ledger.take(6, 0)
+    with pytest.raises(ProtocolError, match=f"^{words}$"):
+        ledger.take(seq, slot)
+    assert ledger.held == {6: 0} and ledger.last_seq == 6
+    assert ledger.take(7, 1) is True  # the stream goes on as before
+
+
+@pytest.mark.parametrize(("seq", "slot"), [(3, 0), (3, 1), (4, 0), (-1, 0), (3, 2**64), (3, -1)])
+def test_only_a_frame_held_is_released(seq: int, slot: int) -> None:
+    ledger = _engine.FrameLedger(2, 0)
+    ledger.take(3, 0)
+    ledger.release(3, 0)
+    ledger.take(4, 1)
+    with pytest.raises(
+        ProtocolError, match=f"^release of frame {seq} in slot {slot}, which is not held$"
+    ):
+        ledger.release(seq, slot)
+    assert ledger.held == {4: 1}
+
+
+def test_a_frame_released_ahead_is_not_held_when_its_message_comes() -> None:
+    ledger = _engine.FrameLedger(2, 0)
+    ledger.release_ahead(1, 1)
+    ledger.release_ahead(0, 0)
+    assert ledger.ahead == {0, 1}
+    assert ledger.take(0, 0) is False and ledger.take(1, 1) is False
+    assert ledger.held == {} and ledger.ahead == frozenset()
+    assert ledger.take(2, 0) is True  # the slot is free: nothing of ours is held there
+
+
+@pytest.mark.parametrize(
+    ("seq", "slot"),
+    [
+        (0, 0),  # received by message and released already: a second release
+        (1, 1),  # received by message and held
+        (3, 0),  # released ahead already
+        (5, 2),  # not a slot of the ring
+        (2**64, 0),
+    ],
+)
+def test_a_release_ahead_no_schedule_explains_is_refused(seq: int, slot: int) -> None:
+    ledger = _engine.FrameLedger(2, 0)
+    ledger.take(0, 0)
+    ledger.release(0, 0)
+    ledger.take(1, 1)
+    ledger.release_ahead(3, 0)
+    with pytest.raises(ProtocolError, match="cannot be released ahead"):
+        ledger.release_ahead(seq, slot)
+    assert ledger.ahead == {3} and ledger.held == {1: 1}
+
+
+def test_no_more_frames_are_released_ahead_than_the_ring_has_slots() -> None:
+    ledger = _engine.FrameLedger(2, 0)
+    ledger.release_ahead(0, 0)
+    ledger.release_ahead(1, 1)
+    with pytest.raises(ProtocolError, match="frame 2 in slot 0 cannot be released ahead"):
+        ledger.release_ahead(2, 0)
+    assert ledger.take(0, 0) is False
+    ledger.release_ahead(2, 0)  # one came: room for one more
+    assert ledger.ahead == {1, 2}
+
+
+def test_a_frame_whose_flag_write_failed_is_held_again() -> None:
+    ledger = _engine.FrameLedger(2, 0)
+    ledger.take(0, 1)
+    ledger.release(0, 1)  # forgotten before the write, which the driver refused
+    ledger.hold_again(0, 1)
+    assert ledger.held == {0: 1}
+    with pytest.raises(ProtocolError, match="frame 0 cannot be held again in slot 1"):
+        ledger.hold_again(0, 1)  # the slot holds it already
+    with pytest.raises(ProtocolError, match="frame 1 cannot be held again"):
+        ledger.hold_again(1, 0)  # never received
+
+
+def test_a_ledger_refuses_what_it_cannot_hold() -> None:
+    from cupy_ipcpool._errors import UsageError
+
+    with pytest.raises(UsageError, match=r"1\.\.65536 slots, not 0"):
+        _engine.FrameLedger(0, 0)
+    with pytest.raises(TypeError, match="seq and slot must be ints"):
+        _engine.FrameLedger(1, 0).take(0.0, 0)
+    with pytest.raises(TypeError, match="takes 2 arguments"):
+        _engine.FrameLedger(1, 0).release(0)
+
+
 # ------------------------------------------------------------------ the WELCOME
 # What the subscriber checks before it maps anything (c/src/welcome.c): the C subscriber's
 # gpu_setup and the Python Subscriber's _setup both call it.

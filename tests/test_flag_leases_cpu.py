@@ -338,7 +338,7 @@ def flag_consumer(conn: Connection, address: str, release_after: int) -> None:
                     # the flag ends the lease (ahead=True): the core holds the frame no
                     # more, so the slot's next frame is no protocol error
                     # (docs/protocol.md, "What a subscriber refuses"); its RELEASE trails
-                    core._forget(frame.seq)
+                    core._ledger.release(frame.seq, frame.slot)
                     due.append((frame.seq, frame.slot))
                     while len(due) > release_after:
                         core._sock.send(proto.encode_release(*due.pop(0)))

@@ -237,7 +237,7 @@ def test_a_seq_before_the_welcome_s_next_seq_is_a_protocol_error(
     peer = peer_at(next_seq=5)
     _open(consumer, address, peer)
     peer.send(proto.encode_frame(3, 0, b""))
-    _ended_by_protocol_error(consumer, peer, "or before the first, 5")
+    _ended_by_protocol_error(consumer, peer, "frame 3 arrived before the first, 5")
 
 
 @pytest.mark.timeout(60)

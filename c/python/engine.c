@@ -407,10 +407,10 @@ engine_exec(PyObject *module)
         add_int(module, "SYNC_READS_ALIGN", CIP_WIRE_SYNC_READS_ALIGN) < 0 ||
         add_int(module, "SYNC_RECORD_CAP", CIP_WIRE_SYNC_RECORD_CAP) < 0)
         return -1;
-    /* PROTOCOL (the message layouts), the per-frame socket calls, FrameBook */
-    if (cipy_frameio_exec(module) < 0)
+    /* PROTOCOL (the message layouts), the per-frame socket calls, FrameBook, FrameLedger */
+    if (cipy_frameio_exec(module) < 0 || cipy_book_exec(module) < 0)
         return -1;
-    return cipy_book_exec(module);
+    return cipy_ledger_exec(module);
 }
 
 static int

@@ -17,4 +17,7 @@ int cipy_frameio_exec(PyObject *module);
 /* book.c: the FrameBook type (the engine's frame book for the Python subscriber) */
 int cipy_book_exec(PyObject *module);
 
+/* ledger.c: the FrameLedger type (the engine's frame ledger for the Python subscriber) */
+int cipy_ledger_exec(PyObject *module);
+
 #endif /* CIPY_ENGINE_H */

@@ -24,6 +24,8 @@
  *   syncpage.c   the sync page: layout, flag states, forcing (no GPU)
  *   book.c       the frame book: awaited flags, the record of frames, forcing after a
  *                death, the answers (no GPU)
+ *   ledger.c     the frame ledger: the order of frames, the frames held, releases and
+ *                releases ahead of the message (no GPU)
  *   session.c    the channel's socket session: the end of a stream, the backlog, hang-ups,
  *                releases owed, judging messages, the next frame
  *   handshake.c  opening a subscription: options, the handshake, the raw open
@@ -229,11 +231,29 @@ struct frame_book {
     uint64_t forced;    /* frame flags this subscription forced */
 };
 
-/* ---- the channel (session.c, handshake.c, raw.c, gpu_sub.c, sub_close.c) ---------------- */
+/* ---- the frame ledger (ledger.c) ------------------------------------------------------- */
 
-struct held {
+struct cipi_hold {
     int held;
     uint64_t seq;
+};
+
+/* Rule 1 of a subscriber's stream, and the frames it released ahead of their message:
+ * the C subscriber's and (cupy_ipcpool._engine.FrameLedger) the Python one's. */
+struct cipi_ledger {
+    uint32_t num_slots;
+    uint64_t first_seq;      /* the WELCOME's next_seq: no frame comes before it */
+    int have_seq;            /* a frame was received ... */
+    uint64_t last_seq;       /* ... and this one last */
+    struct cipi_hold *holds; /* by slot: the frame of ours held there (at most one) */
+    uint64_t *ahead;         /* the seqs released ahead of their message ... */
+    uint32_t ahead_len;      /* ... at most num_slots */
+};
+
+/* ---- the channel (session.c, handshake.c, raw.c, gpu_sub.c, sub_close.c) ---------------- */
+
+/* What a GPU subscription keeps per slot (whether a frame is held there: the ledger). */
+struct held {
     uint32_t generation;
     int void_seen;            /* a void frame was received in this slot ... */
     uint32_t void_generation; /* ... the last one at this generation (cip_frame_complete 0) */
@@ -267,9 +287,8 @@ struct cip_sub {
     size_t bl_head, bl_len, bl_cap;
     cip_status ended; /* CIP_OK while the stream runs */
     char error[sizeof cipi_tls_error];
-    int have_seq;
-    uint64_t last_seq;
-    struct held *held; /* by slot: a slot holds at most one frame of ours */
+    struct cipi_ledger ledger; /* rule 1: the order of frames, the frames held */
+    struct held *held;         /* by slot: the held frame's generation, arrays, metadata */
     struct owed_release *owed; /* a ring: RELEASEs to send, in order, before any other */
     size_t owed_head, owed_len, owed_alloc;
     /* GPU sessions */
@@ -365,6 +384,22 @@ CIP_INTERNAL ssize_t cipi_recv_with_fds(int s, void *buf, size_t n, void *contro
 CIP_INTERNAL cip_status cipi_attach_fds(const cip_descriptor *d, int *fds, size_t nfds, int device,
                                         cip_pool **out);
 
+/* ledger.c */
+CIP_INTERNAL cip_status cipi_ledger_init(struct cipi_ledger *l, uint32_t num_slots,
+                                         uint64_t first_seq);
+CIP_INTERNAL void cipi_ledger_free(struct cipi_ledger *l);
+CIP_INTERNAL int cipi_ledger_received(const struct cipi_ledger *l, uint64_t seq);
+CIP_INTERNAL cip_status cipi_ledger_receive(struct cipi_ledger *l, uint64_t seq, uint64_t slot);
+CIP_INTERNAL int cipi_ledger_hold(struct cipi_ledger *l, uint64_t seq, uint32_t slot);
+CIP_INTERNAL cip_status cipi_ledger_hold_again(struct cipi_ledger *l, uint64_t seq,
+                                               uint64_t slot);
+CIP_INTERNAL int cipi_ledger_holds(const struct cipi_ledger *l, uint64_t seq, uint64_t slot);
+CIP_INTERNAL cip_status cipi_ledger_check_release(const struct cipi_ledger *l, uint64_t seq,
+                                                  uint64_t slot);
+CIP_INTERNAL void cipi_ledger_forget(struct cipi_ledger *l, uint32_t slot);
+CIP_INTERNAL cip_status cipi_ledger_release_ahead(struct cipi_ledger *l, uint64_t seq,
+                                                  uint64_t slot);
+
 /* book.c */
 CIP_INTERNAL int cipi_book_init(struct frame_book *b, uint32_t num_slots, size_t cap);
 CIP_INTERNAL void cipi_book_free(struct frame_book *b);
@@ -393,7 +428,8 @@ CIP_INTERNAL void cipi_say_bye_and_close(cip_sub *sub);
 CIP_INTERNAL cip_status cipi_protocol_error(cip_sub *sub);
 CIP_INTERNAL cip_status cipi_next_frame(cip_sub *sub, int timeout_ms, uint64_t *seq, uint32_t *slot,
                                         const uint8_t **payload, uint32_t *plen);
-CIP_INTERNAL cip_status cipi_release_slot(cip_sub *sub, uint32_t slot, void *stream, int write);
+CIP_INTERNAL cip_status cipi_release_slot(cip_sub *sub, uint64_t seq, uint32_t slot, void *stream,
+                                          int write);
 
 /* handshake.c */
 CIP_INTERNAL cip_status cipi_sub_open_raw(const char *path, const cip_sub_options *opts,

@@ -149,8 +149,7 @@ cip_sub_recv(cip_sub *sub, int timeout_ms, cip_frame *frame)
     cipi_book_received(&sub->book, sub->page, seq, slot, f.generation);
     memcpy(h->meta, f.metadata, f.metadata_len);
     f.metadata = h->meta;
-    h->held = 1;
-    h->seq = seq;
+    cipi_ledger_hold(&sub->ledger, seq, slot);
     h->generation = f.generation;
     if (void_frame) {
         h->void_seen = 1;
@@ -169,8 +168,7 @@ check_held(cip_sub *sub, const cip_frame *frame)
         return cipi_fail(CIP_ERR_RAW_SESSION, "a raw session has no sync page");
     if (sub->closed)
         return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "the subscription is closed");
-    if (frame->slot >= sub->info.num_slots || !sub->held[frame->slot].held ||
-        sub->held[frame->slot].seq != frame->seq)
+    if (!cipi_ledger_holds(&sub->ledger, frame->seq, frame->slot))
         return cipi_fail(CIP_ERR_NOT_HELD, "frame %llu in slot %u is not held",
                     (unsigned long long)frame->seq, frame->slot);
     return CIP_OK;
@@ -205,8 +203,7 @@ int
 cip_frame_complete(cip_sub *sub, const cip_frame *frame)
 {
     if (sub == NULL || frame == NULL || !sub->gpu || answer_flags(sub) == NULL ||
-        frame->slot >= sub->info.num_slots || !sub->have_seq || frame->seq < sub->info.next_seq ||
-        frame->seq > sub->last_seq)
+        frame->slot >= sub->info.num_slots || !cipi_ledger_received(&sub->ledger, frame->seq))
         return -1;
     const struct held *h = &sub->held[frame->slot];
     if (h->void_seen && h->void_generation == frame->generation)
@@ -254,5 +251,5 @@ cip_sub_release(cip_sub *sub, const cip_frame *frame, void *stream)
     cip_status st = check_held(sub, frame);
     if (st != CIP_OK)
         return st;
-    return cipi_release_slot(sub, frame->slot, stream, 1);
+    return cipi_release_slot(sub, frame->seq, frame->slot, stream, 1);
 }

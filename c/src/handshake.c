@@ -157,7 +157,7 @@ handshake(cip_sub *sub, const cip_sub_options *o)
         sub->held = (struct held *)calloc(m.num_slots, sizeof(struct held));
         if (!sub->welcome || !sub->fds || !sub->held) {
             st = cipi_fail(CIP_ERR_NO_MEMORY, "out of memory");
-        } else {
+        } else if ((st = cipi_ledger_init(&sub->ledger, m.num_slots, m.seq)) == CIP_OK) {
             memcpy(sub->welcome, m.payload, m.len);
             sub->welcome_len = m.len;
             memcpy(sub->fds, fds, nfds * sizeof(int));

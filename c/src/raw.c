@@ -67,8 +67,7 @@ cip_sub_recv_raw(cip_sub *sub, int timeout_ms, cip_raw_frame *frame)
     cip_status st = cipi_next_frame(sub, timeout_ms, &seq, &slot, &payload, &len);
     if (st != CIP_OK)
         return st;
-    sub->held[slot].held = 1;
-    sub->held[slot].seq = seq;
+    cipi_ledger_hold(&sub->ledger, seq, slot);
     frame->seq = seq;
     frame->slot = slot;
     frame->payload = payload;
@@ -85,8 +84,8 @@ cip_sub_release_raw(cip_sub *sub, uint64_t seq, uint32_t slot)
         return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "a GPU subscription releases with cip_sub_release");
     if (sub->closed)
         return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "the subscription is closed");
-    if (slot >= sub->info.num_slots || !sub->held[slot].held || sub->held[slot].seq != seq)
-        return cipi_fail(CIP_ERR_NOT_HELD, "release of frame %llu in slot %u, which is not held",
-                    (unsigned long long)seq, slot);
-    return cipi_release_slot(sub, slot, NULL, 0);
+    cip_status st = cipi_ledger_check_release(&sub->ledger, seq, slot);
+    if (st != CIP_OK)
+        return st;
+    return cipi_release_slot(sub, seq, slot, NULL, 0);
 }

@@ -341,29 +341,10 @@ judge(cip_sub *sub, const uint8_t *p, size_t n, uint64_t *seq, uint32_t *slot,
         return cipi_protocol_error(sub);
     unsigned type = m.type;
     if (type == CIP_WIRE_FRAME) {
-        uint64_t s = m.seq, sl = m.slot;
-        if (sl >= sub->info.num_slots) {
-            cipi_fail(CIP_ERR_PROTOCOL, "frame %llu names slot %llu of %u", (unsigned long long)s,
-                 (unsigned long long)sl, sub->info.num_slots);
+        if (cipi_ledger_receive(&sub->ledger, m.seq, m.slot) != CIP_OK)
             return cipi_protocol_error(sub);
-        }
-        if (s < sub->info.next_seq || (sub->have_seq && s <= sub->last_seq)) {
-            cipi_fail(CIP_ERR_PROTOCOL, "frame %llu arrived after frame %llu (or before the first, %llu)",
-                 (unsigned long long)s, (unsigned long long)sub->last_seq,
-                 (unsigned long long)sub->info.next_seq);
-            return cipi_protocol_error(sub);
-        }
-        if (sub->held[sl].held) {
-            cipi_fail(CIP_ERR_PROTOCOL, "frame %llu is in slot %llu, where this subscriber still holds "
-                                   "frame %llu",
-                 (unsigned long long)s, (unsigned long long)sl,
-                 (unsigned long long)sub->held[sl].seq);
-            return cipi_protocol_error(sub);
-        }
-        sub->have_seq = 1;
-        sub->last_seq = s;
-        *seq = s;
-        *slot = (uint32_t)sl;
+        *seq = m.seq;
+        *slot = m.slot;
         *payload = m.payload;
         *plen = m.len;
         return CIP_OK;
@@ -453,26 +434,20 @@ cipi_next_frame(cip_sub *sub, int timeout_ms, uint64_t *seq, uint32_t *slot, con
     }
 }
 
-static void
-forget(cip_sub *sub, uint32_t slot)
-{
-    sub->held[slot].held = 0;
-}
-
 /* A release: no flag write and no message once the publisher has hung up. */
 cip_status
-cipi_release_slot(cip_sub *sub, uint32_t slot, void *stream, int write)
+cipi_release_slot(cip_sub *sub, uint64_t seq, uint32_t slot, void *stream, int write)
 {
     struct held *h = &sub->held[slot];
     if (sub->ended != CIP_OK || sub->sock < 0) {
-        forget(sub, slot);
+        cipi_ledger_forget(&sub->ledger, slot);
         if (sub->ended == CIP_ERR_EVICTED)
             return cipi_fail(CIP_ERR_EVICTED, "%s", sub->error);
         return CIP_OK;
     }
     if (hung_up(sub)) {
         scan_after_hangup(sub);
-        forget(sub, slot);
+        cipi_ledger_forget(&sub->ledger, slot);
         if (sub->ended == CIP_ERR_EVICTED)
             return cipi_fail(CIP_ERR_EVICTED, "%s", sub->error);
         return CIP_OK;
@@ -489,7 +464,6 @@ cipi_release_slot(cip_sub *sub, uint32_t slot, void *stream, int write)
         else
             sub->untracked = 1;
     }
-    uint64_t seq = h->seq;
-    forget(sub, slot);
+    cipi_ledger_forget(&sub->ledger, slot);
     return send_release(sub, seq, slot);
 }

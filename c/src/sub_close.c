@@ -162,6 +162,7 @@ cip_sub_free(cip_sub *sub)
         return CIP_OK;
     cip_status st = cip_sub_close(sub);
     free(sub->held);
+    cipi_ledger_free(&sub->ledger);
     cipi_book_free(&sub->book);
     free(sub->final_flags);
     free(sub);

@@ -170,7 +170,8 @@ open_sub(uint32_t n)
     sub->write_recorded = (uint8_t *)calloc(n, 1);
     if (!sub->buf || !sub->welcome || !sub->fds || !sub->held || !sub->ev_wait ||
         !sub->ev_write || !sub->wait_recorded || !sub->write_recorded ||
-        cipi_book_init(&sub->book, n, CIP_WIRE_SYNC_RECORD_CAP) != 0)
+        cipi_book_init(&sub->book, n, CIP_WIRE_SYNC_RECORD_CAP) != 0 ||
+        cipi_ledger_init(&sub->ledger, n, sub->info.next_seq) != CIP_OK)
         return "out of memory";
     /* cipi_attach_fds(): what cip_sub_recv reads of the pool, with no GPU memory behind it */
     stand_in = (cip_pool *)calloc(1, sizeof *stand_in);

@@ -26,6 +26,7 @@ import weakref
 from collections.abc import Iterable
 from typing import NoReturn
 
+from .._compiled import loader
 from .._errors import (
     ChannelTimeoutError,
     EndOfStream,
@@ -56,6 +57,8 @@ from ._sockets import (
 )
 
 _INT_SIZE = struct.calcsize("i")
+#: the engine, for its frame ledger (FrameLedger: rule 1 and the frames held)
+_engine = loader("cupy_ipcpool._engine", PROTOCOL=proto.ENGINE_PROTOCOL)
 #: Most fds :meth:`SubscriberCore.watch` takes (the compiled poll set holds 16, the socket too).
 _MAX_WATCHED = 15
 
@@ -168,10 +171,6 @@ class SubscriberCore(ClosedFlag):
         self._timeout = timeout
         hello_msg = proto.encode_hello(proto.MODE_CODES[mode], self.credit, os.getpid(), hello)
         allowed = allowed_uid_set(allowed_uids, os.geteuid())
-        self._held: dict[int, int] = {}
-        #: mode="ahead": seq -> slot of frames released before their FRAME message came
-        #: (release_ahead); that message, when it comes, is not held
-        self._released_ahead: dict[int, int] = {}
         self._eos: str | None = None
         self._eos_clean = False
         self._evicted = False
@@ -201,10 +200,9 @@ class SubscriberCore(ClosedFlag):
         if welcome.lease_timeout_ms:
             self.lease_timeout = welcome.lease_timeout_ms / 1000.0
         self.welcome_payload = welcome.payload
-        #: the last seq received (-1: none yet) and, per slot, the seq of the frame held
-        #: there (-1: none): a FRAME must come after both (:meth:`_check_frame`)
-        self._last_seq = -1
-        self._slot_seq = [-1] * self.num_slots
+        #: rule 1 (the order of frames, one held per slot), the frames held and those
+        #: released ahead of their message: the engine's ledger, the C subscriber's rules
+        self._ledger = _engine().FrameLedger(self.num_slots, self.next_seq)
         self._buf = bytearray(proto.MAX_FRAME_SIZE + 1)
         self._view = memoryview(self._buf)
         self._hangup = select.poll()
@@ -375,7 +373,7 @@ class SubscriberCore(ClosedFlag):
     @property
     def held(self) -> dict[int, int]:
         """Frames received and not yet released, as ``{seq: slot}``."""
-        return dict(self._held)
+        return self._ledger.held
 
     # -- hot path --
 
@@ -465,50 +463,15 @@ class SubscriberCore(ClosedFlag):
         n, seq, slot, self._waited = got
         if seq >= 0:
             # a well-formed FRAME and no hang-up: what _accept checks besides
-            why = self._check_frame(seq, slot)
-            if why is not None:
-                self._protocol_error(why)
-            self._take(seq, slot)
+            try:
+                self._ledger.take(seq, slot)
+            except ProtocolError as exc:
+                self._protocol_error(exc)
             return seq, slot, self._view[_FRAME_HEAD_SIZE:n]
         if n == 0:
             self._end("the publisher closed the connection")
         msg = self._accept(self._view[:n])
         return msg.seq, msg.slot, msg.payload
-
-    def _check_frame(self, seq: int, slot: int) -> str | None:
-        """Why FRAME ``seq`` in ``slot`` breaks the protocol, or None if it does not.
-
-        A frame names a slot of the ring; its seq is not below the WELCOME's
-        ``next_seq`` and comes after every seq received before; and its slot
-        holds no frame this subscriber still holds (the publisher never
-        overwrites a leased slot).  Read by the C library's ``judge`` alike.
-        """
-        if slot >= self.num_slots:
-            return f"frame {seq} names slot {slot} of {self.num_slots}"
-        if seq < self.next_seq or seq <= self._last_seq:
-            return (
-                f"frame {seq} arrived after frame {self._last_seq} "
-                f"(or before the first, {self.next_seq})"
-            )
-        holder = self._slot_seq[slot]
-        if holder >= 0:
-            return (
-                f"frame {seq} is in slot {slot}, where this subscriber still holds frame {holder}"
-            )
-        return None
-
-    def _take(self, seq: int, slot: int) -> None:
-        """Note FRAME ``seq`` received (checked): held, unless it was released ahead."""
-        self._last_seq = seq
-        if not self._released_ahead or self._released_ahead.pop(seq, None) is None:
-            self._held[seq] = slot
-            self._slot_seq[slot] = seq
-
-    def _forget(self, seq: int) -> None:
-        """Frame ``seq`` is no longer held."""
-        slot = self._held.pop(seq)
-        if self._slot_seq[slot] == seq:
-            self._slot_seq[slot] = -1
 
     def _from_backlog(self) -> tuple[int, int, bytes]:
         msg = self._accept(self._backlog.popleft())
@@ -566,12 +529,12 @@ class SubscriberCore(ClosedFlag):
         try:
             msg = proto.decode(data)
             if type(msg) is Frame:
-                why = self._check_frame(msg.seq, msg.slot)
-                if why is not None:
-                    raise ProtocolError(why)
+                # rule 1 before the hang-up's: a bad frame is a protocol error either way
+                held = self._ledger.take(msg.seq, msg.slot)
                 if self._revoked():
+                    if held:  # never handed out: not held
+                        self._ledger.release(msg.seq, msg.slot)
                     self._raise_revoked()
-                self._take(msg.seq, msg.slot)
                 return msg
             if type(msg) is proto.Bye:
                 self._end("the publisher said BYE", clean=True)
@@ -719,8 +682,7 @@ class SubscriberCore(ClosedFlag):
         PoolClosedError
             This subscriber is closed.
         """
-        self._check_held(seq, slot)
-        self._forget(seq)
+        self._release_held(seq, slot)
         self._send_release(seq, slot)
 
     def _send_release(self, seq: int, slot: int) -> None:
@@ -754,9 +716,10 @@ class SubscriberCore(ClosedFlag):
         EvictedError
             The publisher evicted this subscriber.
         ProtocolError
-            ``seq`` was received by message, or released ahead already, or
-            ``num_slots`` frames are released ahead already (no schedule
-            explains more); nothing is sent.
+            ``seq`` was received by message, or released ahead already,
+            ``slot`` is not one of the ring's, or ``num_slots`` frames are
+            released ahead already (no schedule explains more); nothing is
+            sent.
         TransportError
             The publisher has not read this subscriber's RELEASEs for longer
             than any credit explains; the subscription is closed.
@@ -765,14 +728,11 @@ class SubscriberCore(ClosedFlag):
         """
         if self._closed:
             raise PoolClosedError("the subscriber is closed")
-        early = self._released_ahead
-        if seq in self._held or seq in early or len(early) >= self.num_slots:
-            raise ProtocolError(f"frame {seq} cannot be released ahead of its message")
+        self._ledger.release_ahead(seq, slot)
         if self._eos is not None:
             if self._evicted:
                 self._raise_end()
             return
-        early[seq] = slot
         self._send_release(seq, slot)
 
     def release_with_write(
@@ -799,10 +759,9 @@ class SubscriberCore(ClosedFlag):
         ------
         As :meth:`release`.
         """
-        self._check_held(seq, slot)
         # forgotten before the RELEASE can reach the publisher: the slot's next frame
         # may then come at once (to a recv of another thread, say)
-        self._forget(seq)
+        self._release_held(seq, slot)
         if self._eos is not None:
             self._send_release(seq, slot)
             return 0
@@ -834,17 +793,14 @@ class SubscriberCore(ClosedFlag):
             self._send_release(seq, slot)
             return 0
         if rc > 0:  # the driver failed: nothing written or sent, the frame still held
-            self._held[seq] = slot
-            self._slot_seq[slot] = seq
+            self._ledger.hold_again(seq, slot)
         return rc
 
-    def _check_held(self, seq: int, slot: int) -> None:
-        """Raise unless this open subscriber holds frame ``seq`` in ``slot``."""
+    def _release_held(self, seq: int, slot: int) -> None:
+        """Forget frame ``seq`` in ``slot``; raise unless this open subscriber holds it."""
         if self._closed:
             raise PoolClosedError("the subscriber is closed")
-        held = self._held.get(seq)
-        if held is None or held != slot:
-            raise ProtocolError(f"release of frame {seq} in slot {slot}, which is not held")
+        self._ledger.release(seq, slot)
 
     def _release_not_sent(self, exc: OSError) -> None:
         """A RELEASE's send failed other than for room: the publisher is gone; was this
