@@ -410,6 +410,43 @@ def test_a_ledger_refuses_what_it_cannot_hold() -> None:
         _engine.FrameLedger(1, 0).release(0)
 
 
+# ------------------------------------------------------------------ a hang-up
+# What is still queued when the publisher hangs up (c/src/hangup.c): the verdict of both
+# subscribers; tests/test_subscriber_rules_cpu.py runs them against one publisher.
+
+_F = proto.encode_frame(0, 0, b"")
+_BYE = proto.encode_bye()
+_NOTICE = proto.encode_refuse("lease_timeout")
+_BAD_NOTICE = _NOTICE[:-1]
+
+
+@pytest.mark.parametrize(
+    ("queued", "verdict"),
+    [
+        ([], ("drop", 0)),
+        ([_F, _F], ("drop", 2)),
+        ([b"junk", _F[:4], _F], ("drop", 3)),  # no header, or a foreign one: skipped
+        ([_F, _BYE, _F], ("bye", 1)),
+        ([_F, _BYE, _NOTICE], ("bye", 1)),  # nothing after a BYE counts
+        ([_F, _NOTICE, _BYE], ("evicted", 1)),
+        ([_F, _BAD_NOTICE, _BYE], ("bad", 1)),
+        ([_F, _BYE, _BAD_NOTICE], ("bye", 1)),
+        ([memoryview(_F), bytearray(_NOTICE)], ("evicted", 1)),
+    ],
+)
+def test_the_first_bye_or_refuse_queued_at_a_hang_up_decides(
+    queued: list[bytes], verdict: tuple[str, int]
+) -> None:
+    assert _engine.hangup_verdict(queued) == verdict
+
+
+def test_a_hang_up_verdict_takes_a_list_of_buffers() -> None:
+    with pytest.raises(TypeError, match="must be a list"):
+        _engine.hangup_verdict((_BYE,))
+    with pytest.raises(TypeError):
+        _engine.hangup_verdict([_BYE, "text"])
+
+
 # ------------------------------------------------------------------ the WELCOME
 # What the subscriber checks before it maps anything (c/src/welcome.c): the C subscriber's
 # gpu_setup and the Python Subscriber's _setup both call it.

@@ -314,6 +314,41 @@ def test_frames_queued_before_a_bye_are_handed_out_and_nothing_after_it(
     assert outcome(consumer.recv(0)) == "end"
 
 
+@pytest.mark.timeout(60)
+def test_an_eviction_notice_after_a_bye_does_not_count(
+    consumer: Consumer, address: str, peer_at: Any
+) -> None:
+    """At a hang-up the first BYE or REFUSE queued decides: nothing after a BYE counts,
+    an eviction notice neither (the C library took one there as an eviction)."""
+    peer = peer_at()
+    _open(consumer, address, peer)
+    peer.send(
+        proto.encode_frame(0, 0, b"a"),
+        proto.encode_bye(),
+        proto.encode_refuse("lease_timeout"),
+    )
+    peer.hang_up()
+    assert frame(consumer.recv()).payload == b"a"
+    assert outcome(consumer.recv()) == "end"
+
+
+@pytest.mark.timeout(60)
+def test_an_eviction_notice_before_a_bye_ends_the_stream_as_evicted(
+    consumer: Consumer, address: str, peer_at: Any
+) -> None:
+    peer = peer_at()
+    _open(consumer, address, peer)
+    peer.send(
+        proto.encode_frame(0, 0, b"a"),
+        proto.encode_refuse("lease_timeout"),
+        proto.encode_bye(),
+    )
+    peer.hang_up()
+    got = consumer.recv()
+    assert outcome(got) == "evicted", got
+    assert isinstance(got, Outcome) and "lease_timeout" in got.message, got
+
+
 # ---------------------------------------------------------------- rule 4: malformed REFUSE
 # docs/protocol.md, "Failures": a REFUSE that does not decode is a protocol error, never
 # an eviction; queued at a hang-up it keeps every frame queued from being handed out.

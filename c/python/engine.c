@@ -349,6 +349,51 @@ engine_flag_force(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return PyBool_FromLong(stored == 1);
 }
 
+/* ---- a hang-up (c/src/hangup.c) ---------------------------------------------------- */
+
+PyDoc_STRVAR(hangup_verdict_doc,
+"hangup_verdict(messages, /) -> tuple[str, int]\n\n"
+"The verdict on ``messages`` (a list of bytes-like objects), the datagrams still queued\n"
+"when the publisher hung up, oldest first: the first BYE or REFUSE decides.\n"
+"``(\"bye\", i)``: the messages before the BYE at ``i`` are handed out;\n"
+"``(\"evicted\", i)``: the eviction notice at ``i``, nothing is handed out;\n"
+"``(\"bad\", i)``: the REFUSE at ``i`` does not decode (a protocol error), nothing is\n"
+"handed out; ``(\"drop\", len(messages))``: neither, nothing is handed out.");
+
+static PyObject *
+engine_hangup_verdict(PyObject *Py_UNUSED(module), PyObject *messages)
+{
+    if (!PyList_Check(messages)) {
+        PyErr_SetString(PyExc_TypeError, "hangup_verdict: messages must be a list");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(messages);
+    struct msgbuf *ring = PyMem_Calloc(n ? (size_t)n : 1, sizeof *ring);
+    Py_buffer *views = PyMem_Calloc(n ? (size_t)n : 1, sizeof *views);
+    Py_ssize_t got = 0;
+    PyObject *answer = NULL;
+    if (ring == NULL || views == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < n; got++) {
+        if (PyObject_GetBuffer(PyList_GET_ITEM(messages, got), &views[got], PyBUF_SIMPLE) < 0)
+            goto done;
+        ring[got].data = (uint8_t *)views[got].buf;
+        ring[got].len = (size_t)views[got].len;
+    }
+    size_t at;
+    static const char *const words[] = {"drop", "bye", "evicted", "bad"};
+    enum cipi_hangup verdict = cipi_hangup_verdict(ring, 0, (size_t)n, n ? (size_t)n : 1, &at);
+    answer = Py_BuildValue("(sn)", words[verdict], (Py_ssize_t)at);
+done:
+    for (Py_ssize_t i = 0; i < got; i++)
+        PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    PyMem_Free(ring);
+    return answer;
+}
+
 /* ---- the module --------------------------------------------------------------------- */
 
 static PyMethodDef engine_methods[] = {
@@ -367,6 +412,7 @@ static PyMethodDef engine_methods[] = {
      frame_head_doc},
     {"check_frame", (PyCFunction)(void (*)(void))engine_check_frame, METH_FASTCALL,
      check_frame_doc},
+    {"hangup_verdict", (PyCFunction)engine_hangup_verdict, METH_O, hangup_verdict_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -26,6 +26,7 @@
  *                death, the answers (no GPU)
  *   ledger.c     the frame ledger: the order of frames, the frames held, releases and
  *                releases ahead of the message (no GPU)
+ *   hangup.c     the verdict on what is still queued at a hang-up
  *   session.c    the channel's socket session: the end of a stream, the backlog, hang-ups,
  *                releases owed, judging messages, the next frame
  *   handshake.c  opening a subscription: options, the handshake, the raw open
@@ -416,6 +417,11 @@ CIP_INTERNAL uint32_t cipi_book_resolve(struct frame_book *b, volatile uint32_t 
 CIP_INTERNAL size_t cipi_book_answers(const struct frame_book *b, volatile uint32_t *flags,
                                       uint64_t *seqs, size_t cap, size_t *pending,
                                       uint64_t *pending_seqs, size_t pending_cap);
+
+/* hangup.c */
+enum cipi_hangup { CIPI_HANGUP_DROP, CIPI_HANGUP_BYE, CIPI_HANGUP_EVICTED, CIPI_HANGUP_BAD_NOTICE };
+CIP_INTERNAL enum cipi_hangup cipi_hangup_verdict(const struct msgbuf *ring, size_t head,
+                                                  size_t len, size_t cap, size_t *at);
 
 /* session.c */
 CIP_INTERNAL cip_status cipi_sub_end(cip_sub *sub, cip_status status, const char *fmt, ...)

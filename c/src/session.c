@@ -47,16 +47,6 @@ backlog_push(cip_sub *sub, const uint8_t *data, size_t len)
     return 0;
 }
 
-/* Type of a datagram with a valid header, else 0. */
-static unsigned
-msg_type(const uint8_t *p, size_t n)
-{
-    if (n < CIP_WIRE_HEADER_SIZE || RD(p, HEADER_MAGIC) != CIP_WIRE_MAGIC ||
-        RD(p, HEADER_VERSION) != CIP_WIRE_VERSION)
-        return 0;
-    return (unsigned)RD(p, HEADER_TYPE);
-}
-
 /* A REFUSE's reason (m: a REFUSE from cipi_decode), printable, into out. */
 void
 cipi_refuse_reason(const struct cipi_msg *m, char *out, size_t cap)
@@ -138,26 +128,24 @@ scan_after_hangup(cip_sub *sub)
                 break;
         }
     }
-    size_t bye = sub->bl_len;
-    for (size_t i = 0; i < sub->bl_len; i++) {
-        struct msgbuf *m = &sub->backlog[(sub->bl_head + i) % sub->bl_cap];
-        unsigned type = msg_type(m->data, m->len);
-        if (type == CIP_WIRE_REFUSE) {
-            struct cipi_msg msg;
-            if (cipi_decode(m->data, m->len, &msg) != CIP_OK) {
-                cipi_protocol_error(sub); /* clears the backlog: no queued frame is handed out */
-                return;
-            }
-            char reason[CIP_WIRE_MAX_REFUSE_REASON + 1];
-            cipi_refuse_reason(&msg, reason, sizeof reason);
-            cipi_backlog_clear(sub);
-            cipi_sub_end(sub, CIP_ERR_EVICTED, "the publisher evicted this subscriber: %s", reason);
-            return;
-        }
-        if (type == CIP_WIRE_BYE && bye == sub->bl_len)
-            bye = i;
+    size_t at;
+    enum cipi_hangup verdict =
+        cipi_hangup_verdict(sub->backlog, sub->bl_head, sub->bl_len, sub->bl_cap, &at);
+    if (verdict == CIPI_HANGUP_BAD_NOTICE) {
+        cipi_protocol_error(sub); /* clears the backlog: no queued frame is handed out */
+        return;
     }
-    if (bye == sub->bl_len) {
+    if (verdict == CIPI_HANGUP_EVICTED) {
+        const struct msgbuf *notice = &sub->backlog[(sub->bl_head + at) % sub->bl_cap];
+        struct cipi_msg msg;
+        (void)cipi_decode(notice->data, notice->len, &msg); /* decoded by the verdict */
+        char reason[CIP_WIRE_MAX_REFUSE_REASON + 1];
+        cipi_refuse_reason(&msg, reason, sizeof reason);
+        cipi_backlog_clear(sub);
+        cipi_sub_end(sub, CIP_ERR_EVICTED, "the publisher evicted this subscriber: %s", reason);
+        return;
+    }
+    if (verdict == CIPI_HANGUP_DROP) {
         cipi_backlog_clear(sub);
         /* its sockets close before its pidfd says it exited: while a stream of ours
          * waits on a flag, give its exit a moment to show, then set that flag */
@@ -175,7 +163,7 @@ scan_after_hangup(cip_sub *sub)
         }
         return;
     }
-    while (sub->bl_len > bye + 1) { /* nothing after a BYE counts */
+    while (sub->bl_len > at + 1) { /* nothing after a BYE counts */
         sub->bl_len--;
         free(sub->backlog[(sub->bl_head + sub->bl_len) % sub->bl_cap].data);
     }

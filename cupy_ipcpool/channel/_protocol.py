@@ -361,17 +361,6 @@ def magic_of(data: bytes | bytearray | memoryview) -> int | None:
     return data[0] | data[1] << 8 if len(data) >= 2 else None
 
 
-def kind_of(data: bytes | bytearray | memoryview) -> int | None:
-    """The message type of a datagram with a valid header (magic and version), else None.
-
-    Only the header is read: a message of a known type may still fail :func:`decode`.
-    """
-    if len(data) < _HEADER.size:
-        return None
-    magic, version, kind = _HEADER.unpack_from(data)
-    return int(kind) if magic == MAGIC and version == VERSION else None
-
-
 def decode(data: bytes | bytearray | memoryview) -> Message:
     """Decode and validate one datagram (the engine's decoder, ``c/src/message.c``).
 
@@ -441,5 +430,4 @@ __all__ = [
     "encode_release",
     "encode_welcome",
     "has_magic",
-    "kind_of",
 ]

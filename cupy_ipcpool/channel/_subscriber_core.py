@@ -575,12 +575,14 @@ class SubscriberCore(ClosedFlag):
     def _scan_after_hangup(self) -> None:
         """Read everything still queued (the publisher has hung up), once, and judge it.
 
-        An eviction notice before any BYE ends the stream as evicted; a
-        malformed one (the publisher's notice cannot be read) leaves only
-        itself queued, so the next receive raises :class:`ProtocolError` and
-        no frame queued is handed out; a BYE keeps the messages up to it
-        (nothing after a BYE counts); a hang-up without either drops every
-        frame still queued and ends the stream (``clean`` False).
+        The engine's verdict (``hangup_verdict``, the C subscriber's): the
+        first BYE or REFUSE decides.  An eviction notice ends the stream as
+        evicted; a malformed one (the publisher's notice cannot be read)
+        leaves only itself queued, so the next receive raises
+        :class:`ProtocolError` and no frame queued is handed out; a BYE keeps
+        the messages up to it (nothing after a BYE counts); a hang-up without
+        either drops every frame still queued and ends the stream (``clean``
+        False).
         """
         self.alarm = True
         if self._hangup_read is not None or self._eos is not None:
@@ -601,23 +603,21 @@ class SubscriberCore(ClosedFlag):
                 break
             got.append(data)
         self._backlog.clear()
-        for i, data in enumerate(got):
-            kind = proto.kind_of(data)
-            if kind == proto.REFUSE:
-                try:
-                    msg = proto.decode(data)
-                except ProtocolError:
-                    self._hangup_read = "bad"
-                    self._backlog.append(data)
-                    return
-                assert type(msg) is proto.Refuse
-                self._evicted = True
-                self._eos = f"the publisher evicted this subscriber: {msg.reason}"
-                return
-            if kind == proto.BYE:
-                self._hangup_read = "bye"
-                self._backlog.extend(got[: i + 1])
-                return
+        verdict, at = _engine().hangup_verdict(got)  # the C subscriber's verdict
+        if verdict == "bad":
+            self._hangup_read = "bad"
+            self._backlog.append(got[at])
+            return
+        if verdict == "evicted":
+            msg = proto.decode(got[at])
+            assert type(msg) is proto.Refuse
+            self._evicted = True
+            self._eos = f"the publisher evicted this subscriber: {msg.reason}"
+            return
+        if verdict == "bye":
+            self._hangup_read = "bye"
+            self._backlog.extend(got[: at + 1])
+            return
         self._eos = (
             "the publisher hung up without BYE (it exited, or dropped this subscriber); "
             "frames still queued are dropped"
