@@ -12,7 +12,10 @@ same names), and that a build for other layouts is refused.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import re
+import socket
 import struct
 import subprocess
 
@@ -22,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cupy_ipcpool import _compiled, _engine
-from cupy_ipcpool._errors import CompiledPartError, ProtocolError
+from cupy_ipcpool._errors import CompiledPartError, ProtocolError, TransportError
 from cupy_ipcpool._handles import ArrayHandle
 from cupy_ipcpool.channel import _protocol as proto
 from cupy_ipcpool.channel._payload import FRAME_HEAD, FRAME_VOID, check_frame
@@ -408,6 +411,71 @@ def test_a_ledger_refuses_what_it_cannot_hold() -> None:
         _engine.FrameLedger(1, 0).take(0.0, 0)
     with pytest.raises(TypeError, match="takes 2 arguments"):
         _engine.FrameLedger(1, 0).release(0)
+
+
+# ------------------------------------------------------------------ RELEASEs owed
+# The queue both subscribers keep while the publisher's socket is full (c/src/owed.c):
+# here over a real SOCK_SEQPACKET pair whose reader does not read.
+
+
+def _full_pair() -> tuple[socket.socket, socket.socket]:
+    """A socket pair whose first end takes no more datagrams now."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    a.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            a.send(b"x" * 64)
+    return a, b
+
+
+def _drain(b: socket.socket) -> list[bytes]:
+    got = []
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            got.append(b.recv(4096, socket.MSG_DONTWAIT))
+    return got
+
+
+def test_releases_a_full_socket_did_not_take_go_later_in_order() -> None:
+    a, b = _full_pair()
+    with a, b:
+        owed = _engine.OwedReleases(4)
+        assert owed.limit == proto.MAX_CREDIT + 4
+        assert owed.send(a.fileno(), 7, 1) is False and owed.send(a.fileno(), 8, 2) is False
+        owed.owe(9, 3)
+        assert owed.pending == [(7, 1), (8, 2), (9, 3)] and len(owed) == 3
+        assert owed.flush(a.fileno()) is False and len(owed) == 3  # still full
+        _drain(b)
+        assert owed.send(a.fileno(), 10, 0) is True and len(owed) == 0  # behind the others
+        sent = [proto.decode(m) for m in _drain(b)]
+        assert [(m.seq, m.slot) for m in sent] == [(7, 1), (8, 2), (9, 3), (10, 0)]
+
+
+def test_no_more_releases_are_owed_than_any_credit_explains() -> None:
+    a, b = _full_pair()
+    with a, b:
+        owed = _engine.OwedReleases(2)
+        for seq in range(owed.limit):
+            owed.owe(seq, 0)
+        words = f"for {owed.limit} RELEASEs, more than any credit allows"
+        with pytest.raises(TransportError, match=words) as e:
+            owed.send(a.fileno(), 99, 0)
+        assert e.value.errno == errno.ENOBUFS
+        with pytest.raises(TransportError, match="ENOBUFS"):
+            owed.owe(99, 0)
+        assert len(owed) == owed.limit and owed.pending[-1] == (owed.limit - 1, 0)
+
+
+def test_a_release_to_a_closed_peer_fails_and_what_is_owed_stays() -> None:
+    a, b = _full_pair()
+    owed = _engine.OwedReleases(2)
+    owed.owe(1, 1)
+    b.close()
+    with a, pytest.raises(OSError) as e:
+        owed.flush(a.fileno())
+    assert not isinstance(e.value, BlockingIOError) and owed.pending == [(1, 1)]
+    owed.clear()
+    assert len(owed) == 0 and owed.pending == []
 
 
 # ------------------------------------------------------------------ a hang-up

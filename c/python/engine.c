@@ -438,8 +438,9 @@ engine_exec(PyObject *module)
     engine_state *st = state_of(module);
     st->protocol_error = PyObject_GetAttrString(errors, "ProtocolError");
     st->usage_error = PyObject_GetAttrString(errors, "UsageError");
+    st->transport_error = PyObject_GetAttrString(errors, "TransportError");
     Py_DECREF(errors);
-    if (st->protocol_error == NULL || st->usage_error == NULL)
+    if (st->protocol_error == NULL || st->usage_error == NULL || st->transport_error == NULL)
         return -1;
     /* the layouts and limits the engine was built for: cupy_ipcpool._compiled.load
      * refuses a build whose values differ from the Python definitions */
@@ -453,10 +454,12 @@ engine_exec(PyObject *module)
         add_int(module, "SYNC_READS_ALIGN", CIP_WIRE_SYNC_READS_ALIGN) < 0 ||
         add_int(module, "SYNC_RECORD_CAP", CIP_WIRE_SYNC_RECORD_CAP) < 0)
         return -1;
-    /* PROTOCOL (the message layouts), the per-frame socket calls, FrameBook, FrameLedger */
-    if (cipy_frameio_exec(module) < 0 || cipy_book_exec(module) < 0)
+    /* PROTOCOL (the message layouts), the per-frame socket calls, FrameBook, FrameLedger,
+     * OwedReleases */
+    if (cipy_frameio_exec(module) < 0 || cipy_book_exec(module) < 0 ||
+        cipy_ledger_exec(module) < 0)
         return -1;
-    return cipy_ledger_exec(module);
+    return cipy_owed_exec(module);
 }
 
 static int
@@ -464,6 +467,7 @@ engine_traverse(PyObject *module, visitproc visit, void *arg)
 {
     Py_VISIT(state_of(module)->protocol_error);
     Py_VISIT(state_of(module)->usage_error);
+    Py_VISIT(state_of(module)->transport_error);
     return 0;
 }
 
@@ -472,6 +476,7 @@ engine_clear(PyObject *module)
 {
     Py_CLEAR(state_of(module)->protocol_error);
     Py_CLEAR(state_of(module)->usage_error);
+    Py_CLEAR(state_of(module)->transport_error);
     return 0;
 }
 

@@ -9,6 +9,7 @@
 typedef struct {
     PyObject *protocol_error; /* cupy_ipcpool._errors.ProtocolError */
     PyObject *usage_error;    /* cupy_ipcpool._errors.UsageError */
+    PyObject *transport_error; /* cupy_ipcpool._errors.TransportError */
 } engine_state;
 
 /* frameio.c: the channel's per-frame socket calls, and PROTOCOL, added to the module */
@@ -19,5 +20,8 @@ int cipy_book_exec(PyObject *module);
 
 /* ledger.c: the FrameLedger type (the engine's frame ledger for the Python subscriber) */
 int cipy_ledger_exec(PyObject *module);
+
+/* owed.c: the OwedReleases type (the RELEASEs the Python subscriber owes) */
+int cipy_owed_exec(PyObject *module);
 
 #endif /* CIPY_ENGINE_H */

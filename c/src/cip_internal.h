@@ -26,6 +26,7 @@
  *                death, the answers (no GPU)
  *   ledger.c     the frame ledger: the order of frames, the frames held, releases and
  *                releases ahead of the message (no GPU)
+ *   owed.c       the RELEASEs owed: sent without waiting, kept in order, bounded
  *   hangup.c     the verdict on what is still queued at a hang-up
  *   session.c    the channel's socket session: the end of a stream, the backlog, hang-ups,
  *                releases owed, judging messages, the next frame
@@ -273,6 +274,12 @@ struct owed_release {
     uint32_t slot;
 };
 
+/* The RELEASEs owed (owed.c): a ring, oldest first, at most `limit`. */
+struct cipi_owed {
+    struct owed_release *ring;
+    size_t head, len, alloc, limit;
+};
+
 struct cip_sub {
     int sock;
     int pidfd; /* the producer's, -1 where it cannot be opened */
@@ -290,8 +297,7 @@ struct cip_sub {
     char error[sizeof cipi_tls_error];
     struct cipi_ledger ledger; /* rule 1: the order of frames, the frames held */
     struct held *held;         /* by slot: the held frame's generation, arrays, metadata */
-    struct owed_release *owed; /* a ring: RELEASEs to send, in order, before any other */
-    size_t owed_head, owed_len, owed_alloc;
+    struct cipi_owed owed; /* RELEASEs to send, in order, before any other */
     /* GPU sessions */
     cip_pool *pool;
     uint32_t row, max_subs;
@@ -417,6 +423,16 @@ CIP_INTERNAL uint32_t cipi_book_resolve(struct frame_book *b, volatile uint32_t 
 CIP_INTERNAL size_t cipi_book_answers(const struct frame_book *b, volatile uint32_t *flags,
                                       uint64_t *seqs, size_t cap, size_t *pending,
                                       uint64_t *pending_seqs, size_t pending_cap);
+
+/* owed.c */
+CIP_INTERNAL void cipi_owed_init(struct cipi_owed *o, uint32_t num_slots);
+CIP_INTERNAL void cipi_owed_clear(struct cipi_owed *o);
+CIP_INTERNAL void cipi_owed_free(struct cipi_owed *o);
+CIP_INTERNAL int cipi_try_send_release(int sock, uint64_t seq, uint32_t slot);
+CIP_INTERNAL cip_status cipi_owed_push(struct cipi_owed *o, uint64_t seq, uint32_t slot);
+CIP_INTERNAL int cipi_owed_flush(struct cipi_owed *o, int sock);
+CIP_INTERNAL cip_status cipi_owed_send(struct cipi_owed *o, int sock, uint64_t seq, uint32_t slot,
+                                       int *sent);
 
 /* hangup.c */
 enum cipi_hangup { CIPI_HANGUP_DROP, CIPI_HANGUP_BYE, CIPI_HANGUP_EVICTED, CIPI_HANGUP_BAD_NOTICE };

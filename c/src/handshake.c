@@ -158,6 +158,7 @@ handshake(cip_sub *sub, const cip_sub_options *o)
         if (!sub->welcome || !sub->fds || !sub->held) {
             st = cipi_fail(CIP_ERR_NO_MEMORY, "out of memory");
         } else if ((st = cipi_ledger_init(&sub->ledger, m.num_slots, m.seq)) == CIP_OK) {
+            cipi_owed_init(&sub->owed, m.num_slots);
             memcpy(sub->welcome, m.payload, m.len);
             sub->welcome_len = m.len;
             memcpy(sub->fds, fds, nfds * sizeof(int));

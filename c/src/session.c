@@ -182,25 +182,6 @@ hung_up(cip_sub *sub)
     return r > 0;
 }
 
-/* One RELEASE, without waiting: 1 sent, 0 no room in the socket, -1 failed (errno). */
-static int
-try_send_release(int sock, uint64_t seq, uint32_t slot)
-{
-    uint8_t msg[CIP_WIRE_RELEASE_SIZE];
-    WR(msg, RELEASE_MAGIC, CIP_WIRE_MAGIC);
-    WR(msg, RELEASE_VERSION, CIP_WIRE_VERSION);
-    WR(msg, RELEASE_TYPE, CIP_WIRE_RELEASE);
-    WR(msg, RELEASE_SEQ, seq);
-    WR(msg, RELEASE_SLOT, slot);
-    for (;;) {
-        if (send(sock, msg, sizeof msg, MSG_DONTWAIT | MSG_NOSIGNAL) == (ssize_t)sizeof msg)
-            return 1;
-        if (errno == EINTR)
-            continue;
-        return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -1;
-    }
-}
-
 void
 cipi_say_bye_and_close(cip_sub *sub)
 {
@@ -208,14 +189,9 @@ cipi_say_bye_and_close(cip_sub *sub)
         return;
     /* the RELEASEs still owed go first, as far as the socket takes them (the hang-up
      * returns every lease anyway) */
-    while (sub->owed_len && sub->ended == CIP_OK) {
-        const struct owed_release *o = &sub->owed[sub->owed_head];
-        if (try_send_release(sub->sock, o->seq, o->slot) <= 0)
-            break;
-        sub->owed_head = (sub->owed_head + 1) % sub->owed_alloc;
-        sub->owed_len--;
-    }
-    sub->owed_len = 0;
+    if (sub->ended == CIP_OK)
+        (void)cipi_owed_flush(&sub->owed, sub->sock);
+    cipi_owed_clear(&sub->owed);
     /* unread data would reset the peer instead of letting it read our BYE */
     while (recv(sub->sock, sub->buf, CIP_WIRE_MAX_FRAME_SIZE + 1, MSG_DONTWAIT) > 0)
         ;
@@ -244,7 +220,7 @@ cipi_protocol_error(cip_sub *sub)
 static cip_status
 release_failed(cip_sub *sub)
 {
-    sub->owed_len = 0;
+    cipi_owed_clear(&sub->owed);
     scan_after_hangup(sub);
     if (sub->ended == CIP_ERR_EVICTED)
         return cipi_fail(CIP_ERR_EVICTED, "%s", sub->error);
@@ -255,68 +231,27 @@ release_failed(cip_sub *sub)
 static cip_status
 flush_owed(cip_sub *sub)
 {
-    while (sub->owed_len) {
-        if (sub->ended != CIP_OK || sub->sock < 0) {
-            sub->owed_len = 0; /* nobody to send them to: the connection's end returned them */
-            break;
-        }
-        const struct owed_release *o = &sub->owed[sub->owed_head];
-        int r = try_send_release(sub->sock, o->seq, o->slot);
-        if (r == 0)
-            return CIP_OK; /* still full: kept, in order */
-        if (r < 0)
-            return release_failed(sub);
-        sub->owed_head = (sub->owed_head + 1) % sub->owed_alloc;
-        sub->owed_len--;
+    if (sub->owed.len == 0)
+        return CIP_OK;
+    if (sub->ended != CIP_OK || sub->sock < 0) {
+        cipi_owed_clear(&sub->owed); /* nobody to send them to: the end returned them */
+        return CIP_OK;
     }
-    return CIP_OK;
-}
-
-/* Keep a RELEASE the socket did not take, behind the ones owed already. */
-static cip_status
-owe_release(cip_sub *sub, uint64_t seq, uint32_t slot)
-{
-    size_t limit = (size_t)CIP_WIRE_MAX_CREDIT + sub->info.num_slots;
-    if (sub->owed_len >= limit) {
-        cip_status st = cipi_sub_end(sub, CIP_ERR_TRANSPORT,
-                                "the publisher has not read this subscriber's messages for %zu "
-                                "RELEASEs, more than any credit allows (its socket stays full); "
-                                "the subscription is closed",
-                                sub->owed_len);
-        cipi_say_bye_and_close(sub);
-        return st;
-    }
-    if (sub->owed_len == sub->owed_alloc) {
-        size_t alloc = sub->owed_alloc ? 2 * sub->owed_alloc : 16;
-        struct owed_release *r = (struct owed_release *)cipi_ring_regrow(
-            sub->owed, sizeof *r, &sub->owed_head, sub->owed_len, &sub->owed_alloc, alloc);
-        if (r == NULL)
-            return cipi_sub_end(sub, CIP_ERR_NO_MEMORY,
-                           "out of memory keeping a RELEASE the publisher's socket did not take");
-        sub->owed = r;
-    }
-    struct owed_release *o = &sub->owed[(sub->owed_head + sub->owed_len) % sub->owed_alloc];
-    o->seq = seq;
-    o->slot = slot;
-    sub->owed_len++;
-    return CIP_OK;
+    return cipi_owed_flush(&sub->owed, sub->sock) < 0 ? release_failed(sub) : CIP_OK;
 }
 
 /* RELEASE of frame `seq` in `slot`, after every RELEASE still owed; never blocks. */
 static cip_status
 send_release(cip_sub *sub, uint64_t seq, uint32_t slot)
 {
-    if (sub->owed_len == 0) {
-        int r = try_send_release(sub->sock, seq, slot);
-        if (r > 0)
-            return CIP_OK;
-        if (r < 0)
-            return release_failed(sub);
-    }
-    cip_status st = owe_release(sub, seq, slot);
-    if (st != CIP_OK)
+    int sent;
+    cip_status st = cipi_owed_send(&sub->owed, sub->sock, seq, slot, &sent);
+    if (st != CIP_OK) { /* past the limit (or out of memory): the end */
+        st = cipi_sub_end(sub, st, "%s", cipi_tls_error);
+        cipi_say_bye_and_close(sub);
         return st;
-    return flush_owed(sub);
+    }
+    return sent < 0 ? release_failed(sub) : CIP_OK;
 }
 
 /* Judge one message of a live stream: a FRAME we may use comes back as CIP_OK. */
@@ -370,14 +305,14 @@ cipi_next_frame(cip_sub *sub, int timeout_ms, uint64_t *seq, uint32_t *slot, con
             free(m.data);
             return judge(sub, sub->buf, m.len, seq, slot, payload, plen);
         }
-        if (sub->owed_len) { /* RELEASEs the socket did not take before: first */
+        if (sub->owed.len) { /* RELEASEs the socket did not take before: first */
             cip_status st = flush_owed(sub);
             if (st != CIP_OK)
                 return st;
             if (sub->ended != CIP_OK)
                 return cipi_fail(sub->ended, "%s", sub->error);
         }
-        short events = (short)(POLLIN | (sub->owed_len ? POLLOUT : 0));
+        short events = (short)(POLLIN | (sub->owed.len ? POLLOUT : 0));
         struct pollfd p[2] = {{sub->sock, events, 0}, {sub->pidfd, POLLIN, 0}};
         int r = poll(p, sub->pidfd >= 0 ? 2 : 1, cipi_left_ms(deadline));
         if (r < 0 && errno == EINTR)

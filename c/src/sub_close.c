@@ -130,7 +130,7 @@ cip_sub_close(cip_sub *sub)
         }
     }
     free(sub->backlog);
-    free(sub->owed);
+    cipi_owed_free(&sub->owed);
     free(sub->welcome);
     free(sub->fds);
     free(sub->buf);
@@ -139,8 +139,7 @@ cip_sub_close(cip_sub *sub)
     free(sub->wait_recorded);
     free(sub->write_recorded);
     sub->backlog = NULL;
-    sub->owed = NULL;
-    sub->owed_len = sub->bl_len = 0;
+    sub->bl_len = 0;
     sub->welcome = NULL;
     sub->welcome_len = 0;
     sub->fds = NULL;

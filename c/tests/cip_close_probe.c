@@ -173,6 +173,7 @@ open_sub(uint32_t n)
         cipi_book_init(&sub->book, n, CIP_WIRE_SYNC_RECORD_CAP) != 0 ||
         cipi_ledger_init(&sub->ledger, n, sub->info.next_seq) != CIP_OK)
         return "out of memory";
+    cipi_owed_init(&sub->owed, n);
     /* cipi_attach_fds(): what cip_sub_recv reads of the pool, with no GPU memory behind it */
     stand_in = (cip_pool *)calloc(1, sizeof *stand_in);
     if (stand_in == NULL)

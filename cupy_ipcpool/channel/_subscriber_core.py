@@ -24,7 +24,7 @@ import struct
 import time
 import weakref
 from collections.abc import Iterable
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from .._compiled import loader
 from .._errors import (
@@ -44,7 +44,6 @@ from . import _protocol as proto
 from . import _sockets
 from ._protocol import Frame
 from ._sockets import (
-    _DONTWAIT,
     _FRAME_HEAD_SIZE,
     _POLLOUT,
     _POLLRDHUP,
@@ -56,6 +55,9 @@ from ._sockets import (
     _warn,
 )
 
+if TYPE_CHECKING:  # the engine is loaded at the first subscriber (_engine below)
+    from .._engine import OwedReleases
+
 _INT_SIZE = struct.calcsize("i")
 #: the engine, for its frame ledger (FrameLedger: rule 1 and the frames held)
 _engine = loader("cupy_ipcpool._engine", PROTOCOL=proto.ENGINE_PROTOCOL)
@@ -63,27 +65,19 @@ _engine = loader("cupy_ipcpool._engine", PROTOCOL=proto.ENGINE_PROTOCOL)
 _MAX_WATCHED = 15
 
 
-def _send_owed(sock: socket.socket, owed: collections.deque[tuple[int, int]]) -> None:
-    """Send the RELEASEs ``owed``, oldest first, as far as ``sock`` takes them now (each
-    leaves the queue once sent); the send's error (BlockingIOError: full) propagates."""
-    while owed:
-        sock.send(proto.encode_release(*owed[0]), _DONTWAIT)
-        owed.popleft()
-
-
-def _close_subscriber(
-    sock: socket.socket, fds: list[int], owed: collections.deque[tuple[int, int]]
-) -> None:
+def _close_subscriber(sock: socket.socket, fds: list[int], owed: list[OwedReleases]) -> None:
     """Tear a subscriber down (also its finalizer); warns instead of raising.
 
-    The RELEASEs still owed go first, as far as the socket takes them now (the
-    hang-up returns every lease anyway), then the BYE.
+    The RELEASEs still owed (``owed``: none before the WELCOME, else the one
+    queue) go first, as far as the socket takes them now (the hang-up returns
+    every lease anyway), then the BYE.
     """
     try:
         if sock.fileno() >= 0:
-            with contextlib.suppress(OSError):
-                _send_owed(sock, owed)
-            owed.clear()
+            for queue in owed:
+                with contextlib.suppress(OSError):
+                    queue.flush(sock.fileno())
+                queue.clear()
             _say_bye_and_close(sock)
     except Exception as exc:
         _warn(f"closing the subscriber socket failed: {exc!r}")
@@ -175,9 +169,9 @@ class SubscriberCore(ClosedFlag):
         self._eos_clean = False
         self._evicted = False
         self._backlog: collections.deque[bytes] = collections.deque()
-        #: RELEASEs the socket did not take yet, ``(seq, slot)`` oldest first: sent before
-        #: any other, at the next recv or release (:meth:`_send_release`)
-        self._owed: collections.deque[tuple[int, int]] = collections.deque()
+        #: the engine's queue of RELEASEs the socket did not take yet, made at the WELCOME
+        #: (its bound is the ring's): sent before any other, at the next recv or release
+        self._owed_box: list[OwedReleases] = []
         #: what the read of everything queued at the publisher's hang-up found
         #: (:meth:`_scan_after_hangup`): None (not read yet), "bye" (a BYE: the frames
         #: before it are handed out) or "bad" (a malformed eviction notice: none is)
@@ -186,7 +180,7 @@ class SubscriberCore(ClosedFlag):
         self._fds: list[int] = []
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._finalizer = weakref.finalize(
-            self, _close_subscriber, self._sock, self._fds, self._owed
+            self, _close_subscriber, self._sock, self._fds, self._owed_box
         )
         try:
             welcome = self._handshake(hello_msg, allowed)
@@ -203,6 +197,8 @@ class SubscriberCore(ClosedFlag):
         #: rule 1 (the order of frames, one held per slot), the frames held and those
         #: released ahead of their message: the engine's ledger, the C subscriber's rules
         self._ledger = _engine().FrameLedger(self.num_slots, self.next_seq)
+        self._owed: OwedReleases = _engine().OwedReleases(self.num_slots)
+        self._owed_box.append(self._owed)
         self._buf = bytearray(proto.MAX_FRAME_SIZE + 1)
         self._view = memoryview(self._buf)
         self._hangup = select.poll()
@@ -521,7 +517,7 @@ class SubscriberCore(ClosedFlag):
         if isinstance(exc, str):
             exc = ProtocolError(exc)
         self._eos = f"the connection was closed after a protocol error: {exc}"
-        _close_subscriber(self._sock, [], self._owed)
+        _close_subscriber(self._sock, [], self._owed_box)
         raise exc
 
     def _accept(self, data: bytes | memoryview) -> Frame:
@@ -692,13 +688,10 @@ class SubscriberCore(ClosedFlag):
             if self._evicted:
                 self._raise_end()
             return
-        if self._owed and not self._flush_owed():
-            self._owe(seq, slot)
-            return
         try:
-            self._sock.send(proto.encode_release(seq, slot), _DONTWAIT)
-        except BlockingIOError:
-            self._owe(seq, slot)
+            self._owed.send(self._sock_fd, seq, slot)  # or owed, behind those owed already
+        except TransportError as exc:  # more owed than any credit explains
+            self._owed_too_long(exc)
         except OSError as exc:
             self._release_not_sent(exc)
 
@@ -817,29 +810,24 @@ class SubscriberCore(ClosedFlag):
             self._owed.clear()  # nobody to send them to: the connection's end returned them
             return True
         try:
-            _send_owed(self._sock, self._owed)
-        except BlockingIOError:
-            return False
+            return bool(self._owed.flush(self._sock_fd))
         except OSError as exc:
             self._release_not_sent(exc)  # clears them
         return True
 
     def _owe(self, seq: int, slot: int) -> None:
-        """Keep a RELEASE the socket did not take, behind the ones owed already.
+        """Keep a RELEASE the socket did not take, behind the ones owed already (the
+        engine's queue: past ``MAX_CREDIT + num_slots`` no credit explains it, the end)."""
+        try:
+            self._owed.owe(seq, slot)
+        except TransportError as exc:
+            self._owed_too_long(exc)
 
-        Each frame is released once, so an honest publisher's leases bound the
-        queue; past ``MAX_CREDIT + num_slots`` no credit explains it: the end.
-        """
-        if len(self._owed) >= proto.MAX_CREDIT + self.num_slots:
-            why = (
-                "the publisher has not read this subscriber's messages for "
-                f"{len(self._owed)} RELEASEs, more than any credit allows (its socket stays "
-                "full); the subscription is closed"
-            )
-            self._eos = why
-            _close_subscriber(self._sock, [], self._owed)
-            raise TransportError(errno.ENOBUFS, why)
-        self._owed.append((seq, slot))
+    def _owed_too_long(self, exc: TransportError) -> NoReturn:
+        """The engine refused to keep another RELEASE (``exc``): close, and raise it."""
+        self._eos = exc.strerror
+        _close_subscriber(self._sock, [], self._owed_box)
+        raise exc
 
     def _wait_owed(self, timeout: float | None) -> float | None:
         """Before a receive while RELEASEs are owed: send them as the socket takes them,
