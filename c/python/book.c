@@ -459,12 +459,5 @@ static PyType_Spec book_spec = {
 int
 cipy_book_exec(PyObject *module)
 {
-    PyObject *type = PyType_FromModuleAndSpec(module, &book_spec, NULL);
-    if (type == NULL)
-        return -1;
-    if (PyModule_AddObject(module, "FrameBook", type) < 0) {
-        Py_DECREF(type);
-        return -1;
-    }
-    return 0;
+    return cipy_add_type(module, &book_spec, "FrameBook");
 }

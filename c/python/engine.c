@@ -416,6 +416,19 @@ static PyMethodDef engine_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+int
+cipy_add_type(PyObject *module, PyType_Spec *spec, const char *name)
+{
+    PyObject *type = PyType_FromModuleAndSpec(module, spec, NULL);
+    if (type == NULL)
+        return -1;
+    if (PyModule_AddObject(module, name, type) < 0) {
+        Py_DECREF(type);
+        return -1;
+    }
+    return 0;
+}
+
 static int
 add_int(PyObject *module, const char *name, unsigned long long value)
 {

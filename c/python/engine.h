@@ -12,6 +12,9 @@ typedef struct {
     PyObject *transport_error; /* cupy_ipcpool._errors.TransportError */
 } engine_state;
 
+/* engine.c: add the type of `spec`, bound to `module` (its state), as `name`; 0 or -1 */
+int cipy_add_type(PyObject *module, PyType_Spec *spec, const char *name);
+
 /* frameio.c: the channel's per-frame socket calls, and PROTOCOL, added to the module */
 int cipy_frameio_exec(PyObject *module);
 

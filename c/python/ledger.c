@@ -279,12 +279,5 @@ static PyType_Spec ledger_spec = {
 int
 cipy_ledger_exec(PyObject *module)
 {
-    PyObject *type = PyType_FromModuleAndSpec(module, &ledger_spec, NULL);
-    if (type == NULL)
-        return -1;
-    if (PyModule_AddObject(module, "FrameLedger", type) < 0) {
-        Py_DECREF(type);
-        return -1;
-    }
-    return 0;
+    return cipy_add_type(module, &ledger_spec, "FrameLedger");
 }

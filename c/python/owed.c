@@ -251,12 +251,5 @@ static PyType_Spec owed_spec = {
 int
 cipy_owed_exec(PyObject *module)
 {
-    PyObject *type = PyType_FromModuleAndSpec(module, &owed_spec, NULL);
-    if (type == NULL)
-        return -1;
-    if (PyModule_AddObject(module, "OwedReleases", type) < 0) {
-        Py_DECREF(type);
-        return -1;
-    }
-    return 0;
+    return cipy_add_type(module, &owed_spec, "OwedReleases");
 }
