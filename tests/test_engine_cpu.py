@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import re
 import socket
 import struct
 import subprocess
+import threading
+import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -513,6 +517,80 @@ def test_a_hang_up_verdict_takes_a_list_of_buffers() -> None:
         _engine.hangup_verdict((_BYE,))
     with pytest.raises(TypeError):
         _engine.hangup_verdict([_BYE, "text"])
+
+
+# ------------------------------------------------------------------ the handshake
+# The subscriber's half (c/src/handshake.c): SubscriberCore's and the C subscriber's.  Its
+# failures are tested through both consumers (tests/test_scenarios_cpu.py,
+# tests/test_foreign_peer_cpu.py); here, what the binding hands over, and that it waits
+# without the GIL (the publisher below is a thread of this process).
+
+
+def _answer_once(listener: socket.socket, reply: bytes, fds: list[int], delay: float) -> None:
+    conn, _ = listener.accept()
+    with conn:
+        conn.recv(1 << 17)  # the HELLO
+        time.sleep(delay)
+        socket.send_fds(conn, [reply], fds)
+        conn.recv(64)  # until the subscriber hangs up
+
+
+def _listener(tmp_path: Any) -> tuple[socket.socket, str]:
+    path = str(tmp_path / "pub.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(1)
+    return listener, path
+
+
+def test_the_handshake_hands_over_the_socket_the_welcome_and_its_fds(tmp_path: Any) -> None:
+    listener, path = _listener(tmp_path)
+    memfd = os.memfd_create("slot")
+    welcome = proto.encode_welcome(sub_id=3, num_slots=2, next_seq=9, credit=4, payload=b"pp")
+    publisher = threading.Thread(target=_answer_once, args=(listener, welcome, [memfd], 0.3))
+    with listener:
+        publisher.start()
+        hello = proto.encode_hello(proto.MODE_BLOCK, 4, os.getpid(), b"hi")
+        got = _engine.handshake(path, hello, [os.geteuid()], 10_000)
+        sock_fd, pid, uid, sub_id, num_slots, next_seq, credit, lease_ms, payload, fds = got
+        try:
+            assert (pid, uid) == (os.getpid(), os.geteuid())
+            assert (sub_id, num_slots, next_seq, credit, lease_ms, payload) == (
+                3,
+                2,
+                9,
+                4,
+                0,
+                b"pp",
+            )
+            assert len(fds) == 1 and os.fstat(fds[0]).st_ino == os.fstat(memfd).st_ino
+        finally:
+            os.close(sock_fd)
+            for fd in fds:
+                os.close(fd)
+            os.close(memfd)
+            publisher.join(5)
+
+
+def test_a_failed_handshake_leaves_nothing_open(tmp_path: Any) -> None:
+    from _fds import fds_opened_since, open_fds
+
+    from cupy_ipcpool._errors import ForeignPeerError
+
+    listener, path = _listener(tmp_path)
+    memfd = os.memfd_create("slot")
+    publisher = threading.Thread(target=_answer_once, args=(listener, b"HTTP/1.1 200", [memfd], 0))
+    before = open_fds()
+    with listener:
+        publisher.start()
+        hello = proto.encode_hello(proto.MODE_BLOCK, 4, os.getpid())
+        with pytest.raises(
+            ForeignPeerError, match=re.escape("it answered b'HTTP/1.1 200', not the")
+        ):
+            _engine.handshake(path, hello, [os.geteuid()], 10_000)
+        publisher.join(5)
+    os.close(memfd)
+    assert fds_opened_since(before) == {}
 
 
 # ------------------------------------------------------------------ the WELCOME

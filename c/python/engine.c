@@ -452,7 +452,7 @@ engine_exec(PyObject *module)
     st->protocol_error = PyObject_GetAttrString(errors, "ProtocolError");
     st->usage_error = PyObject_GetAttrString(errors, "UsageError");
     st->transport_error = PyObject_GetAttrString(errors, "TransportError");
-    Py_DECREF(errors);
+    st->errors = errors;
     if (st->protocol_error == NULL || st->usage_error == NULL || st->transport_error == NULL)
         return -1;
     /* the layouts and limits the engine was built for: cupy_ipcpool._compiled.load
@@ -470,9 +470,9 @@ engine_exec(PyObject *module)
     /* PROTOCOL (the message layouts), the per-frame socket calls, FrameBook, FrameLedger,
      * OwedReleases */
     if (cipy_frameio_exec(module) < 0 || cipy_book_exec(module) < 0 ||
-        cipy_ledger_exec(module) < 0)
+        cipy_ledger_exec(module) < 0 || cipy_owed_exec(module) < 0)
         return -1;
-    return cipy_owed_exec(module);
+    return cipy_handshake_exec(module);
 }
 
 static int
@@ -481,6 +481,7 @@ engine_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(state_of(module)->protocol_error);
     Py_VISIT(state_of(module)->usage_error);
     Py_VISIT(state_of(module)->transport_error);
+    Py_VISIT(state_of(module)->errors);
     return 0;
 }
 
@@ -490,6 +491,7 @@ engine_clear(PyObject *module)
     Py_CLEAR(state_of(module)->protocol_error);
     Py_CLEAR(state_of(module)->usage_error);
     Py_CLEAR(state_of(module)->transport_error);
+    Py_CLEAR(state_of(module)->errors);
     return 0;
 }
 

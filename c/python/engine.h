@@ -10,6 +10,7 @@ typedef struct {
     PyObject *protocol_error; /* cupy_ipcpool._errors.ProtocolError */
     PyObject *usage_error;    /* cupy_ipcpool._errors.UsageError */
     PyObject *transport_error; /* cupy_ipcpool._errors.TransportError */
+    PyObject *errors;          /* cupy_ipcpool._errors, for the handshake's failures */
 } engine_state;
 
 /* engine.c: add the type of `spec`, bound to `module` (its state), as `name`; 0 or -1 */
@@ -23,6 +24,9 @@ int cipy_book_exec(PyObject *module);
 
 /* ledger.c: the FrameLedger type (the engine's frame ledger for the Python subscriber) */
 int cipy_ledger_exec(PyObject *module);
+
+/* handshake.c: handshake(), the subscriber's half of the handshake */
+int cipy_handshake_exec(PyObject *module);
 
 /* owed.c: the OwedReleases type (the RELEASEs the Python subscriber owes) */
 int cipy_owed_exec(PyObject *module);

@@ -453,7 +453,23 @@ CIP_INTERNAL cip_status cipi_next_frame(cip_sub *sub, int timeout_ms, uint64_t *
 CIP_INTERNAL cip_status cipi_release_slot(cip_sub *sub, uint64_t seq, uint32_t slot, void *stream,
                                           int write);
 
-/* handshake.c */
+/* handshake.c: the subscriber's half of the handshake (the C and the Python subscriber's) */
+struct cipi_joined {
+    int sock;                /* connected to the publisher (non-blocking, close-on-exec) */
+    int32_t pid;             /* the publisher's, from SO_PEERCRED */
+    uint32_t uid;
+    int err;                 /* CIP_ERR_TRANSPORT: the errno */
+    int foreign;             /* CIP_ERR_PROTOCOL: the peer answered in another protocol */
+    uint8_t *buf;            /* the WELCOME datagram (the caller frees it) ... */
+    size_t len;
+    struct cipi_msg welcome; /* ... decoded (its payload points into buf) */
+    int fds[CIP_WIRE_MAX_FDS];
+    size_t nfds;             /* the WELCOME's fds (the caller owns them) */
+};
+CIP_INTERNAL cip_status cipi_handshake(const char *path, const uint8_t *hello, size_t hello_len,
+                                       const uint32_t *allowed, size_t n_allowed, int timeout_ms,
+                                       struct cipi_joined *out);
+
 CIP_INTERNAL cip_status cipi_sub_open_raw(const char *path, const cip_sub_options *opts,
                                           cip_sub **out);
 

@@ -13,59 +13,213 @@ cip_sub_options_init(cip_sub_options *opts)
     opts->device = -1;
 }
 
-static cip_status
-handshake(cip_sub *sub, const cip_sub_options *o)
+/* `p[0..n)` as Python's repr of bytes writes it, into out (`cap` bytes, NUL-terminated). */
+static void
+bytes_repr(const uint8_t *p, size_t n, char *out, size_t cap)
 {
-    long long deadline = cipi_deadline_of(o->timeout_ms);
-    int err = 0;
-    cip_status st = cipi_connect_unix(sub->path, SOCK_SEQPACKET, deadline, &sub->sock, &err);
+    int squote = memchr(p, '\'', n) != NULL, dquote = memchr(p, '"', n) != NULL;
+    char quote = squote && !dquote ? '"' : '\'';
+    size_t k = (size_t)snprintf(out, cap, "b%c", quote);
+    for (size_t i = 0; i < n && k + 5 < cap; i++) {
+        uint8_t c = p[i];
+        if (c == quote || c == '\\')
+            k += (size_t)snprintf(out + k, cap - k, "\\%c", c);
+        else if (c == '\t' || c == '\n' || c == '\r')
+            k += (size_t)snprintf(out + k, cap - k, "\\%c", c == '\t' ? 't' : c == '\n' ? 'n' : 'r');
+        else if (c < 0x20 || c >= 0x7F)
+            k += (size_t)snprintf(out + k, cap - k, "\\x%02x", c);
+        else
+            out[k++] = (char)c;
+    }
+    snprintf(out + k, cap - k, "%c", quote);
+}
+
+/* Send the HELLO, waiting for room until the deadline; a publisher that refuses at once
+ * may have closed already (its REFUSE is queued for us): not an error here. */
+static void
+send_hello(int sock, const uint8_t *hello, size_t len, long long deadline)
+{
+    for (;;) {
+        if (send(sock, hello, len, MSG_DONTWAIT | MSG_NOSIGNAL) >= 0)
+            return;
+        if (errno == EINTR)
+            continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK)
+            return;
+        struct pollfd p = {sock, POLLOUT, 0};
+        if (poll(&p, 1, cipi_left_ms(deadline)) == 0)
+            return; /* no answer will come either: the wait for it says so */
+    }
+}
+
+static const char *
+type_name(unsigned type)
+{
+    static const char *const names[] = {"?", "HELLO", "WELCOME", "FRAME", "RELEASE", "REFUSE",
+                                        "BYE"};
+    return type < sizeof names / sizeof names[0] ? names[type] : "?";
+}
+
+/* The subscriber's half of the handshake, for the C and the Python subscriber: connect to
+ * `path` (a full listen backlog retried until the deadline), learn who is there
+ * (SO_PEERCRED: a uid not in `allowed` gets nothing, not even a BYE), send `hello` (a HELLO
+ * datagram), and take the reply: a WELCOME, decoded, with its fds.  `timeout_ms`: for it
+ * all (-1: no limit).  On success the caller owns out->sock, out->buf and out->fds; on
+ * failure nothing is left open and the status says what went wrong: CIP_ERR_TIMEOUT,
+ * CIP_ERR_TRANSPORT (out->err: the errno), CIP_ERR_REFUSED (a uid not allowed, a REFUSE),
+ * CIP_ERR_PROTOCOL (out->foreign: the peer answered in another protocol),
+ * CIP_ERR_PUBLISHER_GONE (it closed or reset during the handshake). */
+cip_status
+cipi_handshake(const char *path, const uint8_t *hello, size_t hello_len, const uint32_t *allowed,
+               size_t n_allowed, int timeout_ms, struct cipi_joined *out)
+{
+    memset(out, 0, sizeof *out);
+    out->sock = -1;
+    char within[32];
+    snprintf(within, sizeof within, "%g s", timeout_ms / 1000.0);
+    long long deadline = cipi_deadline_of(timeout_ms);
+    int sock = -1;
+    cip_status st = cipi_connect_unix(path, SOCK_SEQPACKET, deadline, &sock, &out->err);
     if (st == CIP_ERR_TIMEOUT)
-        return cipi_fail(st, "cannot connect to the publisher at %s within %d ms: its listen backlog "
-                        "stayed full",
-                    sub->path, o->timeout_ms);
+        return cipi_fail(st, "cannot connect to the publisher at %s within %s: its listen backlog "
+                             "stayed full",
+                         path, within);
     if (st != CIP_OK) {
         if (st != CIP_ERR_TRANSPORT)
             return st;
+        int err = out->err;
+        if (err == EPROTOTYPE)
+            return cipi_fail(st, "%s is not a cupy_ipcpool publisher: its socket is of another "
+                                 "type (a channel's is a SOCK_SEQPACKET socket)",
+                             path);
         const char *hint = err == EACCES ? " (the socket is private to the publisher's uid: "
                                            "allow yours there)"
                            : (err == ENOENT || err == ECONNREFUSED) ? " (is the publisher running?)"
                                                                     : "";
-        return cipi_fail(st, "cannot connect to the publisher at %s: %s%s", sub->path, strerror(err),
-                    hint);
+        return cipi_fail(st, "cannot connect to the publisher at %s: %s%s", path, strerror(err),
+                         hint);
     }
-    /* who is there, before anything is sent to it or read from it: a peer that is not
-     * allowed gets nothing, not even a BYE (the socket is closed here) */
     struct ucred cred;
     socklen_t clen = sizeof cred;
-    if (getsockopt(sub->sock, SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0) {
-        int e = errno;
-        close(sub->sock);
-        sub->sock = -1;
-        return cipi_fail(CIP_ERR_TRANSPORT, "SO_PEERCRED on %s: %s; nothing was sent to it",
-                    sub->path, strerror(e));
+    if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0) {
+        out->err = errno;
+        close(sock);
+        return cipi_fail(CIP_ERR_TRANSPORT, "SO_PEERCRED on %s: %s; nothing was sent to it", path,
+                         strerror(out->err));
     }
-    sub->info.producer_pid = cred.pid;
-    sub->info.producer_uid = cred.uid;
-    uint32_t own = (uint32_t)geteuid();
-    const uint32_t *allowed = o->allowed_uids ? o->allowed_uids : &own;
-    size_t n_allowed = o->allowed_uids ? o->n_allowed_uids : 1;
+    out->pid = cred.pid;
+    out->uid = cred.uid;
     int ok = 0;
-    for (size_t i = 0; i < n_allowed; i++)
+    char uids[256];
+    size_t k = (size_t)snprintf(uids, sizeof uids, "[");
+    for (size_t i = 0; i < n_allowed; i++) {
         ok |= allowed[i] == cred.uid;
+        if (k < sizeof uids)
+            k += (size_t)snprintf(uids + k, sizeof uids - k, "%s%u", i ? ", " : "", allowed[i]);
+    }
+    if (k < sizeof uids)
+        snprintf(uids + k, sizeof uids - k, "]");
     if (!ok) {
-        close(sub->sock);
-        sub->sock = -1;
+        close(sock);
         return cipi_fail(CIP_ERR_REFUSED,
-                    "the publisher at %s runs as uid %u, which is not among the allowed uids; "
-                    "nothing was sent to it",
-                    sub->path, (unsigned)cred.uid);
+                         "the publisher at %s runs as uid %u, which is not in allowed_uids %s; "
+                         "nothing was sent to it",
+                         path, (unsigned)cred.uid, uids);
     }
-    if (cred.pid > 0) {
-        /* readable once the producer exits */
-        sub->pidfd = (int)syscall(CIP_SYS_PIDFD_OPEN, cred.pid, 0);
-        if (sub->pidfd >= 0)
-            fcntl(sub->pidfd, F_SETFD, FD_CLOEXEC);
+    send_hello(sock, hello, hello_len, deadline);
+
+    size_t cap = CIP_WIRE_MAX_WELCOME_SIZE + 1;
+    uint8_t *buf = (uint8_t *)malloc(cap);
+    if (buf == NULL) {
+        close(sock);
+        return cipi_fail(CIP_ERR_NO_MEMORY, "out of memory");
     }
+    union {
+        char buf[CMSG_SPACE(CIP_WIRE_MAX_FDS * sizeof(int))];
+        struct cmsghdr align;
+    } control;
+    int reset = 0, excess = 0; /* excess: not looked at (more fds than fit: MSG_CTRUNC) */
+    ssize_t n;
+    int flags = 0;
+    for (;;) {
+        struct pollfd p = {sock, POLLIN, 0};
+        int r = poll(&p, 1, cipi_left_ms(deadline));
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r == 0) {
+            st = cipi_fail(CIP_ERR_TIMEOUT, "the publisher at %s did not answer within %s", path,
+                           within);
+            goto fail;
+        }
+        n = cipi_recv_with_fds(sock, buf, cap, control.buf, sizeof control.buf, out->fds,
+                               &out->nfds, CIP_WIRE_MAX_FDS, &excess, &flags);
+        if (n < 0 && (errno == EAGAIN || errno == EINTR))
+            continue;
+        if (n < 0 && errno == ECONNRESET && !reset) {
+            reset = 1; /* reported once; a REFUSE may still be queued behind it */
+            continue;
+        }
+        if (n < 0) {
+            out->err = errno;
+            if (out->err == ECONNRESET)
+                st = cipi_fail(CIP_ERR_PUBLISHER_GONE,
+                               "the publisher at %s reset the connection during the handshake "
+                               "(it exited or was killed)",
+                               path);
+            else
+                st = cipi_fail(CIP_ERR_TRANSPORT, "the handshake with %s failed: %s", path,
+                               strerror(out->err));
+            goto fail;
+        }
+        break;
+    }
+    struct cipi_msg *m = &out->welcome;
+    if (flags & MSG_CTRUNC)
+        st = cipi_fail(CIP_ERR_PROTOCOL, "the WELCOME carried more fds than fit (MSG_CTRUNC)");
+    else if ((flags & MSG_TRUNC) || (size_t)n >= cap)
+        st = cipi_fail(CIP_ERR_PROTOCOL, "the WELCOME is larger than the protocol allows");
+    else if (n == 0)
+        st = cipi_fail(CIP_ERR_PUBLISHER_GONE, "the publisher at %s closed during the handshake",
+                       path);
+    /* a reply in another protocol: the peer is no publisher (said before the decoder's
+     * words, which speak of a malformed message) */
+    else if (n < 2 || RD(buf, HEADER_MAGIC) != CIP_WIRE_MAGIC) {
+        char said[24 * 4 + 8], magic[16] = "none";
+        bytes_repr(buf, (size_t)n < 24 ? (size_t)n : 24, said, sizeof said);
+        if (n >= 2)
+            snprintf(magic, sizeof magic, "0x%04x", (unsigned)(buf[0] | buf[1] << 8));
+        out->foreign = 1;
+        st = cipi_fail(CIP_ERR_PROTOCOL,
+                       "%s is not a cupy_ipcpool publisher: it answered %s%s, not the channel "
+                       "protocol's messages (bad magic %s, expected 0x%04x)",
+                       path, said, n > 24 ? "..." : "", magic, CIP_WIRE_MAGIC);
+    } else
+        st = cipi_decode(buf, (size_t)n, m);
+    if (st == CIP_OK && m->type == CIP_WIRE_REFUSE) {
+        char reason[CIP_WIRE_MAX_REFUSE_REASON + 1];
+        cipi_refuse_reason(m, reason, sizeof reason);
+        st = cipi_fail(CIP_ERR_REFUSED, "the publisher at %s refused: %s", path, reason);
+    } else if (st == CIP_OK && m->type != CIP_WIRE_WELCOME) {
+        st = cipi_fail(CIP_ERR_PROTOCOL, "expected WELCOME, got %s", type_name(m->type));
+    }
+    if (st != CIP_OK)
+        goto fail;
+    out->sock = sock;
+    out->buf = buf;
+    out->len = (size_t)n;
+    return CIP_OK;
+fail:
+    free(buf);
+    cipi_close_fds(out->fds, out->nfds);
+    out->nfds = 0;
+    close(sock);
+    memset(&out->welcome, 0, sizeof out->welcome);
+    return st;
+}
+
+static cip_status
+handshake(cip_sub *sub, const cip_sub_options *o)
+{
     uint8_t hello[CIP_WIRE_HELLO_SIZE];
     memset(hello, 0, sizeof hello);
     WR(hello, HELLO_MAGIC, CIP_WIRE_MAGIC);
@@ -75,99 +229,43 @@ handshake(cip_sub *sub, const cip_sub_options *o)
     WR(hello, HELLO_CREDIT, sub->info.credit);
     WR(hello, HELLO_PID, (uint64_t)getpid());
     WR(hello, HELLO_LEN, 0);
-    /* a publisher that refuses at once may close before the HELLO: its REFUSE is queued */
-    (void)!send(sub->sock, hello, sizeof hello, MSG_NOSIGNAL);
-
-    size_t cap = CIP_WIRE_MAX_WELCOME_SIZE + 1;
-    uint8_t *buf = (uint8_t *)malloc(cap);
-    if (buf == NULL)
-        return cipi_fail(CIP_ERR_NO_MEMORY, "out of memory");
-    union {
-        char buf[CMSG_SPACE(CIP_WIRE_MAX_FDS * sizeof(int))];
-        struct cmsghdr align;
-    } control;
-    int fds[CIP_WIRE_MAX_FDS + 1];
-    size_t nfds = 0;
-    int reset = 0, excess = 0; /* excess: not looked at (more fds than fit: MSG_CTRUNC) */
-    ssize_t n;
-    int flags = 0;
-    for (;;) {
-        struct pollfd p = {sub->sock, POLLIN, 0};
-        int r = poll(&p, 1, cipi_left_ms(deadline));
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r == 0) {
-            free(buf);
-            return cipi_fail(CIP_ERR_TIMEOUT, "the publisher at %s did not answer within %d ms",
-                        sub->path, o->timeout_ms);
-        }
-        n = cipi_recv_with_fds(sub->sock, buf, cap, control.buf, sizeof control.buf, fds, &nfds,
-                          CIP_WIRE_MAX_FDS, &excess, &flags);
-        if (n < 0 && (errno == EAGAIN || errno == EINTR))
-            continue;
-        if (n < 0 && errno == ECONNRESET && !reset) {
-            reset = 1; /* reported once; a REFUSE may still be queued behind it */
-            continue;
-        }
-        if (n < 0) {
-            int e = errno;
-            free(buf);
-            if (e == ECONNRESET)
-                return cipi_fail(CIP_ERR_PUBLISHER_GONE,
-                            "the publisher at %s reset the connection during the handshake (it "
-                            "exited or was killed)",
-                            sub->path);
-            return cipi_fail(CIP_ERR_TRANSPORT, "the handshake with %s failed: %s", sub->path,
-                        strerror(e));
-        }
-        break;
+    uint32_t own = (uint32_t)geteuid();
+    struct cipi_joined j;
+    cip_status st = cipi_handshake(sub->path, hello, sizeof hello,
+                                   o->allowed_uids ? o->allowed_uids : &own,
+                                   o->allowed_uids ? o->n_allowed_uids : 1, o->timeout_ms, &j);
+    if (st != CIP_OK)
+        return st;
+    sub->sock = j.sock;
+    sub->info.producer_pid = j.pid;
+    sub->info.producer_uid = j.uid;
+    if (j.pid > 0) {
+        /* readable once the producer exits */
+        sub->pidfd = (int)syscall(CIP_SYS_PIDFD_OPEN, j.pid, 0);
+        if (sub->pidfd >= 0)
+            fcntl(sub->pidfd, F_SETFD, FD_CLOEXEC);
     }
-    st = CIP_OK;
-    struct cipi_msg m = {0};
-    if (flags & MSG_CTRUNC)
-        st = cipi_fail(CIP_ERR_PROTOCOL, "the WELCOME carried more fds than fit (MSG_CTRUNC)");
-    else if ((flags & MSG_TRUNC) || (size_t)n >= cap)
-        st = cipi_fail(CIP_ERR_PROTOCOL, "the WELCOME is larger than the protocol allows");
-    else if (n == 0)
-        st = cipi_fail(CIP_ERR_PUBLISHER_GONE, "the publisher at %s closed during the handshake",
-                  sub->path);
-    /* a reply in another protocol: the peer is no publisher (said before the decoder's
-     * words, which speak of a malformed message) */
-    else if ((size_t)n >= CIP_WIRE_HEADER_SIZE && RD(buf, HEADER_MAGIC) != CIP_WIRE_MAGIC)
-        st = cipi_fail(CIP_ERR_PROTOCOL,
-                  "%s is not a cupy_ipcpool publisher: it answered in another protocol "
-                  "(bad magic 0x%04llx, expected 0x%04x)",
-                  sub->path, (unsigned long long)RD(buf, HEADER_MAGIC), CIP_WIRE_MAGIC);
-    else
-        st = cipi_decode(buf, (size_t)n, &m);
-    if (st == CIP_OK && m.type == CIP_WIRE_REFUSE) {
-        char reason[CIP_WIRE_MAX_REFUSE_REASON + 1];
-        cipi_refuse_reason(&m, reason, sizeof reason);
-        st = cipi_fail(CIP_ERR_REFUSED, "the publisher at %s refused: %s", sub->path, reason);
-    } else if (st == CIP_OK && m.type != CIP_WIRE_WELCOME) {
-        st = cipi_fail(CIP_ERR_PROTOCOL, "expected WELCOME, got a message of type %u", m.type);
-    } else if (st == CIP_OK) {
-        sub->info.sub_id = m.sub_id;
-        sub->info.num_slots = m.num_slots;
-        sub->info.next_seq = m.seq;
-        sub->info.credit = m.credit;
-        sub->info.lease_timeout_ms = m.lease_timeout_ms;
-        sub->welcome = (uint8_t *)malloc(m.len ? m.len : 1);
-        sub->fds = (int *)malloc((nfds ? nfds : 1) * sizeof(int));
-        sub->held = (struct held *)calloc(m.num_slots, sizeof(struct held));
-        if (!sub->welcome || !sub->fds || !sub->held) {
-            st = cipi_fail(CIP_ERR_NO_MEMORY, "out of memory");
-        } else if ((st = cipi_ledger_init(&sub->ledger, m.num_slots, m.seq)) == CIP_OK) {
-            cipi_owed_init(&sub->owed, m.num_slots);
-            memcpy(sub->welcome, m.payload, m.len);
-            sub->welcome_len = m.len;
-            memcpy(sub->fds, fds, nfds * sizeof(int));
-            sub->nfds = nfds;
-            nfds = 0;
-        }
+    const struct cipi_msg *m = &j.welcome;
+    sub->info.sub_id = m->sub_id;
+    sub->info.num_slots = m->num_slots;
+    sub->info.next_seq = m->seq;
+    sub->info.credit = m->credit;
+    sub->info.lease_timeout_ms = m->lease_timeout_ms;
+    sub->welcome = (uint8_t *)malloc(m->len ? m->len : 1);
+    sub->fds = (int *)malloc((j.nfds ? j.nfds : 1) * sizeof(int));
+    sub->held = (struct held *)calloc(m->num_slots, sizeof(struct held));
+    if (!sub->welcome || !sub->fds || !sub->held) {
+        st = cipi_fail(CIP_ERR_NO_MEMORY, "out of memory");
+    } else if ((st = cipi_ledger_init(&sub->ledger, m->num_slots, m->seq)) == CIP_OK) {
+        cipi_owed_init(&sub->owed, m->num_slots);
+        memcpy(sub->welcome, m->payload, m->len);
+        sub->welcome_len = m->len;
+        memcpy(sub->fds, j.fds, j.nfds * sizeof(int));
+        sub->nfds = j.nfds;
+        j.nfds = 0;
     }
-    free(buf);
-    cipi_close_fds(fds, nfds);
+    free(j.buf);
+    cipi_close_fds(j.fds, j.nfds);
     return st;
 }
 

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import errno
 import os
 import select
 import socket
-import struct
 import time
 import weakref
 from collections.abc import Iterable
@@ -31,14 +29,12 @@ from .._errors import (
     ChannelTimeoutError,
     EndOfStream,
     EvictedError,
-    ForeignPeerError,
-    PeerRefusedError,
     PoolClosedError,
     ProtocolError,
     TransportError,
     UsageError,
 )
-from .._transport import allowed_uid_set, connect_unix, peer_credentials
+from .._transport import allowed_uid_set, check_socket_path
 from .._transport._closing import ClosedFlag
 from . import _protocol as proto
 from . import _sockets
@@ -48,7 +44,6 @@ from ._sockets import (
     _POLLOUT,
     _POLLRDHUP,
     DEFAULT_BLOCK_CREDIT,
-    MAX_FDS,
     _ms,
     _say_bye_and_close,
     _spin_ns,
@@ -58,7 +53,8 @@ from ._sockets import (
 if TYPE_CHECKING:  # the engine is loaded at the first subscriber (_engine below)
     from .._engine import OwedReleases
 
-_INT_SIZE = struct.calcsize("i")
+#: The longest handshake the engine takes (a C int of milliseconds: 24.8 days).
+_MAX_TIMEOUT_MS = 2**31 - 1
 #: the engine, for its frame ledger (FrameLedger: rule 1 and the frames held)
 _engine = loader("cupy_ipcpool._engine", PROTOCOL=proto.ENGINE_PROTOCOL)
 #: Most fds :meth:`SubscriberCore.watch` takes (the compiled poll set holds 16, the socket too).
@@ -177,23 +173,39 @@ class SubscriberCore(ClosedFlag):
         #: before it are handed out) or "bad" (a malformed eviction notice: none is)
         self._hangup_read: str | None = None
         self._closed = False
-        self._fds: list[int] = []
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # the engine's handshake (the C subscriber's): connect, who is there, HELLO,
+        # WELCOME; it raises each failure as what it is and leaves nothing open then
+        (
+            sock_fd,
+            self.producer_pid,
+            self.producer_uid,
+            self.sub_id,
+            self.num_slots,
+            self.next_seq,
+            self.credit,
+            lease_timeout_ms,
+            self.welcome_payload,
+            self._fds,
+        ) = _engine().handshake(
+            check_socket_path(self.address),
+            hello_msg,
+            sorted(allowed),
+            min(_ms(timeout), _MAX_TIMEOUT_MS),
+        )
+        try:
+            # blocking from now on: every call that must not wait passes MSG_DONTWAIT
+            self._sock = socket.socket(fileno=sock_fd)
+            self._sock.setblocking(True)
+        except BaseException:
+            os.close(sock_fd)
+            for fd in self._fds:
+                os.close(fd)
+            raise
         self._finalizer = weakref.finalize(
             self, _close_subscriber, self._sock, self._fds, self._owed_box
         )
-        try:
-            welcome = self._handshake(hello_msg, allowed)
-        except BaseException:
-            self.close()
-            raise
-        self.sub_id = welcome.sub_id
-        self.num_slots = welcome.num_slots
-        self.next_seq = welcome.next_seq
-        self.credit = welcome.credit
-        if welcome.lease_timeout_ms:
-            self.lease_timeout = welcome.lease_timeout_ms / 1000.0
-        self.welcome_payload = welcome.payload
+        if lease_timeout_ms:
+            self.lease_timeout = lease_timeout_ms / 1000.0
         #: rule 1 (the order of frames, one held per slot), the frames held and those
         #: released ahead of their message: the engine's ledger, the C subscriber's rules
         self._ledger = _engine().FrameLedger(self.num_slots, self.next_seq)
@@ -240,112 +252,6 @@ class SubscriberCore(ClosedFlag):
         if any(fd == self._sock_fd for fd, _ev in ready):
             self._scan_after_hangup()
         return True
-
-    def _handshake(self, hello_msg: bytes, allowed: frozenset[int]) -> proto.Welcome:
-        sock = self._sock
-        deadline = time.monotonic() + self._timeout
-        try:
-            connect_unix(sock, self.address, deadline)
-        except TimeoutError:
-            raise ChannelTimeoutError(
-                f"cannot connect to the publisher at {self.address} within {self._timeout} s: "
-                "its listen backlog stayed full"
-            ) from None
-        except OSError as exc:
-            hint = ""
-            if exc.errno == errno.EACCES:
-                hint = " (the socket is private to the publisher's uid: allow yours there)"
-            elif exc.errno in (errno.ENOENT, errno.ECONNREFUSED):
-                hint = " (is the publisher running?)"
-            elif exc.errno == errno.EPROTOTYPE:
-                raise TransportError(
-                    exc.errno,
-                    f"{self.address} is not a cupy_ipcpool publisher: its socket is of another "
-                    "type (a channel's is a SOCK_SEQPACKET socket)",
-                ) from None
-            raise TransportError(
-                exc.errno or errno.EIO,
-                f"cannot connect to the publisher at {self.address}: {exc.strerror}{hint}",
-            ) from None
-        self.producer_pid, self.producer_uid, _gid = peer_credentials(sock)
-        if self.producer_uid not in allowed:
-            sock.close()  # nothing is sent to a publisher we do not trust, not even a BYE
-            raise PeerRefusedError(
-                f"the publisher at {self.address} runs as uid {self.producer_uid}, "
-                f"which is not in allowed_uids {sorted(allowed)}"
-            )
-        # A publisher that refuses at once (uid, too many handshakes) may close
-        # before the HELLO arrives: the REFUSE is still queued for us.
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            sock.sendall(hello_msg)
-        data, fds, flags = self._recv_welcome(deadline)
-        try:
-            if flags & socket.MSG_CTRUNC:
-                raise ProtocolError("the WELCOME carried more fds than fit (MSG_CTRUNC)")
-            if flags & socket.MSG_TRUNC:
-                raise ProtocolError("the WELCOME is larger than the protocol allows")
-            if not data:
-                raise EndOfStream(f"the publisher at {self.address} closed during the handshake")
-            if not proto.has_magic(data):
-                found = proto.magic_of(data)
-                magic = "none" if found is None else f"0x{found:04x}"
-                raise ForeignPeerError(
-                    f"{self.address} is not a cupy_ipcpool publisher: it answered "
-                    f"{bytes(data[:24])!r}{'...' if len(data) > 24 else ''}, not the channel "
-                    f"protocol's messages (bad magic {magic}, expected 0x{proto.MAGIC:04x})"
-                )
-            msg = proto.decode(data)
-            if isinstance(msg, proto.Refuse):
-                raise PeerRefusedError(f"the publisher at {self.address} refused: {msg.reason}")
-            if not isinstance(msg, proto.Welcome):
-                raise ProtocolError(f"expected WELCOME, got {type(msg).__name__}")
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
-        self._fds.extend(fds)
-        # Blocking from now on: recv() without a timeout sleeps in recv itself; every
-        # call that must not wait passes MSG_DONTWAIT.
-        sock.setblocking(True)
-        return msg
-
-    def _recv_welcome(self, deadline: float) -> tuple[bytes, list[int], int]:
-        """Receive the publisher's reply, its fds close-on-exec."""
-        sock = self._sock
-        space = socket.CMSG_SPACE(MAX_FDS * _INT_SIZE)
-        reset = False
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise ChannelTimeoutError(
-                    f"the publisher at {self.address} did not answer within {self._timeout} s"
-                )
-            sock.settimeout(remaining)
-            try:
-                data, ancdata, flags, _ = sock.recvmsg(
-                    proto.MAX_WELCOME_SIZE + 1, space, socket.MSG_CMSG_CLOEXEC
-                )
-            except TimeoutError:
-                continue
-            except ConnectionResetError:
-                if reset:
-                    raise EndOfStream(
-                        f"the publisher at {self.address} reset the connection during the "
-                        "handshake (it exited or was killed)"
-                    ) from None
-                reset = True  # reported once; a REFUSE may still be queued behind it
-                continue
-            except OSError as exc:
-                raise TransportError(
-                    exc.errno or errno.EIO,
-                    f"the handshake with {self.address} failed: {exc.strerror}",
-                ) from None
-            fds: list[int] = []
-            for level, kind, payload in ancdata:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    whole = len(payload) - len(payload) % _INT_SIZE
-                    fds.extend(struct.unpack(f"{whole // _INT_SIZE}i", payload[:whole]))
-            return data, fds, flags
 
     # -- context manager / teardown --
 
