@@ -1536,7 +1536,11 @@ RAW_WELCOMES = {
     "no slots": (_welcome(num_slots=0), "CIP_ERR_PROTOCOL", "num_slots 0"),
     "too many slots": (_welcome(num_slots=70000), "CIP_ERR_PROTOCOL", "num_slots 70000"),
     "no credit": (_welcome(credit=0), "CIP_ERR_PROTOCOL", "credit"),
-    "a frame instead": (proto.encode_frame(0, 0, b""), "CIP_ERR_PROTOCOL", "expected WELCOME"),
+    "a frame instead": (
+        proto.encode_frame(0, 0, b""),
+        "CIP_ERR_PROTOCOL",
+        "expected WELCOME, got FRAME",
+    ),
     "too large": (
         _welcome(payload=b"x" * (proto.MAX_WELCOME_PAYLOAD + 16)),
         "CIP_ERR_PROTOCOL",

@@ -349,6 +349,22 @@ def test_an_eviction_notice_before_a_bye_ends_the_stream_as_evicted(
     assert isinstance(got, Outcome) and "lease_timeout" in got.message, got
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["HELLO", "WELCOME", "RELEASE"])
+def test_a_message_no_publisher_sends_on_a_live_stream_is_a_protocol_error(
+    consumer: Consumer, address: str, peer_at: Any, kind: str
+) -> None:
+    messages = {
+        "HELLO": proto.encode_hello(proto.MODE_BLOCK, 1, os.getpid()),
+        "WELCOME": proto.encode_welcome(1, 4, 0),
+        "RELEASE": proto.encode_release(0, 0),
+    }
+    peer = peer_at()
+    _open(consumer, address, peer)
+    peer.send(messages[kind])
+    _ended_by_protocol_error(consumer, peer, f"unexpected {kind} from the publisher")
+
+
 # ---------------------------------------------------------------- rule 4: malformed REFUSE
 # docs/protocol.md, "Failures": a REFUSE that does not decode is a protocol error, never
 # an eviction; queued at a hang-up it keeps every frame queued from being handed out.

@@ -367,6 +367,7 @@ struct cipi_msg {
     uint32_t len;            /* the payload's length */
 };
 CIP_INTERNAL cip_status cipi_decode(const void *data, size_t n, struct cipi_msg *out);
+CIP_INTERNAL const char *cipi_type_name(unsigned type);
 
 /* welcome.c: what the WELCOME brought, checked before anything is mapped (no GPU) */
 struct cipi_welcome {

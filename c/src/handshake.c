@@ -52,14 +52,6 @@ send_hello(int sock, const uint8_t *hello, size_t len, long long deadline)
     }
 }
 
-static const char *
-type_name(unsigned type)
-{
-    static const char *const names[] = {"?", "HELLO", "WELCOME", "FRAME", "RELEASE", "REFUSE",
-                                        "BYE"};
-    return type < sizeof names / sizeof names[0] ? names[type] : "?";
-}
-
 /* The subscriber's half of the handshake, for the C and the Python subscriber: connect to
  * `path` (a full listen backlog retried until the deadline), learn who is there
  * (SO_PEERCRED: a uid not in `allowed` gets nothing, not even a BYE), send `hello` (a HELLO
@@ -200,7 +192,7 @@ cipi_handshake(const char *path, const uint8_t *hello, size_t hello_len, const u
         cipi_refuse_reason(m, reason, sizeof reason);
         st = cipi_fail(CIP_ERR_REFUSED, "the publisher at %s refused: %s", path, reason);
     } else if (st == CIP_OK && m->type != CIP_WIRE_WELCOME) {
-        st = cipi_fail(CIP_ERR_PROTOCOL, "expected WELCOME, got %s", type_name(m->type));
+        st = cipi_fail(CIP_ERR_PROTOCOL, "expected WELCOME, got %s", cipi_type_name(m->type));
     }
     if (st != CIP_OK)
         goto fail;

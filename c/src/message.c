@@ -3,6 +3,21 @@
  * decode with cipi_decode; cip_internal.h says what the modules share). */
 #include "cip_internal.h"
 
+/* A message type's name, as the protocol writes it ("FRAME"); "?" for none. */
+const char *
+cipi_type_name(unsigned type)
+{
+    switch (type) {
+    case CIP_WIRE_HELLO: return "HELLO";
+    case CIP_WIRE_WELCOME: return "WELCOME";
+    case CIP_WIRE_REFUSE: return "REFUSE";
+    case CIP_WIRE_FRAME: return "FRAME";
+    case CIP_WIRE_RELEASE: return "RELEASE";
+    case CIP_WIRE_BYE: return "BYE";
+    default: return "?";
+    }
+}
+
 /* A message of `what` whose fixed part has `head` bytes and whose length field says `len`:
  * the payload is the rest, to the byte, and at most `limit` bytes. */
 static cip_status

@@ -282,7 +282,7 @@ judge(cip_sub *sub, const uint8_t *p, size_t n, uint64_t *seq, uint32_t *slot,
         cipi_backlog_clear(sub);
         return cipi_sub_end(sub, CIP_ERR_EVICTED, "the publisher evicted this subscriber: %s", reason);
     }
-    cipi_fail(CIP_ERR_PROTOCOL, "unexpected message of type %u from the publisher", type);
+    cipi_fail(CIP_ERR_PROTOCOL, "unexpected %s from the publisher", cipi_type_name(type));
     return cipi_protocol_error(sub);
 }
 

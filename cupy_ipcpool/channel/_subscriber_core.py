@@ -442,7 +442,8 @@ class SubscriberCore(ClosedFlag):
                 self._end("the publisher said BYE", clean=True)
             if type(msg) is proto.Refuse:
                 self._evict(msg.reason)
-            raise ProtocolError(f"unexpected {type(msg).__name__} from the publisher")
+            # the wire's name of the type, as the C subscriber says it ("HELLO")
+            raise ProtocolError(f"unexpected {type(msg).__name__.upper()} from the publisher")
         except ProtocolError as exc:
             self._protocol_error(exc)
 
