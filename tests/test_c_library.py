@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import importlib.util
 import os
+import random
 import re
 import select
 import shutil
@@ -33,7 +34,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cupy_ipcpool._errors import UsageError
+from cupy_ipcpool import _engine
+from cupy_ipcpool._errors import IpcPoolError, UsageError
 from cupy_ipcpool._handles import MAX_SOCKET_PATH, ArrayHandle, PoolDescriptor
 from cupy_ipcpool._transport import check_socket_path, process_start_time
 from cupy_ipcpool.channel import _protocol as proto
@@ -1932,3 +1934,119 @@ def test_cmake_install_and_find_package(tmp_path: Path) -> None:
 
 def test_plain_cc_build_of_the_example(tmp_path: Path) -> None:
     build_c_program(tmp_path, "consumer", [C_DIR / "examples" / "consumer.c"])
+
+
+# ---------------------------------------------------------------- the lease book
+# The publisher's lease book (c/src/leases.c) through both ways in: the Python publisher's
+# _engine.LeaseCore and a plain C program (c/tests/cip_leases_probe.c), which the sanitizer
+# lane builds with AddressSanitizer and UndefinedBehaviorSanitizer.  Its rules are tested
+# through the Python LeaseBook (tests/test_protocol.py, test_early_release_cpu.py, ...);
+# here, random operations give the same answers both ways, under the sanitizers.
+
+
+@pytest.fixture(scope="module")
+def leases_exe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_c_program(
+        tmp_path_factory.mktemp("cleases"),
+        "cip_leases_probe",
+        [C_DIR / "tests" / "cip_leases_probe.c"],
+    )
+
+
+_LEASE_ERRORS = {
+    "ProtocolError": 7,  # CIP_ERR_PROTOCOL
+    "LeaseStateError": 100,
+    "SlotIndexError": 101,
+    "UsageError": 1,  # CIP_ERR_INVALID_ARGUMENT
+}
+
+
+def _py_answer(method: Callable[..., Any], *args: Any) -> str:
+    """``method(*args)`` of the binding, answered in the probe's words."""
+    try:
+        got = method(*args)
+    except (IpcPoolError, ValueError) as exc:
+        return f"err {_LEASE_ERRORS[type(exc).__name__]} {exc}"
+    if got is None or got is True or got is False:
+        return f"ok {-1 if got is None else int(got)}"
+    if isinstance(got, list):
+        return " ".join(["ok", *map(str, got)])
+    return f"ok {got}"
+
+
+def _py_state(core: Any) -> str:
+    n = core.num_slots
+    slots = [
+        f"[{','.join(str(i) for i, _ in core.leases(s))}]/{core.holds(s)}/"
+        f"[{','.join(map(str, sorted(core.readers_to_wait(s))))}]"
+        for s in range(n)
+    ]
+    return " ".join(["ok", str(core.releases_due), str(core.ended), str(core.latest_slots), *slots])
+
+
+def _random_lease_step(
+    rng: random.Random, core: Any, n: int, seq: int, now: float
+) -> tuple[str, str, int]:
+    """One random operation: ``(probe command, the binding's answer, next seq)``."""
+    op = rng.choice(
+        ["add", "remove", "suspend", "hold", "unhold", "pub", "pub", "pub", "release",
+         "release", "settle", "cancel", "flagged"]
+    )  # fmt: skip
+    sub, slot = rng.randint(0, 5), rng.randint(0, n - 1)
+    q = rng.randint(max(0, seq - n), seq + n)
+    held = [(i, f, s) for i in core.subscribers() for f, s in core.held_by(i).items()]
+    if op in ("release", "cancel", "settle") and held and rng.random() < 0.8:
+        sub, q, slot = rng.choice(held)
+    if op == "add":
+        m, credit = rng.randrange(3), rng.randint(1, 4)
+        mode = ("block", "latest", "ahead")[m]
+        return f"add {sub} {m} {credit}", _py_answer(core.add_subscriber, sub, mode, credit), seq
+    if op == "remove":
+        return f"remove {sub}", _py_answer(core.remove_subscriber, sub), seq
+    if op == "suspend":
+        core.suspend(sub)
+        return f"suspend {sub}", "ok", seq
+    if op in ("hold", "unhold"):
+        s = rng.randint(-1, n)
+        want = _py_answer(getattr(core, op), s)
+        return f"{op} {s}", "ok" if want == "ok -1" else want, seq
+    if op == "pub":
+        free = core.free_slots()
+        s = rng.choice(free) if free and rng.random() < 0.9 else slot
+        on = rng.random() < 0.9
+        return (
+            f"pub {s} {seq} {now!r} {int(on)}",
+            _py_answer(core.publishing, s, seq, now, on),
+            seq + 1,
+        )
+    if op == "release":
+        return f"release {sub} {q} {slot}", _py_answer(core.release, sub, q, slot), seq
+    if op == "settle":
+        return f"settle {sub} {slot}", _py_answer(core.settle, sub, slot), seq
+    if op == "cancel":
+        return f"cancel {sub} {q} {slot}", _py_answer(core.cancel, sub, q, slot), seq
+    pairs = {(i, s) for i in range(6) for s in range(n) if rng.random() < 0.5}
+    which = rng.choice([None, slot])
+    listed = " ".join(f"{i}:{s}" for i, s in sorted(pairs))
+    want = _py_answer(core.settle_flagged, lambda i, s: (i, s) in pairs, which)
+    return f"flagged {-1 if which is None else which} {listed}", want, seq
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_lease_book_operations_answer_alike_both_ways_in(
+    leases_exe: Path, seed: int
+) -> None:
+    rng = random.Random(seed)
+    n = rng.choice([1, 2, 3, 5, 8])
+    core = _engine.LeaseCore(n)
+    probe = Probe(leases_exe)
+    try:
+        assert probe(f"new {n} -1 -1") == "ok"
+        seq, now = 0, 0.0
+        for _ in range(150):
+            now += rng.random()
+            line, want, seq = _random_lease_step(rng, core, n, seq, now)
+            assert probe(line) == want, (seed, line)
+            assert probe("state") == _py_state(core), (seed, line)
+    finally:
+        probe.close()

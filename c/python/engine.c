@@ -470,7 +470,8 @@ engine_exec(PyObject *module)
     /* PROTOCOL (the message layouts), the per-frame socket calls, FrameBook, FrameLedger,
      * OwedReleases */
     if (cipy_frameio_exec(module) < 0 || cipy_book_exec(module) < 0 ||
-        cipy_ledger_exec(module) < 0 || cipy_owed_exec(module) < 0)
+        cipy_ledger_exec(module) < 0 || cipy_owed_exec(module) < 0 ||
+        cipy_leasebook_exec(module) < 0)
         return -1;
     return cipy_handshake_exec(module);
 }

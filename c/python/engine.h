@@ -28,6 +28,10 @@ int cipy_ledger_exec(PyObject *module);
 /* handshake.c: handshake(), the subscriber's half of the handshake */
 int cipy_handshake_exec(PyObject *module);
 
+/* leasebook.c: the LeaseCore type (the publisher's lease book), lease_defaults,
+ * granted_credit */
+int cipy_leasebook_exec(PyObject *module);
+
 /* owed.c: the OwedReleases type (the RELEASEs the Python subscriber owes) */
 int cipy_owed_exec(PyObject *module);
 

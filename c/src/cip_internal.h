@@ -27,6 +27,8 @@
  *   ledger.c     the frame ledger: the order of frames, the frames held, releases and
  *                releases ahead of the message (no GPU)
  *   owed.c       the RELEASEs owed: sent without waiting, kept in order, bounded
+ *   leases.c     the publisher's lease book: leases, RELEASEs explained, "latest" budget,
+ *                leases ended at read flags, releases ahead, the eviction rule (no GPU)
  *   hangup.c     the verdict on what is still queued at a hang-up
  *   session.c    the channel's socket session: the end of a stream, the backlog, hang-ups,
  *                releases owed, judging messages, the next frame
@@ -434,6 +436,84 @@ CIP_INTERNAL cip_status cipi_owed_push(struct cipi_owed *o, uint64_t seq, uint32
 CIP_INTERNAL int cipi_owed_flush(struct cipi_owed *o, int sock);
 CIP_INTERNAL cip_status cipi_owed_send(struct cipi_owed *o, int sock, uint64_t seq, uint32_t slot,
                                        int *sent);
+
+/* leases.c: the publisher's lease book (cupy_ipcpool._engine.LeaseBook) */
+#define CIPI_ERR_LEASE_STATE ((cip_status)100) /* a lease the caller assumed is not there */
+#define CIPI_ERR_SLOT_INDEX ((cip_status)101)  /* a slot outside the ring */
+#define CIPI_ERR_CALLBACK ((cip_status)102)    /* the caller's callback failed */
+typedef int (*cipi_reached_fn)(void *ctx, uint64_t sub_id, uint32_t slot);
+enum { CIPI_LEASE_BLOCK, CIPI_LEASE_LATEST, CIPI_LEASE_AHEAD };
+struct cipi_pair {
+    uint64_t seq;
+    uint32_t slot;
+};
+struct cipi_pairs { /* seq -> slot, in insertion order */
+    struct cipi_pair *v;
+    uint32_t len, cap;
+};
+struct cipi_ids { /* subscriber ids, in insertion order */
+    uint32_t *v;
+    uint32_t len, cap;
+};
+struct cipi_lsub {
+    uint32_t id;
+    int latest, ahead, suspended, early_seen;
+    uint32_t credit;
+    struct cipi_pairs leases;    /* oldest first */
+    struct cipi_pairs due;       /* ended at the read flag, RELEASE not come yet */
+    struct cipi_pairs early;     /* released before published ("ahead") */
+    struct cipi_pairs flag_only; /* published off the schedule: end at the flag only */
+    struct cipi_pairs spent;     /* ... whose RELEASE came already */
+};
+struct cipi_leasebook {
+    uint32_t num_slots, max_credit, latest_reserve, max_due, latest_budget;
+    uint32_t *latest_count; /* per slot: "latest" subscribers leasing it */
+    uint32_t latest_slots;  /* slots with any */
+    double *since;          /* per slot: when its frame was published (the caller's clock) */
+    struct cipi_lsub **subs; /* in the order they were added */
+    uint32_t nsubs, subs_cap;
+    struct cipi_ids *holders; /* per slot: who leases its current frame ... */
+    uint8_t *has_seq;
+    uint64_t *seq;            /* ... which is this one */
+    uint32_t *holds;          /* per slot: local holds */
+    struct cipi_ids *readers; /* per slot: who released it since it was published */
+    uint64_t releases_due, ended;
+    int have_last;
+    uint64_t last_seq;
+    uint32_t last_slot;
+    int oom;
+};
+CIP_INTERNAL uint32_t cipi_default_latest_reserve(uint32_t num_slots);
+CIP_INTERNAL uint32_t cipi_default_max_due(uint32_t num_slots);
+CIP_INTERNAL uint32_t cipi_default_max_credit(uint32_t num_slots);
+CIP_INTERNAL uint32_t cipi_granted_credit(uint64_t asked, uint32_t max_credit);
+CIP_INTERNAL cip_status cipi_leases_init(struct cipi_leasebook *b, uint32_t num_slots,
+                                         long long max_credit, long long latest_reserve);
+CIP_INTERNAL void cipi_leases_free(struct cipi_leasebook *b);
+CIP_INTERNAL struct cipi_lsub *cipi_leases_sub(const struct cipi_leasebook *b, uint64_t sub_id);
+CIP_INTERNAL cip_status cipi_leases_check_slot(const struct cipi_leasebook *b, long long slot);
+CIP_INTERNAL cip_status cipi_leases_add(struct cipi_leasebook *b, uint64_t sub_id, int mode,
+                                        long long credit, uint32_t *granted);
+CIP_INTERNAL void cipi_leases_remove(struct cipi_leasebook *b, uint64_t sub_id, uint32_t *freed,
+                                     uint32_t *nfreed);
+CIP_INTERNAL void cipi_leases_suspend(struct cipi_leasebook *b, uint64_t sub_id);
+CIP_INTERNAL int cipi_leases_is_free(const struct cipi_leasebook *b, uint32_t slot);
+CIP_INTERNAL cip_status cipi_leases_publishing(struct cipi_leasebook *b, uint32_t slot,
+                                               uint64_t seq, double now, int on_schedule,
+                                               uint32_t *receivers, uint32_t *n);
+CIP_INTERNAL cip_status cipi_leases_release(struct cipi_leasebook *b, uint64_t sub_id,
+                                            uint64_t seq, long long slot, int *out);
+CIP_INTERNAL cip_status cipi_leases_settle(struct cipi_leasebook *b, uint64_t sub_id,
+                                           uint32_t slot, int *out);
+CIP_INTERNAL cip_status cipi_leases_cancel(struct cipi_leasebook *b, uint64_t sub_id, uint64_t seq,
+                                           long long slot, int *out);
+CIP_INTERNAL cip_status cipi_leases_hold(struct cipi_leasebook *b, long long slot);
+CIP_INTERNAL cip_status cipi_leases_unhold(struct cipi_leasebook *b, long long slot, int *freed);
+CIP_INTERNAL cip_status cipi_leases_settle_flagged(struct cipi_leasebook *b,
+                                                   cipi_reached_fn reached, void *ctx,
+                                                   long long slot, uint32_t *ended);
+CIP_INTERNAL double cipi_leases_oldest(const struct cipi_leasebook *b, const struct cipi_lsub *sub,
+                                       int *has);
 
 /* hangup.c */
 enum cipi_hangup { CIPI_HANGUP_DROP, CIPI_HANGUP_BYE, CIPI_HANGUP_EVICTED, CIPI_HANGUP_BAD_NOTICE };

@@ -1,6 +1,8 @@
 """Lease accounting for the ring: who holds which slot, and when a slot may be reused.
 
-:class:`LeaseBook` is a pure state machine (no I/O, no locks, no clocks).  A slot
+:class:`LeaseBook` is a pure state machine (no I/O, no locks, no clocks), the
+engine's (``c/src/leases.c``, through ``_engine.LeaseCore``): this module documents
+its rules and keeps its Python API.  A slot
 is *free* when no subscriber holds a lease on it and the producer holds no local
 reference to it (``hold``/``unhold``); only free slots are handed out for
 writing.  Leases are created by :meth:`LeaseBook.publishing` and returned by
@@ -29,10 +31,18 @@ subscribers that hold a lease longer than a timeout; the clock is the caller's.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from .._errors import LeaseStateError, ProtocolError, SlotIndexError, UsageError
+from .._compiled import loader
 from .._slots import first_free_slot
+from ._protocol import ENGINE_PROTOCOL
+
+if TYPE_CHECKING:  # the engine is loaded at the first book (_engine below)
+    from .._engine import LeaseCore
+
+#: The engine: every rule of the book is c/src/leases.c's (``LeaseCore``); this module
+#: documents them and keeps the Python API.
+_engine = loader("cupy_ipcpool._engine", PROTOCOL=ENGINE_PROTOCOL)
 
 BLOCK = "block"
 LATEST = "latest"
@@ -58,7 +68,7 @@ def default_latest_reserve(num_slots: int) -> int:
     Two, so that a producer which keeps the previous frame's arrays alive while
     it writes the next one still finds a free slot.
     """
-    return max(0, min(2, num_slots - 1))
+    return int(_engine().lease_defaults(num_slots)[0])
 
 
 def default_max_due(num_slots: int) -> int:
@@ -80,12 +90,12 @@ def default_max_due(num_slots: int) -> int:
     its RELEASEs costs the publisher at most this many entries, and an honest
     one is never dropped because of the bound, whatever the timing.
     """
-    return 4 * num_slots
+    return int(_engine().lease_defaults(num_slots)[1])
 
 
 def default_max_credit(num_slots: int) -> int:
     """Default cap on a subscriber's credit: ``num_slots - latest_reserve``, at least 1."""
-    return max(1, num_slots - default_latest_reserve(num_slots))
+    return int(_engine().lease_defaults(num_slots)[2])
 
 
 def granted_credit(asked: int, max_credit: int) -> int:
@@ -94,28 +104,7 @@ def granted_credit(asked: int, max_credit: int) -> int:
     The channel's one credit rule: the handshake grants it in WELCOME and
     :meth:`LeaseBook.add_subscriber` keeps it.
     """
-    return max(1, min(int(asked), int(max_credit)))
-
-
-@dataclass
-class _Subscriber:
-    mode: str
-    credit: int
-    leases: dict[int, int] = field(default_factory=dict)  # seq -> slot, oldest first
-    suspended: bool = False  # keeps its leases, receives nothing, is never overdue
-    # seq -> slot of each lease that ended at its read flag (:meth:`LeaseBook.settle`)
-    # and whose RELEASE message has not come yet: that one message is no news
-    due: dict[int, int] = field(default_factory=dict)
-    # an "ahead" subscriber: it may release a frame before it is published
-    ahead: bool = False
-    # seq -> slot of the frames it released before they were published (:meth:`release`)
-    early: dict[int, int] = field(default_factory=dict)
-    # seq -> slot of the leases of frames published off the schedule (a generation the
-    # subscriber could not predict), which end at their read flags only: a RELEASE sent
-    # before the frame's message came leaves the predicted generation in the flag
-    flag_only: dict[int, int] = field(default_factory=dict)
-    # seq -> slot of those whose RELEASE came already: no RELEASE is due when they end
-    spent: dict[int, int] = field(default_factory=dict)
+    return int(_engine().granted_credit(int(asked), int(max_credit)))
 
 
 class LeaseBook:
@@ -142,43 +131,33 @@ class LeaseBook:
     def __init__(
         self, num_slots: int, *, max_credit: int | None = None, latest_reserve: int | None = None
     ) -> None:
-        if num_slots < 1:
-            raise UsageError(f"num_slots must be at least 1, not {num_slots}")
+        self._core: LeaseCore = _engine().LeaseCore(
+            num_slots, max_credit=max_credit, latest_reserve=latest_reserve
+        )
         self.num_slots = num_slots
-        if max_credit is None:
-            max_credit = default_max_credit(num_slots)
-        if max_credit < 1:
-            raise UsageError(f"max_credit must be at least 1, not {max_credit}")
-        if latest_reserve is None:
-            latest_reserve = default_latest_reserve(num_slots)
-        if not 0 <= latest_reserve < num_slots:
-            raise UsageError(f"latest_reserve must be in 0..{num_slots - 1}, not {latest_reserve}")
-        self.max_credit = int(max_credit)
-        self.latest_reserve = int(latest_reserve)
+        self.max_credit = self._core.max_credit
+        self.latest_reserve = self._core.latest_reserve
         #: Most leases per subscriber ended at their read flag with their RELEASE still due.
-        self.max_due = default_max_due(num_slots)
-        self._latest_budget = num_slots - self.latest_reserve
-        # Per slot: how many "latest" subscribers lease it; and how many slots have any.
-        self._latest_count: list[int] = [0] * num_slots
-        self._latest_slots = 0
-        # Per slot: when its current frame was published (the caller's clock).
-        self._since: list[float] = [0.0] * num_slots
-        self._subs: dict[int, _Subscriber] = {}
-        # Per slot: subscribers holding a lease on its current frame, and that frame's seq.
-        self._holders: list[set[int]] = [set() for _ in range(num_slots)]
-        self._seq: list[int | None] = [None] * num_slots
-        self._holds: list[int] = [0] * num_slots
-        self._readers: list[list[int]] = [[] for _ in range(num_slots)]
-        #: Leases ended at their read flag whose RELEASE message has not come yet, over
-        #: every subscriber: messages the owner must still read from the sockets.
-        self.releases_due = 0
-        #: ``(seq, slot)`` of the last frame published (:meth:`publishing`), or None
-        self.last_published: tuple[int, int] | None = None
-        #: Leases ended so far by :meth:`release`, :meth:`settle` or a departure
-        #: (:meth:`remove_subscriber`), by whichever caller: the owner reports them
-        #: from this count (each once), not from what one of its calls happened to
-        #: end, and a wait for a lease ends when it grows.
-        self.ended = 0
+        self.max_due = self._core.max_due
+
+    @property
+    def releases_due(self) -> int:
+        """Leases ended at their read flag whose RELEASE message has not come yet, over
+        every subscriber: messages the owner must still read from the sockets."""
+        return self._core.releases_due
+
+    @property
+    def last_published(self) -> tuple[int, int] | None:
+        """``(seq, slot)`` of the last frame published (:meth:`publishing`), or None."""
+        return self._core.last_published
+
+    @property
+    def ended(self) -> int:
+        """Leases ended so far by :meth:`release`, :meth:`settle` or a departure
+        (:meth:`remove_subscriber`), by whichever caller: the owner reports them from
+        this count (each once), not from what one of its calls happened to end, and a
+        wait for a lease ends when it grows."""
+        return self._core.ended
 
     # -- subscribers -------------------------------------------------------
 
@@ -207,18 +186,7 @@ class LeaseBook:
         UsageError
             Duplicate id, unknown mode or credit below 1.
         """
-        if sub_id in self._subs:
-            raise UsageError(f"subscriber {sub_id} is already registered")
-        if mode not in (BLOCK, LATEST, AHEAD):
-            raise UsageError(f"mode must be 'block', 'latest' or 'ahead', not {mode!r}")
-        ahead = mode == AHEAD
-        if ahead:
-            mode = BLOCK
-        if credit < 1:
-            raise UsageError(f"credit must be at least 1, not {credit}")
-        granted = granted_credit(credit, self.max_credit)
-        self._subs[sub_id] = _Subscriber(mode, granted, ahead=ahead)
-        return granted
+        return self._core.add_subscriber(sub_id, mode, credit)
 
     def remove_subscriber(self, sub_id: int) -> list[int]:
         """Forget a subscriber and return all its leases at once.
@@ -240,25 +208,7 @@ class LeaseBook:
         still due from it (:meth:`settle`) will never be read: they leave
         :attr:`releases_due`.
         """
-        sub = self._subs.pop(sub_id, None)
-        for readers in self._readers:
-            if sub_id in readers:
-                readers.remove(sub_id)
-        if sub is None:
-            return []
-        self.releases_due -= len(sub.due)
-        self.ended += len(sub.leases)
-        freed = []
-        for slot in sorted(set(sub.leases.values())):
-            if sub.mode == LATEST:
-                self._latest_drop(slot)
-            holders = self._holders[slot]
-            holders.discard(sub_id)
-            if not holders:
-                self._seq[slot] = None
-                if not self._holds[slot]:
-                    freed.append(slot)
-        return freed
+        return self._core.remove_subscriber(sub_id)
 
     def suspend(self, sub_id: int) -> None:
         """Stop giving subscriber ``sub_id`` frames, keeping the leases it holds.
@@ -268,20 +218,17 @@ class LeaseBook:
         leased until :meth:`remove_subscriber`, it receives no further frame,
         and :meth:`overdue` no longer names it.  An unknown id is ignored.
         """
-        sub = self._subs.get(sub_id)
-        if sub is not None:
-            sub.suspended = True
+        self._core.suspend(sub_id)
 
     def subscribers(self) -> list[int]:
         """Return the registered subscriber ids."""
-        return list(self._subs)
+        return self._core.subscribers()
 
     # -- local holds -------------------------------------------------------
 
     def hold(self, slot: int) -> None:
         """Count one more local reference (a live producer array) to ``slot``."""
-        self._check_slot(slot)
-        self._holds[slot] += 1
+        self._core.hold(slot)
 
     def unhold(self, slot: int) -> bool:
         """Drop one local reference to ``slot``.
@@ -296,15 +243,11 @@ class LeaseBook:
         LeaseStateError
             The slot has no local hold.
         """
-        self._check_slot(slot)
-        if self._holds[slot] == 0:
-            raise LeaseStateError(f"unhold of slot {slot}, which has no local hold")
-        self._holds[slot] -= 1
-        return self.is_free(slot)
+        return self._core.unhold(slot)
 
     def holds(self, slot: int) -> int:
         """Return the number of local holds on ``slot``."""
-        return self._holds[slot]
+        return self._core.holds(slot)
 
     # -- frames ------------------------------------------------------------
 
@@ -351,54 +294,7 @@ class LeaseBook:
         LeaseStateError
             The slot still has leases (a bug in the caller).
         """
-        self._check_slot(slot)
-        if self._holders[slot]:
-            raise LeaseStateError(
-                f"slot {slot} published while subscribers {sorted(self._holders[slot])} "
-                f"still hold frame {self._seq[slot]}"
-            )
-        receivers = []
-        latest_room = self._latest_slots < self._latest_budget
-        n_latest = 0
-        for sub_id, sub in self._subs.items():
-            if sub.suspended:
-                continue
-            if sub.mode == BLOCK:
-                receivers.append(sub_id)
-            elif latest_room and len(sub.leases) < sub.credit:
-                receivers.append(sub_id)
-                n_latest += 1
-        released_early = []  # "ahead" subscribers that released this frame before it came
-        for sub_id in receivers:
-            sub = self._subs[sub_id]
-            sub.leases[seq] = slot
-            if sub.early and sub.early.pop(seq, None) == slot:
-                released_early.append((sub_id, sub))
-            elif sub.ahead and not on_schedule:
-                sub.flag_only[seq] = slot
-        if receivers:
-            self._holders[slot].update(receivers)
-            self._seq[slot] = seq
-            self._since[slot] = now
-            if n_latest:
-                self._latest_count[slot] = n_latest
-                self._latest_slots += 1
-        self._readers[slot].clear()
-        self.last_published = (seq, slot)
-        for sub_id, sub in released_early:
-            if on_schedule:
-                # its lease ends at once; the producer's stream orders after its read flag
-                self._end_lease(sub_id, sub, seq, slot)
-            else:
-                sub.spent[seq] = slot
-        return receivers
-
-    def _latest_drop(self, slot: int) -> None:
-        """One ``"latest"`` lease on ``slot`` ended."""
-        count = self._latest_count[slot] - 1
-        self._latest_count[slot] = count
-        if count == 0:
-            self._latest_slots -= 1
+        return self._core.publishing(slot, seq, now, on_schedule)
 
     def release(self, sub_id: int, seq: int, slot: int) -> bool | None:
         """Take subscriber ``sub_id``'s RELEASE message of frame ``seq`` in ``slot``.
@@ -431,83 +327,7 @@ class LeaseBook:
             a frame, the wrong slot), nor may release it early.  The caller
             drops the subscriber.
         """
-        sub = self._subs.get(sub_id)
-        if sub is None:
-            raise ProtocolError(f"release from unknown subscriber {sub_id}")
-        if not 0 <= slot < self.num_slots:
-            raise ProtocolError(
-                f"subscriber {sub_id} released frame {seq} as slot {slot}, "
-                f"outside 0..{self.num_slots - 1}"
-            )
-        held = sub.leases.get(seq)
-        if held is not None and (sub.spent or sub.flag_only):
-            if seq in sub.spent:
-                raise ProtocolError(f"subscriber {sub_id} released frame {seq} twice")
-            if sub.flag_only.get(seq) == slot:  # published off the schedule
-                del sub.flag_only[seq]
-                sub.spent[seq] = slot  # the lease ends at its read flag
-                return None
-        if held is None:
-            held = sub.due.get(seq)
-            if held is None:
-                if sub.ahead and self._early(sub_id, sub, seq, slot):
-                    return None
-                raise ProtocolError(
-                    f"subscriber {sub_id} released frame {seq}, which it does not hold "
-                    "(never sent to it, or released already)"
-                )
-            if held != slot:
-                raise ProtocolError(
-                    f"subscriber {sub_id} released frame {seq} as slot {slot}, "
-                    f"but it was in slot {held}"
-                )
-            del sub.due[seq]  # its lease ended at its read flag: this message is no news
-            self.releases_due -= 1
-            return None
-        if held != slot:
-            raise ProtocolError(
-                f"subscriber {sub_id} released frame {seq} as slot {slot}, but it is in slot {held}"
-            )
-        return self._end_lease(sub_id, sub, seq, slot)
-
-    def _early(self, sub_id: int, sub: _Subscriber, seq: int, slot: int) -> bool:
-        """Note an ``"ahead"`` subscriber's RELEASE of frame ``seq``, not published yet.
-
-        Such a subscriber hands frame *k + n* out once it received frame *k*
-        (``n``: the ring's slots) by message, and may release it at once; its
-        RELEASE can then arrive before the frame is published.  It is
-        explained only by the fixed schedule of a ``Publisher(ahead=True)``:
-        ``seq`` within ``num_slots`` after the last frame published, in the slot
-        that schedule gives it, released once.  The lease then ends as
-        :meth:`publishing` records it (its slot is free at once; the
-        producer's stream still orders after the read flag).
-
-        Returns
-        -------
-        bool
-            True when noted; False when ``seq`` is not a frame to come (the
-            caller refuses the message).
-
-        Raises
-        ------
-        ProtocolError
-            ``seq`` is a frame to come, but not in ``slot``, or released already.
-        """
-        last = self.last_published
-        if last is None or not 0 < seq - last[0] <= self.num_slots:
-            return False
-        expected = (last[1] + seq - last[0]) % self.num_slots
-        if slot != expected:
-            raise ProtocolError(
-                f"subscriber {sub_id} released frame {seq} (not published yet) as slot "
-                f"{slot}; the publisher's schedule puts it in slot {expected}"
-            )
-        if seq in sub.early:
-            raise ProtocolError(f"subscriber {sub_id} released frame {seq} twice")
-        for gone in [s for s in sub.early if s <= last[0]]:
-            del sub.early[gone]  # published without it (suspended meanwhile): nothing to end
-        sub.early[seq] = slot
-        return True
+        return self._core.release(sub_id, seq, slot)
 
     def settle(self, sub_id: int, slot: int) -> bool | None:
         """End subscriber ``sub_id``'s lease on ``slot``'s frame: its read flag says it released it.
@@ -533,19 +353,7 @@ class LeaseBook:
         LeaseStateError
             The subscriber holds no lease on the slot's frame (a bug in the caller).
         """
-        sub = self._subs.get(sub_id)
-        seq = self._seq[slot]
-        if sub is None or seq is None or sub.leases.get(seq) != slot:
-            raise LeaseStateError(f"subscriber {sub_id} holds no lease on slot {slot}")
-        if sub.spent and sub.spent.pop(seq, None) is not None:
-            return self._end_lease(sub_id, sub, seq, slot)  # its RELEASE came already
-        if sub.flag_only:
-            sub.flag_only.pop(seq, None)  # ended at its flag: its RELEASE is due as usual
-        if len(sub.due) >= self.max_due:
-            return None
-        sub.due[seq] = slot
-        self.releases_due += 1
-        return self._end_lease(sub_id, sub, seq, slot)
+        return self._core.settle(sub_id, slot)
 
     def settle_flagged(self, reached: Callable[[int, int], bool], slot: int | None = None) -> int:
         """:meth:`settle` every lease for which ``reached(sub_id, slot)`` is True; return how many.
@@ -556,34 +364,7 @@ class LeaseBook:
         holder's read flag for that slot, at the generation of the frame it
         was sent.
         """
-        holders = self._holders
-        subs = self._subs
-        max_due = self.max_due
-        slots = range(self.num_slots) if slot is None else (slot,)
-        ended = 0
-        for s in slots:
-            if holders[s]:
-                for sub_id in [
-                    h for h in holders[s] if len(subs[h].due) < max_due and reached(h, s)
-                ]:
-                    if self.settle(sub_id, s) is not None:
-                        ended += 1
-        return ended
-
-    def _end_lease(self, sub_id: int, sub: _Subscriber, seq: int, slot: int) -> bool:
-        del sub.leases[seq]
-        self.ended += 1
-        if sub.mode == LATEST:
-            self._latest_drop(slot)
-        holders = self._holders[slot]
-        holders.discard(sub_id)
-        readers = self._readers[slot]
-        if sub_id not in readers:
-            readers.append(sub_id)
-        if holders:
-            return False
-        self._seq[slot] = None
-        return self._holds[slot] == 0
+        return self._core.settle_flagged(reached, slot)
 
     def cancel(self, sub_id: int, seq: int, slot: int) -> bool:
         """Undo a lease that was never delivered (the frame could not be sent).
@@ -601,74 +382,51 @@ class LeaseBook:
         ProtocolError
             The subscriber does not hold that lease.
         """
-        sub = self._subs.get(sub_id)
-        if sub is None or sub.leases.get(seq) != slot:
-            raise ProtocolError(f"subscriber {sub_id} holds no lease on frame {seq} in slot {slot}")
-        del sub.leases[seq]
-        if sub.spent or sub.flag_only:
-            sub.spent.pop(seq, None)
-            sub.flag_only.pop(seq, None)
-        if sub.mode == LATEST:
-            self._latest_drop(slot)
-        holders = self._holders[slot]
-        holders.discard(sub_id)
-        if holders:
-            return False
-        self._seq[slot] = None
-        return self._holds[slot] == 0
+        return self._core.cancel(sub_id, seq, slot)
 
     # -- queries -----------------------------------------------------------
 
     def is_free(self, slot: int) -> bool:
         """Return True when ``slot`` has no leases and no local holds."""
-        return not self._holders[slot] and self._holds[slot] == 0
+        return self._core.is_free(slot)
 
     def lease_count(self, slot: int) -> int:
         """Return how many subscribers lease ``slot`` (the cheap form of :meth:`leases`)."""
-        return len(self._holders[slot])
+        return self._core.lease_count(slot)
 
     def any_leased(self) -> bool:
         """Return True while any subscriber holds any lease."""
-        return any(self._holders)
+        return self._core.any_leased()
 
     def free_slots(self) -> list[int]:
         """Return all free slots in index order."""
-        return [s for s in range(self.num_slots) if self.is_free(s)]
+        return self._core.free_slots()
 
     def leases(self, slot: int) -> list[tuple[int, int]]:
         """Return the ``(sub_id, seq)`` leases on ``slot``, sorted by subscriber id."""
-        seq = self._seq[slot]
-        if seq is None:
-            return []
-        return [(sub_id, seq) for sub_id in sorted(self._holders[slot])]
+        return self._core.leases(slot)
 
     def outstanding(self, sub_id: int) -> int:
         """Return how many leases subscriber ``sub_id`` holds (0 when unknown)."""
-        sub = self._subs.get(sub_id)
-        return 0 if sub is None else len(sub.leases)
+        return self._core.outstanding(sub_id)
 
     def held_by(self, sub_id: int) -> dict[int, int]:
         """Return subscriber ``sub_id``'s leases as ``{seq: slot}``."""
-        sub = self._subs.get(sub_id)
-        return {} if sub is None else dict(sub.leases)
+        return self._core.held_by(sub_id)
 
     def credit(self, sub_id: int) -> int:
         """Return subscriber ``sub_id``'s granted credit (0 when unknown)."""
-        sub = self._subs.get(sub_id)
-        return 0 if sub is None else sub.credit
+        return self._core.credit(sub_id)
 
     def latest_leased_slots(self) -> int:
         """Return how many slots carry a ``"latest"`` subscriber's lease."""
-        return self._latest_slots
+        return self._core.latest_slots
 
     # -- eviction rule -----------------------------------------------------
 
     def oldest_lease(self, sub_id: int) -> float | None:
         """Return when subscriber ``sub_id``'s oldest lease began (None: it holds none)."""
-        sub = self._subs.get(sub_id)
-        if sub is None or not sub.leases:
-            return None
-        return self._since[next(iter(sub.leases.values()))]
+        return self._core.oldest_lease(sub_id)
 
     def overdue(self, now: float, timeout: float) -> list[int]:
         """Return the subscribers holding a lease that began more than ``timeout`` before ``now``.
@@ -685,23 +443,11 @@ class LeaseBook:
         list[int]
             Subscriber ids to evict (with :meth:`remove_subscriber`), in id order.
         """
-        since = self._since
-        limit = now - timeout
-        out = []
-        for sub_id, sub in self._subs.items():
-            if sub.leases and not sub.suspended and since[next(iter(sub.leases.values()))] < limit:
-                out.append(sub_id)
-        return sorted(out)
+        return self._core.overdue(now, timeout)
 
     def next_expiry(self, timeout: float) -> float | None:
         """Return the earliest time a lease held now becomes overdue (None: no leases)."""
-        since = self._since
-        starts = [
-            since[next(iter(sub.leases.values()))]
-            for sub in self._subs.values()
-            if sub.leases and not sub.suspended
-        ]
-        return min(starts) + timeout if starts else None
+        return self._core.next_expiry(timeout)
 
     def readers_to_wait(self, slot: int) -> list[int]:
         """Return subscribers that released ``slot`` since it was last published.
@@ -709,7 +455,7 @@ class LeaseBook:
         The producer's stream must wait on their read flags before writing
         the slot again.
         """
-        return list(self._readers[slot])
+        return self._core.readers_to_wait(slot)
 
     def pick_free_slot(self, start: int) -> int | None:
         """Scan round-robin from ``start`` for a free slot.
@@ -727,13 +473,8 @@ class LeaseBook:
         int or None
             The first free slot, or None when every slot is leased or held.
         """
-        holders = self._holders
-        holds = self._holds
-        return first_free_slot(start, self.num_slots, lambda s: holders[s] or holds[s])
-
-    def _check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.num_slots:
-            raise SlotIndexError(f"slot {slot} is outside 0..{self.num_slots - 1}")
+        is_free = self._core.is_free
+        return first_free_slot(start, self.num_slots, lambda s: not is_free(s))
 
 
 __all__ = [

@@ -1,0 +1,192 @@
+/*
+ * cip_leases_probe -- the publisher's lease book (c/src/leases.c) driven line by line from
+ * stdin, for tests/test_c_library.py: the same operations the Python publisher makes
+ * through cupy_ipcpool._engine.LeaseCore, here in a plain C program, so that the
+ * sanitizer lane (CUPY_IPCPOOL_C_SANITIZE) runs the book's code under AddressSanitizer
+ * and UndefinedBehaviorSanitizer.  One answer line per command:
+ *
+ *   new N MAX_CREDIT LATEST_RESERVE   -> ok | err STATUS MESSAGE   (-1: the default)
+ *   add ID MODE CREDIT                -> ok GRANTED | err ...      (MODE 0 block 1 latest 2 ahead)
+ *   remove ID                         -> ok FREED...
+ *   suspend ID                        -> ok
+ *   hold SLOT / unhold SLOT           -> ok [FREED] | err ...
+ *   pub SLOT SEQ NOW ON_SCHEDULE      -> ok RECEIVERS... | err ...
+ *   release ID SEQ SLOT               -> ok 1|0|-1 | err ...
+ *   settle ID SLOT                    -> ok 1|0|-1 | err ...
+ *   cancel ID SEQ SLOT                -> ok 1|0 | err ...
+ *   flagged SLOT ID:S...              -> ok ENDED   (SLOT -1: every slot; reached: the pairs)
+ *   state                             -> ok DUE ENDED LATEST_SLOTS then per slot
+ *                                        holders(sorted)/holds/readers(sorted)
+ *   quit
+ */
+#include "../src/cip_internal.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static struct cipi_leasebook book;
+static int made;
+
+struct reached {
+    size_t n;
+    unsigned long long id[256];
+    unsigned slot[256];
+};
+
+static int
+reached(void *ctx, uint64_t sub_id, uint32_t slot)
+{
+    const struct reached *r = (const struct reached *)ctx;
+    for (size_t i = 0; i < r->n; i++)
+        if (r->id[i] == sub_id && r->slot[i] == slot)
+            return 1;
+    return 0;
+}
+
+static int
+cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static void
+print_sorted(const struct cipi_ids *s)
+{
+    uint32_t v[256];
+    uint32_t n = s->len < 256 ? s->len : 256;
+    if (n) { /* an empty set has no array yet */
+        memcpy(v, s->v, n * sizeof v[0]);
+        qsort(v, n, sizeof v[0], cmp_u32);
+    }
+    printf("[");
+    for (uint32_t i = 0; i < n; i++)
+        printf(i ? ",%u" : "%u", v[i]);
+    printf("]");
+}
+
+static void
+answer(cip_status st)
+{
+    if (st != CIP_OK)
+        printf("err %d %s\n", (int)st, cip_last_error());
+}
+
+int
+main(void)
+{
+    char line[8192];
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    while (fgets(line, sizeof line, stdin) != NULL) {
+        line[strcspn(line, "\n")] = 0;
+        char cmd[32] = "";
+        int used = 0;
+        if (sscanf(line, "%31s%n", cmd, &used) != 1)
+            continue;
+        const char *rest = line + used;
+        long long a = 0, b = 0, c = 0, d = 0;
+        double now = 0.0;
+        int out = 0;
+        cip_status st;
+        if (!strcmp(cmd, "quit")) {
+            break;
+        } else if (!strcmp(cmd, "new") && sscanf(rest, "%lld %lld %lld", &a, &b, &c) == 3) {
+            if (made)
+                cipi_leases_free(&book);
+            st = cipi_leases_init(&book, (uint32_t)a, b, c);
+            made = st == CIP_OK;
+            if (st == CIP_OK)
+                printf("ok\n");
+            answer(st);
+        } else if (!made) {
+            printf("err -1 no book\n");
+        } else if (!strcmp(cmd, "add") && sscanf(rest, "%lld %lld %lld", &a, &b, &c) == 3) {
+            uint32_t granted = 0;
+            st = cipi_leases_add(&book, (uint64_t)a, (int)b, c, &granted);
+            if (st == CIP_OK)
+                printf("ok %u\n", granted);
+            answer(st);
+        } else if (!strcmp(cmd, "remove") && sscanf(rest, "%lld", &a) == 1) {
+            uint32_t *freed = (uint32_t *)malloc(book.num_slots * sizeof *freed), n = 0;
+            cipi_leases_remove(&book, (uint64_t)a, freed, &n);
+            printf("ok");
+            for (uint32_t i = 0; i < n; i++)
+                printf(" %u", freed[i]);
+            printf("\n");
+            free(freed);
+        } else if (!strcmp(cmd, "suspend") && sscanf(rest, "%lld", &a) == 1) {
+            cipi_leases_suspend(&book, (uint64_t)a);
+            printf("ok\n");
+        } else if (!strcmp(cmd, "hold") && sscanf(rest, "%lld", &a) == 1) {
+            st = cipi_leases_hold(&book, a);
+            if (st == CIP_OK)
+                printf("ok\n");
+            answer(st);
+        } else if (!strcmp(cmd, "unhold") && sscanf(rest, "%lld", &a) == 1) {
+            st = cipi_leases_unhold(&book, a, &out);
+            if (st == CIP_OK)
+                printf("ok %d\n", out);
+            answer(st);
+        } else if (!strcmp(cmd, "pub") &&
+                   sscanf(rest, "%lld %lld %lf %lld", &a, &b, &now, &d) == 4) {
+            st = cipi_leases_check_slot(&book, a);
+            uint32_t *receivers = (uint32_t *)malloc((book.nsubs + 1) * sizeof *receivers);
+            uint32_t n = 0;
+            if (st == CIP_OK)
+                st = cipi_leases_publishing(&book, (uint32_t)a, (uint64_t)b, now, (int)d,
+                                            receivers, &n);
+            if (st == CIP_OK) {
+                printf("ok");
+                for (uint32_t i = 0; i < n; i++)
+                    printf(" %u", receivers[i]);
+                printf("\n");
+            }
+            answer(st);
+            free(receivers);
+        } else if (!strcmp(cmd, "release") && sscanf(rest, "%lld %lld %lld", &a, &b, &c) == 3) {
+            st = cipi_leases_release(&book, (uint64_t)a, (uint64_t)b, c, &out);
+            if (st == CIP_OK)
+                printf("ok %d\n", out);
+            answer(st);
+        } else if (!strcmp(cmd, "settle") && sscanf(rest, "%lld %lld", &a, &b) == 2) {
+            st = cipi_leases_settle(&book, (uint64_t)a, (uint32_t)b, &out);
+            if (st == CIP_OK)
+                printf("ok %d\n", out);
+            answer(st);
+        } else if (!strcmp(cmd, "cancel") && sscanf(rest, "%lld %lld %lld", &a, &b, &c) == 3) {
+            st = cipi_leases_cancel(&book, (uint64_t)a, (uint64_t)b, c, &out);
+            if (st == CIP_OK)
+                printf("ok %d\n", out);
+            answer(st);
+        } else if (!strcmp(cmd, "flagged") && sscanf(rest, "%lld%n", &a, &used) == 1) {
+            struct reached r = {0};
+            const char *p = rest + used;
+            int k = 0;
+            while (r.n < 256 && sscanf(p, " %llu:%u%n", &r.id[r.n], &r.slot[r.n], &k) == 2) {
+                r.n++;
+                p += k;
+            }
+            uint32_t ended = 0;
+            st = cipi_leases_settle_flagged(&book, reached, &r, a, &ended);
+            if (st == CIP_OK)
+                printf("ok %u\n", ended);
+            answer(st);
+        } else if (!strcmp(cmd, "state")) {
+            printf("ok %llu %llu %u", (unsigned long long)book.releases_due,
+                   (unsigned long long)book.ended, book.latest_slots);
+            for (uint32_t s = 0; s < book.num_slots; s++) {
+                printf(" ");
+                print_sorted(&book.holders[s]);
+                printf("/%u/", book.holds[s]);
+                print_sorted(&book.readers[s]);
+            }
+            printf("\n");
+        } else {
+            printf("err -1 unknown command: %s\n", line);
+        }
+    }
+    if (made)
+        cipi_leases_free(&book);
+    return 0;
+}
