@@ -406,6 +406,31 @@ def test_a_frame_whose_flag_write_failed_is_held_again() -> None:
         ledger.hold_again(1, 0)  # never received
 
 
+@pytest.mark.parametrize(
+    ("message", "answer"),
+    [
+        (proto.encode_frame(5, 1, b"pp"), ("frame", 5, 1, True, b"pp")),
+        (proto.encode_bye(), ("bye",)),
+        (proto.encode_refuse("lease_timeout"), ("evicted", "lease_timeout")),
+        (proto.encode_welcome(1, 2, 0), "unexpected WELCOME from the publisher"),
+        (proto.encode_release(5, 1), "unexpected RELEASE from the publisher"),
+        (proto.encode_frame(3, 0, b""), "frame 3 arrived before the first, 5"),
+        (proto.encode_frame(6, 2, b""), "frame 6 names slot 2 of 2"),
+        (proto.encode_refuse("x")[:-1], "REFUSE"),
+    ],
+)
+def test_a_live_stream_s_message_means_a_frame_a_bye_an_eviction_or_an_error(
+    message: bytes, answer: Any
+) -> None:
+    ledger = _engine.FrameLedger(2, 5)
+    if isinstance(answer, str):
+        with pytest.raises(ProtocolError, match=re.escape(answer)):
+            ledger.judge(message)
+        assert ledger.held == {} and ledger.last_seq == -1
+    else:
+        assert ledger.judge(memoryview(message)) == answer
+
+
 def test_a_ledger_refuses_what_it_cannot_hold() -> None:
     from cupy_ipcpool._errors import UsageError
 

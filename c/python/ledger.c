@@ -123,6 +123,42 @@ ledger_take(FrameLedger *self, PyObject *const *args, Py_ssize_t nargs)
     return PyBool_FromLong(cipi_ledger_hold(&self->ledger, seq, (uint32_t)slot));
 }
 
+PyDoc_STRVAR(judge_doc,
+"judge(data, /) -> tuple\n\n"
+"What one message of a live stream means (the C subscriber's judge): a FRAME that\n"
+"rule 1 takes, ``(\"frame\", seq, slot, held, payload)`` (noted as by ``take``); a BYE,\n"
+"``(\"bye\",)``; an eviction notice, ``(\"evicted\", reason)``.  Anything else --\n"
+"undecodable, a FRAME breaking rule 1, another type -- raises ``ProtocolError``.");
+
+static PyObject *
+ledger_judge(FrameLedger *self, PyObject *data)
+{
+    if (!self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "FrameLedger was not initialised");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    struct cipi_msg m;
+    cip_status st = cipi_judge_live((const uint8_t *)view.buf, (size_t)view.len, &self->ledger, &m);
+    PyObject *out = NULL;
+    if (st == CIP_OK) {
+        int held = cipi_ledger_hold(&self->ledger, m.seq, m.slot);
+        out = Py_BuildValue("(sKIOy#)", "frame", (unsigned long long)m.seq, m.slot,
+                            held ? Py_True : Py_False, (const char *)m.payload,
+                            (Py_ssize_t)m.len);
+    } else if (st == CIP_ERR_END_OF_STREAM) {
+        out = Py_BuildValue("(s)", "bye");
+    } else if (st == CIP_ERR_EVICTED) { /* the decoder checked the reason is UTF-8 */
+        out = Py_BuildValue("(ss#)", "evicted", (const char *)m.payload, (Py_ssize_t)m.len);
+    } else {
+        protocol_error(self);
+    }
+    PyBuffer_Release(&view);
+    return out;
+}
+
 PyDoc_STRVAR(release_doc,
 "release(seq, slot, /)\n\n"
 "Frame ``seq`` in ``slot`` is released: forgotten, so that the slot's next frame\n"
@@ -241,6 +277,7 @@ ledger_get_last_seq(FrameLedger *self, void *Py_UNUSED(closure))
 
 static PyMethodDef ledger_methods[] = {
     {"take", (PyCFunction)(void (*)(void))ledger_take, METH_FASTCALL, take_doc},
+    {"judge", (PyCFunction)ledger_judge, METH_O, judge_doc},
     {"release", (PyCFunction)(void (*)(void))ledger_release, METH_FASTCALL, release_doc},
     {"hold_again", (PyCFunction)(void (*)(void))ledger_hold_again, METH_FASTCALL, hold_again_doc},
     {"release_ahead", (PyCFunction)(void (*)(void))ledger_release_ahead, METH_FASTCALL,

@@ -529,6 +529,8 @@ CIP_INTERNAL int cipi_producer_dead(cip_sub *sub);
 CIP_INTERNAL void cipi_resolve_waits(cip_sub *sub);
 CIP_INTERNAL void cipi_say_bye_and_close(cip_sub *sub);
 CIP_INTERNAL cip_status cipi_protocol_error(cip_sub *sub);
+CIP_INTERNAL cip_status cipi_judge_live(const uint8_t *p, size_t n, struct cipi_ledger *ledger,
+                                        struct cipi_msg *m);
 CIP_INTERNAL cip_status cipi_next_frame(cip_sub *sub, int timeout_ms, uint64_t *seq, uint32_t *slot,
                                         const uint8_t **payload, uint32_t *plen);
 CIP_INTERNAL cip_status cipi_release_slot(cip_sub *sub, uint64_t seq, uint32_t slot, void *stream,

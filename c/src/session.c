@@ -254,35 +254,49 @@ send_release(cip_sub *sub, uint64_t seq, uint32_t slot)
     return sent < 0 ? release_failed(sub) : CIP_OK;
 }
 
+/* What one message of a live stream means, for both subscribers: CIP_OK a FRAME that rule 1
+ * takes (the ledger's last frame now; not held yet), CIP_ERR_END_OF_STREAM a BYE,
+ * CIP_ERR_EVICTED an eviction notice (a REFUSE), CIP_ERR_PROTOCOL anything else (the
+ * decoder's, the ledger's or these words). */
+cip_status
+cipi_judge_live(const uint8_t *p, size_t n, struct cipi_ledger *ledger, struct cipi_msg *m)
+{
+    if (cipi_decode(p, n, m) != CIP_OK)
+        return CIP_ERR_PROTOCOL;
+    switch (m->type) {
+    case CIP_WIRE_FRAME: return cipi_ledger_receive(ledger, m->seq, m->slot);
+    case CIP_WIRE_BYE: return CIP_ERR_END_OF_STREAM;
+    case CIP_WIRE_REFUSE: return CIP_ERR_EVICTED;
+    default:
+        return cipi_fail(CIP_ERR_PROTOCOL, "unexpected %s from the publisher",
+                         cipi_type_name(m->type));
+    }
+}
+
 /* Judge one message of a live stream: a FRAME we may use comes back as CIP_OK. */
 static cip_status
 judge(cip_sub *sub, const uint8_t *p, size_t n, uint64_t *seq, uint32_t *slot,
       const uint8_t **payload, uint32_t *plen)
 {
     struct cipi_msg m;
-    if (cipi_decode(p, n, &m) != CIP_OK)
-        return cipi_protocol_error(sub);
-    unsigned type = m.type;
-    if (type == CIP_WIRE_FRAME) {
-        if (cipi_ledger_receive(&sub->ledger, m.seq, m.slot) != CIP_OK)
-            return cipi_protocol_error(sub);
+    cip_status st = cipi_judge_live(p, n, &sub->ledger, &m);
+    if (st == CIP_OK) {
         *seq = m.seq;
         *slot = m.slot;
         *payload = m.payload;
         *plen = m.len;
         return CIP_OK;
     }
-    if (type == CIP_WIRE_BYE) {
+    if (st == CIP_ERR_END_OF_STREAM) {
         cipi_backlog_clear(sub);
         return cipi_sub_end(sub, CIP_ERR_END_OF_STREAM, "the publisher said BYE");
     }
-    if (type == CIP_WIRE_REFUSE) {
+    if (st == CIP_ERR_EVICTED) {
         char reason[CIP_WIRE_MAX_REFUSE_REASON + 1];
         cipi_refuse_reason(&m, reason, sizeof reason);
         cipi_backlog_clear(sub);
         return cipi_sub_end(sub, CIP_ERR_EVICTED, "the publisher evicted this subscriber: %s", reason);
     }
-    cipi_fail(CIP_ERR_PROTOCOL, "unexpected %s from the publisher", cipi_type_name(type));
     return cipi_protocol_error(sub);
 }
 

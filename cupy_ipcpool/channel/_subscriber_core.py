@@ -427,25 +427,24 @@ class SubscriberCore(ClosedFlag):
         raise exc
 
     def _accept(self, data: bytes | memoryview) -> Frame:
-        """Decode one message from the publisher; return it if it is a frame we may use."""
+        """Judge one message from the publisher (the engine's judge, the C subscriber's);
+        return it if it is a frame we may use."""
         try:
-            msg = proto.decode(data)
-            if type(msg) is Frame:
-                # rule 1 before the hang-up's: a bad frame is a protocol error either way
-                held = self._ledger.take(msg.seq, msg.slot)
-                if self._revoked():
-                    if held:  # never handed out: not held
-                        self._ledger.release(msg.seq, msg.slot)
-                    self._raise_revoked()
-                return msg
-            if type(msg) is proto.Bye:
-                self._end("the publisher said BYE", clean=True)
-            if type(msg) is proto.Refuse:
-                self._evict(msg.reason)
-            # the wire's name of the type, as the C subscriber says it ("HELLO")
-            raise ProtocolError(f"unexpected {type(msg).__name__.upper()} from the publisher")
+            # a FRAME is taken by rule 1 before the hang-up is looked at: a bad frame is a
+            # protocol error either way
+            got = self._ledger.judge(data)
         except ProtocolError as exc:
             self._protocol_error(exc)
+        if got[0] == "frame":
+            _kind, seq, slot, held, payload = got
+            if self._revoked():
+                if held:  # never handed out: not held
+                    self._ledger.release(seq, slot)
+                self._raise_revoked()
+            return Frame(seq, slot, payload)
+        if got[0] == "bye":
+            self._end("the publisher said BYE", clean=True)
+        self._evict(got[1])
 
     def _revoked(self) -> bool:
         """Whether a FRAME just taken from the socket (or the backlog) must not be handed out.
