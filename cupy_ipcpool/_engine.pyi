@@ -36,6 +36,9 @@ def flag_state(word: int, generation: int, /) -> int:
 def flag_force(page: bytearray | memoryview | object, offset: int, awaited: int, /) -> bool:
     """Force a dead producer's frame flag (compare-and-swap); True if this call stored it."""
 
+def hangup_drain(fd: int, queued: list[bytes], /) -> None:
+    """Append every datagram still queued on ``fd`` after a hang-up to ``queued``."""
+
 def hangup_verdict(messages: list[bytes], /) -> tuple[str, int]:
     """The verdict on what was queued at a hang-up: ``("bye"|"evicted"|"bad"|"drop", i)``."""
 

@@ -537,6 +537,20 @@ def test_the_first_bye_or_refuse_queued_at_a_hang_up_decides(
     assert _engine.hangup_verdict(queued) == verdict
 
 
+def test_what_is_queued_at_a_hang_up_is_read_in_order_and_judged() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with a:
+        for message in (_F, proto.encode_frame(1, 1, b"x"), _BYE, _NOTICE):
+            b.send(message)
+        b.close()  # the publisher hangs up
+        queued = [b"kept from before"]
+        _engine.hangup_drain(a.fileno(), queued)
+        assert queued == [b"kept from before", _F, proto.encode_frame(1, 1, b"x"), _BYE, _NOTICE]
+        assert _engine.hangup_verdict(queued) == ("bye", 3)
+        _engine.hangup_drain(a.fileno(), queued)  # nothing more: the end, at once
+        assert len(queued) == 5
+
+
 def test_a_hang_up_verdict_takes_a_list_of_buffers() -> None:
     with pytest.raises(TypeError, match="must be a list"):
         _engine.hangup_verdict((_BYE,))

@@ -394,6 +394,44 @@ done:
     return answer;
 }
 
+static int
+keep_in_list(void *list, const uint8_t *p, size_t n)
+{
+    PyObject *data = PyBytes_FromStringAndSize((const char *)p, (Py_ssize_t)n);
+    int r = data == NULL ? -1 : PyList_Append((PyObject *)list, data);
+    Py_XDECREF(data);
+    return r;
+}
+
+PyDoc_STRVAR(hangup_drain_doc,
+"hangup_drain(fd, queued, /)\n\n"
+"Append to the list ``queued`` every datagram still queued on the socket ``fd`` after\n"
+"its peer hung up, without waiting (a reset is passed over once, as it comes before\n"
+"what is still queued): the C subscriber's read of a hang-up.");
+
+static PyObject *
+engine_hangup_drain(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs(nargs, 2, "hangup_drain(fd, queued)") < 0)
+        return NULL;
+    int fd = PyObject_AsFileDescriptor(args[0]);
+    if (fd < 0)
+        return NULL;
+    if (!PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "hangup_drain: queued must be a list");
+        return NULL;
+    }
+    size_t cap = CIP_WIRE_MAX_FRAME_SIZE + 1;
+    uint8_t *buf = PyMem_Malloc(cap);
+    if (buf == NULL)
+        return PyErr_NoMemory();
+    cipi_hangup_drain(fd, buf, cap, keep_in_list, args[1]);
+    PyMem_Free(buf);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 /* ---- the module --------------------------------------------------------------------- */
 
 static PyMethodDef engine_methods[] = {
@@ -413,6 +451,8 @@ static PyMethodDef engine_methods[] = {
     {"check_frame", (PyCFunction)(void (*)(void))engine_check_frame, METH_FASTCALL,
      check_frame_doc},
     {"hangup_verdict", (PyCFunction)engine_hangup_verdict, METH_O, hangup_verdict_doc},
+    {"hangup_drain", (PyCFunction)(void (*)(void))engine_hangup_drain, METH_FASTCALL,
+     hangup_drain_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -519,6 +519,8 @@ CIP_INTERNAL double cipi_leases_oldest(const struct cipi_leasebook *b, const str
 enum cipi_hangup { CIPI_HANGUP_DROP, CIPI_HANGUP_BYE, CIPI_HANGUP_EVICTED, CIPI_HANGUP_BAD_NOTICE };
 CIP_INTERNAL enum cipi_hangup cipi_hangup_verdict(const struct msgbuf *ring, size_t head,
                                                   size_t len, size_t cap, size_t *at);
+CIP_INTERNAL void cipi_hangup_drain(int sock, uint8_t *buf, size_t cap,
+                                    int (*keep)(void *ctx, const uint8_t *p, size_t n), void *ctx);
 
 /* session.c */
 CIP_INTERNAL cip_status cipi_sub_end(cip_sub *sub, cip_status status, const char *fmt, ...)

@@ -39,3 +39,25 @@ cipi_hangup_verdict(const struct msgbuf *ring, size_t head, size_t len, size_t c
     *at = len;
     return CIPI_HANGUP_DROP;
 }
+
+/* Read everything still queued on `sock` after a hang-up, without waiting, into `buf`
+ * (`cap` bytes: a datagram's most and one), handing each datagram to keep(ctx, p, n); a
+ * reset is reported once, before what is still queued behind it.  Stops at the end, a
+ * failure, or when keep answers nonzero (out of memory). */
+void
+cipi_hangup_drain(int sock, uint8_t *buf, size_t cap,
+                  int (*keep)(void *ctx, const uint8_t *p, size_t n), void *ctx)
+{
+    int reset = 0;
+    for (;;) {
+        ssize_t n = recv(sock, buf, cap, MSG_DONTWAIT);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && errno == ECONNRESET && !reset) {
+            reset = 1;
+            continue;
+        }
+        if (n <= 0 || keep(ctx, buf, (size_t)n) != 0)
+            return;
+    }
+}

@@ -105,6 +105,12 @@ cipi_resolve_waits(cip_sub *sub)
     cipi_book_resolve(&sub->book, sub->page);
 }
 
+static int
+keep_queued(void *sub, const uint8_t *p, size_t n)
+{
+    return backlog_push((cip_sub *)sub, p, n);
+}
+
 /* The publisher hung up (or died): read everything still queued.  An eviction notice
  * among it means no queued frame may be used (a malformed one: the protocol error,
  * reported now); a BYE keeps the frames before it; a hang-up without either ends the
@@ -112,22 +118,8 @@ cipi_resolve_waits(cip_sub *sub)
 static void
 scan_after_hangup(cip_sub *sub)
 {
-    int reset = 0;
-    if (sub->sock >= 0) {
-        for (;;) {
-            ssize_t n = recv(sub->sock, sub->buf, CIP_WIRE_MAX_FRAME_SIZE + 1, MSG_DONTWAIT);
-            if (n < 0 && errno == EINTR)
-                continue;
-            if (n < 0 && errno == ECONNRESET && !reset) {
-                reset = 1; /* reported once, before what is still queued */
-                continue;
-            }
-            if (n <= 0)
-                break;
-            if (backlog_push(sub, sub->buf, (size_t)n) != 0)
-                break;
-        }
-    }
+    if (sub->sock >= 0)
+        cipi_hangup_drain(sub->sock, sub->buf, CIP_WIRE_MAX_FRAME_SIZE + 1, keep_queued, sub);
     size_t at;
     enum cipi_hangup verdict =
         cipi_hangup_verdict(sub->backlog, sub->bl_head, sub->bl_len, sub->bl_cap, &at);

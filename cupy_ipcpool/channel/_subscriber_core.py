@@ -489,21 +489,9 @@ class SubscriberCore(ClosedFlag):
         self.alarm = True
         if self._hangup_read is not None or self._eos is not None:
             return
-        reset = False
         got: list[bytes] = list(self._backlog)
-        while True:
-            try:
-                data = self._sock.recv(proto.MAX_FRAME_SIZE + 1, socket.MSG_DONTWAIT)
-            except ConnectionResetError:
-                if reset:
-                    break
-                reset = True
-                continue
-            except OSError:
-                break
-            if not data:
-                break
-            got.append(data)
+        if self._sock.fileno() >= 0:  # the engine's read of a hang-up, the C subscriber's
+            _engine().hangup_drain(self._sock.fileno(), got)
         self._backlog.clear()
         verdict, at = _engine().hangup_verdict(got)  # the C subscriber's verdict
         if verdict == "bad":
