@@ -442,6 +442,27 @@ def test_a_ledger_refuses_what_it_cannot_hold() -> None:
         _engine.FrameLedger(1, 0).release(0)
 
 
+# ------------------------------------------------------------------ the lease book
+# Its rules are tested through LeaseBook (tests/test_protocol.py, test_early_release_cpu.py,
+# test_flag_leases_cpu.py, ...) and both ways in under the sanitizers (test_c_library.py);
+# here, what only the binding can meet: a flag look that calls back into the book.
+
+
+def test_a_flag_look_that_removes_a_holder_meanwhile_skips_it() -> None:
+    book = _engine.LeaseCore(2)
+    book.add_subscriber(0, "block", 2)
+    book.add_subscriber(1, "block", 2)
+    assert book.publishing(0, 0, 0.0, True) == [0, 1]
+
+    def reached(sub_id: int, slot: int) -> bool:
+        if sub_id == 0:
+            book.remove_subscriber(1)  # its lease goes back with it
+        return True
+
+    assert book.settle_flagged(reached, None) == 1
+    assert book.subscribers() == [0] and book.is_free(0) and book.releases_due == 1
+
+
 # ------------------------------------------------------------------ RELEASEs owed
 # The queue both subscribers keep while the publisher's socket is full (c/src/owed.c):
 # here over a real SOCK_SEQPACKET pair whose reader does not read.

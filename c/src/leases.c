@@ -330,6 +330,16 @@ cipi_leases_is_free(const struct cipi_leasebook *b, uint32_t slot)
     return b->holders[slot].len == 0 && b->holds[slot] == 0;
 }
 
+/* What a call that ran out of memory keeping a reader says, once. */
+static cip_status
+reported(struct cipi_leasebook *b)
+{
+    if (!b->oom)
+        return CIP_OK;
+    b->oom = 0;
+    return nomem();
+}
+
 /* 1: the slot became free. */
 static int
 end_lease(struct cipi_leasebook *b, struct cipi_lsub *sub, uint64_t seq, uint32_t slot)
@@ -420,7 +430,7 @@ cipi_leases_publishing(struct cipi_leasebook *b, uint32_t slot, uint64_t seq, do
             return nomem();
         }
     }
-    return b->oom ? nomem() : CIP_OK;
+    return reported(b);
 }
 
 /* An "ahead" subscriber's RELEASE of frame seq, not published yet: 1 noted, 0 not a
@@ -514,7 +524,7 @@ cipi_leases_release(struct cipi_leasebook *b, uint64_t sub_id, uint64_t seq, lon
                          "subscriber %llu released frame %llu as slot %lld, but it is in slot %lld",
                          (unsigned long long)sub_id, (unsigned long long)seq, slot, held);
     *out = end_lease(b, sub, seq, (uint32_t)slot);
-    return b->oom ? nomem() : CIP_OK;
+    return reported(b);
 }
 
 /* End sub_id's lease on slot's frame at its read flag: *out 1 the slot became free, 0 not,
@@ -530,7 +540,7 @@ cipi_leases_settle(struct cipi_leasebook *b, uint64_t sub_id, uint32_t slot, int
                          (unsigned long long)sub_id, slot);
     if (sub->spent.len && pairs_pop(&sub->spent, seq) >= 0) {
         *out = end_lease(b, sub, seq, slot); /* its RELEASE came already */
-        return b->oom ? nomem() : CIP_OK;
+        return reported(b);
     }
     if (sub->flag_only.len)
         pairs_pop(&sub->flag_only, seq); /* ended at its flag: its RELEASE is due as usual */
@@ -540,7 +550,7 @@ cipi_leases_settle(struct cipi_leasebook *b, uint64_t sub_id, uint32_t slot, int
         return nomem();
     b->releases_due++;
     *out = end_lease(b, sub, seq, slot);
-    return b->oom ? nomem() : CIP_OK;
+    return reported(b);
 }
 
 /* Undo a lease that was never delivered: *out 1 the slot became free. */
@@ -624,7 +634,7 @@ cipi_leases_settle_flagged(struct cipi_leasebook *b, cipi_reached_fn reached, vo
         qsort(ids, n, sizeof *ids, cmp_u32); /* the order Python's set of small ids gives */
         for (uint32_t i = 0; i < n; i++) {
             struct cipi_lsub *sub = cipi_leases_sub(b, ids[i]);
-            if (sub->due.len >= b->max_due)
+            if (sub == NULL || sub->due.len >= b->max_due) /* gone: reached() may call back */
                 continue;
             int r = reached(ctx, ids[i], s);
             if (r < 0) {
