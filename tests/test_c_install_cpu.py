@@ -195,6 +195,7 @@ def test_install_lays_out_what_the_docs_say(installed: Installed) -> None:
     for path in (
         "include/cupy_ipcpool.h",
         "include/cupy_ipcpool_wire.h",
+        "include/cupy_ipcpool.hpp",
         "lib/libcupy_ipcpool.so",
         "lib/pkgconfig/cupy_ipcpool_c.pc",
         "lib/cmake/cupy_ipcpool_c/cupy_ipcpool_cConfig.cmake",
@@ -224,6 +225,52 @@ def test_find_package_with_no_prefix_path(installed: Installed) -> None:
     sh(f"cmake --build {project / 'build'}", installed.root, installed.env)
     lib, out = run_check(project / "build" / "my_node", installed.env)
     assert lib.startswith(f"{installed.prefix / 'lib'}/"), out
+
+
+#: A C++ consumer of the installed package: the RAII header, a failure as an exception.
+CHECK_CPP = r"""
+#include <cupy_ipcpool.hpp>
+#include <cstdio>
+
+int main()
+{
+    try {
+        cupy_ipcpool::subscription::open_raw("/nonexistent/cupy_ipcpool.sock");
+    } catch (const cupy_ipcpool::error &e) {
+        std::printf("%s|%s\n", cip_status_name(e.status()), e.what());
+        return 0;
+    }
+    return 1;
+}
+"""
+
+
+def test_a_cpp_project_builds_against_the_installed_package(installed: Installed) -> None:
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine")
+    project = installed.root / "my_cpp_node"
+    project.mkdir()
+    (project / "my_consumer.cpp").write_text(CHECK_CPP)
+    (project / "CMakeLists.txt").write_text(
+        "cmake_minimum_required(VERSION 3.16)\n"
+        "project(my_cpp_node LANGUAGES C CXX)\n"
+        "set(CMAKE_CXX_STANDARD 17)\n"
+        "add_executable(my_node my_consumer.cpp)\n"  # the target docs/c.md's block links
+        f"{installed.steps.find_package}"
+    )
+    sh(f"cmake -S {project} -B {project / 'build'}", installed.root, installed.env)
+    sh(f"cmake --build {project / 'build'}", installed.root, installed.env)
+    done = subprocess.run(
+        [str(project / "build" / "my_node")],
+        capture_output=True,
+        text=True,
+        env=installed.env,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    status, message = done.stdout.strip().split("|", 1)
+    assert status == "CIP_ERR_TRANSPORT", done.stdout
+    assert "cannot connect to the publisher at /nonexistent/cupy_ipcpool.sock" in message
 
 
 def test_pkg_config_line(installed: Installed) -> None:
