@@ -62,7 +62,7 @@ def test_a_server_of_another_protocol_is_named_as_no_publisher(tmp_path: Any, su
     assert text.endswith("not the channel protocol's messages (bad magic 0x5448, expected 0x4950)")
     assert len(text) < 240, text  # what it answered is cut short
     assert isinstance(raised.value, ForeignPeerError)
-    assert heard and proto.has_magic(heard[0])  # it was sent a HELLO of ours
+    assert heard and isinstance(proto.decode(heard[0]), proto.Hello)  # it was sent our HELLO
     again = pickle.loads(pickle.dumps(raised.value))  # errors pickle
     assert type(again) is type(raised.value) and str(again) == text
 
@@ -99,12 +99,16 @@ def test_an_answer_with_our_magic_that_does_not_add_up_is_a_protocol_error(tmp_p
     assert not isinstance(raised.value, ForeignPeerError)
 
 
-def test_has_magic() -> None:
-    assert proto.has_magic(proto.encode_bye())
-    assert proto.has_magic(memoryview(proto.encode_release(1, 0)))
-    assert not proto.has_magic(b"<!DOCTYPE")
-    assert not proto.has_magic(b"I")
-    assert not proto.has_magic(b"")
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("reply", "magic"), [(b"I", "none"), (b"<!DOCTYPE", "0x213c")])
+def test_a_reply_without_our_magic_is_foreign(tmp_path: Any, reply: bytes, magic: str) -> None:
+    path = str(tmp_path / "short.sock")
+    with (
+        foreign_server(path, socket.SOCK_SEQPACKET, reply),
+        pytest.raises(ForeignPeerError, match=f"bad magic {magic}, expected 0x4950") as raised,
+    ):
+        SubscriberCore(path, timeout=5.0)
+    assert f"it answered {reply!r}, not" in str(raised.value)
 
 
 def test_the_channel_decoder_says_the_peer_speaks_another_protocol() -> None:

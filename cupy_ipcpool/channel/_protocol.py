@@ -347,20 +347,6 @@ def encode_bye() -> bytes:
     return _BYE_BYTES
 
 
-def has_magic(data: bytes | bytearray | memoryview) -> bool:
-    """Whether ``data`` (a datagram) begins with the channel protocol's magic.
-
-    A reply without it comes from a peer that speaks something else: not a
-    cupy_ipcpool publisher (or subscriber) at all.
-    """
-    return magic_of(data) == MAGIC
-
-
-def magic_of(data: bytes | bytearray | memoryview) -> int | None:
-    """The magic ``data`` begins with (its first two bytes, little-endian); None if shorter."""
-    return data[0] | data[1] << 8 if len(data) >= 2 else None
-
-
 def decode(data: bytes | bytearray | memoryview) -> Message:
     """Decode and validate one datagram (the engine's decoder, ``c/src/message.c``).
 
@@ -429,5 +415,4 @@ __all__ = [
     "encode_refuse",
     "encode_release",
     "encode_welcome",
-    "has_magic",
 ]

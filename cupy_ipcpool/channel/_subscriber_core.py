@@ -158,7 +158,6 @@ class SubscriberCore(ClosedFlag):
         self.mode = mode
         self.credit = int(credit)
         self.lease_timeout: float | None = None
-        self._timeout = timeout
         hello_msg = proto.encode_hello(proto.MODE_CODES[mode], self.credit, os.getpid(), hello)
         allowed = allowed_uid_set(allowed_uids, os.geteuid())
         self._eos: str | None = None
