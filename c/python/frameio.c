@@ -76,7 +76,7 @@ as_seq_slot(PyObject *seq_obj, PyObject *slot_obj, const char *name, unsigned lo
     return 0;
 }
 
-/* The head of a FRAME (its payload length apart) or the whole of a RELEASE. */
+/* The head of a FRAME (its payload follows). */
 static inline void
 put_frame_head(unsigned char *p, unsigned long long seq, unsigned long slot, size_t length)
 {
@@ -86,16 +86,6 @@ put_frame_head(unsigned char *p, unsigned long long seq, unsigned long slot, siz
     WR(p, FRAME_SEQ, seq);
     WR(p, FRAME_SLOT, slot);
     WR(p, FRAME_LEN, length);
-}
-
-static inline void
-put_release(unsigned char *p, unsigned long long seq, unsigned long slot)
-{
-    WR(p, RELEASE_MAGIC, CIP_WIRE_MAGIC);
-    WR(p, RELEASE_VERSION, CIP_WIRE_VERSION);
-    WR(p, RELEASE_TYPE, CIP_WIRE_RELEASE);
-    WR(p, RELEASE_SEQ, seq);
-    WR(p, RELEASE_SLOT, slot);
 }
 
 /* A pollfd set made by pollfds(): copied (poll writes revents), count returned. */
@@ -430,24 +420,13 @@ frameio_release_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssi
     Py_END_ALLOW_THREADS
     if (rc != 0 || fd < 0)
         return PyLong_FromLong(rc);
-    unsigned char msg[CIP_WIRE_RELEASE_SIZE];
-    put_release(msg, seq, slot);
-    for (;;) {
-        ssize_t sent = send(fd, msg, sizeof msg, MSG_DONTWAIT | MSG_NOSIGNAL);
-        if (sent == (ssize_t)sizeof msg)
-            return PyLong_FromLong(0);
-        if (sent >= 0) { /* a datagram goes whole or not at all */
-            PyErr_SetString(PyExc_OSError, "release_frame: RELEASE sent in part");
-            return NULL;
-        }
-        if (errno == EINTR) {
-            if (PyErr_CheckSignals() < 0)
-                return NULL;
-            continue;
-        }
-        PyErr_SetFromErrno(PyExc_OSError);
-        return NULL;
-    }
+    /* the RELEASE as the engine's owed.c sends every one: 0 (full) is EAGAIN */
+    int sent = cipi_try_send_release(fd, seq, (uint32_t)slot);
+    if (sent > 0)
+        return PyLong_FromLong(0);
+    if (sent == 0)
+        errno = EAGAIN;
+    return PyErr_SetFromErrno(PyExc_OSError);
 }
 
 /* ------------------------------------------------------------------------ */

@@ -457,7 +457,8 @@ struct cipi_ids { /* subscriber ids, in insertion order */
 };
 struct cipi_lsub {
     uint32_t id;
-    int latest, ahead, suspended, early_seen;
+    int latest, ahead, suspended;
+    int receiving, early_seen; /* cipi_leases_publishing's marks, for the frame it records */
     uint32_t credit;
     struct cipi_pairs leases;    /* oldest first */
     struct cipi_pairs due;       /* ended at the read flag, RELEASE not come yet */

@@ -386,19 +386,19 @@ cipi_leases_publishing(struct cipi_leasebook *b, uint32_t slot, uint64_t seq, do
     uint32_t n_latest = 0;
     for (uint32_t i = 0; i < b->nsubs; i++) {
         struct cipi_lsub *sub = b->subs[i];
-        if (sub->suspended)
-            continue;
-        if (!sub->latest) {
+        sub->receiving = !sub->suspended &&
+                         (!sub->latest || (latest_room && sub->leases.len < sub->credit));
+        if (sub->receiving) {
             receivers[(*n)++] = sub->id;
-        } else if (latest_room && sub->leases.len < sub->credit) {
-            receivers[(*n)++] = sub->id;
-            n_latest++;
+            n_latest += (uint32_t)sub->latest;
         }
     }
     /* the "ahead" subscribers that released this frame before it came: marked here
      * (early_seen), their leases ended below */
-    for (uint32_t i = 0; i < *n; i++) {
-        struct cipi_lsub *sub = cipi_leases_sub(b, receivers[i]);
+    for (uint32_t i = 0; i < b->nsubs; i++) {
+        struct cipi_lsub *sub = b->subs[i];
+        if (!sub->receiving)
+            continue;
         if (pairs_put(&sub->leases, seq, slot) != 0 || ids_add(&b->holders[slot], sub->id) != 0)
             return nomem();
         sub->early_seen = sub->early.len && pairs_pop(&sub->early, seq) == (long long)slot;
@@ -419,9 +419,9 @@ cipi_leases_publishing(struct cipi_leasebook *b, uint32_t slot, uint64_t seq, do
     b->have_last = 1;
     b->last_seq = seq;
     b->last_slot = slot;
-    for (uint32_t i = 0; i < *n; i++) {
-        struct cipi_lsub *sub = cipi_leases_sub(b, receivers[i]);
-        if (!sub->early_seen)
+    for (uint32_t i = 0; i < b->nsubs; i++) {
+        struct cipi_lsub *sub = b->subs[i];
+        if (!sub->receiving || !sub->early_seen)
             continue;
         sub->early_seen = 0;
         if (on_schedule) {

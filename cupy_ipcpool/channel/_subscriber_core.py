@@ -61,19 +61,17 @@ _engine = loader("cupy_ipcpool._engine", PROTOCOL=proto.ENGINE_PROTOCOL)
 _MAX_WATCHED = 15
 
 
-def _close_subscriber(sock: socket.socket, fds: list[int], owed: list[OwedReleases]) -> None:
+def _close_subscriber(sock: socket.socket, fds: list[int], owed: OwedReleases) -> None:
     """Tear a subscriber down (also its finalizer); warns instead of raising.
 
-    The RELEASEs still owed (``owed``: none before the WELCOME, else the one
-    queue) go first, as far as the socket takes them now (the hang-up returns
-    every lease anyway), then the BYE.
+    The RELEASEs still ``owed`` go first, as far as the socket takes them now
+    (the hang-up returns every lease anyway), then the BYE.
     """
     try:
         if sock.fileno() >= 0:
-            for queue in owed:
-                with contextlib.suppress(OSError):
-                    queue.flush(sock.fileno())
-                queue.clear()
+            with contextlib.suppress(OSError):
+                owed.flush(sock.fileno())
+            owed.clear()
             _say_bye_and_close(sock)
     except Exception as exc:
         _warn(f"closing the subscriber socket failed: {exc!r}")
@@ -164,9 +162,6 @@ class SubscriberCore(ClosedFlag):
         self._eos_clean = False
         self._evicted = False
         self._backlog: collections.deque[bytes] = collections.deque()
-        #: the engine's queue of RELEASEs the socket did not take yet, made at the WELCOME
-        #: (its bound is the ring's): sent before any other, at the next recv or release
-        self._owed_box: list[OwedReleases] = []
         #: what the read of everything queued at the publisher's hang-up found
         #: (:meth:`_scan_after_hangup`): None (not read yet), "bye" (a BYE: the frames
         #: before it are handed out) or "bad" (a malformed eviction notice: none is)
@@ -192,6 +187,12 @@ class SubscriberCore(ClosedFlag):
             min(_ms(timeout), _MAX_TIMEOUT_MS),
         )
         try:
+            #: rule 1 (the order of frames, one held per slot), the frames held and those
+            #: released ahead of their message: the engine's ledger, the C subscriber's
+            self._ledger = _engine().FrameLedger(self.num_slots, self.next_seq)
+            #: the engine's queue of RELEASEs the socket did not take yet (bounded by the
+            #: ring): sent before any other, at the next recv or release
+            self._owed: OwedReleases = _engine().OwedReleases(self.num_slots)
             # blocking from now on: every call that must not wait passes MSG_DONTWAIT
             self._sock = socket.socket(fileno=sock_fd)
             self._sock.setblocking(True)
@@ -201,15 +202,10 @@ class SubscriberCore(ClosedFlag):
                 os.close(fd)
             raise
         self._finalizer = weakref.finalize(
-            self, _close_subscriber, self._sock, self._fds, self._owed_box
+            self, _close_subscriber, self._sock, self._fds, self._owed
         )
         if lease_timeout_ms:
             self.lease_timeout = lease_timeout_ms / 1000.0
-        #: rule 1 (the order of frames, one held per slot), the frames held and those
-        #: released ahead of their message: the engine's ledger, the C subscriber's rules
-        self._ledger = _engine().FrameLedger(self.num_slots, self.next_seq)
-        self._owed: OwedReleases = _engine().OwedReleases(self.num_slots)
-        self._owed_box.append(self._owed)
         self._buf = bytearray(proto.MAX_FRAME_SIZE + 1)
         self._view = memoryview(self._buf)
         self._hangup = select.poll()
@@ -422,7 +418,7 @@ class SubscriberCore(ClosedFlag):
         if isinstance(exc, str):
             exc = ProtocolError(exc)
         self._eos = f"the connection was closed after a protocol error: {exc}"
-        _close_subscriber(self._sock, [], self._owed_box)
+        _close_subscriber(self._sock, [], self._owed)
         raise exc
 
     def _accept(self, data: bytes | memoryview) -> Frame:
@@ -719,7 +715,7 @@ class SubscriberCore(ClosedFlag):
     def _owed_too_long(self, exc: TransportError) -> NoReturn:
         """The engine refused to keep another RELEASE (``exc``): close, and raise it."""
         self._eos = exc.strerror
-        _close_subscriber(self._sock, [], self._owed_box)
+        _close_subscriber(self._sock, [], self._owed)
         raise exc
 
     def _wait_owed(self, timeout: float | None) -> float | None:
