@@ -94,6 +94,22 @@ class LeaseCore:
     def next_expiry(self, timeout: float, /) -> float | None: ...
     def readers_to_wait(self, slot: int, /) -> list[int]: ...
 
+class PublisherWire:
+    """The publisher's FRAMEs and its subscribers' messages (c/src/pub_wire.c), over the
+    lease book of a :class:`LeaseCore`; ``channel._leases.LeaseBook.wire`` documents it."""
+
+    count: int
+
+    def __init__(self, lease_core: LeaseCore) -> None: ...
+    def add(self, sub_id: int, fd: int, /) -> None: ...
+    def remove(self, sub_id: int, /) -> bool: ...
+    def clear(self) -> None: ...
+    def send(
+        self, slot: int, seq: int, now: float, on_schedule: bool, payload: bytes, /
+    ) -> list[tuple[int, int, str]] | None: ...
+    def send_to(self, sub_id: int, seq: int, slot: int, payload: bytes, /) -> int: ...
+    def take(self, timeout_us: int, limit: int, /) -> list[tuple[int, int, str]] | None: ...
+
 class FrameBook:
     """The engine's frame book (c/src/book.c) for one subscriber."""
 
@@ -171,17 +187,3 @@ def release_frame(
     /,
 ) -> int:
     """Hang-up check, read-flag write, RELEASE; -1 after a hang-up, else the CUresult."""
-
-def send_frame(
-    fds: tuple[int, ...], seq: int, slot: int, payload: bytes, /
-) -> list[tuple[int, int]] | None:
-    """Send one FRAME on every socket; None, or ``(index, errno)`` of the sends that failed."""
-
-def wait_releases(
-    pollset: bytearray, timeout_us: int, limit: int, /
-) -> list[tuple[int, int, Any]] | None:
-    """Wait, then receive up to ``limit`` datagrams per readable socket.
-
-    Per datagram ``(fd, seq, slot)`` for a RELEASE, ``(fd, -1, data: bytes)`` for
-    anything else, ``(fd, -2, errno)`` for a failed receive.
-    """

@@ -100,6 +100,30 @@ def _wrap(module: Any, name: str, before: list[int] | None, after: list[int] | N
     setattr(module, name, stamped)
 
 
+class _StampedWire:
+    """The publisher's wire (``PublisherWire``), its ``send`` stamping ``before``/``after``
+    and its ``take`` ``back`` (one slot each: the last call's); the rest passed through."""
+
+    def __init__(self, wire: Any, before: list[int], after: list[int], back: list[int]) -> None:
+        self._wire, self._before, self._after, self._back = wire, before, after, back
+
+    def send(self, *args: Any) -> Any:
+        self._before[0] = CLOCK()
+        try:
+            return self._wire.send(*args)
+        finally:
+            self._after[0] = CLOCK()
+
+    def take(self, *args: Any) -> Any:
+        try:
+            return self._wire.take(*args)
+        finally:
+            self._back[0] = CLOCK()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._wire, name)
+
+
 class _Inner:
     """Durations of calls inside the library's per-frame path (``--inner``).
 
@@ -157,9 +181,7 @@ def _inner_producer(inner: _Inner, pub: Any) -> None:
     inner.wrap(_publisher, "PublishFrame", "P PublishFrame()")
     inner.wrap(pub, "_write_flag", "P frame-flag write")
     inner.wrap(pub._core, "publish", "P core.publish (incl. send)")
-    inner.wrap(pub._book, "publishing", "P book.publishing")
     inner.wrap(pub._leases, "collect", "P leases.collect (incl. the wait)")
-    inner.wrap(pub._book, "release", "P book.release")
 
 
 # ------------------------------------------------------------------ the channel
@@ -239,12 +261,8 @@ def _channel_round(
 
     import cupy_ipcpool as cip
     from cupy_ipcpool._bench.lanes import GpuWork
-    from cupy_ipcpool.channel import _sockets as _session
 
-    _session._load_frameio()
     send0, send1, back = [0], [0], [0]
-    _wrap(_session, "send_frame", send0, send1)
-    _wrap(_session, "wait_releases", None, back)
     q = SPAWN.Queue()
     address = os.path.join(tempfile.mkdtemp(), "s")
     stream = cp.cuda.Stream(non_blocking=True)
@@ -257,6 +275,8 @@ def _channel_round(
         cip.Publisher(pool, address, spin_us=spin_us) as pub,
     ):
         pub._leases._order_all = _counting(pub._leases._order_all, waits)
+        core = pub._core
+        core._wire = _StampedWire(core._wire, send0, send1, back)
         timers = _Inner()
         if inner:
             _inner_producer(timers, pub)

@@ -508,10 +508,10 @@ engine_exec(PyObject *module)
         add_int(module, "SYNC_RECORD_CAP", CIP_WIRE_SYNC_RECORD_CAP) < 0)
         return -1;
     /* PROTOCOL (the message layouts), the per-frame socket calls, FrameBook, FrameLedger,
-     * OwedReleases */
+     * OwedReleases, LeaseCore, PublisherWire */
     if (cipy_frameio_exec(module) < 0 || cipy_book_exec(module) < 0 ||
         cipy_ledger_exec(module) < 0 || cipy_owed_exec(module) < 0 ||
-        cipy_leasebook_exec(module) < 0)
+        cipy_leasebook_exec(module) < 0 || cipy_pubwire_exec(module) < 0)
         return -1;
     return cipy_handshake_exec(module);
 }
@@ -523,6 +523,7 @@ engine_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(state_of(module)->usage_error);
     Py_VISIT(state_of(module)->transport_error);
     Py_VISIT(state_of(module)->errors);
+    Py_VISIT(state_of(module)->lease_core);
     return 0;
 }
 
@@ -533,6 +534,7 @@ engine_clear(PyObject *module)
     Py_CLEAR(state_of(module)->usage_error);
     Py_CLEAR(state_of(module)->transport_error);
     Py_CLEAR(state_of(module)->errors);
+    Py_CLEAR(state_of(module)->lease_core);
     return 0;
 }
 

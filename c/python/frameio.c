@@ -4,8 +4,8 @@
  *
  * The subscriber's wait and receive of a FRAME with its header checked
  * (recv_frame), its release: hang-up check, read-flag write, RELEASE
- * (release_frame); the publisher's FRAME to every receiver (send_frame) and
- * its wait for RELEASEs (wait_releases).  Each is one call instead of several
+ * (release_frame).  (The publisher's are its PublisherWire, pubwire.c.)  Each is
+ * one call instead of several
  * Python layers (docs/install.md, "The compiled parts").  A message is
  * recognised by the engine's decoder (cipi_decode, c/src/message.c), the one
  * check of every message, and written from the generated layouts
@@ -27,7 +27,6 @@
 #include "engine.h"
 
 #define CIP_MAX_POLLFDS 16             /* a hang-up set: the socket and watched fds */
-#define CIP_MAX_SUBSCRIBER_FDS 65536  /* a publisher's set of subscriber sockets */
 
 static int
 as_fd(PyObject *obj, const char *name)
@@ -76,18 +75,6 @@ as_seq_slot(PyObject *seq_obj, PyObject *slot_obj, const char *name, unsigned lo
     return 0;
 }
 
-/* The head of a FRAME (its payload follows). */
-static inline void
-put_frame_head(unsigned char *p, unsigned long long seq, unsigned long slot, size_t length)
-{
-    WR(p, FRAME_MAGIC, CIP_WIRE_MAGIC);
-    WR(p, FRAME_VERSION, CIP_WIRE_VERSION);
-    WR(p, FRAME_TYPE, CIP_WIRE_FRAME);
-    WR(p, FRAME_SEQ, seq);
-    WR(p, FRAME_SLOT, slot);
-    WR(p, FRAME_LEN, length);
-}
-
 /* A pollfd set made by pollfds(): copied (poll writes revents), count returned. */
 static int
 load_pollfds(PyObject *obj, struct pollfd *out, nfds_t *count, const char *name)
@@ -132,9 +119,8 @@ any_ready(struct pollfd *fds, nfds_t count)
 PyDoc_STRVAR(pollfds_doc,
 "pollfds(pairs) -> bytes\n"
 "\n"
-"Pack ``(fd, events)`` pairs as the ``struct pollfd`` array that\n"
-"``recv_frame`` and ``release_frame`` (at most 16 pairs) and\n"
-"``wait_releases`` (as a bytearray) poll.");
+"Pack ``(fd, events)`` pairs (at most 16) as the ``struct pollfd`` array\n"
+"that ``recv_frame`` and ``release_frame`` poll.");
 
 static PyObject *
 frameio_pollfds(PyObject *Py_UNUSED(module), PyObject *pairs)
@@ -144,8 +130,8 @@ frameio_pollfds(PyObject *Py_UNUSED(module), PyObject *pairs)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject *out = NULL;
-    if (n > CIP_MAX_SUBSCRIBER_FDS) {
-        PyErr_Format(PyExc_ValueError, "pollfds: %zd fds; at most %d", n, CIP_MAX_SUBSCRIBER_FDS);
+    if (n > CIP_MAX_POLLFDS) {
+        PyErr_Format(PyExc_ValueError, "pollfds: %zd fds; at most %d", n, CIP_MAX_POLLFDS);
         goto done;
     }
     out = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(struct pollfd));
@@ -433,251 +419,12 @@ frameio_release_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssi
 /* The publisher's per-frame socket work                                     */
 /* ------------------------------------------------------------------------ */
 
-PyDoc_STRVAR(send_frame_doc,
-"send_frame(fds, seq, slot, payload) -> list | None\n"
-"\n"
-"Send the FRAME ``(seq, slot, payload)`` (``payload``: bytes, at most 64 KiB) on\n"
-"each socket of the tuple ``fds``, in order, without waiting (header and\n"
-"payload gathered by ``sendmsg``, no copy).  Returns None when every send\n"
-"went, else a list of ``(index in fds, errno)`` for those that failed\n"
-"(``EAGAIN``: the socket is full).");
-
-static PyObject *
-frameio_send_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
-{
-    if (check_nargs(nargs, 4, "send_frame(fds, seq, slot, payload)") < 0)
-        return NULL;
-    if (!PyTuple_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "send_frame: fds must be a tuple");
-        return NULL;
-    }
-    unsigned long long seq;
-    unsigned long slot;
-    if (as_seq_slot(args[1], args[2], "send_frame", &seq, &slot) < 0)
-        return NULL;
-    if (!PyBytes_Check(args[3])) {
-        PyErr_SetString(PyExc_TypeError, "send_frame: payload must be bytes");
-        return NULL;
-    }
-    Py_ssize_t length = PyBytes_GET_SIZE(args[3]);
-    if (length > (Py_ssize_t)CIP_WIRE_MAX_FRAME_PAYLOAD) {
-        PyErr_Format(PyExc_ValueError, "send_frame: payload of %zd bytes; at most %u", length,
-                     CIP_WIRE_MAX_FRAME_PAYLOAD);
-        return NULL;
-    }
-    Py_ssize_t count = PyTuple_GET_SIZE(args[0]);
-    int fds_small[16];
-    int *fds = fds_small;
-    if (count > 16) {
-        fds = PyMem_New(int, (size_t)count);
-        if (fds == NULL)
-            return PyErr_NoMemory();
-    }
-    for (Py_ssize_t i = 0; i < count; i++) {
-        fds[i] = as_fd(PyTuple_GET_ITEM(args[0], i), "send_frame");
-        if (fds[i] < 0) {
-            if (fds != fds_small)
-                PyMem_Free(fds);
-            return NULL;
-        }
-    }
-    unsigned char head[CIP_WIRE_FRAME_SIZE];
-    put_frame_head(head, seq, slot, (size_t)length);
-    struct iovec iov[2] = {{head, sizeof head}, {PyBytes_AS_STRING(args[3]), (size_t)length}};
-    struct msghdr mh;
-    memset(&mh, 0, sizeof mh);
-    mh.msg_iov = iov;
-    mh.msg_iovlen = length ? 2 : 1;
-    PyObject *failed = NULL;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        ssize_t sent;
-        int err = 0;
-        do {
-            sent = sendmsg(fds[i], &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
-            err = errno;
-        } while (sent < 0 && err == EINTR);
-        if (sent == (ssize_t)(CIP_WIRE_FRAME_SIZE + length))
-            continue;
-        if (sent >= 0)
-            err = EMSGSIZE; /* a datagram goes whole or not at all */
-        if (failed == NULL && (failed = PyList_New(0)) == NULL)
-            goto error;
-        PyObject *item = Py_BuildValue("(ni)", i, err);
-        if (item == NULL || PyList_Append(failed, item) < 0) {
-            Py_XDECREF(item);
-            goto error;
-        }
-        Py_DECREF(item);
-    }
-    if (fds != fds_small)
-        PyMem_Free(fds);
-    if (failed == NULL)
-        Py_RETURN_NONE;
-    return failed;
-error:
-    Py_XDECREF(failed);
-    if (fds != fds_small)
-        PyMem_Free(fds);
-    return NULL;
-}
-
-PyDoc_STRVAR(wait_releases_doc,
-"wait_releases(pollset, timeout_us, limit) -> list | None\n"
-"\n"
-"Wait up to ``timeout_us`` microseconds (-1: without limit, 0: not at all)\n"
-"until a socket of ``pollset`` (a bytearray from ``pollfds``, used in\n"
-"place) is readable, then receive from each readable socket up to ``limit``\n"
-"datagrams without waiting.  Returns None when none was readable in time,\n"
-"else a list, in the order received, of ``(fd, seq, slot)`` for a RELEASE\n"
-"(exactly the 16-byte datagram), ``(fd, -1, data)`` for any other datagram\n"
-"(``data`` its bytes; b\"\": the peer closed), after which that socket is not\n"
-"read further, and ``(fd, -2, errno)`` for a failed receive.  The list may be\n"
-"empty (a socket was readable and then had nothing).  The GIL is released\n"
-"while it waits.");
-
-static int
-append_triple(PyObject *list, int fd, PyObject *a, PyObject *b)
-{
-    if (a == NULL || b == NULL) {
-        Py_XDECREF(a);
-        Py_XDECREF(b);
-        return -1;
-    }
-    PyObject *item = Py_BuildValue("(iNN)", fd, a, b);
-    if (item == NULL)
-        return -1;
-    int rc = PyList_Append(list, item);
-    Py_DECREF(item);
-    return rc;
-}
-
-static PyObject *
-frameio_wait_releases(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
-{
-    if (check_nargs(nargs, 3, "wait_releases(pollset, timeout_us, limit)") < 0)
-        return NULL;
-    if (!PyByteArray_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "wait_releases: the poll set must be a bytearray of pollfds()");
-        return NULL;
-    }
-    Py_ssize_t len = PyByteArray_GET_SIZE(args[0]);
-    if (len % (Py_ssize_t)sizeof(struct pollfd) != 0) {
-        PyErr_Format(PyExc_ValueError, "wait_releases: the poll set is not from pollfds() (%zd bytes)",
-                     len);
-        return NULL;
-    }
-    long timeout_us;
-    if (as_timeout(args[1], "wait_releases", "timeout_us", &timeout_us) < 0)
-        return NULL;
-    long limit = PyLong_AsLong(args[2]);
-    if (limit == -1 && PyErr_Occurred())
-        return NULL;
-    if (limit < 1) {
-        PyErr_SetString(PyExc_ValueError, "wait_releases: limit must be at least 1");
-        return NULL;
-    }
-    Py_buffer view; /* exported: not freed nor resized while the GIL is released */
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0)
-        return NULL;
-    struct pollfd *set = (struct pollfd *)view.buf;
-    nfds_t count = (nfds_t)(len / (Py_ssize_t)sizeof(struct pollfd));
-    long long deadline = deadline_after(timeout_us, 1000LL, &timeout_us);
-    int r;
-    for (;;) {
-        /* ppoll(2), not poll(2): a wait of microseconds (a producer looking at the
-         * read flags between short steps) is not rounded up to a millisecond */
-        struct timespec ts = {0, 0};
-        struct timespec *wait = timeout_us < 0 ? NULL : &ts;
-        if (timeout_us > 0) {
-            long long left = deadline - now_ns();
-            if (left > 0) {
-                ts.tv_sec = (time_t)(left / 1000000000LL);
-                ts.tv_nsec = (long)(left % 1000000000LL);
-            }
-        }
-        int err;
-        for (nfds_t i = 0; i < count; i++)
-            set[i].revents = 0;
-        Py_BEGIN_ALLOW_THREADS
-        r = ppoll(set, count, wait, NULL);
-        err = errno;
-        Py_END_ALLOW_THREADS
-        if (r >= 0)
-            break;
-        if (err != EINTR) {
-            errno = err;
-            PyErr_SetFromErrno(PyExc_OSError);
-            PyBuffer_Release(&view);
-            return NULL;
-        }
-        if (PyErr_CheckSignals() < 0) {
-            PyBuffer_Release(&view);
-            return NULL;
-        }
-    }
-    if (r == 0) {
-        PyBuffer_Release(&view);
-        Py_RETURN_NONE;
-    }
-    PyObject *out = PyList_New(0);
-    if (out == NULL) {
-        PyBuffer_Release(&view);
-        return NULL;
-    }
-    unsigned char buf[CIP_WIRE_RELEASE_SIZE + 1];
-    for (nfds_t i = 0; i < count; i++) {
-        if (!set[i].revents)
-            continue;
-        int fd = set[i].fd;
-        for (long got = 0; got < limit; got++) {
-            ssize_t n;
-            int err;
-            do {
-                n = recv(fd, buf, sizeof buf, MSG_DONTWAIT | MSG_TRUNC);
-                err = errno;
-            } while (n < 0 && err == EINTR);
-            if (n < 0) {
-                if (err == EAGAIN || err == EWOULDBLOCK)
-                    break;
-                if (append_triple(out, fd, PyLong_FromLong(-2), PyLong_FromLong(err)) < 0)
-                    goto error;
-                break;
-            }
-            struct cipi_msg m;
-            if (cipi_decode(buf, (size_t)n, &m) == CIP_OK && m.type == CIP_WIRE_RELEASE) {
-                if (append_triple(out, fd, PyLong_FromUnsignedLongLong(m.seq),
-                                  PyLong_FromUnsignedLong(m.slot)) < 0)
-                    goto error;
-                continue;
-            }
-            /* anything else: its bytes (as many as were kept; MSG_TRUNC gives the
-             * real size, so an oversize datagram cannot pass for a short one) */
-            Py_ssize_t kept = n < (ssize_t)sizeof buf ? (Py_ssize_t)n : (Py_ssize_t)sizeof buf;
-            if (append_triple(out, fd, PyLong_FromLong(-1),
-                              PyBytes_FromStringAndSize((const char *)buf, kept)) < 0)
-                goto error;
-            break;
-        }
-    }
-    PyBuffer_Release(&view);
-    return out;
-error:
-    Py_DECREF(out);
-    PyBuffer_Release(&view);
-    return NULL;
-}
-
 static PyMethodDef cipy_frameio_methods[] = {
     {"pollfds", (PyCFunction)frameio_pollfds, METH_O, pollfds_doc},
     {"recv_frame", (PyCFunction)(void (*)(void))frameio_recv_frame, METH_FASTCALL,
      recv_frame_doc},
     {"release_frame", (PyCFunction)(void (*)(void))frameio_release_frame, METH_FASTCALL,
      release_frame_doc},
-    {"send_frame", (PyCFunction)(void (*)(void))frameio_send_frame, METH_FASTCALL,
-     send_frame_doc},
-    {"wait_releases", (PyCFunction)(void (*)(void))frameio_wait_releases, METH_FASTCALL,
-     wait_releases_doc},
     {NULL, NULL, 0, NULL},
 };
 

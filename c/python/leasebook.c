@@ -682,7 +682,25 @@ static PyMethodDef lease_functions[] = {
 int
 cipy_leasebook_exec(PyObject *module)
 {
-    if (PyModule_AddFunctions(module, lease_functions) < 0)
+    if (PyModule_AddFunctions(module, lease_functions) < 0 ||
+        cipy_add_type(module, &core_spec, "LeaseCore") < 0)
         return -1;
-    return cipy_add_type(module, &core_spec, "LeaseCore");
+    engine_state *es = (engine_state *)PyModule_GetState(module);
+    es->lease_core = PyObject_GetAttrString(module, "LeaseCore");
+    return es->lease_core == NULL ? -1 : 0;
+}
+
+struct cipi_leasebook *
+cipy_leasebook_of(engine_state *es, PyObject *obj)
+{
+    if (!PyObject_TypeCheck(obj, (PyTypeObject *)es->lease_core)) {
+        PyErr_Format(PyExc_TypeError, "a LeaseCore is needed, not %.100s", Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    LeaseCore *core = (LeaseCore *)obj;
+    if (!core->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "the LeaseCore is not initialised");
+        return NULL;
+    }
+    return &core->book;
 }

@@ -29,6 +29,9 @@
  *   owed.c       the RELEASEs owed: sent without waiting, kept in order, bounded
  *   leases.c     the publisher's lease book: leases, RELEASEs explained, "latest" budget,
  *                leases ended at read flags, releases ahead, the eviction rule (no GPU)
+ *   pub_wire.c   the publisher's per-frame wire: the FRAME to the receivers the lease book
+ *                names, the subscribers' messages (RELEASEs into the book, the rest as
+ *                events that drop a subscriber) (no GPU)
  *   hangup.c     the verdict on what is still queued at a hang-up
  *   session.c    the channel's socket session: the end of a stream, the backlog, hang-ups,
  *                releases owed, judging messages, the next frame
@@ -515,6 +518,35 @@ CIP_INTERNAL cip_status cipi_leases_settle_flagged(struct cipi_leasebook *b,
                                                    long long slot, uint32_t *ended);
 CIP_INTERNAL double cipi_leases_oldest(const struct cipi_leasebook *b, const struct cipi_lsub *sub,
                                        int *has);
+
+/* pub_wire.c: the publisher's per-frame wire (cupy_ipcpool._engine.PublisherWire) */
+struct cipi_pubevent { /* a subscriber to drop, and why */
+    uint32_t sub_id;
+    int err;       /* the errno of a failed send or receive (EAGAIN: its socket is full), or 0 */
+    char why[224]; /* "said BYE", "protocol error: ...", ... */
+};
+struct cipi_pubwire {
+    struct pollfd *set; /* the subscribers' sockets, in the order added ... */
+    uint32_t *ids;      /* ... and whose each is */
+    uint32_t n, cap;
+    struct cipi_pubevent *events; /* the last send's or take's, cap of room */
+    uint32_t nevents;
+    uint32_t *receivers; /* cipi_pubwire_send's room for cipi_leases_publishing */
+    uint32_t receivers_cap;
+};
+CIP_INTERNAL void cipi_put_frame_head(uint8_t *p, uint64_t seq, uint32_t slot, size_t len);
+CIP_INTERNAL int cipi_send_frame(int fd, uint64_t seq, uint32_t slot, const void *payload,
+                                 size_t len);
+CIP_INTERNAL void cipi_pubwire_free(struct cipi_pubwire *w);
+CIP_INTERNAL int cipi_pubwire_fd(const struct cipi_pubwire *w, uint32_t sub_id);
+CIP_INTERNAL cip_status cipi_pubwire_add(struct cipi_pubwire *w, uint32_t sub_id, int fd);
+CIP_INTERNAL int cipi_pubwire_remove(struct cipi_pubwire *w, uint32_t sub_id);
+CIP_INTERNAL cip_status cipi_pubwire_send(struct cipi_pubwire *w, struct cipi_leasebook *b,
+                                          uint32_t slot, uint64_t seq, double now,
+                                          int on_schedule, const void *payload, size_t len);
+CIP_INTERNAL int cipi_pubwire_poll(struct cipi_pubwire *w, long long timeout_ns);
+CIP_INTERNAL cip_status cipi_pubwire_take(struct cipi_pubwire *w, struct cipi_leasebook *b,
+                                          long limit, uint32_t *taken);
 
 /* hangup.c */
 enum cipi_hangup { CIPI_HANGUP_DROP, CIPI_HANGUP_BYE, CIPI_HANGUP_EVICTED, CIPI_HANGUP_BAD_NOTICE };

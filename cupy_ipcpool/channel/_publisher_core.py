@@ -11,10 +11,11 @@ frame too long (its notice is queued and its connection shut down before its
 leases return to the ring).
 
 Hot path (``acquire``/``publish``/``poll``): the caller's thread, one
-``send``/``recv`` per message, fixed layouts, ``poll(2)`` for waiting; the
-socket work of each step is one compiled call (``send_frame``,
-``wait_releases``); everything that is not a well-formed RELEASE is decoded
-and judged here.
+``send``/``recv`` per message, fixed layouts, ``poll(2)`` for waiting.  Each
+step's socket work and its rules are one engine call on the lease book's
+wire (``c/src/pub_wire.c``, :meth:`LeaseBook.wire`): ``send`` gives the frame to
+the receivers the book names, ``take`` reads the subscribers' messages into the
+book; what ends a subscriber comes back here, which drops it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable
 
-from .._errors import PoolClosedError, ProtocolError, SlotBusyError, UsageError
+from .._errors import PoolClosedError, SlotBusyError, UsageError
 from .._transport._closing import ClosedFlag
 from .._transport._unix import allowed_uid_set, bind_unix, check_socket_path, unlink_if_ours
 from . import _protocol as proto
@@ -44,7 +45,6 @@ from ._handshake import (
 )
 from ._leases import LeaseBook
 from ._sockets import (
-    _POLLIN,
     _POLLOUT,
     _linger,
     _ms,
@@ -204,8 +204,8 @@ class PublisherCore(ClosedFlag):
         self._evicting: dict[int, tuple[_Conn, bytes]] = {}
         self._since_drain = 0  # frames published since _drain_due read the sockets
         self._reported = 0  # the lease book's `ended` as of the last poll's answer
-        #: the subscribers' sockets as the compiled wait_releases polls them
-        self._poll_set = bytearray()
+        #: the adopted subscribers' sockets: frames out, messages in (the engine's)
+        self._wire = self._book.wire()
         self._last_slot = self.num_slots - 1
         self._closed = False
         self.last_leave_reason = ""
@@ -279,7 +279,7 @@ class PublisherCore(ClosedFlag):
         if self._closed:
             return True
         self._closed = True
-        self._by_fd.clear()
+        self._wire.clear()
         try:
             pending = self._acc.stop_accepting()
         except Exception as exc:
@@ -376,7 +376,7 @@ class PublisherCore(ClosedFlag):
             timeout = self._retry_notices(timeout)
         book = self._book
         before = book.ended
-        spinning = bool(self._spin_ns) and timeout != 0.0 and bool(self._by_fd)
+        spinning = bool(self._spin_ns) and timeout != 0.0 and self._wire.count > 0
         if settle is not None and not spinning:  # a spin's first round makes this look
             self._wait(0.0)
             settle()
@@ -525,35 +525,24 @@ class PublisherCore(ClosedFlag):
         seq = acc.next_seq
         if type(payload) is not bytes:
             payload = bytes(payload)
-        if len(payload) > proto.MAX_FRAME_PAYLOAD:
-            proto.encode_frame(seq, slot, payload)  # raises UsageError
         if self.lease_timeout is None:
-            receivers = self._book.publishing(slot, seq, 0.0, on_schedule)
+            failed = self._wire.send(slot, seq, 0.0, on_schedule, payload)
         else:
             now = time.monotonic()
-            receivers = self._book.publishing(slot, seq, now, on_schedule)
-            if receivers and self._next_expiry is None:
+            failed = self._wire.send(slot, seq, now, on_schedule, payload)
+            if self._next_expiry is None and self._book.any_leased():
                 self._next_expiry = now + self.lease_timeout
         acc.next_seq = seq + 1
         self._last_slot = slot
-        conns = self._conns
-        targets = [conn for sub_id in receivers if (conn := conns.get(sub_id)) is not None]
-        if not targets:
-            return seq
-        failed = _sockets.send_frame(tuple(c.fd for c in targets), seq, slot, payload)
-        if failed:
-            msg = proto.encode_frame(seq, slot, payload)
-            for index, err in failed:
-                conn = targets[index]
-                if conn.info.sub_id not in conns:
-                    continue  # dropped while sending to an earlier receiver
+        if failed:  # a "latest" subscriber's full socket skipped the frame already
+            for sub_id, err, why in failed:
+                conn = self._conns.get(sub_id)
+                if conn is None:
+                    continue  # dropped while handling an earlier failure
                 if err == errno.EAGAIN:
-                    if conn.info.mode == "latest":
-                        self._book.cancel(conn.info.sub_id, seq, slot)
-                    else:
-                        self._send_stalled(conn, msg)
+                    self._send_stalled(conn, seq, slot, payload)
                 else:
-                    self._drop(conn, f"send failed: {os.strerror(err)}")
+                    self._drop(conn, why)
         if self._book.releases_due:
             self._drain_due()
         return seq
@@ -604,7 +593,9 @@ class PublisherCore(ClosedFlag):
                 self._book.remove_subscriber(sub_id)
         self._next_expiry = self._book.next_expiry(timeout)
 
-    def _send_stalled(self, conn: _Conn, msg: bytes) -> None:
+    def _send_stalled(self, conn: _Conn, seq: int, slot: int, payload: bytes) -> None:
+        """Send frame ``seq`` to ``conn`` once its full socket has room, within
+        ``send_timeout``; else evict it."""
         deadline = time.monotonic() + self._send_timeout
         poller = select.poll()
         poller.register(conn.fd, _POLLOUT)
@@ -617,13 +608,11 @@ class PublisherCore(ClosedFlag):
                 )
                 return
             poller.poll(_ms(remaining))
-            try:
-                conn.sock.send(msg)
+            err = self._wire.send_to(conn.info.sub_id, seq, slot, payload)
+            if err == 0:
                 return
-            except BlockingIOError:
-                continue
-            except OSError as exc:
-                self._drop(conn, f"send failed: {exc}")
+            if err != errno.EAGAIN:
+                self._drop(conn, f"send failed: {os.strerror(err)}")
                 return
 
     def _adopt(self) -> None:
@@ -634,59 +623,30 @@ class PublisherCore(ClosedFlag):
         for conn in new:
             info = conn.info
             self._conns[info.sub_id] = conn
-            self._by_fd[conn.fd] = conn
             self._book.add_subscriber(info.sub_id, info.mode, info.credit)
+            self._wire.add(info.sub_id, conn.fd)
             self._callback(self._on_join, info, "on_join")
-        self._set_poll_set()
-
-    def _set_poll_set(self) -> None:
-        self._poll_set = bytearray(_sockets.pollfds([(fd, _POLLIN) for fd in self._by_fd]))
 
     def _wait(self, timeout: float | None) -> None:
         """Wait up to ``timeout`` for the subscribers' messages and handle them.
 
-        What ended (leases, subscribers) is counted in the lease book.
-
-        One compiled call (the engine's ``wait_releases``) polls the sockets and
-        receives; a RELEASE comes back decoded, anything else as its bytes.
+        One engine call (``PublisherWire.take``) polls the sockets, receives, and
+        counts each RELEASE in the lease book; what ends a subscriber (a BYE, a
+        hang-up, a message it may not send, a RELEASE the book refuses, a failed
+        receive) comes back with its reason, and that subscriber is dropped here.
         """
-        if not self._by_fd and timeout == 0.0:
+        wire = self._wire
+        if timeout == 0.0 and not wire.count:
             return
         # A blocking wait takes one message per ready socket (a caller that waits
         # wants the first one; more are found by the next poll at once), which
         # spares the failing recv that would end a drain; poll(0) drains all.
-        got = _sockets.wait_releases(self._poll_set, _us(timeout), 1 << 30 if timeout == 0.0 else 1)
-        if not got:
-            return
-        book = self._book
-        by_fd = self._by_fd
-        for fd, seq, what in got:
-            conn = by_fd.get(fd)
-            if conn is None:
-                continue  # dropped by an earlier message of this batch
-            if seq >= 0:
-                try:
-                    book.release(conn.info.sub_id, seq, what)  # None: ended at its flag
-                except ProtocolError as exc:
-                    self._drop(conn, f"protocol error: {exc}")
-            elif seq == -1:
-                self._other_message(conn, what)
-            else:
-                self._drop(conn, f"receive failed: {os.strerror(what)}")
-
-    def _other_message(self, conn: _Conn, data: bytes) -> None:
-        """A subscriber sent something other than a RELEASE (``data``; b"": it hung up)."""
-        if not data:
-            self._drop(conn, "disconnected")
-            return
-        try:
-            msg = proto.decode(data)
-            if type(msg) is proto.Bye:
-                self._drop(conn, "said BYE")
-                return
-            raise ProtocolError(f"unexpected {type(msg).__name__} from a subscriber")
-        except ProtocolError as exc:
-            self._drop(conn, f"protocol error: {exc}")
+        ended = wire.take(_us(timeout), 1 << 30 if timeout == 0.0 else 1)
+        if ended:
+            for sub_id, _err, why in ended:
+                conn = self._conns.get(sub_id)
+                if conn is not None:
+                    self._drop(conn, why)
 
     def _drop(self, conn: _Conn, reason: str, notify: bool = False) -> None:
         """Forget a subscriber: close its socket, then take its leases back.
@@ -704,8 +664,7 @@ class PublisherCore(ClosedFlag):
         info = conn.info
         if self._conns.pop(info.sub_id, None) is None:
             return
-        if self._by_fd.pop(conn.fd, None) is not None:
-            self._set_poll_set()
+        self._wire.remove(info.sub_id)
         self.last_leave_reason = reason
         if notify:
             notice = proto.encode_refuse(reason)

@@ -1,9 +1,10 @@
 """What the channel's handshake thread and both session cores share: compiled calls, ends.
 
-The engine's per-frame socket calls (``cupy_ipcpool._engine``: ``recv_frame``,
-``release_frame``, ``send_frame``, ``wait_releases``, ``pollfds``) are loaded
-here, once, at the first session (:func:`_load_frameio`), and used from here
-by :mod:`._publisher_core` and :mod:`._subscriber_core`.  The helpers below end
+The engine's per-frame socket calls of the subscriber (``cupy_ipcpool._engine``:
+``recv_frame``, ``release_frame``, ``pollfds``) are loaded here, once, at the
+first session (:func:`_load_frameio`), and used from here by
+:mod:`._subscriber_core`; the publisher's are its lease book's wire
+(:meth:`LeaseBook.wire`).  The helpers below end
 a connection without losing what the peer must still read: the BYE of a
 clean close, the eviction notice of a dropped subscriber.
 """
@@ -23,13 +24,7 @@ from .._errors import TeardownWarning, UsageError
 from . import _protocol as proto
 
 if TYPE_CHECKING:  # imported at the first session (_load_frameio), used by the two cores
-    from .._engine import (  # noqa: F401
-        pollfds,
-        recv_frame,
-        release_frame,
-        send_frame,
-        wait_releases,
-    )
+    from .._engine import pollfds, recv_frame, release_frame  # noqa: F401
 
 #: Most fds one SCM_RIGHTS message carries on Linux (``SCM_MAX_FD``).
 MAX_FDS = 253
@@ -60,7 +55,7 @@ def _load_frameio() -> None:
     ImportError
         The extension is not built, or was built for another protocol.
     """
-    global pollfds, recv_frame, release_frame, send_frame, wait_releases
+    global pollfds, recv_frame, release_frame
     if "recv_frame" in globals():
         return
     from .._compiled import load
@@ -71,7 +66,6 @@ def _load_frameio() -> None:
         engine.recv_frame,
         engine.release_frame,
     )
-    send_frame, wait_releases = engine.send_frame, engine.wait_releases
 
 
 def _spin_ns(spin_us: float) -> int:
@@ -91,7 +85,7 @@ def _ms(timeout: float | None) -> int:
 
 
 def _us(timeout: float | None) -> int:
-    """Convert seconds (None = forever) to a ``wait_releases`` timeout in microseconds."""
+    """Convert seconds (None = forever) to a wait's timeout in microseconds (-1: forever)."""
     if timeout is None:
         return -1
     return max(0, math.ceil(timeout * 1e6))
