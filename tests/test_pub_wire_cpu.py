@@ -97,6 +97,19 @@ def test_send_reaches_only_those_the_book_names(subs: Subs) -> None:
     assert subs.book.held_by(3) == {0: 0, 1: 1, 2: 2}
 
 
+def test_send_finds_every_receiver_whatever_the_wire_order(subs: Subs) -> None:
+    """The wire looks receivers up from where the last was found: one taken off and put
+    back (last on the wire, first in the book) still gets every frame, once."""
+    assert subs.wire.remove(1)
+    subs.wire.add(1, subs.pairs[1][0].fileno())
+    for seq in range(2):
+        assert subs.wire.send(seq, seq, 0.0, True, b"") is None
+    for sub_id in subs.pairs:
+        assert [proto.decode(_recv(subs.theirs(sub_id))).seq for _ in range(2)] == [0, 1]
+        with pytest.raises(BlockingIOError):
+            _recv(subs.theirs(sub_id))
+
+
 @pytest.mark.parametrize("subs", [["block", "latest", "ahead", "block"]], indirect=True)
 def test_a_full_latest_socket_skips_the_frame_and_others_are_reported(subs: Subs) -> None:
     """A "latest" subscriber's full socket cancels its lease; a "block" or "ahead" one's is

@@ -162,9 +162,20 @@ cipi_pubwire_send(struct cipi_pubwire *w, struct cipi_leasebook *b, uint32_t slo
     memset(&mh, 0, sizeof mh);
     mh.msg_iov = iov;
     mh.msg_iovlen = len ? 2 : 1;
+    /* the book names receivers in the order they were added to it, which is the wire's
+     * order too: each is looked for from where the last was found (one pass, usually) */
+    uint32_t at = 0;
     for (uint32_t r = 0; r < n; r++) {
         uint32_t id = w->receivers[r];
-        long i = index_of(w, id);
+        long i = -1;
+        for (uint32_t k = 0; k < w->n; k++) {
+            uint32_t j = (at + k) % w->n;
+            if (w->ids[j] == id) {
+                i = (long)j;
+                at = j + 1;
+                break;
+            }
+        }
         if (i < 0)
             continue;
         ssize_t sent;
