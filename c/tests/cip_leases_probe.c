@@ -17,6 +17,14 @@
  *   flagged SLOT ID:S...              -> ok ENDED   (SLOT -1: every slot; reached: the pairs)
  *   state                             -> ok DUE ENDED LATEST_SLOTS then per slot
  *                                        holders(sorted)/holds/readers(sorted)
+ *
+ * and the publisher's wire over the book (c/src/pub_wire.c), on fds the test passes in:
+ *
+ *   wadd ID FD                        -> ok | err ...
+ *   wremove ID                        -> ok 1|0
+ *   wsend SLOT SEQ NOW ON_SCHEDULE LEN -> ok [ID/ERRNO/WHY;]... | err ...  (payload: LEN
+ *                                        bytes, byte i is (SEQ + i) mod 256)
+ *   wtake TIMEOUT_US LIMIT            -> ok TAKEN [ID/ERRNO/WHY;]... | err ...
  *   quit
  */
 #include "../src/cip_internal.h"
@@ -26,7 +34,16 @@
 #include <string.h>
 
 static struct cipi_leasebook book;
+static struct cipi_pubwire wire;
 static int made;
+
+static void
+print_events(void)
+{
+    for (uint32_t i = 0; i < wire.nevents; i++)
+        printf(" %u/%d/%s;", wire.events[i].sub_id, wire.events[i].err, wire.events[i].why);
+    printf("\n");
+}
 
 struct reached {
     size_t n;
@@ -172,6 +189,40 @@ main(void)
             if (st == CIP_OK)
                 printf("ok %u\n", ended);
             answer(st);
+        } else if (!strcmp(cmd, "wadd") && sscanf(rest, "%lld %lld", &a, &b) == 2) {
+            st = cipi_pubwire_add(&wire, (uint32_t)a, (int)b);
+            if (st == CIP_OK)
+                printf("ok\n");
+            answer(st);
+        } else if (!strcmp(cmd, "wremove") && sscanf(rest, "%lld", &a) == 1) {
+            printf("ok %d\n", cipi_pubwire_remove(&wire, (uint32_t)a));
+        } else if (!strcmp(cmd, "wsend") &&
+                   sscanf(rest, "%lld %lld %lf %lld %lld", &a, &b, &now, &d, &c) == 5) {
+            uint8_t *payload = (uint8_t *)malloc(c > 0 ? (size_t)c : 1);
+            for (long long i = 0; i < c; i++)
+                payload[i] = (uint8_t)((b + i) & 0xFF);
+            st = cipi_leases_check_slot(&book, a);
+            if (st == CIP_OK)
+                st = cipi_pubwire_send(&wire, &book, (uint32_t)a, (uint64_t)b, now, (int)d, payload,
+                                       (size_t)c);
+            if (st == CIP_OK) {
+                printf("ok");
+                print_events();
+            }
+            answer(st);
+            free(payload);
+        } else if (!strcmp(cmd, "wtake") && sscanf(rest, "%lld %lld", &a, &b) == 2) {
+            int ready = cipi_pubwire_poll(&wire, a < 0 ? -1 : a * 1000);
+            uint32_t taken = 0;
+            st = CIP_OK;
+            wire.nevents = 0;
+            if (ready > 0)
+                st = cipi_pubwire_take(&wire, &book, (long)b, &taken);
+            if (st == CIP_OK) {
+                printf("ok %u", taken);
+                print_events();
+            }
+            answer(st);
         } else if (!strcmp(cmd, "state")) {
             printf("ok %llu %llu %u", (unsigned long long)book.releases_due,
                    (unsigned long long)book.ended, book.latest_slots);
@@ -188,5 +239,6 @@ main(void)
     }
     if (made)
         cipi_leases_free(&book);
+    cipi_pubwire_free(&wire);
     return 0;
 }
