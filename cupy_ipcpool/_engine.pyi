@@ -43,7 +43,13 @@ def hangup_verdict(messages: list[bytes], /) -> tuple[str, int]:
     """The verdict on what was queued at a hang-up: ``("bye"|"evicted"|"bad"|"drop", i)``."""
 
 def handshake(
-    path: str, hello: bytes, allowed_uids: list[int], timeout_ms: int, /
+    path: str,
+    mode: int,
+    credit: int,
+    payload: bytes,
+    allowed_uids: list[int],
+    timeout_ms: int,
+    /,
 ) -> tuple[int, int, int, int, int, int, int, int, bytes, list[int]]:
     """The subscriber's handshake: ``(sock_fd, pid, uid, sub_id, num_slots, next_seq, credit,
     lease_timeout_ms, payload, fds)``; raises each failure as its cupy_ipcpool exception."""

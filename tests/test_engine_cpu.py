@@ -586,10 +586,12 @@ def test_a_hang_up_verdict_takes_a_list_of_buffers() -> None:
 # without the GIL (the publisher below is a thread of this process).
 
 
-def _answer_once(listener: socket.socket, reply: bytes, fds: list[int], delay: float) -> None:
+def _answer_once(
+    listener: socket.socket, reply: bytes, fds: list[int], delay: float, hellos: list[bytes]
+) -> None:
     conn, _ = listener.accept()
     with conn:
-        conn.recv(1 << 17)  # the HELLO
+        hellos.append(conn.recv(1 << 17))
         time.sleep(delay)
         socket.send_fds(conn, [reply], fds)
         conn.recv(64)  # until the subscriber hangs up
@@ -607,11 +609,13 @@ def test_the_handshake_hands_over_the_socket_the_welcome_and_its_fds(tmp_path: A
     listener, path = _listener(tmp_path)
     memfd = os.memfd_create("slot")
     welcome = proto.encode_welcome(sub_id=3, num_slots=2, next_seq=9, credit=4, payload=b"pp")
-    publisher = threading.Thread(target=_answer_once, args=(listener, welcome, [memfd], 0.3))
+    hellos: list[bytes] = []
+    publisher = threading.Thread(
+        target=_answer_once, args=(listener, welcome, [memfd], 0.3, hellos)
+    )
     with listener:
         publisher.start()
-        hello = proto.encode_hello(proto.MODE_BLOCK, 4, os.getpid(), b"hi")
-        got = _engine.handshake(path, hello, [os.geteuid()], 10_000)
+        got = _engine.handshake(path, proto.MODE_AHEAD, 4, b"hi", [os.geteuid()], 10_000)
         sock_fd, pid, uid, sub_id, num_slots, next_seq, credit, lease_ms, payload, fds = got
         try:
             assert (pid, uid) == (os.getpid(), os.geteuid())
@@ -624,6 +628,8 @@ def test_the_handshake_hands_over_the_socket_the_welcome_and_its_fds(tmp_path: A
                 b"pp",
             )
             assert len(fds) == 1 and os.fstat(fds[0]).st_ino == os.fstat(memfd).st_ino
+            # the engine's HELLO, byte for byte the reference writer's
+            assert hellos == [proto.encode_hello(proto.MODE_AHEAD, 4, os.getpid(), b"hi")]
         finally:
             os.close(sock_fd)
             for fd in fds:
@@ -639,18 +645,38 @@ def test_a_failed_handshake_leaves_nothing_open(tmp_path: Any) -> None:
 
     listener, path = _listener(tmp_path)
     memfd = os.memfd_create("slot")
-    publisher = threading.Thread(target=_answer_once, args=(listener, b"HTTP/1.1 200", [memfd], 0))
+    publisher = threading.Thread(
+        target=_answer_once, args=(listener, b"HTTP/1.1 200", [memfd], 0, [])
+    )
     before = open_fds()
     with listener:
         publisher.start()
-        hello = proto.encode_hello(proto.MODE_BLOCK, 4, os.getpid())
         with pytest.raises(
             ForeignPeerError, match=re.escape("it answered b'HTTP/1.1 200', not the")
         ):
-            _engine.handshake(path, hello, [os.geteuid()], 10_000)
+            _engine.handshake(path, proto.MODE_BLOCK, 4, b"", [os.geteuid()], 10_000)
         publisher.join(5)
     os.close(memfd)
     assert fds_opened_since(before) == {}
+
+
+@pytest.mark.parametrize(
+    ("mode", "credit", "payload", "words"),
+    [
+        (3, 1, b"", "mode must be 0 (block), 1 (latest) or 2 (ahead), not 3"),
+        (0, 0, b"", "credit must be in 1..65535, not 0"),
+        (0, 65536, b"", "credit must be in 1..65535, not 65536"),
+        (1, 1, bytes(65537), "hello payload is 65537 bytes, more than the limit of 65536"),
+    ],
+)
+def test_a_hello_out_of_range_is_refused_before_connecting(
+    tmp_path: Any, mode: int, credit: int, payload: bytes, words: str
+) -> None:
+    """Nothing listens at the path: a refusal about the HELLO shows nothing was tried."""
+    from cupy_ipcpool._errors import UsageError
+
+    with pytest.raises(UsageError, match=re.escape(words)):
+        _engine.handshake(str(tmp_path / "none"), mode, credit, payload, [os.geteuid()], 1000)
 
 
 # ------------------------------------------------------------------ the WELCOME

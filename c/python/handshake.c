@@ -50,10 +50,12 @@ raise_status(PyObject *module, cip_status st, const struct cipi_joined *j)
 }
 
 PyDoc_STRVAR(handshake_doc,
-"handshake(path, hello, allowed_uids, timeout_ms, /) -> tuple\n\n"
+"handshake(path, mode, credit, payload, allowed_uids, timeout_ms, /) -> tuple\n\n"
 "Connect to the publisher at ``path`` (a full listen backlog is retried), refuse one\n"
-"whose uid is not in ``allowed_uids`` (it gets nothing, not even a BYE), send ``hello``\n"
-"(a HELLO datagram) and take the WELCOME, all within ``timeout_ms`` (-1: no limit).\n"
+"whose uid is not in ``allowed_uids`` (it gets nothing, not even a BYE), send the HELLO\n"
+"(``mode`` 0 block, 1 latest, 2 ahead; ``credit``; this process's pid; ``payload``,\n"
+"at most 64 KiB) and take the WELCOME, all within ``timeout_ms`` (-1: no limit).\n"
+"A field out of range raises ``UsageError`` before anything is connected.\n"
 "Returns ``(sock_fd, pid, uid, sub_id, num_slots, next_seq, credit, lease_timeout_ms,\n"
 "payload, fds)``; the caller owns the socket and the fds.  Raises\n"
 "``ChannelTimeoutError``, ``TransportError``, ``PeerRefusedError``,\n"
@@ -63,16 +65,37 @@ PyDoc_STRVAR(handshake_doc,
 static PyObject *
 engine_handshake(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_nargs(nargs, 4, "handshake(path, hello, allowed_uids, timeout_ms)") < 0)
+    if (check_nargs(nargs, 6, "handshake(path, mode, credit, payload, allowed_uids, timeout_ms)") <
+        0)
         return NULL;
     PyObject *path = NULL, *answer = NULL;
     uint32_t *allowed = NULL;
-    Py_buffer hello = {0};
+    uint8_t *hello = NULL;
+    Py_buffer payload = {0};
+    unsigned long mode = PyLong_AsUnsignedLong(args[1]);
+    if (mode == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    unsigned long long credit = PyLong_AsUnsignedLongLong(args[2]);
+    if (credit == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
     if (!PyUnicode_FSConverter(args[0], &path))
         return NULL;
-    if (PyObject_GetBuffer(args[1], &hello, PyBUF_SIMPLE) < 0)
+    if (PyObject_GetBuffer(args[3], &payload, PyBUF_SIMPLE) < 0)
         goto done;
-    PyObject *uids = PySequence_Fast(args[2], "handshake: allowed_uids must be a sequence");
+    size_t hello_len = CIP_WIRE_HELLO_SIZE + (size_t)payload.len;
+    if ((hello = PyMem_Malloc(hello_len)) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    cip_status put = cipi_put_hello(hello, mode > UINT_MAX ? UINT_MAX : (unsigned)mode, credit,
+                                    (uint32_t)getpid(), (size_t)payload.len);
+    if (put != CIP_OK) {
+        engine_state *es = (engine_state *)PyModule_GetState(module);
+        PyErr_SetString(es->usage_error, cip_last_error());
+        goto done;
+    }
+    memcpy(hello + CIP_WIRE_HELLO_SIZE, payload.buf, (size_t)payload.len);
+    PyObject *uids = PySequence_Fast(args[4], "handshake: allowed_uids must be a sequence");
     if (uids == NULL)
         goto done;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(uids);
@@ -90,7 +113,7 @@ engine_handshake(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     if (PyErr_Occurred())
         goto done;
-    long timeout_ms = PyLong_AsLong(args[3]);
+    long timeout_ms = PyLong_AsLong(args[5]);
     if (timeout_ms == -1 && PyErr_Occurred())
         goto done;
     if (timeout_ms < -1 || timeout_ms > INT_MAX) {
@@ -100,8 +123,8 @@ engine_handshake(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     struct cipi_joined j;
     cip_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = cipi_handshake(PyBytes_AS_STRING(path), (const uint8_t *)hello.buf, (size_t)hello.len,
-                        allowed, (size_t)n, (int)timeout_ms, &j);
+    st = cipi_handshake(PyBytes_AS_STRING(path), hello, hello_len, allowed, (size_t)n,
+                        (int)timeout_ms, &j);
     Py_END_ALLOW_THREADS
     if (st != CIP_OK) {
         raise_status(module, st, &j);
@@ -129,8 +152,9 @@ engine_handshake(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
 done:
     PyMem_Free(allowed);
-    if (hello.obj != NULL)
-        PyBuffer_Release(&hello);
+    PyMem_Free(hello);
+    if (payload.obj != NULL)
+        PyBuffer_Release(&payload);
     Py_DECREF(path);
     return answer;
 }

@@ -15,7 +15,8 @@
  *                table, contexts, devices
  *   wire.c       the wire: compile-time checks against the generated layouts, dtypes, pool
  *                descriptors, array handles, frame payloads
- *   message.c    one channel message decoded and checked, of every kind: the message rules
+ *   message.c    one channel message decoded and checked, of every kind: the message rules,
+ *                and the messages the engine sends, written
  *   welcome.c    what the WELCOME brought (payload, sync page fd), checked before mapping
  *   sockets.c    Unix sockets: the socket path check, connecting, receiving fds
  *   fetch.c      fetching a pool's fds: pidfd_getfd, the fd server
@@ -373,6 +374,11 @@ struct cipi_msg {
 };
 CIP_INTERNAL cip_status cipi_decode(const void *data, size_t n, struct cipi_msg *out);
 CIP_INTERNAL const char *cipi_type_name(unsigned type);
+CIP_INTERNAL cip_status cipi_put_hello(uint8_t *p, unsigned mode, uint64_t credit, uint32_t pid,
+                                       size_t len);
+CIP_INTERNAL void cipi_put_frame_head(uint8_t *p, uint64_t seq, uint32_t slot, size_t len);
+CIP_INTERNAL void cipi_put_release(uint8_t *p, uint64_t seq, uint32_t slot);
+CIP_INTERNAL void cipi_put_bye(uint8_t *p);
 
 /* welcome.c: what the WELCOME brought, checked before anything is mapped (no GPU) */
 struct cipi_welcome {
@@ -534,7 +540,6 @@ struct cipi_pubwire {
     uint32_t *receivers; /* cipi_pubwire_send's room for cipi_leases_publishing */
     uint32_t receivers_cap;
 };
-CIP_INTERNAL void cipi_put_frame_head(uint8_t *p, uint64_t seq, uint32_t slot, size_t len);
 CIP_INTERNAL int cipi_send_frame(int fd, uint64_t seq, uint32_t slot, const void *payload,
                                  size_t len);
 CIP_INTERNAL void cipi_pubwire_free(struct cipi_pubwire *w);

@@ -213,17 +213,13 @@ static cip_status
 handshake(cip_sub *sub, const cip_sub_options *o)
 {
     uint8_t hello[CIP_WIRE_HELLO_SIZE];
-    memset(hello, 0, sizeof hello);
-    WR(hello, HELLO_MAGIC, CIP_WIRE_MAGIC);
-    WR(hello, HELLO_VERSION, CIP_WIRE_VERSION);
-    WR(hello, HELLO_TYPE, CIP_WIRE_HELLO);
-    WR(hello, HELLO_MODE, (uint64_t)o->mode);
-    WR(hello, HELLO_CREDIT, sub->info.credit);
-    WR(hello, HELLO_PID, (uint64_t)getpid());
-    WR(hello, HELLO_LEN, 0);
+    cip_status st = cipi_put_hello(hello, (unsigned)o->mode, sub->info.credit,
+                                   (uint32_t)getpid(), 0);
+    if (st != CIP_OK)
+        return st;
     uint32_t own = (uint32_t)geteuid();
     struct cipi_joined j;
-    cip_status st = cipi_handshake(sub->path, hello, sizeof hello,
+    st = cipi_handshake(sub->path, hello, sizeof hello,
                                    o->allowed_uids ? o->allowed_uids : &own,
                                    o->allowed_uids ? o->n_allowed_uids : 1, o->timeout_ms, &j);
     if (st != CIP_OK)

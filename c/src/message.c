@@ -1,6 +1,7 @@
-/* message.c -- one channel message decoded and checked, of every kind and either direction:
- * the protocol's message rules, once (the Python channel and this library's subscriber both
- * decode with cipi_decode; cip_internal.h says what the modules share). */
+/* message.c -- one channel message decoded and checked, of every kind and either direction,
+ * and the messages the engine sends, written: the protocol's message rules, once (the Python
+ * channel and this library's subscriber both decode with cipi_decode and send what these
+ * writers write; cip_internal.h says what the modules share). */
 #include "cip_internal.h"
 
 /* A message type's name, as the protocol writes it ("FRAME"); "?" for none. */
@@ -119,3 +120,65 @@ cipi_decode(const void *data, size_t n, struct cipi_msg *out)
         return cipi_fail(CIP_ERR_PROTOCOL, "unknown message type %u", out->type);
     }
 }
+
+/* ---- the writers: every message the engine sends, from the generated layouts ------------ */
+
+/* A HELLO asking for `mode` and `credit` from process `pid`, its payload of `len` bytes to
+ * follow (CIP_WIRE_HELLO_SIZE bytes at p).  CIP_ERR_INVALID_ARGUMENT, nothing written, for a
+ * field out of range, in the words of the Python API. */
+cip_status
+cipi_put_hello(uint8_t *p, unsigned mode, uint64_t credit, uint32_t pid, size_t len)
+{
+    if (mode > CIP_WIRE_MODE_AHEAD)
+        return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "mode must be 0 (block), 1 (latest) or 2 "
+                                                   "(ahead), not %u", mode);
+    if (credit < 1 || credit > CIP_WIRE_MAX_CREDIT)
+        return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "credit must be in 1..%u, not %llu",
+                         CIP_WIRE_MAX_CREDIT, (unsigned long long)credit);
+    if (len > CIP_WIRE_MAX_HELLO_PAYLOAD)
+        return cipi_fail(CIP_ERR_INVALID_ARGUMENT,
+                         "hello payload is %zu bytes, more than the limit of %u", len,
+                         CIP_WIRE_MAX_HELLO_PAYLOAD);
+    memset(p, 0, CIP_WIRE_HELLO_SIZE);
+    WR(p, HELLO_MAGIC, CIP_WIRE_MAGIC);
+    WR(p, HELLO_VERSION, CIP_WIRE_VERSION);
+    WR(p, HELLO_TYPE, CIP_WIRE_HELLO);
+    WR(p, HELLO_MODE, mode);
+    WR(p, HELLO_CREDIT, credit);
+    WR(p, HELLO_PID, pid);
+    WR(p, HELLO_LEN, len);
+    return CIP_OK;
+}
+
+/* The head of a FRAME (CIP_WIRE_FRAME_SIZE bytes at p); its payload of `len` bytes follows. */
+void
+cipi_put_frame_head(uint8_t *p, uint64_t seq, uint32_t slot, size_t len)
+{
+    WR(p, FRAME_MAGIC, CIP_WIRE_MAGIC);
+    WR(p, FRAME_VERSION, CIP_WIRE_VERSION);
+    WR(p, FRAME_TYPE, CIP_WIRE_FRAME);
+    WR(p, FRAME_SEQ, seq);
+    WR(p, FRAME_SLOT, slot);
+    WR(p, FRAME_LEN, len);
+}
+
+/* A RELEASE of frame `seq` in `slot` (CIP_WIRE_RELEASE_SIZE bytes at p). */
+void
+cipi_put_release(uint8_t *p, uint64_t seq, uint32_t slot)
+{
+    WR(p, RELEASE_MAGIC, CIP_WIRE_MAGIC);
+    WR(p, RELEASE_VERSION, CIP_WIRE_VERSION);
+    WR(p, RELEASE_TYPE, CIP_WIRE_RELEASE);
+    WR(p, RELEASE_SEQ, seq);
+    WR(p, RELEASE_SLOT, slot);
+}
+
+/* A BYE (CIP_WIRE_HEADER_SIZE bytes at p). */
+void
+cipi_put_bye(uint8_t *p)
+{
+    WR(p, HEADER_MAGIC, CIP_WIRE_MAGIC);
+    WR(p, HEADER_VERSION, CIP_WIRE_VERSION);
+    WR(p, HEADER_TYPE, CIP_WIRE_BYE);
+}
+

@@ -32,11 +32,7 @@ int
 cipi_try_send_release(int sock, uint64_t seq, uint32_t slot)
 {
     uint8_t msg[CIP_WIRE_RELEASE_SIZE];
-    WR(msg, RELEASE_MAGIC, CIP_WIRE_MAGIC);
-    WR(msg, RELEASE_VERSION, CIP_WIRE_VERSION);
-    WR(msg, RELEASE_TYPE, CIP_WIRE_RELEASE);
-    WR(msg, RELEASE_SEQ, seq);
-    WR(msg, RELEASE_SLOT, slot);
+    cipi_put_release(msg, seq, slot);
     for (;;) {
         if (send(sock, msg, sizeof msg, MSG_DONTWAIT | MSG_NOSIGNAL) == (ssize_t)sizeof msg)
             return 1;

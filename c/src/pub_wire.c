@@ -6,17 +6,6 @@
  * only cipi_pubwire_poll waits (cip_internal.h says what the modules share). */
 #include "cip_internal.h"
 
-void
-cipi_put_frame_head(uint8_t *p, uint64_t seq, uint32_t slot, size_t len)
-{
-    WR(p, FRAME_MAGIC, CIP_WIRE_MAGIC);
-    WR(p, FRAME_VERSION, CIP_WIRE_VERSION);
-    WR(p, FRAME_TYPE, CIP_WIRE_FRAME);
-    WR(p, FRAME_SEQ, seq);
-    WR(p, FRAME_SLOT, slot);
-    WR(p, FRAME_LEN, len);
-}
-
 /* One FRAME on `fd` without waiting (head and payload gathered, no copy): 0 sent, else the
  * errno (EAGAIN: the socket is full; EMSGSIZE for a partial send, which a datagram socket
  * never makes). */

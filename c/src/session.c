@@ -188,9 +188,7 @@ cipi_say_bye_and_close(cip_sub *sub)
     while (recv(sub->sock, sub->buf, CIP_WIRE_MAX_FRAME_SIZE + 1, MSG_DONTWAIT) > 0)
         ;
     uint8_t bye[CIP_WIRE_HEADER_SIZE];
-    WR(bye, HEADER_MAGIC, CIP_WIRE_MAGIC);
-    WR(bye, HEADER_VERSION, CIP_WIRE_VERSION);
-    WR(bye, HEADER_TYPE, CIP_WIRE_BYE);
+    cipi_put_bye(bye);
     (void)!send(sub->sock, bye, sizeof bye, MSG_DONTWAIT | MSG_NOSIGNAL);
     close(sub->sock);
     sub->sock = -1;

@@ -156,7 +156,6 @@ class SubscriberCore(ClosedFlag):
         self.mode = mode
         self.credit = int(credit)
         self.lease_timeout: float | None = None
-        hello_msg = proto.encode_hello(proto.MODE_CODES[mode], self.credit, os.getpid(), hello)
         allowed = allowed_uid_set(allowed_uids, os.geteuid())
         self._eos: str | None = None
         self._eos_clean = False
@@ -182,7 +181,9 @@ class SubscriberCore(ClosedFlag):
             self._fds,
         ) = _engine().handshake(
             check_socket_path(self.address),
-            hello_msg,
+            proto.MODE_CODES[mode],
+            self.credit,
+            hello,
             sorted(allowed),
             min(_ms(timeout), _MAX_TIMEOUT_MS),
         )
