@@ -199,7 +199,6 @@ class PublisherCore(ClosedFlag):
         self._on_leave = on_leave
         self._send_timeout = send_timeout
         self._conns: dict[int, _Conn] = {}
-        self._by_fd: dict[int, _Conn] = {}
         #: dropped subscribers whose notice did not fit their socket yet (keep their leases)
         self._evicting: dict[int, tuple[_Conn, bytes]] = {}
         self._since_drain = 0  # frames published since _drain_due read the sockets
