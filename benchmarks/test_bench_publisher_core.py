@@ -5,15 +5,15 @@ a machine without a VMM-capable GPU; to run these anywhere, leave it out::
 
     python -m pytest benchmarks/test_bench_publisher_core.py -p no:cacheprovider --noconftest
 
-One round is one frame to one ``"block"`` subscriber, whose end of the real
-``SOCK_SEQPACKET`` connection is bare socket calls: the publisher acquires a
-slot (reading the RELEASEs that came), publishes the frame, the subscriber's
-end receives it and sends its RELEASE.  The baseline does the same with bare
-socket calls on a socket pair (the same FRAME encoding and subscriber's end),
-so the difference of
-medians in the ``publisher-core`` group is the library's own host time per
-frame on the publisher side: the RELEASE read and admitted, the lease book,
-the FRAME's send.  (The GPU publisher adds the slot token and the flag
+One round is one frame to each of 1 or 8 ``"block"`` subscribers (``[1sub]``,
+``[8sub]``), whose ends of the real ``SOCK_SEQPACKET`` connections are bare
+socket calls: the publisher acquires a slot (reading the RELEASEs that came),
+publishes the frame, each subscriber's end receives it and sends its RELEASE.
+The baseline does the same with bare socket calls on socket pairs (the same
+FRAME encoding and subscribers' ends), so the difference of medians of the same
+fan-out in the ``publisher-core`` group is the library's own host time per
+frame on the publisher side: the RELEASEs read and admitted, the lease book,
+the FRAMEs' sends.  (The GPU publisher adds the slot token and the flag
 operations, measured on the device by ``test_bench_channel.py``.)
 """
 
@@ -40,48 +40,69 @@ def _subscriber_end(sub: socket.socket) -> None:
     sub.send(proto.encode_release(frame.seq, frame.slot))
 
 
-@pytest.fixture
-def joined(tmp_path: Any) -> Iterator[tuple[PublisherCore, socket.socket]]:
+#: Subscribers of a round: one, and a fan-out (the wire sends one FRAME to each).
+FANS = [1, 8]
+
+
+@pytest.fixture(params=FANS, ids=lambda n: f"{n}sub")
+def joined(request: Any, tmp_path: Any) -> Iterator[tuple[PublisherCore, list[socket.socket]]]:
     address = os.path.join(tmp_path, "pub.sock")
     core = PublisherCore(address, SLOTS, welcome=lambda _info: (b"", []))
-    sub = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    subs: list[socket.socket] = []
     try:
-        sub.connect(address)
-        sub.send(proto.encode_hello(proto.MODE_BLOCK, SLOTS, os.getpid()))
-        while not core.subscribers:
+        for _ in range(request.param):
+            sub = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            subs.append(sub)
+            sub.connect(address)
+            sub.send(proto.encode_hello(proto.MODE_BLOCK, SLOTS, os.getpid()))
+            assert isinstance(proto.decode(sub.recv(1 << 16)), proto.Welcome)
+        while len(core.subscribers) < len(subs):
             core.poll(0.01)
-        assert isinstance(proto.decode(sub.recv(1 << 16)), proto.Welcome)
-        yield core, sub
+        yield core, subs
     finally:
-        sub.close()
+        for sub in subs:
+            sub.close()
         core.close()
 
 
 @pytest.mark.benchmark(group="publisher-core")
-def test_baseline_bare_socket_round(benchmark: Any) -> None:
-    """A FRAME sent, the subscriber's end as below, the RELEASE read: no library."""
-    pub, sub = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+@pytest.mark.parametrize("fan", FANS, ids=lambda n: f"{n}sub")
+def test_baseline_bare_socket_round(benchmark: Any, fan: int) -> None:
+    """A FRAME sent to each subscriber, each one's end as below, the RELEASEs read: no
+    library."""
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(fan)]
     state = {"seq": 0}
 
     def round_() -> None:
         seq = state["seq"]
         state["seq"] += 1
-        pub.send(proto.encode_frame(seq, seq % SLOTS, PAYLOAD))
-        _subscriber_end(sub)
-        pub.recv(64)
+        msg = proto.encode_frame(seq, seq % SLOTS, PAYLOAD)
+        for pub, _sub in pairs:
+            pub.send(msg)
+        for _pub, sub in pairs:
+            _subscriber_end(sub)
+        for pub, _sub in pairs:
+            pub.recv(64)
 
-    with pub, sub:
+    try:
         benchmark(round_)
+    finally:
+        for pub, sub in pairs:
+            pub.close()
+            sub.close()
 
 
 @pytest.mark.benchmark(group="publisher-core")
-def test_publisher_core_round(benchmark: Any, joined: tuple[PublisherCore, socket.socket]) -> None:
+def test_publisher_core_round(
+    benchmark: Any, joined: tuple[PublisherCore, list[socket.socket]]
+) -> None:
     """The same round through PublisherCore: ``acquire`` and ``publish``."""
-    core, sub = joined
+    core, subs = joined
 
     def round_() -> None:
         slot, _readers = core.acquire(1.0)
         core.publish(slot, PAYLOAD)
-        _subscriber_end(sub)  # its RELEASE is read by the next acquire
+        for sub in subs:
+            _subscriber_end(sub)  # its RELEASE is read by the next acquire
 
     benchmark(round_)
