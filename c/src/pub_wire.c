@@ -6,26 +6,48 @@
  * only cipi_pubwire_poll waits (cip_internal.h says what the modules share). */
 #include "cip_internal.h"
 
-/* One FRAME on `fd` without waiting (head and payload gathered, no copy): 0 sent, else the
- * errno (EAGAIN: the socket is full; EMSGSIZE for a partial send, which a datagram socket
- * never makes). */
+/* A FRAME, ready to send to any number of sockets: its head, and the payload gathered
+ * after it (no copy). */
+struct frame_msg {
+    uint8_t head[CIP_WIRE_FRAME_SIZE];
+    struct iovec iov[2];
+    struct msghdr mh;
+    size_t total;
+};
+
+static void
+frame_msg(struct frame_msg *f, uint64_t seq, uint32_t slot, const void *payload, size_t len)
+{
+    cipi_put_frame_head(f->head, seq, slot, len);
+    f->iov[0] = (struct iovec){f->head, sizeof f->head};
+    f->iov[1] = (struct iovec){(void *)payload, len};
+    memset(&f->mh, 0, sizeof f->mh);
+    f->mh.msg_iov = f->iov;
+    f->mh.msg_iovlen = len ? 2 : 1;
+    f->total = sizeof f->head + len;
+}
+
+/* Send it on `fd` without waiting: 0 sent, else the errno (EAGAIN: the socket is full;
+ * EMSGSIZE for a partial send, which a datagram socket never makes). */
+static int
+frame_send(int fd, const struct frame_msg *f)
+{
+    ssize_t sent;
+    do
+        sent = sendmsg(fd, &f->mh, MSG_DONTWAIT | MSG_NOSIGNAL);
+    while (sent < 0 && errno == EINTR);
+    if (sent == (ssize_t)f->total)
+        return 0;
+    return sent < 0 ? (errno == EWOULDBLOCK ? EAGAIN : errno) : EMSGSIZE;
+}
+
+/* One FRAME on `fd` without waiting: 0 sent, else the errno (frame_send). */
 int
 cipi_send_frame(int fd, uint64_t seq, uint32_t slot, const void *payload, size_t len)
 {
-    uint8_t head[CIP_WIRE_FRAME_SIZE];
-    cipi_put_frame_head(head, seq, slot, len);
-    struct iovec iov[2] = {{head, sizeof head}, {(void *)payload, len}};
-    struct msghdr mh;
-    memset(&mh, 0, sizeof mh);
-    mh.msg_iov = iov;
-    mh.msg_iovlen = len ? 2 : 1;
-    ssize_t sent;
-    do
-        sent = sendmsg(fd, &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
-    while (sent < 0 && errno == EINTR);
-    if (sent == (ssize_t)(sizeof head + len))
-        return 0;
-    return sent < 0 ? (errno == EWOULDBLOCK ? EAGAIN : errno) : EMSGSIZE;
+    struct frame_msg f;
+    frame_msg(&f, seq, slot, payload, len);
+    return frame_send(fd, &f);
 }
 
 void
@@ -144,13 +166,8 @@ cipi_pubwire_send(struct cipi_pubwire *w, struct cipi_leasebook *b, uint32_t slo
     cip_status st = cipi_leases_publishing(b, slot, seq, now, on_schedule, w->receivers, &n);
     if (st != CIP_OK || n == 0)
         return st;
-    uint8_t head[CIP_WIRE_FRAME_SIZE];
-    cipi_put_frame_head(head, seq, slot, len);
-    struct iovec iov[2] = {{head, sizeof head}, {(void *)payload, len}};
-    struct msghdr mh;
-    memset(&mh, 0, sizeof mh);
-    mh.msg_iov = iov;
-    mh.msg_iovlen = len ? 2 : 1;
+    struct frame_msg f;
+    frame_msg(&f, seq, slot, payload, len);
     /* the book names receivers in the order they were added to it, which is the wire's
      * order too: each is looked for from where the last was found (one pass, usually) */
     uint32_t at = 0;
@@ -167,13 +184,9 @@ cipi_pubwire_send(struct cipi_pubwire *w, struct cipi_leasebook *b, uint32_t slo
         }
         if (i < 0)
             continue;
-        ssize_t sent;
-        do
-            sent = sendmsg(w->set[i].fd, &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
-        while (sent < 0 && errno == EINTR);
-        if (sent == (ssize_t)(sizeof head + len))
+        int err = frame_send(w->set[i].fd, &f);
+        if (err == 0)
             continue;
-        int err = sent < 0 ? (errno == EWOULDBLOCK ? EAGAIN : errno) : EMSGSIZE;
         struct cipi_lsub *sub = cipi_leases_sub(b, id);
         if (err == EAGAIN && sub != NULL && sub->latest) {
             int out;
