@@ -2093,6 +2093,10 @@ def _binding_wire() -> Callable[[str], str]:
                 before = core.ended
                 got = wire.take(int(args[0]), int(args[1]))
                 return f"ok {core.ended - before}" + _wire_events(got)
+            if cmd == "wwithin":
+                sub, seq, slot, n, ms = map(int, args)
+                payload = bytes((seq + i) & 0xFF for i in range(n))
+                return f"ok {wire.send_within(sub, seq, slot, payload, ms / 1000)}"
             if cmd == "state":
                 return _py_state(core)
         except (IpcPoolError, ValueError) as exc:
@@ -2127,6 +2131,7 @@ def _wire_session(start: Callable[[tuple[int, ...]], Callable[[str], str]]) -> l
                     ours[i].send(b"x" * 4096)
         answers.append(do("wsend 1 1 1.5 1 3"))
         assert theirs[1].recv(64) == proto.encode_frame(1, 1, bytes([1, 2, 3]))
+        answers.append(do("wwithin 3 1 1 3 20"))  # still full: the stall runs out
         answers.append(do("wtake 0 8"))
         theirs[1].send(proto.encode_release(0, 0))
         theirs[1].send(proto.encode_release(1, 1))
@@ -2163,10 +2168,11 @@ def test_the_publishers_wire_answers_alike_both_ways_in(leases_exe: Path) -> Non
     assert via_probe[9].startswith("err 1 frame payload is 65537 bytes")
     assert via_probe[10].startswith("err 101 ")  # a slot outside the ring
     assert via_probe[11] == f"ok 3/{eagain}/its socket is full;"
-    assert via_probe[12] == "ok 0"
-    assert via_probe[13] == (
+    assert via_probe[12] == f"ok {errno.ETIMEDOUT}"
+    assert via_probe[13] == "ok 0"
+    assert via_probe[14] == (
         "ok 2 1/0/said BYE; 2/0/protocol error: bad magic 0x4547 (expected 0x4950): the peer "
         "does not speak the cupy_ipcpool channel protocol; 3/0/protocol error: RELEASE must be "
         "16 bytes, got 17;"
     )
-    assert via_probe[14:16] == ["ok 1", "ok 0"]
+    assert via_probe[15:17] == ["ok 1", "ok 0"]

@@ -131,15 +131,37 @@ def test_a_full_latest_socket_skips_the_frame_and_others_are_reported(subs: Subs
     assert subs.book.held_by(1) == {7: 0} and subs.book.held_by(3) == {7: 0}
 
 
-def test_send_to_one_subscriber_reports_a_full_socket(subs: Subs) -> None:
+def test_send_within_waits_for_room_up_to_its_timeout(subs: Subs) -> None:
+    """A full socket's frame is sent once the subscriber reads (the wait ends then), or the
+    call answers ETIMEDOUT after the timeout (the publisher evicts it)."""
     subs.fill(1)
-    assert subs.wire.send_to(1, 5, 1, b"m") == errno.EAGAIN
-    assert subs.wire.send_to(2, 5, 1, b"m") == 0
+    start = time.monotonic()
+    assert subs.wire.send_within(1, 5, 1, b"m", 0.05) == errno.ETIMEDOUT
+    assert time.monotonic() - start >= 0.05
+
+    def drain() -> None:
+        time.sleep(0.05)
+        while True:
+            try:
+                subs.theirs(1).recv(1 << 17, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+
+    t = threading.Thread(target=drain)
+    t.start()
+    try:
+        assert subs.wire.send_within(1, 6, 1, b"m", 30.0) == 0
+    finally:
+        t.join()
+    assert subs.wire.send_within(2, 5, 1, b"m", 0.0) == 0
     assert _recv(subs.theirs(2)) == proto.encode_frame(5, 1, b"m")
-    with pytest.raises(UsageError, match="not on the wire"):
-        subs.wire.send_to(9, 5, 1, b"m")
+    subs.theirs(3).close()
+    assert subs.wire.send_within(3, 5, 1, b"m", 1.0) in (errno.EPIPE, errno.ECONNRESET)
+    assert subs.wire.send_within(9, 5, 1, b"m", 1.0) == errno.EBADF
     with pytest.raises(UsageError, match="more than the limit"):
-        subs.wire.send_to(2, 5, 1, bytes(proto.MAX_FRAME_PAYLOAD + 1))
+        subs.wire.send_within(2, 5, 1, bytes(proto.MAX_FRAME_PAYLOAD + 1), 1.0)
+    with pytest.raises(ValueError):
+        subs.wire.send_within(2, 5, 1, b"m", -1.0)
 
 
 def test_send_refuses_bad_arguments_and_leases_nothing(subs: Subs) -> None:
@@ -317,7 +339,7 @@ def test_take_lets_other_threads_run_but_not_use_the_wire(subs: Subs) -> None:
 
     got = assert_gil_released(lambda: subs.wire.take(30_000_000, 1), ("poll", "ppoll"), wake)
     assert got is None and subs.book.held_by(1) == {}
-    assert len(refused) == 1 and "waiting in take()" in str(refused[0])
+    assert len(refused) == 1 and "waiting (take, send_within)" in str(refused[0])
     with pytest.raises(ValueError):
         subs.wire.take(-2, 1)
     with pytest.raises(ValueError):

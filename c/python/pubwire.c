@@ -66,7 +66,7 @@ usable(PublisherWire *self)
     }
     if (self->polling) {
         PyErr_SetString(PyExc_RuntimeError,
-                        "PublisherWire is waiting in take() on another thread (one owner calls it)");
+                        "PublisherWire is waiting (take, send_within) on another thread (one owner calls it)");
         return -1;
     }
     return 0;
@@ -189,11 +189,15 @@ wire_send(PublisherWire *self, PyObject *const *args, Py_ssize_t nargs)
     return events(self);
 }
 
+static long long
+now_ns(void);
+
 static PyObject *
-wire_send_to(PublisherWire *self, PyObject *const *args, Py_ssize_t nargs)
+wire_send_within(PublisherWire *self, PyObject *const *args, Py_ssize_t nargs)
 {
     uint32_t id;
-    if (usable(self) < 0 || check_nargs(nargs, 4, "send_to(sub_id, seq, slot, payload)") < 0 ||
+    if (usable(self) < 0 ||
+        check_nargs(nargs, 5, "send_within(sub_id, seq, slot, payload, timeout)") < 0 ||
         as_sub_id(args[0], &id) < 0)
         return NULL;
     unsigned long long seq = PyLong_AsUnsignedLongLong(args[1]);
@@ -206,7 +210,7 @@ wire_send_to(PublisherWire *self, PyObject *const *args, Py_ssize_t nargs)
     if (st != CIP_OK)
         return fail(self, st);
     if (!PyBytes_Check(args[3])) {
-        PyErr_SetString(PyExc_TypeError, "send_to: payload must be bytes");
+        PyErr_SetString(PyExc_TypeError, "send_within: payload must be bytes");
         return NULL;
     }
     Py_ssize_t len = PyBytes_GET_SIZE(args[3]);
@@ -214,12 +218,31 @@ wire_send_to(PublisherWire *self, PyObject *const *args, Py_ssize_t nargs)
         return fail(self, cipi_fail(CIP_ERR_INVALID_ARGUMENT,
                                     "frame payload is %zd bytes, more than the limit of %u", len,
                                     CIP_WIRE_MAX_FRAME_PAYLOAD));
-    int fd = cipi_pubwire_fd(&self->wire, id);
-    if (fd < 0)
-        return fail(self, cipi_fail(CIP_ERR_INVALID_ARGUMENT, "subscriber %u is not on the wire",
-                                    id));
-    return PyLong_FromLong(
-        cipi_send_frame(fd, seq, (uint32_t)slot, PyBytes_AS_STRING(args[3]), (size_t)len));
+    double timeout = PyFloat_AsDouble(args[4]);
+    if (timeout == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (!(timeout >= 0.0) || timeout > 1e9) {
+        PyErr_Format(PyExc_ValueError, "send_within: timeout %R is not 0..1e9 seconds", args[4]);
+        return NULL;
+    }
+    long long deadline = now_ns() + (long long)(timeout * 1e9);
+    /* the payload stays alive and unchanged: bytes, referenced by the caller's frame */
+    const char *data = PyBytes_AS_STRING(args[3]);
+    int err;
+    for (;;) {
+        long long left = deadline - now_ns();
+        self->polling = 1;
+        Py_BEGIN_ALLOW_THREADS
+        err = cipi_pubwire_send_within(&self->wire, id, seq, (uint32_t)slot, data, (size_t)len,
+                                       left > 0 ? left : 0);
+        Py_END_ALLOW_THREADS
+        self->polling = 0;
+        if (err != EINTR)
+            break;
+        if (PyErr_CheckSignals() < 0)
+            return NULL;
+    }
+    return PyLong_FromLong(err);
 }
 
 static long long
@@ -303,9 +326,11 @@ static PyMethodDef wire_methods[] = {
      "(LeaseCore.publishing decides who receives it) and send its FRAME to each receiver "
      "without waiting; a full 'latest' socket skips the frame.  None when nothing else "
      "failed, else [(sub_id, errno, why)] to drop (errno EAGAIN: its socket is full)."},
-    {"send_to", (PyCFunction)(void (*)(void))wire_send_to, METH_FASTCALL,
-     "send_to(sub_id, seq, slot, payload) -> int: the FRAME to one subscriber, without "
-     "waiting; 0, or the errno (EAGAIN: its socket is still full)."},
+    {"send_within", (PyCFunction)(void (*)(void))wire_send_within, METH_FASTCALL,
+     "send_within(sub_id, seq, slot, payload, timeout) -> int: the FRAME to one subscriber "
+     "whose socket was full, waiting (the GIL released) up to timeout seconds for room; 0 "
+     "sent, ETIMEDOUT (its socket stayed full: evict it), EBADF (not on the wire), or the "
+     "errno of a failed send."},
     {"take", (PyCFunction)(void (*)(void))wire_take, METH_FASTCALL,
      "take(timeout_us, limit) -> list | None: wait up to timeout_us (-1: without limit; the "
      "GIL released) for a readable socket, then take up to limit messages from each, each "

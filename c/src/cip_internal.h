@@ -550,6 +550,9 @@ CIP_INTERNAL cip_status cipi_pubwire_send(struct cipi_pubwire *w, struct cipi_le
                                           uint32_t slot, uint64_t seq, double now,
                                           int on_schedule, const void *payload, size_t len);
 CIP_INTERNAL int cipi_pubwire_poll(struct cipi_pubwire *w, long long timeout_ns);
+CIP_INTERNAL int cipi_pubwire_send_within(const struct cipi_pubwire *w, uint32_t sub_id,
+                                          uint64_t seq, uint32_t slot, const void *payload,
+                                          size_t len, long long timeout_ns);
 CIP_INTERNAL cip_status cipi_pubwire_take(struct cipi_pubwire *w, struct cipi_leasebook *b,
                                           long limit, uint32_t *taken);
 

@@ -50,6 +50,38 @@ cipi_send_frame(int fd, uint64_t seq, uint32_t slot, const void *payload, size_t
     return frame_send(fd, &f);
 }
 
+/* Send frame `seq` to subscriber `sub_id`, whose socket was full, waiting for room for up
+ * to `timeout_ns`: 0 sent, ETIMEDOUT (its socket stayed full), EINTR (a signal came: the
+ * caller looks at it and calls again with what is left), EBADF (not on the wire), or the
+ * errno of a failed send. */
+int
+cipi_pubwire_send_within(const struct cipi_pubwire *w, uint32_t sub_id, uint64_t seq,
+                         uint32_t slot, const void *payload, size_t len, long long timeout_ns)
+{
+    int fd = cipi_pubwire_fd(w, sub_id);
+    if (fd < 0)
+        return EBADF;
+    struct frame_msg f;
+    frame_msg(&f, seq, slot, payload, len);
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    long long start = (long long)t0.tv_sec * 1000000000LL + t0.tv_nsec;
+    for (;;) {
+        int err = frame_send(fd, &f);
+        if (err != EAGAIN)
+            return err;
+        struct timespec t;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        long long left = timeout_ns - ((long long)t.tv_sec * 1000000000LL + t.tv_nsec - start);
+        if (left <= 0)
+            return ETIMEDOUT;
+        struct pollfd p = {.fd = fd, .events = POLLOUT, .revents = 0};
+        struct timespec ts = {(time_t)(left / 1000000000LL), (long)(left % 1000000000LL)};
+        if (ppoll(&p, 1, &ts, NULL) < 0)
+            return errno;
+    }
+}
+
 void
 cipi_pubwire_free(struct cipi_pubwire *w)
 {

@@ -23,7 +23,6 @@ from __future__ import annotations
 import errno
 import math
 import os
-import select
 import socket
 import time
 import warnings
@@ -45,9 +44,7 @@ from ._handshake import (
 )
 from ._leases import LeaseBook
 from ._sockets import (
-    _POLLOUT,
     _linger,
-    _ms,
     _queue_notice,
     _say_bye_and_close,
     _shut_and_close,
@@ -594,25 +591,15 @@ class PublisherCore(ClosedFlag):
 
     def _send_stalled(self, conn: _Conn, seq: int, slot: int, payload: bytes) -> None:
         """Send frame ``seq`` to ``conn`` once its full socket has room, within
-        ``send_timeout``; else evict it."""
-        deadline = time.monotonic() + self._send_timeout
-        poller = select.poll()
-        poller.register(conn.fd, _POLLOUT)
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0.0:
-                self._evictions += 1
-                self._drop(
-                    conn, f"evicted: its socket stayed full for {self._send_timeout} s", notify=True
-                )
-                return
-            poller.poll(_ms(remaining))
-            err = self._wire.send_to(conn.info.sub_id, seq, slot, payload)
-            if err == 0:
-                return
-            if err != errno.EAGAIN:
-                self._drop(conn, f"send failed: {os.strerror(err)}")
-                return
+        ``send_timeout`` (the engine waits); else evict it."""
+        err = self._wire.send_within(conn.info.sub_id, seq, slot, payload, self._send_timeout)
+        if err == errno.ETIMEDOUT:
+            self._evictions += 1
+            self._drop(
+                conn, f"evicted: its socket stayed full for {self._send_timeout} s", notify=True
+            )
+        elif err:
+            self._drop(conn, f"send failed: {os.strerror(err)}")
 
     def _adopt(self) -> None:
         acc = self._acc
