@@ -9,6 +9,7 @@ independent writer of the same layouts.
 from __future__ import annotations
 
 import errno
+import signal
 import socket
 import threading
 import time
@@ -162,6 +163,35 @@ def test_send_within_waits_for_room_up_to_its_timeout(subs: Subs) -> None:
         subs.wire.send_within(2, 5, 1, bytes(proto.MAX_FRAME_PAYLOAD + 1), 1.0)
     with pytest.raises(ValueError):
         subs.wire.send_within(2, 5, 1, b"m", -1.0)
+
+
+class _Alarm(Exception):
+    pass
+
+
+def test_a_signal_ends_a_stalled_send_with_its_handlers_exception(subs: Subs) -> None:
+    """The wait for room runs with the GIL released; a signal's Python handler still runs
+    at once, and its exception ends the wait (a stalled publish answers Ctrl-C)."""
+    subs.fill(1)
+
+    def alarm(_signum: int, _frame: object) -> None:
+        raise _Alarm
+
+    # SIGUSR1 sent to this thread (pytest-timeout owns SIGALRM): its wait gets EINTR
+    old = signal.signal(signal.SIGUSR1, alarm)
+    me = threading.get_ident()
+    t = threading.Timer(0.05, signal.pthread_kill, (me, signal.SIGUSR1))
+    start = time.monotonic()
+    t.start()
+    try:
+        with pytest.raises(_Alarm):
+            subs.wire.send_within(1, 5, 1, b"m", 30.0)
+    finally:
+        t.join()
+        signal.signal(signal.SIGUSR1, old)
+    assert time.monotonic() - start < 10.0
+    assert subs.wire.count == 3  # the wire is usable again
+    assert subs.wire.send_within(2, 5, 1, b"m", 0.0) == 0
 
 
 def test_send_refuses_bad_arguments_and_leases_nothing(subs: Subs) -> None:
