@@ -160,14 +160,6 @@ done:
     return out;
 }
 
-static long long
-now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
 /* The deadline (CLOCK_MONOTONIC ns) of a timeout of ``timeout`` units of ``unit_ns``
  * nanoseconds; 0 without one.  A timeout too long to add to the clock (centuries)
  * becomes "without limit" (-1). */
@@ -176,7 +168,7 @@ deadline_after(long timeout, long long unit_ns, long *effective)
 {
     if (timeout <= 0)
         return 0;
-    long long now = now_ns();
+    long long now = cipi_now_ns();
     if ((long long)timeout > (LLONG_MAX - now) / unit_ns) {
         *effective = -1;
         return 0;
@@ -276,7 +268,7 @@ frameio_recv_frame(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_
             goto none;
         int wait_ms = -1;
         if (timeout_ms > 0) {
-            long long left = deadline - now_ns();
+            long long left = deadline - cipi_now_ns();
             if (left <= 0)
                 goto none;
             wait_ms = poll_ms(left);

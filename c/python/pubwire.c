@@ -189,9 +189,6 @@ wire_send(PublisherWire *self, PyObject *const *args, Py_ssize_t nargs)
     return events(self);
 }
 
-static long long
-now_ns(void);
-
 static PyObject *
 wire_send_within(PublisherWire *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -214,10 +211,8 @@ wire_send_within(PublisherWire *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_ssize_t len = PyBytes_GET_SIZE(args[3]);
-    if (len > (Py_ssize_t)CIP_WIRE_MAX_FRAME_PAYLOAD)
-        return fail(self, cipi_fail(CIP_ERR_INVALID_ARGUMENT,
-                                    "frame payload is %zd bytes, more than the limit of %u", len,
-                                    CIP_WIRE_MAX_FRAME_PAYLOAD));
+    if ((st = cipi_frame_payload_fits((size_t)len)) != CIP_OK)
+        return fail(self, st);
     double timeout = PyFloat_AsDouble(args[4]);
     if (timeout == -1.0 && PyErr_Occurred())
         return NULL;
@@ -225,12 +220,12 @@ wire_send_within(PublisherWire *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Format(PyExc_ValueError, "send_within: timeout %R is not 0..1e9 seconds", args[4]);
         return NULL;
     }
-    long long deadline = now_ns() + (long long)(timeout * 1e9);
+    long long deadline = cipi_now_ns() + (long long)(timeout * 1e9);
     /* the payload stays alive and unchanged: bytes, referenced by the caller's frame */
     const char *data = PyBytes_AS_STRING(args[3]);
     int err;
     for (;;) {
-        long long left = deadline - now_ns();
+        long long left = deadline - cipi_now_ns();
         self->polling = 1;
         Py_BEGIN_ALLOW_THREADS
         err = cipi_pubwire_send_within(&self->wire, id, seq, (uint32_t)slot, data, (size_t)len,
@@ -243,14 +238,6 @@ wire_send_within(PublisherWire *self, PyObject *const *args, Py_ssize_t nargs)
             return NULL;
     }
     return PyLong_FromLong(err);
-}
-
-static long long
-now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
 static PyObject *
@@ -274,7 +261,7 @@ wire_take(PublisherWire *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     long long wait_ns = timeout_us < 0 || timeout_us > LLONG_MAX / 2000 ? -1 : timeout_us * 1000;
-    long long deadline = wait_ns > 0 ? now_ns() + wait_ns : 0;
+    long long deadline = wait_ns > 0 ? cipi_now_ns() + wait_ns : 0;
     int r;
     for (;;) {
         if (wait_ns == 0) {
@@ -290,7 +277,7 @@ wire_take(PublisherWire *self, PyObject *const *args, Py_ssize_t nargs)
             break;
         if (PyErr_CheckSignals() < 0)
             return NULL;
-        if (wait_ns > 0 && (wait_ns = deadline - now_ns()) <= 0)
+        if (wait_ns > 0 && (wait_ns = deadline - cipi_now_ns()) <= 0)
             wait_ns = 0;
     }
     if (r < 0) {

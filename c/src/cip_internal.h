@@ -326,6 +326,7 @@ CIP_INTERNAL cip_status cipi_fail(cip_status status, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 
 /* util.c */
+CIP_INTERNAL long long cipi_now_ns(void);
 CIP_INTERNAL long long cipi_now_ms(void);
 CIP_INTERNAL int cipi_left_ms(long long deadline);
 CIP_INTERNAL long long cipi_deadline_of(int timeout_ms);
@@ -540,6 +541,7 @@ struct cipi_pubwire {
     uint32_t *receivers; /* cipi_pubwire_send's room for cipi_leases_publishing */
     uint32_t receivers_cap;
 };
+CIP_INTERNAL cip_status cipi_frame_payload_fits(size_t len);
 CIP_INTERNAL int cipi_send_frame(int fd, uint64_t seq, uint32_t slot, const void *payload,
                                  size_t len);
 CIP_INTERNAL void cipi_pubwire_free(struct cipi_pubwire *w);

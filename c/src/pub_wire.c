@@ -41,6 +41,18 @@ frame_send(int fd, const struct frame_msg *f)
     return sent < 0 ? (errno == EWOULDBLOCK ? EAGAIN : errno) : EMSGSIZE;
 }
 
+/* CIP_OK for a FRAME payload of `len` bytes, else CIP_ERR_INVALID_ARGUMENT in the words
+ * of the Python API (every way a publisher sends a frame asks this first). */
+cip_status
+cipi_frame_payload_fits(size_t len)
+{
+    if (len > CIP_WIRE_MAX_FRAME_PAYLOAD)
+        return cipi_fail(CIP_ERR_INVALID_ARGUMENT,
+                         "frame payload is %zu bytes, more than the limit of %u", len,
+                         CIP_WIRE_MAX_FRAME_PAYLOAD);
+    return CIP_OK;
+}
+
 /* One FRAME on `fd` without waiting: 0 sent, else the errno (frame_send). */
 int
 cipi_send_frame(int fd, uint64_t seq, uint32_t slot, const void *payload, size_t len)
@@ -63,16 +75,12 @@ cipi_pubwire_send_within(const struct cipi_pubwire *w, uint32_t sub_id, uint64_t
         return EBADF;
     struct frame_msg f;
     frame_msg(&f, seq, slot, payload, len);
-    struct timespec t0;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    long long start = (long long)t0.tv_sec * 1000000000LL + t0.tv_nsec;
+    long long deadline = cipi_now_ns() + timeout_ns;
     for (;;) {
         int err = frame_send(fd, &f);
         if (err != EAGAIN)
             return err;
-        struct timespec t;
-        clock_gettime(CLOCK_MONOTONIC, &t);
-        long long left = timeout_ns - ((long long)t.tv_sec * 1000000000LL + t.tv_nsec - start);
+        long long left = deadline - cipi_now_ns();
         if (left <= 0)
             return ETIMEDOUT;
         struct pollfd p = {.fd = fd, .events = POLLOUT, .revents = 0};
@@ -182,10 +190,9 @@ cipi_pubwire_send(struct cipi_pubwire *w, struct cipi_leasebook *b, uint32_t slo
                   double now, int on_schedule, const void *payload, size_t len)
 {
     w->nevents = 0;
-    if (len > CIP_WIRE_MAX_FRAME_PAYLOAD)
-        return cipi_fail(CIP_ERR_INVALID_ARGUMENT,
-                         "frame payload is %zu bytes, more than the limit of %u", len,
-                         CIP_WIRE_MAX_FRAME_PAYLOAD);
+    cip_status st = cipi_frame_payload_fits(len);
+    if (st != CIP_OK)
+        return st;
     if (w->receivers_cap < b->nsubs) {
         uint32_t *r = realloc(w->receivers, b->nsubs * sizeof *r);
         if (r == NULL)
@@ -195,7 +202,7 @@ cipi_pubwire_send(struct cipi_pubwire *w, struct cipi_leasebook *b, uint32_t slo
         w->receivers_cap = b->nsubs;
     }
     uint32_t n;
-    cip_status st = cipi_leases_publishing(b, slot, seq, now, on_schedule, w->receivers, &n);
+    st = cipi_leases_publishing(b, slot, seq, now, on_schedule, w->receivers, &n);
     if (st != CIP_OK || n == 0)
         return st;
     struct frame_msg f;

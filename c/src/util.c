@@ -2,12 +2,19 @@
  * share). */
 #include "cip_internal.h"
 
+/* CLOCK_MONOTONIC in nanoseconds (one clock for every process of the host). */
 long long
-cipi_now_ms(void)
+cipi_now_ns(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+long long
+cipi_now_ms(void)
+{
+    return cipi_now_ns() / 1000000;
 }
 
 /* Milliseconds left until `deadline` (-1: none) for poll(2). */

@@ -103,7 +103,7 @@ main(void)
         if (sscanf(line, "%31s%n", cmd, &used) != 1)
             continue;
         const char *rest = line + used;
-        long long a = 0, b = 0, c = 0, d = 0, out_ms = 0;
+        long long a = 0, b = 0, c = 0, d = 0, ms = 0;
         double now = 0.0;
         int out = 0;
         cip_status st;
@@ -225,12 +225,12 @@ main(void)
             }
             answer(st);
         } else if (!strcmp(cmd, "wwithin") &&
-                   sscanf(rest, "%lld %lld %lld %lld %lld", &a, &b, &c, &d, &out_ms) == 5) {
+                   sscanf(rest, "%lld %lld %lld %lld %lld", &a, &b, &c, &d, &ms) == 5) {
             uint8_t *payload = (uint8_t *)malloc(d > 0 ? (size_t)d : 1);
             for (long long i = 0; i < d; i++)
                 payload[i] = (uint8_t)((b + i) & 0xFF);
             printf("ok %d\n", cipi_pubwire_send_within(&wire, (uint32_t)a, (uint64_t)b, (uint32_t)c,
-                                                        payload, (size_t)d, out_ms * 1000000LL));
+                                                        payload, (size_t)d, ms * 1000000LL));
             free(payload);
         } else if (!strcmp(cmd, "state")) {
             printf("ok %llu %llu %u", (unsigned long long)book.releases_due,
