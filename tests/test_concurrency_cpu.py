@@ -127,8 +127,8 @@ def test_a_stale_hangup_is_not_applied_to_a_newcomer_with_the_same_fd(
         assert gate.entered.wait(BOUND), "the accept thread never got G's HELLO"
 
         _until(lambda: len(core.subscribers) == 1, core, "A was not adopted")
-        (conn_a,) = core._conns.values()  # the fd number the newcomer must be given
-        fd_a = conn_a.fd
+        (info_a,) = core.subscribers
+        fd_a = core._session.fd(info_a.sub_id)  # the fd number the newcomer must be given
         _fill_holes_below(fd_a, held_fds)
         a.send(proto.encode_bye())
         _until(lambda: not core.subscribers, core, "A's BYE did not end it")
@@ -145,9 +145,9 @@ def test_a_stale_hangup_is_not_applied_to_a_newcomer_with_the_same_fd(
         assert isinstance(_recv(b), proto.Welcome)
         assert _quiet(b), "the newcomer saw something after its WELCOME"
         _until(lambda: len(core.subscribers) == 1, core, "the newcomer was not adopted")
-        (conn_b,) = core._conns.values()
-        assert conn_b.info.hello == b"newcomer"
-        assert conn_b.fd == fd_a  # it did get the number of the connection that went
+        (info_b,) = core.subscribers
+        assert info_b.hello == b"newcomer"
+        assert core._session.fd(info_b.sub_id) == fd_a  # it got the number of the one that went
     finally:
         gate.release.set()
         core.close()

@@ -511,7 +511,8 @@ engine_exec(PyObject *module)
      * OwedReleases, LeaseCore, PublisherWire */
     if (cipy_frameio_exec(module) < 0 || cipy_book_exec(module) < 0 ||
         cipy_ledger_exec(module) < 0 || cipy_owed_exec(module) < 0 ||
-        cipy_leasebook_exec(module) < 0 || cipy_pubwire_exec(module) < 0)
+        cipy_leasebook_exec(module) < 0 || cipy_pubwire_exec(module) < 0 ||
+        cipy_pubsession_exec(module) < 0)
         return -1;
     return cipy_handshake_exec(module);
 }

@@ -40,6 +40,9 @@ struct cipi_leasebook *cipy_leasebook_of(engine_state *es, PyObject *obj);
 /* pubwire.c: the PublisherWire type (the publisher's FRAMEs and its subscribers' messages) */
 int cipy_pubwire_exec(PyObject *module);
 
+/* pubsession.c: the PublisherSession type (the publisher's adopted subscribers) */
+int cipy_pubsession_exec(PyObject *module);
+
 /* owed.c: the OwedReleases type (the RELEASEs the Python subscriber owes) */
 int cipy_owed_exec(PyObject *module);
 

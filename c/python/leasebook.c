@@ -399,10 +399,7 @@ core_holds(LeaseCore *self, PyObject *arg)
 static PyObject *
 core_any_leased(LeaseCore *self, PyObject *Py_UNUSED(ignored))
 {
-    for (uint32_t s = 0; s < self->book.num_slots; s++)
-        if (self->book.holders[s].len)
-            Py_RETURN_TRUE;
-    Py_RETURN_FALSE;
+    return PyBool_FromLong(cipi_leases_any_leased(&self->book));
 }
 
 static PyObject *
@@ -516,18 +513,11 @@ core_overdue(LeaseCore *self, PyObject *const *args, Py_ssize_t nargs)
     double now = PyFloat_AsDouble(args[0]), timeout = PyFloat_AsDouble(args[1]);
     if (PyErr_Occurred())
         return NULL;
-    double limit = now - timeout;
     uint32_t n = 0;
     uint32_t *ids = (uint32_t *)PyMem_Malloc((self->book.nsubs + 1) * sizeof *ids);
     if (ids == NULL)
         return PyErr_NoMemory();
-    for (uint32_t i = 0; i < self->book.nsubs; i++) {
-        const struct cipi_lsub *sub = self->book.subs[i];
-        int has;
-        double t = cipi_leases_oldest(&self->book, sub, &has);
-        if (has && !sub->suspended && t < limit)
-            ids[n++] = sub->id;
-    }
+    cipi_leases_overdue(&self->book, now, timeout, ids, &n);
     if (n)
         qsort(ids, n, sizeof *ids, cmp_u32);
     PyObject *out = u32_list(ids, n);
@@ -541,20 +531,10 @@ core_next_expiry(LeaseCore *self, PyObject *arg)
     double timeout = PyFloat_AsDouble(arg);
     if (timeout == -1.0 && PyErr_Occurred())
         return NULL;
-    int any = 0;
-    double first = 0.0;
-    for (uint32_t i = 0; i < self->book.nsubs; i++) {
-        const struct cipi_lsub *sub = self->book.subs[i];
-        int has;
-        double t = cipi_leases_oldest(&self->book, sub, &has);
-        if (has && !sub->suspended && (!any || t < first)) {
-            first = t;
-            any = 1;
-        }
-    }
-    if (!any)
+    double at;
+    if (!cipi_leases_next_expiry(&self->book, timeout, &at))
         Py_RETURN_NONE;
-    return PyFloat_FromDouble(first + timeout);
+    return PyFloat_FromDouble(at);
 }
 
 static PyObject *

@@ -33,6 +33,9 @@
  *   pub_wire.c   the publisher's per-frame wire: the FRAME to the receivers the lease book
  *                names, the subscribers' messages (RELEASEs into the book, the rest as
  *                events that drop a subscriber) (no GPU)
+ *   pub_session.c the publisher's adopted subscribers: their sockets, departures, eviction
+ *                (lease_timeout, a socket that stays full), the eviction notice, the BYE
+ *                at close (no GPU)
  *   hangup.c     the verdict on what is still queued at a hang-up
  *   session.c    the channel's socket session: the end of a stream, the backlog, hang-ups,
  *                releases owed, judging messages, the next frame
@@ -380,6 +383,7 @@ CIP_INTERNAL cip_status cipi_put_hello(uint8_t *p, unsigned mode, uint64_t credi
 CIP_INTERNAL void cipi_put_frame_head(uint8_t *p, uint64_t seq, uint32_t slot, size_t len);
 CIP_INTERNAL void cipi_put_release(uint8_t *p, uint64_t seq, uint32_t slot);
 CIP_INTERNAL void cipi_put_bye(uint8_t *p);
+CIP_INTERNAL void cipi_put_refuse(uint8_t *p, size_t len);
 
 /* welcome.c: what the WELCOME brought, checked before anything is mapped (no GPU) */
 struct cipi_welcome {
@@ -451,6 +455,7 @@ CIP_INTERNAL cip_status cipi_owed_send(struct cipi_owed *o, int sock, uint64_t s
 #define CIPI_ERR_LEASE_STATE ((cip_status)100) /* a lease the caller assumed is not there */
 #define CIPI_ERR_SLOT_INDEX ((cip_status)101)  /* a slot outside the ring */
 #define CIPI_ERR_CALLBACK ((cip_status)102)    /* the caller's callback failed */
+#define CIPI_ERR_INTERRUPTED ((cip_status)103) /* the caller's cipi_waiting stopped a wait */
 typedef int (*cipi_reached_fn)(void *ctx, uint64_t sub_id, uint32_t slot);
 enum { CIPI_LEASE_BLOCK, CIPI_LEASE_LATEST, CIPI_LEASE_AHEAD };
 struct cipi_pair {
@@ -525,6 +530,11 @@ CIP_INTERNAL cip_status cipi_leases_settle_flagged(struct cipi_leasebook *b,
                                                    long long slot, uint32_t *ended);
 CIP_INTERNAL double cipi_leases_oldest(const struct cipi_leasebook *b, const struct cipi_lsub *sub,
                                        int *has);
+CIP_INTERNAL int cipi_leases_any_leased(const struct cipi_leasebook *b);
+CIP_INTERNAL void cipi_leases_overdue(const struct cipi_leasebook *b, double now, double timeout,
+                                     uint32_t *ids, uint32_t *n);
+CIP_INTERNAL int cipi_leases_next_expiry(const struct cipi_leasebook *b, double timeout,
+                                         double *at);
 
 /* pub_wire.c: the publisher's per-frame wire (cupy_ipcpool._engine.PublisherWire) */
 struct cipi_pubevent { /* a subscriber to drop, and why */
@@ -557,6 +567,53 @@ CIP_INTERNAL int cipi_pubwire_send_within(const struct cipi_pubwire *w, uint32_t
                                           size_t len, long long timeout_ns);
 CIP_INTERNAL cip_status cipi_pubwire_take(struct cipi_pubwire *w, struct cipi_leasebook *b,
                                           long limit, uint32_t *taken);
+
+/* pub_session.c: the publisher's adopted subscribers (cupy_ipcpool._engine.PublisherSession) */
+struct cipi_waiting { /* how a wait lets others run (the Python binding: the GIL) */
+    void *(*release)(void);     /* before a wait; what it returns goes to reacquire */
+    void (*reacquire)(void *);  /* after it */
+    int (*interrupted)(void);   /* after a wait a signal ended: nonzero ends the call */
+};
+struct cipi_departure { /* a subscriber gone (socket closed, leases back), and why */
+    uint32_t sub_id;
+    char why[224];
+};
+struct cipi_notice { /* an evicted subscriber whose notice did not fit its socket yet */
+    uint32_t sub_id;
+    int fd;
+    char why[224];
+};
+struct cipi_pubsession {
+    struct cipi_pubwire wire;    /* the adopted subscribers' sockets (owned) */
+    struct cipi_leasebook *book; /* not owned */
+    double lease_timeout;        /* seconds a lease may last; 0: no limit */
+    double send_timeout;         /* seconds a full "block" socket may stall a publish */
+    double next_expiry;          /* when the oldest lease may be overdue; 0: none is held */
+    uint64_t evictions;
+    uint32_t since_drain;        /* frames published since the sockets were read */
+    struct cipi_notice *notices; /* room for every subscriber (reserved by add) */
+    uint32_t nnotices, notices_cap;
+    struct cipi_departure *left; /* gone since the caller last looked (reserved by add) */
+    uint32_t nleft, left_cap;
+    uint32_t *freed;             /* cipi_leases_remove's room (num_slots) */
+};
+CIP_INTERNAL cip_status cipi_pubsession_init(struct cipi_pubsession *s, struct cipi_leasebook *b,
+                                             double lease_timeout, double send_timeout);
+CIP_INTERNAL void cipi_pubsession_free(struct cipi_pubsession *s);
+CIP_INTERNAL cip_status cipi_pubsession_add(struct cipi_pubsession *s, uint32_t sub_id, int mode,
+                                            long long credit, int fd);
+CIP_INTERNAL int cipi_pubsession_drop(struct cipi_pubsession *s, uint32_t sub_id,
+                                      const char *why, int notify);
+CIP_INTERNAL void cipi_pubsession_retry_notices(struct cipi_pubsession *s);
+CIP_INTERNAL cip_status cipi_pubsession_publish(struct cipi_pubsession *s, uint32_t slot,
+                                                uint64_t seq, int on_schedule,
+                                                const void *payload, size_t len,
+                                                const struct cipi_waiting *waiting);
+CIP_INTERNAL cip_status cipi_pubsession_take(struct cipi_pubsession *s, long long timeout_ns,
+                                             long limit, const struct cipi_waiting *waiting);
+CIP_INTERNAL cip_status cipi_pubsession_expire(struct cipi_pubsession *s);
+CIP_INTERNAL int cipi_pubsession_close(struct cipi_pubsession *s, long long linger_ns,
+                                       const struct cipi_waiting *waiting);
 
 /* hangup.c */
 enum cipi_hangup { CIPI_HANGUP_DROP, CIPI_HANGUP_BYE, CIPI_HANGUP_EVICTED, CIPI_HANGUP_BAD_NOTICE };

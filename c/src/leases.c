@@ -587,6 +587,52 @@ cipi_leases_oldest(const struct cipi_leasebook *b, const struct cipi_lsub *sub, 
     return *has ? b->since[sub->leases.v[0].slot] : 0.0;
 }
 
+/* 1 when any slot's frame is leased. */
+int
+cipi_leases_any_leased(const struct cipi_leasebook *b)
+{
+    for (uint32_t s = 0; s < b->num_slots; s++)
+        if (b->holders[s].len)
+            return 1;
+    return 0;
+}
+
+/* The subscribers (not suspended) whose oldest lease began before now - timeout, in the
+ * order they were added, into ids (room for b->nsubs); *n how many. */
+void
+cipi_leases_overdue(const struct cipi_leasebook *b, double now, double timeout, uint32_t *ids,
+                    uint32_t *n)
+{
+    *n = 0;
+    for (uint32_t i = 0; i < b->nsubs; i++) {
+        const struct cipi_lsub *sub = b->subs[i];
+        int has;
+        double t = cipi_leases_oldest(b, sub, &has);
+        if (has && !sub->suspended && t < now - timeout)
+            ids[(*n)++] = sub->id;
+    }
+}
+
+/* When the first lease (of a subscriber not suspended) becomes overdue: its start plus
+ * timeout, in *at; 0 when none is held. */
+int
+cipi_leases_next_expiry(const struct cipi_leasebook *b, double timeout, double *at)
+{
+    int any = 0;
+    double first = 0.0;
+    for (uint32_t i = 0; i < b->nsubs; i++) {
+        const struct cipi_lsub *sub = b->subs[i];
+        int has;
+        double t = cipi_leases_oldest(b, sub, &has);
+        if (has && !sub->suspended && (!any || t < first)) {
+            first = t;
+            any = 1;
+        }
+    }
+    *at = first + timeout;
+    return any;
+}
+
 /* One more local reference (a live producer array) to slot. */
 cip_status
 cipi_leases_hold(struct cipi_leasebook *b, long long slot)

@@ -182,3 +182,13 @@ cipi_put_bye(uint8_t *p)
     WR(p, HEADER_TYPE, CIP_WIRE_BYE);
 }
 
+/* The head of a REFUSE (CIP_WIRE_REFUSE_SIZE bytes at p); its reason of `len` bytes (at most
+ * CIP_WIRE_MAX_REFUSE_REASON) follows. */
+void
+cipi_put_refuse(uint8_t *p, size_t len)
+{
+    WR(p, REFUSE_MAGIC, CIP_WIRE_MAGIC);
+    WR(p, REFUSE_VERSION, CIP_WIRE_VERSION);
+    WR(p, REFUSE_TYPE, CIP_WIRE_REFUSE);
+    WR(p, REFUSE_LEN, len);
+}

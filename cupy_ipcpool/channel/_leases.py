@@ -38,7 +38,7 @@ from .._slots import first_free_slot
 from ._protocol import ENGINE_PROTOCOL
 
 if TYPE_CHECKING:  # the engine is loaded at the first book (_engine below)
-    from .._engine import LeaseCore, PublisherWire
+    from .._engine import LeaseCore, PublisherSession, PublisherWire
 
 #: The engine: every rule of the book is c/src/leases.c's (``LeaseCore``); this module
 #: documents them and keeps the Python API.
@@ -405,6 +405,22 @@ class LeaseBook:
         drop it.  The owner serialises calls to the wire and the book alike.
         """
         return _engine().PublisherWire(self._core)
+
+    def session(self, lease_timeout: float | None, send_timeout: float) -> PublisherSession:
+        """A new publisher session over this book: the adopted subscribers' sockets.
+
+        The engine's ``PublisherSession`` (``c/src/pub_session.c``) owns each
+        subscriber's socket from ``add`` on.  ``publish`` publishes a frame
+        (:meth:`publishing`) and sends it to every receiver (a full ``"latest"``
+        socket skips it, a full ``"block"`` one is waited for up to
+        ``send_timeout``, then evicted); ``take`` reads the subscribers' messages,
+        each RELEASE into this book; ``expire`` evicts whoever holds a frame past
+        ``lease_timeout``.  An evicted subscriber is told why behind the frames
+        queued for it before its leases come back.  Each call returns those that
+        left, ``[(sub_id, why)]``, their sockets closed and their leases back.
+        The owner serialises calls to the session and the book alike.
+        """
+        return _engine().PublisherSession(self._core, lease_timeout, send_timeout)
 
     def any_leased(self) -> bool:
         """Return True while any subscriber holds any lease."""

@@ -13,14 +13,16 @@ leases return to the ring).
 Hot path (``acquire``/``publish``/``poll``): the caller's thread, one
 ``send``/``recv`` per message, fixed layouts, ``poll(2)`` for waiting.  Each
 step's socket work and its rules are one engine call on the lease book's
-wire (``c/src/pub_wire.c``, :meth:`LeaseBook.wire`): ``send`` gives the frame to
-the receivers the book names, ``take`` reads the subscribers' messages into the
-book; what ends a subscriber comes back here, which drops it.
+session (``c/src/pub_session.c``, :meth:`LeaseBook.session`), which owns the
+adopted subscribers' sockets: ``publish`` gives the frame to the receivers the
+book names (waiting for a full ``"block"`` socket, evicting it after
+``send_timeout``), ``take`` reads the subscribers' messages into the book,
+``expire`` evicts whoever holds a frame past ``lease_timeout``.  Who left comes
+back here, for ``on_leave``.
 """
 
 from __future__ import annotations
 
-import errno
 import math
 import os
 import socket
@@ -28,6 +30,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from .._errors import PoolClosedError, SlotBusyError, UsageError
 from .._transport._closing import ClosedFlag
@@ -39,21 +42,16 @@ from ._handshake import (
     MAX_PENDING_PER_UID,
     SubscriberInfo,
     _Acceptor,
-    _Conn,
     _remove_stale,
 )
 from ._leases import LeaseBook
-from ._sockets import (
-    _linger,
-    _queue_notice,
-    _say_bye_and_close,
-    _shut_and_close,
-    _spin_ns,
-    _us,
-    _warn,
-)
+from ._sockets import _spin_ns, _us, _warn
 
-#: Seconds between attempts to queue an eviction notice that did not fit (rare: see _drop).
+if TYPE_CHECKING:
+    from .._engine import PublisherSession
+
+#: Seconds between attempts to queue an eviction notice that did not fit (rare: a full
+#: socket whose buffer cannot grow; ``c/src/pub_session.c``).
 _NOTICE_RETRY = 0.05
 #: First and longest step (s) between two looks at the read flags while a poll that
 #: settles leases by them waits (Publisher(ahead=True)), and the growth of each step
@@ -74,8 +72,7 @@ def _unlink_ours(address: str, ident: tuple[int, int]) -> None:
 
 def _close_publisher(
     acc: _Acceptor,
-    conns: dict[int, _Conn],
-    evicting: dict[int, tuple[_Conn, bytes]],
+    session: PublisherSession,
     address: str,
     ident: tuple[int, int],
 ) -> None:
@@ -84,13 +81,10 @@ def _close_publisher(
         acc.stop()
     except Exception as exc:
         _warn(f"stopping the accept thread failed: {exc!r}")
-    for conn in [*conns.values(), *(c for c, _notice in evicting.values())]:
-        try:
-            _say_bye_and_close(conn.sock)
-        except Exception as exc:
-            _warn(f"closing subscriber {conn.info.sub_id} failed: {exc!r}")
-    conns.clear()
-    evicting.clear()
+    try:
+        session.close(0.0)  # BYE to each subscriber, every socket closed
+    except Exception as exc:
+        _warn(f"closing the subscribers' sockets failed: {exc!r}")
     _unlink_ours(address, ident)
 
 
@@ -184,24 +178,21 @@ class PublisherCore(ClosedFlag):
             raise UsageError(f"handshake_timeout must be positive, not {handshake_timeout}")
         if max_subscribers < 1:
             raise UsageError(f"max_subscribers must be at least 1, not {max_subscribers}")
+        if not 0 <= send_timeout <= 1e9:
+            raise UsageError(f"send_timeout must be 0..1e9 seconds, not {send_timeout}")
         self._book = LeaseBook(self.num_slots, max_credit=max_credit)
         self.max_credit = self._book.max_credit
         self.lease_timeout = lease_timeout
-        self._next_expiry: float | None = None
-        self._evictions = 0
         euid = os.geteuid()
         allowed = allowed_uid_set(allowed_uids, euid)
         self.allowed_uids = allowed
         self._on_join = on_join
         self._on_leave = on_leave
-        self._send_timeout = send_timeout
-        self._conns: dict[int, _Conn] = {}
-        #: dropped subscribers whose notice did not fit their socket yet (keep their leases)
-        self._evicting: dict[int, tuple[_Conn, bytes]] = {}
-        self._since_drain = 0  # frames published since _drain_due read the sockets
+        #: the adopted subscribers, until they are gone (their sockets closed, leases back)
+        self._infos: dict[int, SubscriberInfo] = {}
         self._reported = 0  # the lease book's `ended` as of the last poll's answer
-        #: the adopted subscribers' sockets: frames out, messages in (the engine's)
-        self._wire = self._book.wire()
+        #: the adopted subscribers' sockets: frames out, messages in, eviction (the engine's)
+        self._session = self._book.session(lease_timeout, send_timeout)
         self._last_slot = self.num_slots - 1
         self._closed = False
         self.last_leave_reason = ""
@@ -240,7 +231,7 @@ class PublisherCore(ClosedFlag):
             raise
         self._ident = ident
         self._finalizer = weakref.finalize(
-            self, _close_publisher, self._acc, self._conns, self._evicting, self.address, ident
+            self, _close_publisher, self._acc, self._session, self.address, ident
         )
         self._acc.start()
 
@@ -275,16 +266,25 @@ class PublisherCore(ClosedFlag):
         if self._closed:
             return True
         self._closed = True
-        self._wire.clear()
         try:
             pending = self._acc.stop_accepting()
         except Exception as exc:
             _warn(f"stopping the accept thread failed: {exc!r}")
             pending = []
-        for conn in pending:
-            self._conns[conn.info.sub_id] = conn
+        session = self._session
+        for conn in pending:  # welcomed, not adopted: told BYE and lingered for alike
+            info = conn.info
+            try:
+                session.add(info.sub_id, info.mode, info.credit, conn.sock.detach())
+            except Exception as exc:
+                _warn(f"closing subscriber {info.sub_id} failed: {exc!r}")
         _unlink_ours(self.address, self._ident)
-        all_gone = _linger([c.sock for c in self._conns.values()], linger)
+        try:
+            all_gone = session.close(linger)
+        except Exception as exc:
+            _warn(f"closing the subscribers' sockets failed: {exc!r}")
+            all_gone = False
+        self._infos.clear()
         self._finalizer()
         return all_gone
 
@@ -296,8 +296,9 @@ class PublisherCore(ClosedFlag):
 
     @property
     def subscribers(self) -> list[SubscriberInfo]:
-        """The adopted subscribers."""
-        return [conn.info for conn in self._conns.values()]
+        """The adopted subscribers (an evicted one is not, even while its notice waits)."""
+        infos = self._infos
+        return [infos[sub_id] for sub_id in self._session.ids()]
 
     @property
     def lease_book(self) -> LeaseBook:
@@ -316,7 +317,7 @@ class PublisherCore(ClosedFlag):
         Each was told why (an eviction notice behind the frames queued for it,
         none of which it hands out) before its leases came back to the ring.
         """
-        return self._evictions
+        return self._session.evictions
 
     def hold(self, slot: int) -> None:
         """Count a local reference (a live producer array) to ``slot``."""
@@ -368,11 +369,11 @@ class PublisherCore(ClosedFlag):
             self._check_open()  # raises
         if self._acc.pending:
             self._adopt()
-        if self._evicting:
+        if self._session.noticing:
             timeout = self._retry_notices(timeout)
         book = self._book
         before = book.ended
-        spinning = bool(self._spin_ns) and timeout != 0.0 and self._wire.count > 0
+        spinning = bool(self._spin_ns) and timeout != 0.0 and self._session.count > 0
         if settle is not None and not spinning:  # a spin's first round makes this look
             self._wait(0.0)
             settle()
@@ -387,7 +388,7 @@ class PublisherCore(ClosedFlag):
                 timeout = max(0.0, timeout - self._spin_ns / 1e9)
         if settle is not None and book.any_leased():
             self._wait_settling(self._until_expiry(timeout), settle, before)
-        elif self._next_expiry is None:
+        elif self._session.next_expiry is None:
             self._wait(timeout)
             return
         else:
@@ -396,8 +397,10 @@ class PublisherCore(ClosedFlag):
 
     def _expire(self) -> None:
         """Evict the subscribers past ``lease_timeout``, if a lease may be overdue."""
-        if self._next_expiry is not None:
-            self._check_leases()
+        if self._session.next_expiry is not None:
+            left = self._session.expire()
+            if left:
+                self._departed(left)
 
     def _spin(self, timeout: float | None, settle: Callable[[], int] | None, before: int) -> bool:
         """Busy-poll the sockets (and ``settle``) for up to ``spin_us`` (and ``timeout``);
@@ -459,13 +462,13 @@ class PublisherCore(ClosedFlag):
         self._check_open()
         deadline = None if timeout is None else time.monotonic() + timeout
         book = self._book
+        session = self._session
         while True:
             if self._acc.pending:
                 self._adopt()
             self._wait(0.0)
-            if self._next_expiry is not None:
-                self._check_leases()
-            if self._evicting:
+            self._expire()
+            if session.noticing:
                 self._retry_notices(None)
             slot = book.pick_free_slot(self._last_slot + 1)
             if slot is not None:
@@ -475,9 +478,9 @@ class PublisherCore(ClosedFlag):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0.0:
                     raise SlotBusyError(self._busy_message(timeout))
-            if self._next_expiry is not None:
+            if session.next_expiry is not None:
                 remaining = self._until_expiry(remaining)
-            if self._evicting:
+            if session.noticing:
                 remaining = _NOTICE_RETRY if remaining is None else min(remaining, _NOTICE_RETRY)
             self._wait(remaining)
 
@@ -521,85 +524,30 @@ class PublisherCore(ClosedFlag):
         seq = acc.next_seq
         if type(payload) is not bytes:
             payload = bytes(payload)
-        if self.lease_timeout is None:
-            failed = self._wire.send(slot, seq, 0.0, on_schedule, payload)
-        else:
-            now = time.monotonic()
-            failed = self._wire.send(slot, seq, now, on_schedule, payload)
-            if self._next_expiry is None and self._book.any_leased():
-                self._next_expiry = now + self.lease_timeout
+        try:
+            left = self._session.publish(slot, seq, on_schedule, payload)
+        except BaseException:
+            # refused before publishing (payload, slot, leases), or interrupted after it
+            # (a signal while a full socket was waited for: the frame is out)
+            if self._book.last_published == (seq, slot):
+                acc.next_seq = seq + 1
+                self._last_slot = slot
+            raise
         acc.next_seq = seq + 1
         self._last_slot = slot
-        if failed:  # a "latest" subscriber's full socket skipped the frame already
-            for sub_id, err, why in failed:
-                conn = self._conns.get(sub_id)
-                if conn is None:
-                    continue  # dropped while handling an earlier failure
-                if err == errno.EAGAIN:
-                    self._send_stalled(conn, seq, slot, payload)
-                else:
-                    self._drop(conn, why)
-        if self._book.releases_due:
-            self._drain_due()
+        if left:
+            self._departed(left)
         return seq
-
-    def _drain_due(self) -> None:
-        """Read the sockets once a ring while RELEASE messages of settled leases are due.
-
-        A lease that ended at its read flag (:meth:`LeaseBook.settle`) frees its
-        slot without its RELEASE message, so a producer that never waits reads
-        no message at all: the subscriber's socket would fill and its next
-        release() stall.  Once every ``num_slots`` frames (one syscall a ring),
-        what has come is taken in.
-        """
-        self._since_drain += 1
-        if self._since_drain >= self.num_slots:
-            self._since_drain = 0
-            self._wait(0.0)
 
     # -- internals --
 
     def _until_expiry(self, timeout: float | None) -> float | None:
         """``timeout`` shortened to end when the oldest lease becomes overdue."""
-        if self._next_expiry is None:
+        expiry = self._session.next_expiry
+        if expiry is None:
             return timeout
-        left = max(0.0, self._next_expiry - time.monotonic())
+        left = max(0.0, expiry - time.monotonic())
         return left if timeout is None else min(timeout, left)
-
-    def _check_leases(self) -> None:
-        """Evict every subscriber that holds a frame longer than ``lease_timeout``."""
-        timeout = self.lease_timeout
-        if timeout is None or self._next_expiry is None:
-            return
-        now = time.monotonic()
-        if now < self._next_expiry:
-            return
-        self._wait(0.0)  # releases that already arrived are in time
-        for sub_id in self._book.overdue(now, timeout):
-            conn = self._conns.get(sub_id)
-            if conn is not None:
-                seq = min(self._book.held_by(sub_id))
-                self._evictions += 1
-                self._drop(
-                    conn,
-                    f"evicted: held frame {seq} for more than lease_timeout={timeout} s",
-                    notify=True,
-                )
-            else:
-                self._book.remove_subscriber(sub_id)
-        self._next_expiry = self._book.next_expiry(timeout)
-
-    def _send_stalled(self, conn: _Conn, seq: int, slot: int, payload: bytes) -> None:
-        """Send frame ``seq`` to ``conn`` once its full socket has room, within
-        ``send_timeout`` (the engine waits); else evict it."""
-        err = self._wire.send_within(conn.info.sub_id, seq, slot, payload, self._send_timeout)
-        if err == errno.ETIMEDOUT:
-            self._evictions += 1
-            self._drop(
-                conn, f"evicted: its socket stayed full for {self._send_timeout} s", notify=True
-            )
-        elif err:
-            self._drop(conn, f"send failed: {os.strerror(err)}")
 
     def _adopt(self) -> None:
         acc = self._acc
@@ -608,73 +556,47 @@ class PublisherCore(ClosedFlag):
         acc.adopted()
         for conn in new:
             info = conn.info
-            self._conns[info.sub_id] = conn
-            self._book.add_subscriber(info.sub_id, info.mode, info.credit)
-            self._wire.add(info.sub_id, conn.fd)
+            self._infos[info.sub_id] = info
+            # the session owns the socket from here on (and closes it if it cannot add it)
+            self._session.add(info.sub_id, info.mode, info.credit, conn.sock.detach())
             self._callback(self._on_join, info, "on_join")
 
     def _wait(self, timeout: float | None) -> None:
         """Wait up to ``timeout`` for the subscribers' messages and handle them.
 
-        One engine call (``PublisherWire.take``) polls the sockets, receives, and
-        counts each RELEASE in the lease book; what ends a subscriber (a BYE, a
+        One engine call (``PublisherSession.take``) polls the sockets, receives, and
+        counts each RELEASE in the lease book; a subscriber that ends (a BYE, a
         hang-up, a message it may not send, a RELEASE the book refuses, a failed
-        receive) comes back with its reason, and that subscriber is dropped here.
+        receive) is dropped there and comes back with its reason.
         """
-        wire = self._wire
-        if timeout == 0.0 and not wire.count:
+        session = self._session
+        if timeout == 0.0 and not session.count:
             return
         # A blocking wait takes one message per ready socket (a caller that waits
         # wants the first one; more are found by the next poll at once), which
         # spares the failing recv that would end a drain; poll(0) drains all.
-        ended = wire.take(_us(timeout), 1 << 30 if timeout == 0.0 else 1)
-        if ended:
-            for sub_id, _err, why in ended:
-                conn = self._conns.get(sub_id)
-                if conn is not None:
-                    self._drop(conn, why)
+        left = session.take(_us(timeout), 1 << 30 if timeout == 0.0 else 1)
+        if left:
+            self._departed(left)
 
-    def _drop(self, conn: _Conn, reason: str, notify: bool = False) -> None:
-        """Forget a subscriber: close its socket, then take its leases back.
-
-        With ``notify`` (the publisher drops a subscriber that is still there,
-        possibly holding frames and with frames queued in its socket), a
-        REFUSE with ``reason`` is queued behind those frames and the
-        connection is shut down before the leases return to the ring: the
-        subscriber, seeing the hang-up, reads everything queued, finds the
-        notice and hands out none of those frames (their slots may be
-        rewritten from then on).  If the notice cannot be queued (the socket
-        is full and its buffer cannot grow), the subscriber keeps its leases
-        and gets no further frame until it fits (:meth:`_retry_notices`).
-        """
-        info = conn.info
-        if self._conns.pop(info.sub_id, None) is None:
-            return
-        self._wire.remove(info.sub_id)
-        self.last_leave_reason = reason
-        if notify:
-            notice = proto.encode_refuse(reason)
-            if not _queue_notice(conn.sock, notice):
-                self._book.suspend(info.sub_id)
-                self._evicting[info.sub_id] = (conn, notice)
-                return
-        self._gone(conn)
-
-    def _gone(self, conn: _Conn) -> None:
-        """The connection is over (and told so): hang up, then give back what it held."""
-        _shut_and_close(conn.sock)
-        self._book.remove_subscriber(conn.info.sub_id)
-        with self._acc.lock:
-            self._acc.count -= 1
-        self._callback(self._on_leave, conn.info, "on_leave")
+    def _departed(self, left: list[tuple[int, str]]) -> None:
+        """Subscribers the session ended (sockets closed, leases back): forget each, tell
+        ``on_leave``."""
+        for sub_id, why in left:
+            info = self._infos.pop(sub_id, None)
+            self.last_leave_reason = why
+            if info is None:
+                continue
+            with self._acc.lock:
+                self._acc.count -= 1
+            self._callback(self._on_leave, info, "on_leave")
 
     def _retry_notices(self, timeout: float | None) -> float | None:
         """Try again to queue the notices that did not fit; ``timeout``, capped while some wait."""
-        for sub_id, (conn, notice) in list(self._evicting.items()):
-            if _queue_notice(conn.sock, notice):
-                del self._evicting[sub_id]
-                self._gone(conn)
-        if self._evicting and (timeout is None or timeout > _NOTICE_RETRY):
+        left = self._session.retry_notices()
+        if left:
+            self._departed(left)
+        if self._session.noticing and (timeout is None or timeout > _NOTICE_RETRY):
             return _NOTICE_RETRY
         return timeout
 
@@ -697,8 +619,8 @@ class PublisherCore(ClosedFlag):
                 by_sub.setdefault(sub_id, []).append(slot)
         parts = []
         for sub_id, slots in sorted(by_sub.items()):
-            conn = self._conns.get(sub_id)
-            who = f"pid {conn.info.pid}, {conn.info.mode}" if conn else "gone"
+            info = self._infos.get(sub_id)
+            who = f"pid {info.pid}, {info.mode}" if info else "gone"
             parts.append(f"subscriber {sub_id} ({who}) holds slots {slots}")
         local = [s for s in range(self.num_slots) if book.holds(s)]
         if local:

@@ -1,0 +1,459 @@
+/*
+ * cupy_ipcpool._engine.PublisherSession: the publisher's adopted subscribers
+ * (c/src/pub_session.c) over a LeaseCore, for the Python publisher: their sockets (owned
+ * from add() on), the frames out and the messages in, who leaves and why, eviction, the
+ * eviction notice, the BYE at close.  Every call that may end subscribers returns those
+ * that left as [(sub_id, why)] (None when none did): their sockets are closed and their
+ * leases are back in the book by then; the caller forgets them.
+ *
+ * Every method runs under the GIL; a wait (take, publish's wait for room, close's linger)
+ * releases it, and meanwhile the session refuses every other call (the set being polled must
+ * not change).  A signal ends a wait when its Python handler raises: that exception comes out
+ * of the call.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "_memop_args.h"
+#include "cip_internal.h"
+#include "engine.h"
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *core; /* the LeaseCore whose book the session reads and writes */
+    struct cipi_pubsession session;
+    int ready;
+    int busy; /* a call waits with the GIL released */
+} PublisherSession;
+
+static void *
+gil_release(void)
+{
+    return PyEval_SaveThread();
+}
+
+static void
+gil_reacquire(void *token)
+{
+    PyEval_RestoreThread((PyThreadState *)token);
+}
+
+static int
+signal_raised(void)
+{
+    return PyErr_CheckSignals() < 0;
+}
+
+static const struct cipi_waiting gil = {gil_release, gil_reacquire, signal_raised};
+
+static engine_state *
+state(PublisherSession *self)
+{
+    return (engine_state *)PyType_GetModuleState(Py_TYPE(self));
+}
+
+/* The exception of status st, in the engine's words; NULL. */
+static PyObject *
+fail(PublisherSession *self, cip_status st)
+{
+    if (st == CIPI_ERR_INTERRUPTED)
+        return NULL; /* the signal handler's exception is set */
+    if (st == CIP_ERR_NO_MEMORY)
+        return PyErr_NoMemory();
+    if (st == CIP_ERR_TRANSPORT) {
+        PyErr_SetString(PyExc_OSError, cip_last_error());
+        return NULL;
+    }
+    const char *name = st == CIPI_ERR_LEASE_STATE  ? "LeaseStateError"
+                       : st == CIPI_ERR_SLOT_INDEX ? "SlotIndexError"
+                       : st == CIP_ERR_PROTOCOL    ? "ProtocolError"
+                                                   : "UsageError";
+    PyObject *cls = PyObject_GetAttrString(state(self)->errors, name);
+    if (cls != NULL) {
+        PyErr_SetString(cls, cip_last_error());
+        Py_DECREF(cls);
+    }
+    return NULL;
+}
+
+static int
+seconds_arg(PyObject *obj, const char *what, double *out)
+{
+    double v = PyFloat_AsDouble(obj);
+    if (v == -1.0 && PyErr_Occurred())
+        return -1;
+    if (!(v >= 0.0) || v > 1e9) {
+        PyErr_Format(PyExc_ValueError, "%s must be 0..1e9 seconds, not %R", what, obj);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static int
+session_init(PublisherSession *self, PyObject *args, PyObject *kwds)
+{
+    static char *names[] = {"lease_core", "lease_timeout", "send_timeout", NULL};
+    PyObject *core, *lease_obj, *send_obj;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO:PublisherSession", names, &core,
+                                     &lease_obj, &send_obj))
+        return -1;
+    if (self->core != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "PublisherSession is initialised once");
+        return -1;
+    }
+    double lease_timeout = 0.0, send_timeout;
+    if ((lease_obj != Py_None && seconds_arg(lease_obj, "lease_timeout", &lease_timeout) < 0) ||
+        seconds_arg(send_obj, "send_timeout", &send_timeout) < 0)
+        return -1;
+    struct cipi_leasebook *book = cipy_leasebook_of(state(self), core);
+    if (book == NULL)
+        return -1;
+    cip_status st = cipi_pubsession_init(&self->session, book, lease_timeout, send_timeout);
+    if (st != CIP_OK) {
+        fail(self, st);
+        return -1;
+    }
+    Py_INCREF(core);
+    self->core = core;
+    self->ready = 1;
+    return 0;
+}
+
+static void
+session_dealloc(PublisherSession *self)
+{
+    if (self->ready)
+        cipi_pubsession_free(&self->session); /* closes what close() did not */
+    Py_XDECREF(self->core);
+    PyTypeObject *type = Py_TYPE(self);
+    type->tp_free((PyObject *)self);
+    Py_DECREF(type);
+}
+
+/* 0 when the session may be used now, else -1 with an exception. */
+static int
+usable(PublisherSession *self)
+{
+    if (!self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "PublisherSession is not initialised");
+        return -1;
+    }
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "PublisherSession is waiting on another thread (one owner calls it)");
+        return -1;
+    }
+    return 0;
+}
+
+/* a subscriber id (u32): 0, or -1 with an exception */
+static int
+as_sub_id(PyObject *obj, uint32_t *out)
+{
+    unsigned long v = PyLong_AsUnsignedLong(obj);
+    if (v == (unsigned long)-1 && PyErr_Occurred())
+        return -1;
+    if (v > UINT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "a subscriber id fits in 32 bits");
+        return -1;
+    }
+    *out = (uint32_t)v;
+    return 0;
+}
+
+/* Those that left since the last answer: None, or [(sub_id, why)]; taken from the session. */
+static PyObject *
+departures(PublisherSession *self)
+{
+    struct cipi_pubsession *s = &self->session;
+    if (s->nleft == 0)
+        Py_RETURN_NONE;
+    PyObject *out = PyList_New(s->nleft);
+    for (uint32_t i = 0; out != NULL && i < s->nleft; i++) {
+        PyObject *item = Py_BuildValue("(ks)", (unsigned long)s->left[i].sub_id, s->left[i].why);
+        if (item == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+    if (out != NULL)
+        s->nleft = 0; /* kept for the next answer when the list could not be made */
+    return out;
+}
+
+/* The answer of a call that may have ended subscribers: its error, or those that left. */
+static PyObject *
+answer(PublisherSession *self, cip_status st)
+{
+    if (st != CIP_OK) {
+        /* those that left before the error are not lost: the next answer has them */
+        return fail(self, st);
+    }
+    return departures(self);
+}
+
+static PyObject *
+session_add(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint32_t id;
+    if (usable(self) < 0 || check_nargs(nargs, 4, "add(sub_id, mode, credit, fd)") < 0 ||
+        as_sub_id(args[0], &id) < 0)
+        return NULL;
+    int mode = -1;
+    if (PyUnicode_Check(args[1]))
+        mode = PyUnicode_CompareWithASCIIString(args[1], "block") == 0    ? CIPI_LEASE_BLOCK
+               : PyUnicode_CompareWithASCIIString(args[1], "latest") == 0 ? CIPI_LEASE_LATEST
+               : PyUnicode_CompareWithASCIIString(args[1], "ahead") == 0  ? CIPI_LEASE_AHEAD
+                                                                          : -1;
+    if (mode < 0) {
+        PyObject *cls = PyObject_GetAttrString(state(self)->errors, "UsageError");
+        if (cls != NULL) {
+            PyErr_Format(cls, "mode must be 'block', 'latest' or 'ahead', not %R", args[1]);
+            Py_DECREF(cls);
+        }
+        return NULL;
+    }
+    long long credit = PyLong_AsLongLong(args[2]);
+    if (credit == -1 && PyErr_Occurred())
+        return NULL;
+    int fd = PyObject_AsFileDescriptor(args[3]);
+    if (fd < 0)
+        return NULL;
+    cip_status st = cipi_pubsession_add(&self->session, id, mode, credit, fd);
+    if (st != CIP_OK)
+        return fail(self, st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+session_publish(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (usable(self) < 0 || check_nargs(nargs, 4, "publish(slot, seq, on_schedule, payload)") < 0)
+        return NULL;
+    long long slot = PyLong_AsLongLong(args[0]);
+    if (slot == -1 && PyErr_Occurred())
+        return NULL;
+    cip_status st = cipi_leases_check_slot(self->session.book, slot);
+    if (st != CIP_OK)
+        return fail(self, st);
+    unsigned long long seq = PyLong_AsUnsignedLongLong(args[1]);
+    if (seq == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    int on_schedule = PyObject_IsTrue(args[2]);
+    if (on_schedule < 0)
+        return NULL;
+    if (!PyBytes_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "publish: payload must be bytes");
+        return NULL;
+    }
+    /* the payload stays alive and unchanged while a wait releases the GIL: bytes, which
+     * args holds */
+    self->busy = 1;
+    st = cipi_pubsession_publish(&self->session, (uint32_t)slot, seq, on_schedule,
+                                 PyBytes_AS_STRING(args[3]), (size_t)PyBytes_GET_SIZE(args[3]),
+                                 &gil);
+    self->busy = 0;
+    return answer(self, st);
+}
+
+static PyObject *
+session_take(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (usable(self) < 0 || check_nargs(nargs, 2, "take(timeout_us, limit)") < 0)
+        return NULL;
+    long long timeout_us = PyLong_AsLongLong(args[0]);
+    if (timeout_us == -1 && PyErr_Occurred())
+        return NULL;
+    long limit = PyLong_AsLong(args[1]);
+    if (limit == -1 && PyErr_Occurred())
+        return NULL;
+    if (timeout_us < -1) {
+        PyErr_Format(PyExc_ValueError, "take: timeout_us %lld (-1 waits without limit)",
+                     timeout_us);
+        return NULL;
+    }
+    if (limit < 1) {
+        PyErr_SetString(PyExc_ValueError, "take: limit must be at least 1");
+        return NULL;
+    }
+    long long wait_ns = timeout_us < 0 || timeout_us > LLONG_MAX / 2000 ? -1 : timeout_us * 1000;
+    self->busy = 1;
+    cip_status st = cipi_pubsession_take(&self->session, wait_ns, limit, &gil);
+    self->busy = 0;
+    return answer(self, st);
+}
+
+static PyObject *
+session_drop(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint32_t id;
+    if (usable(self) < 0 || check_nargs(nargs, 3, "drop(sub_id, why, notify)") < 0 ||
+        as_sub_id(args[0], &id) < 0)
+        return NULL;
+    const char *why = PyUnicode_AsUTF8(args[1]);
+    if (why == NULL)
+        return NULL;
+    int notify = PyObject_IsTrue(args[2]);
+    if (notify < 0)
+        return NULL;
+    cipi_pubsession_drop(&self->session, id, why, notify);
+    return departures(self);
+}
+
+static PyObject *
+session_retry_notices(PublisherSession *self, PyObject *Py_UNUSED(arg))
+{
+    if (usable(self) < 0)
+        return NULL;
+    cipi_pubsession_retry_notices(&self->session);
+    return departures(self);
+}
+
+static PyObject *
+session_expire(PublisherSession *self, PyObject *Py_UNUSED(arg))
+{
+    if (usable(self) < 0)
+        return NULL;
+    return answer(self, cipi_pubsession_expire(&self->session));
+}
+
+static PyObject *
+session_close(PublisherSession *self, PyObject *arg)
+{
+    double linger;
+    if (usable(self) < 0 || seconds_arg(arg, "linger", &linger) < 0)
+        return NULL;
+    self->busy = 1;
+    int all_gone = cipi_pubsession_close(&self->session, (long long)(linger * 1e9), &gil);
+    self->busy = 0;
+    if (PyErr_Occurred())
+        return NULL; /* a signal's handler raised during the linger */
+    return PyBool_FromLong(all_gone);
+}
+
+static PyObject *
+session_ids(PublisherSession *self, PyObject *Py_UNUSED(arg))
+{
+    if (usable(self) < 0)
+        return NULL;
+    const struct cipi_pubwire *w = &self->session.wire;
+    PyObject *out = PyList_New(w->n);
+    for (uint32_t i = 0; out != NULL && i < w->n; i++) {
+        PyObject *v = PyLong_FromUnsignedLong(w->ids[i]);
+        if (v == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
+static PyObject *
+session_fd(PublisherSession *self, PyObject *arg)
+{
+    uint32_t id;
+    if (usable(self) < 0 || as_sub_id(arg, &id) < 0)
+        return NULL;
+    int fd = cipi_pubwire_fd(&self->session.wire, id);
+    for (uint32_t i = 0; fd < 0 && i < self->session.nnotices; i++)
+        if (self->session.notices[i].sub_id == id)
+            fd = self->session.notices[i].fd;
+    return PyLong_FromLong(fd);
+}
+
+static PyObject *
+get_count(PublisherSession *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromUnsignedLong(self->session.wire.n);
+}
+
+static PyObject *
+get_noticing(PublisherSession *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromUnsignedLong(self->session.nnotices);
+}
+
+static PyObject *
+get_evictions(PublisherSession *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromUnsignedLongLong(self->session.evictions);
+}
+
+static PyObject *
+get_next_expiry(PublisherSession *self, void *Py_UNUSED(closure))
+{
+    if (self->session.next_expiry == 0.0)
+        Py_RETURN_NONE;
+    return PyFloat_FromDouble(self->session.next_expiry);
+}
+
+static PyMethodDef session_methods[] = {
+    {"add", (PyCFunction)(void (*)(void))session_add, METH_FASTCALL,
+     "add(sub_id, mode, credit, fd): adopt a subscriber (into the lease book and onto the "
+     "wire); the session owns fd from here on, whatever the answer (closed on failure)."},
+    {"publish", (PyCFunction)(void (*)(void))session_publish, METH_FASTCALL,
+     "publish(slot, seq, on_schedule, payload) -> list | None: publish frame seq in slot and "
+     "send it to every subscriber the lease book names.  A full 'latest' socket skips it; a "
+     "full 'block'/'ahead' one is waited for up to send_timeout (the GIL released), then "
+     "evicted; another failed send drops its subscriber.  Those that left: [(sub_id, why)]."},
+    {"take", (PyCFunction)(void (*)(void))session_take, METH_FASTCALL,
+     "take(timeout_us, limit) -> list | None: wait up to timeout_us (-1: without limit; the "
+     "GIL released) for a message, then take up to limit from each readable socket: each "
+     "RELEASE into the lease book; a BYE, a hang-up, a message a subscriber may not send, a "
+     "RELEASE the book refuses or a failed receive drops its subscriber."},
+    {"drop", (PyCFunction)(void (*)(void))session_drop, METH_FASTCALL,
+     "drop(sub_id, why, notify) -> list | None: drop a subscriber; with notify, evict it "
+     "(told why behind the frames queued for it; kept, suspended, while that does not fit)."},
+    {"retry_notices", (PyCFunction)session_retry_notices, METH_NOARGS,
+     "retry_notices() -> list | None: try again to queue the notices that did not fit."},
+    {"expire", (PyCFunction)session_expire, METH_NOARGS,
+     "expire() -> list | None: once a lease may be overdue, evict every subscriber that holds "
+     "a frame longer than lease_timeout."},
+    {"close", (PyCFunction)session_close, METH_O,
+     "close(linger) -> bool: BYE to every subscriber, wait up to linger seconds (the GIL "
+     "released) for all to hang up, close every socket; True when all had."},
+    {"fd", (PyCFunction)session_fd, METH_O,
+     "fd(sub_id) -> int: the socket of subscriber sub_id (its notice waiting or not), -1 when "
+     "the session has none; the session's to close."},
+    {"ids", (PyCFunction)session_ids, METH_NOARGS,
+     "ids() -> list: the subscribers on the wire, in the order added."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef session_getset[] = {
+    {"count", (getter)get_count, NULL, "subscribers on the wire", NULL},
+    {"noticing", (getter)get_noticing, NULL, "evicted subscribers whose notice waits", NULL},
+    {"evictions", (getter)get_evictions, NULL, "subscribers evicted so far", NULL},
+    {"next_expiry", (getter)get_next_expiry, NULL,
+     "when the oldest lease may be overdue (time.monotonic()), or None", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot session_slots[] = {
+    {Py_tp_doc, "PublisherSession(lease_core, lease_timeout, send_timeout): the publisher's "
+                "adopted subscribers (c/src/pub_session.c), over the lease book of "
+                "lease_core."},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_init, session_init},
+    {Py_tp_dealloc, session_dealloc},
+    {Py_tp_methods, session_methods},
+    {Py_tp_getset, session_getset},
+    {0, NULL},
+};
+
+static PyType_Spec session_spec = {
+    "cupy_ipcpool._engine.PublisherSession",
+    sizeof(PublisherSession),
+    0,
+    Py_TPFLAGS_DEFAULT,
+    session_slots,
+};
+
+int
+cipy_pubsession_exec(PyObject *module)
+{
+    return cipy_add_type(module, &session_spec, "PublisherSession");
+}
