@@ -2176,3 +2176,139 @@ def test_the_publishers_wire_answers_alike_both_ways_in(leases_exe: Path) -> Non
         "16 bytes, got 17;"
     )
     assert via_probe[15:17] == ["ok 1", "ok 0"]
+
+
+# ---------------------------------------------------------------- the publisher's session
+# c/src/pub_session.c through both ways in (the Python publisher's
+# _engine.PublisherSession and the probe's sadd/spub/stake/...), each on socket pairs of
+# its own: the same scripted session gives the same answers, and the sanitizer lane runs
+# the session's code (departures, eviction, the notice, close) under AddressSanitizer and
+# UndefinedBehaviorSanitizer.  Its rules: tests/test_pub_session_cpu.py.
+
+
+def _left(got: list[tuple[int, str]] | None) -> str:
+    return "".join(f" {i}/{why};" for i, why in got or [])
+
+
+def _binding_session() -> Callable[[str], str]:
+    """The probe's session commands, answered by the binding (LeaseCore + PublisherSession)."""
+    state: dict[str, Any] = {}
+
+    def do(line: str) -> str:
+        cmd, *args = line.split()
+        try:
+            if cmd == "new":
+                state["core"] = _engine.LeaseCore(int(args[0]))
+                return "ok"
+            core = state["core"]
+            if cmd == "snew":
+                state["s"] = _engine.PublisherSession(core, float(args[0]), float(args[1]))
+                return "ok"
+            s = state["s"]
+            if cmd == "sadd":
+                mode = ("block", "latest", "ahead")[int(args[1])]
+                s.add(int(args[0]), mode, int(args[2]), int(args[3]))
+                return "ok"
+            if cmd == "spub":
+                slot, seq, on, n = map(int, args)
+                payload = bytes((seq + i) & 0xFF for i in range(n))
+                return "ok" + _left(s.publish(slot, seq, on == 1, payload))
+            if cmd == "stake":
+                return "ok" + _left(s.take(int(args[0]), int(args[1])))
+            if cmd == "sdrop":
+                why = line.split(maxsplit=3)[3]
+                return "ok" + _left(s.drop(int(args[0]), why, args[1] == "1"))
+            if cmd == "sretry":
+                return "ok" + _left(s.retry_notices())
+            if cmd == "sexpire":
+                return "ok" + _left(s.expire())
+            if cmd == "sstate":
+                return f"ok {s.count} {s.noticing} {s.evictions}"
+            if cmd == "sclose":
+                return f"ok {int(s.close(int(args[0]) / 1000))}"
+            if cmd == "state":
+                return _py_state(core)
+        except (IpcPoolError, ValueError) as exc:
+            return f"err {_LEASE_ERRORS[type(exc).__name__]} {exc}"
+        raise AssertionError(line)
+
+    return do
+
+
+def _session_script(start: Callable[[tuple[int, ...]], Callable[[str], str]]) -> list[str]:
+    """One scripted session: four subscribers (block, latest, block, block); a full socket
+    past send_timeout, a BYE, a drop, a lease past lease_timeout, the close.  ``start(fds)``
+    gives the way in, told the publisher's ends first; it owns them from then on."""
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(5)]
+    theirs = {i: pairs[i - 1][1] for i in range(1, 6)}
+    fds = tuple(pairs[i][0].detach() for i in range(5))
+    third = socket.socket(fileno=os.dup(fds[2]))  # to fill its queue
+    try:
+        do = start(fds)
+        answers = [do("new 4 -1 -1"), do("snew 0.2 0.02")]
+        for i, mode in ((1, 0), (2, 1), (3, 0), (4, 0)):
+            answers.append(do(f"sadd {i} {mode} 2 {fds[i - 1]}"))
+        answers.append(do(f"sadd 1 0 2 {fds[4]}"))  # there already: its fd is closed
+        assert theirs[5].recv(16) == b""
+        answers.append(do("spub 0 0 1 16"))
+        for i in (1, 2, 3, 4):
+            assert proto.decode(theirs[i].recv(64)).seq == 0  # type: ignore[union-attr]
+        third.setblocking(False)  # its queue full: past send_timeout
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                third.send(b"x" * 4096)
+        third.close()
+        answers.append(do("spub 1 1 1 3"))
+        theirs[1].send(proto.encode_release(0, 0))
+        theirs[1].send(proto.encode_release(1, 1))
+        theirs[2].send(proto.encode_bye())
+        answers += [do("stake 1000000 8"), do("stake 0 8")]
+        answers += [do("sdrop 4 0 the test let it go"), do("sdrop 4 0 twice"), do("sstate")]
+        answers.append(do("spub 2 2 1 0"))  # subscriber 1 holds it past lease_timeout
+        answers.append(do("sexpire"))  # not yet
+        time.sleep(0.25)
+        answers += [do("sexpire"), do("sretry"), do("sstate"), do("state")]
+        got = {i: [] for i in (1, 3, 4)}
+        for i in got:
+            with contextlib.suppress(BlockingIOError):
+                while data := theirs[i].recv(1 << 17, socket.MSG_DONTWAIT):
+                    if data[:1] != b"x":
+                        got[i].append(type(proto.decode(data)).__name__)
+        # after frame 0, read above: 1 got frames 1 and 2, then its notice; 3 its notice
+        # only (frame 1 never fit); 4 frame 1, then nothing (dropped without notice)
+        assert got == {1: ["Frame", "Frame", "Refuse"], 3: ["Refuse"], 4: ["Frame"]}, got
+        answers.append(do("sclose 0"))
+        return answers
+    finally:
+        third.close()
+        for _ours, t in pairs:
+            t.close()
+
+
+def test_the_publishers_session_answers_alike_both_ways_in(leases_exe: Path) -> None:
+    probes: list[Probe] = []
+
+    def with_probe(fds: tuple[int, ...]) -> Callable[[str], str]:
+        probes.append(Probe(leases_exe, pass_fds=fds))  # the same numbers in the probe
+        for fd in fds:
+            os.close(fd)  # the probe's from here on
+        return probes[0]
+
+    try:
+        via_probe = _session_script(with_probe)
+    finally:
+        for probe in probes:
+            probe.close()
+    via_binding = _session_script(lambda _fds: _binding_session())
+    assert via_probe == via_binding
+    assert via_probe[:6] == ["ok"] * 6
+    assert via_probe[6].startswith("err 1 subscriber 1 is already registered")
+    assert via_probe[7] == "ok"
+    assert via_probe[8] == "ok 3/evicted: its socket stayed full for 0.02 s;"
+    assert via_probe[9:11] == ["ok 2/said BYE;", "ok"]
+    assert via_probe[11:14] == ["ok 4/the test let it go;", "ok", "ok 1 0 1"]
+    assert via_probe[14:16] == ["ok", "ok"]
+    assert via_probe[16] == "ok 1/evicted: held frame 2 for more than lease_timeout=0.2 s;"
+    assert via_probe[17:19] == ["ok", "ok 0 0 2"]
+    assert via_probe[19] == "ok 0 9 0 []/0/[] []/0/[] []/0/[] []/0/[]"  # 4 + 4 + 1 leases ended
+    assert via_probe[20] == "ok 1"

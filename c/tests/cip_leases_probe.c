@@ -26,6 +26,17 @@
  *                                        bytes, byte i is (SEQ + i) mod 256)
  *   wtake TIMEOUT_US LIMIT            -> ok TAKEN [ID/ERRNO/WHY;]... | err ...
  *   wwithin ID SEQ SLOT LEN TIMEOUT_MS -> ok ERRNO  (the payload as wsend's)
+ *
+ * and the publisher's session over the book (c/src/pub_session.c), which owns the fds:
+ *
+ *   snew LEASE_TIMEOUT SEND_TIMEOUT   -> ok | err ...               (seconds; 0: no limit)
+ *   sadd ID MODE CREDIT FD            -> ok | err ...
+ *   spub SLOT SEQ ON_SCHEDULE LEN     -> ok [ID/WHY;]... | err ...  (those that left)
+ *   stake TIMEOUT_US LIMIT            -> ok [ID/WHY;]... | err ...
+ *   sdrop ID NOTIFY WHY               -> ok [ID/WHY;]...
+ *   sretry / sexpire                  -> ok [ID/WHY;]... | err ...
+ *   sstate                            -> ok COUNT NOTICING EVICTIONS
+ *   sclose LINGER_MS                  -> ok ALL_GONE
  *   quit
  */
 #include "../src/cip_internal.h"
@@ -36,7 +47,18 @@
 
 static struct cipi_leasebook book;
 static struct cipi_pubwire wire;
-static int made;
+static struct cipi_pubsession session;
+static int made, session_made;
+
+/* those that left since the last answer, then the end of the line */
+static void
+print_left(void)
+{
+    for (uint32_t i = 0; i < session.nleft; i++)
+        printf(" %u/%s;", session.left[i].sub_id, session.left[i].why);
+    session.nleft = 0;
+    printf("\n");
+}
 
 static void
 print_events(void)
@@ -84,6 +106,17 @@ print_sorted(const struct cipi_ids *s)
     printf("]");
 }
 
+static int
+is_session_command(const char *cmd)
+{
+    static const char *const names[] = {"sadd",   "spub",    "stake",  "sdrop",
+                                        "sretry", "sexpire", "sstate", "sclose"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (!strcmp(cmd, names[i]))
+            return 1;
+    return 0;
+}
+
 static void
 answer(cip_status st)
 {
@@ -104,12 +137,15 @@ main(void)
             continue;
         const char *rest = line + used;
         long long a = 0, b = 0, c = 0, d = 0, ms = 0;
-        double now = 0.0;
+        double now = 0.0, secs = 0.0;
         int out = 0;
         cip_status st;
         if (!strcmp(cmd, "quit")) {
             break;
         } else if (!strcmp(cmd, "new") && sscanf(rest, "%lld %lld %lld", &a, &b, &c) == 3) {
+            if (session_made) /* it reads and writes the book */
+                cipi_pubsession_free(&session);
+            session_made = 0;
             if (made)
                 cipi_leases_free(&book);
             st = cipi_leases_init(&book, (uint32_t)a, b, c);
@@ -232,6 +268,64 @@ main(void)
             printf("ok %d\n", cipi_pubwire_send_within(&wire, (uint32_t)a, (uint64_t)b, (uint32_t)c,
                                                         payload, (size_t)d, ms * 1000000LL));
             free(payload);
+        } else if (!strcmp(cmd, "snew") && sscanf(rest, "%lf %lf", &now, &secs) == 2) {
+            if (session_made)
+                cipi_pubsession_free(&session);
+            st = cipi_pubsession_init(&session, &book, now, secs);
+            session_made = st == CIP_OK;
+            if (st == CIP_OK)
+                printf("ok\n");
+            answer(st);
+        } else if (!session_made && is_session_command(cmd)) {
+            printf("err -1 no session\n");
+        } else if (!strcmp(cmd, "sadd") &&
+                   sscanf(rest, "%lld %lld %lld %lld", &a, &b, &c, &d) == 4) {
+            st = cipi_pubsession_add(&session, (uint32_t)a, (int)b, c, (int)d);
+            if (st == CIP_OK)
+                printf("ok\n");
+            answer(st);
+        } else if (!strcmp(cmd, "spub") &&
+                   sscanf(rest, "%lld %lld %lld %lld", &a, &b, &d, &c) == 4) {
+            uint8_t *payload = (uint8_t *)malloc(c > 0 ? (size_t)c : 1);
+            for (long long i = 0; i < c; i++)
+                payload[i] = (uint8_t)((b + i) & 0xFF);
+            st = cipi_leases_check_slot(&book, a);
+            if (st == CIP_OK)
+                st = cipi_pubsession_publish(&session, (uint32_t)a, (uint64_t)b, (int)d, payload,
+                                             (size_t)c, NULL);
+            if (st == CIP_OK) {
+                printf("ok");
+                print_left();
+            }
+            answer(st);
+            free(payload);
+        } else if (!strcmp(cmd, "stake") && sscanf(rest, "%lld %lld", &a, &b) == 2) {
+            st = cipi_pubsession_take(&session, a < 0 ? -1 : a * 1000, (long)b, NULL);
+            if (st == CIP_OK) {
+                printf("ok");
+                print_left();
+            }
+            answer(st);
+        } else if (!strcmp(cmd, "sdrop") && sscanf(rest, "%lld %lld %n", &a, &b, &used) == 2) {
+            cipi_pubsession_drop(&session, (uint32_t)a, rest + used, (int)b);
+            printf("ok");
+            print_left();
+        } else if (!strcmp(cmd, "sretry")) {
+            cipi_pubsession_retry_notices(&session);
+            printf("ok");
+            print_left();
+        } else if (!strcmp(cmd, "sexpire")) {
+            st = cipi_pubsession_expire(&session);
+            if (st == CIP_OK) {
+                printf("ok");
+                print_left();
+            }
+            answer(st);
+        } else if (!strcmp(cmd, "sstate")) {
+            printf("ok %u %u %llu\n", session.wire.n, session.nnotices,
+                   (unsigned long long)session.evictions);
+        } else if (!strcmp(cmd, "sclose") && sscanf(rest, "%lld", &ms) == 1) {
+            printf("ok %d\n", cipi_pubsession_close(&session, ms * 1000000LL, NULL));
         } else if (!strcmp(cmd, "state")) {
             printf("ok %llu %llu %u", (unsigned long long)book.releases_due,
                    (unsigned long long)book.ended, book.latest_slots);
@@ -246,6 +340,8 @@ main(void)
             printf("err -1 unknown command: %s\n", line);
         }
     }
+    if (session_made)
+        cipi_pubsession_free(&session);
     if (made)
         cipi_leases_free(&book);
     cipi_pubwire_free(&wire);
