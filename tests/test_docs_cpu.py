@@ -54,7 +54,7 @@ FIGURES_UNCHECKED = {
 #: Numbers that look like measurements but are not: (page, text around them, why).
 NOT_MEASUREMENTS: list[tuple[str, str, str]] = [
     ("docs/allocator.md", "5 ms, rather than being woken", "a polling interval of the code"),
-    ("docs/protocol.md", "at most 50 ms while one is pending", "a wait bound of the code"),
+    ("docs/protocol.md", "every 50 ms at most", "a wait bound of the code"),
     ("docs/protocol.md", "at most every 10 ms", "a polling interval of the code"),
 ]
 
