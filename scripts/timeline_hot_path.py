@@ -100,28 +100,29 @@ def _wrap(module: Any, name: str, before: list[int] | None, after: list[int] | N
     setattr(module, name, stamped)
 
 
-class _StampedWire:
-    """The publisher's wire (``PublisherWire``), its ``send`` stamping ``before``/``after``
-    and its ``take`` ``back`` (one slot each: the last call's); the rest passed through."""
+class _StampedSession:
+    """The publisher's session (``PublisherSession``), its ``publish`` stamping
+    ``before``/``after`` and its ``take`` ``back`` (one slot each: the last call's); the
+    rest passed through."""
 
-    def __init__(self, wire: Any, before: list[int], after: list[int], back: list[int]) -> None:
-        self._wire, self._before, self._after, self._back = wire, before, after, back
+    def __init__(self, session: Any, before: list[int], after: list[int], back: list[int]) -> None:
+        self._session, self._before, self._after, self._back = session, before, after, back
 
-    def send(self, *args: Any) -> Any:
+    def publish(self, *args: Any) -> Any:
         self._before[0] = CLOCK()
         try:
-            return self._wire.send(*args)
+            return self._session.publish(*args)
         finally:
             self._after[0] = CLOCK()
 
     def take(self, *args: Any) -> Any:
         try:
-            return self._wire.take(*args)
+            return self._session.take(*args)
         finally:
             self._back[0] = CLOCK()
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._wire, name)
+        return getattr(self._session, name)
 
 
 class _Inner:
@@ -276,7 +277,7 @@ def _channel_round(
     ):
         pub._leases._order_all = _counting(pub._leases._order_all, waits)
         core = pub._core
-        core._wire = _StampedWire(core._wire, send0, send1, back)
+        core._session = _StampedSession(core._session, send0, send1, back)
         timers = _Inner()
         if inner:
             _inner_producer(timers, pub)

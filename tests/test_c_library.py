@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
 import importlib.util
 import os
 import random
@@ -2054,134 +2053,10 @@ def test_random_lease_book_operations_answer_alike_both_ways_in(
         probe.close()
 
 
-# ---------------------------------------------------------------- the publisher's wire
-# c/src/pub_wire.c through both ways in (the Python publisher's _engine.PublisherWire and
-# the probe's wadd/wsend/wtake), each on socket pairs of its own: the same scripted
-# session gives the same answers, and the sanitizer lane runs the wire's code under
-# AddressSanitizer and UndefinedBehaviorSanitizer.  Its rules: tests/test_pub_wire_cpu.py.
-
-
-def _wire_events(got: list[tuple[int, int, str]] | None) -> str:
-    return "".join(f" {i}/{err}/{why};" for i, err, why in got or [])
-
-
-def _binding_wire() -> Callable[[str], str]:
-    """The probe's wire commands, answered by the binding (LeaseCore + PublisherWire)."""
-    state: dict[str, Any] = {}
-
-    def do(line: str) -> str:
-        cmd, *args = line.split()
-        try:
-            if cmd == "new":
-                state["core"] = _engine.LeaseCore(int(args[0]))
-                state["wire"] = _engine.PublisherWire(state["core"])
-                return "ok"
-            core, wire = state["core"], state["wire"]
-            if cmd == "add":
-                mode = ("block", "latest", "ahead")[int(args[1])]
-                return f"ok {core.add_subscriber(int(args[0]), mode, int(args[2]))}"
-            if cmd == "wadd":
-                wire.add(int(args[0]), int(args[1]))
-                return "ok"
-            if cmd == "wremove":
-                return f"ok {int(wire.remove(int(args[0])))}"
-            if cmd == "wsend":
-                slot, seq, now, on, n = int(args[0]), int(args[1]), float(args[2]), args[3], args[4]
-                payload = bytes((seq + i) & 0xFF for i in range(int(n)))
-                return "ok" + _wire_events(wire.send(slot, seq, now, on == "1", payload))
-            if cmd == "wtake":
-                before = core.ended
-                got = wire.take(int(args[0]), int(args[1]))
-                return f"ok {core.ended - before}" + _wire_events(got)
-            if cmd == "wwithin":
-                sub, seq, slot, n, ms = map(int, args)
-                payload = bytes((seq + i) & 0xFF for i in range(n))
-                return f"ok {wire.send_within(sub, seq, slot, payload, ms / 1000)}"
-            if cmd == "state":
-                return _py_state(core)
-        except (IpcPoolError, ValueError) as exc:
-            return f"err {_LEASE_ERRORS[type(exc).__name__]} {exc}"
-        raise AssertionError(line)
-
-    return do
-
-
-def _wire_session(start: Callable[[tuple[int, ...]], Callable[[str], str]]) -> list[str]:
-    """One scripted session of a publisher with three subscribers (block, latest, block):
-    ``start(fds)`` gives the way in, told the publisher's ends of the sockets first."""
-    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(3)]
-    ours = {i: pairs[i - 1][0] for i in (1, 2, 3)}
-    theirs = {i: pairs[i - 1][1] for i in (1, 2, 3)}
-    try:
-        do = start(tuple(s.fileno() for s in ours.values()))
-        answers = [do("new 4 -1 -1")]
-        for i, mode in ((1, 0), (2, 1), (3, 0)):
-            answers += [do(f"add {i} {mode} 2"), do(f"wadd {i} {ours[i].fileno()}")]
-        answers.append(do(f"wadd 1 {ours[2].fileno()}"))  # there already
-        answers.append(do(f"wsend 0 0 0.5 1 {proto.MAX_FRAME_PAYLOAD}"))
-        answers.append(do(f"wsend 0 1 0.5 1 {proto.MAX_FRAME_PAYLOAD + 1}"))
-        answers.append(do("wsend 4 1 0.5 1 0"))
-        payload = bytes(i & 0xFF for i in range(proto.MAX_FRAME_PAYLOAD))
-        for i in (1, 2, 3):
-            assert theirs[i].recv(1 << 17) == proto.encode_frame(0, 0, payload)
-        for i in (2, 3):  # their queues full: "latest" skips the frame, "block" is reported
-            ours[i].setblocking(False)
-            with contextlib.suppress(BlockingIOError):
-                while True:
-                    ours[i].send(b"x" * 4096)
-        answers.append(do("wsend 1 1 1.5 1 3"))
-        assert theirs[1].recv(64) == proto.encode_frame(1, 1, bytes([1, 2, 3]))
-        answers.append(do("wwithin 3 1 1 3 20"))  # still full: the stall runs out
-        answers.append(do("wtake 0 8"))
-        theirs[1].send(proto.encode_release(0, 0))
-        theirs[1].send(proto.encode_release(1, 1))
-        theirs[1].send(proto.encode_bye())
-        theirs[1].send(proto.encode_release(9, 9))  # after the BYE: not read
-        theirs[2].send(b"GET / HTTP/1.0")
-        theirs[3].send(proto.encode_release(0, 0) + b"+")
-        answers.append(do("wtake 1000000 8"))
-        answers += [do("wremove 3"), do("wremove 3"), do("state")]
-        return answers
-    finally:
-        for a, b in pairs:
-            a.close()
-            b.close()
-
-
-def test_the_publishers_wire_answers_alike_both_ways_in(leases_exe: Path) -> None:
-    probes: list[Probe] = []
-
-    def with_probe(fds: tuple[int, ...]) -> Callable[[str], str]:
-        probes.append(Probe(leases_exe, pass_fds=fds))  # the same numbers in the probe
-        return probes[0]
-
-    try:
-        via_probe = _wire_session(with_probe)
-    finally:
-        for probe in probes:
-            probe.close()
-    via_binding = _wire_session(lambda _fds: _binding_wire())
-    assert via_probe == via_binding
-    eagain = errno.EAGAIN
-    assert via_probe[7].startswith("err 1 subscriber 1 (fd ")  # on the wire already
-    assert via_probe[8] == "ok"
-    assert via_probe[9].startswith("err 1 frame payload is 65537 bytes")
-    assert via_probe[10].startswith("err 101 ")  # a slot outside the ring
-    assert via_probe[11] == f"ok 3/{eagain}/its socket is full;"
-    assert via_probe[12] == f"ok {errno.ETIMEDOUT}"
-    assert via_probe[13] == "ok 0"
-    assert via_probe[14] == (
-        "ok 2 1/0/said BYE; 2/0/protocol error: bad magic 0x4547 (expected 0x4950): the peer "
-        "does not speak the cupy_ipcpool channel protocol; 3/0/protocol error: RELEASE must be "
-        "16 bytes, got 17;"
-    )
-    assert via_probe[15:17] == ["ok 1", "ok 0"]
-
-
 # ---------------------------------------------------------------- the publisher's session
-# c/src/pub_session.c through both ways in (the Python publisher's
-# _engine.PublisherSession and the probe's sadd/spub/stake/...), each on socket pairs of
-# its own: the same scripted session gives the same answers, and the sanitizer lane runs
+# c/src/pub_session.c, and the wire under it (c/src/pub_wire.c), through both ways in (the
+# Python publisher's _engine.PublisherSession and the probe's sadd/spub/...), each on socket
+# pairs of its own: the same scripted session gives the same answers, and the sanitizer lane runs
 # the session's code (departures, eviction, the notice, close) under AddressSanitizer and
 # UndefinedBehaviorSanitizer.  Its rules: tests/test_pub_session_cpu.py.
 

@@ -11,6 +11,7 @@ drives the same session with real subscriber processes.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -20,8 +21,12 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from _gil import assert_gil_released
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from cupy_ipcpool._errors import UsageError
+from cupy_ipcpool._engine import LeaseCore, PublisherSession
+from cupy_ipcpool._errors import LeaseStateError, SlotIndexError, UsageError
 from cupy_ipcpool.channel import _protocol as proto
 from cupy_ipcpool.channel._leases import LeaseBook
 
@@ -74,10 +79,14 @@ class Subs:
 
 
 @pytest.fixture
-def subs() -> Iterator[Subs]:
-    made = Subs(["block", "block"])
+def subs(request: pytest.FixtureRequest) -> Iterator[Subs]:
+    made = Subs(getattr(request, "param", ["block", "block"]))
     yield made
     made.close()
+
+
+def _recv(sock: socket.socket) -> bytes:
+    return sock.recv(proto.MAX_FRAME_SIZE + 1, socket.MSG_DONTWAIT)
 
 
 def _decoded(datagrams: list[bytes]) -> list[object]:
@@ -93,6 +102,249 @@ def test_publish_sends_the_frame_and_a_release_comes_back_into_the_book(subs: Su
     assert subs.session.take(1_000_000, 1 << 30) is None
     assert subs.book.lease_count(1) == 0
     assert subs.session.ids() == [1, 2] and subs.session.evictions == 0
+
+
+@pytest.mark.parametrize("payload", [b"", b"handles and metadata", bytes(proto.MAX_FRAME_PAYLOAD)])
+def test_publish_gives_the_frame_to_every_receiver_and_leases_it(
+    subs: Subs, payload: bytes
+) -> None:
+    """Every FRAME is byte for byte the Python reference encoder's."""
+    assert subs.session.publish(2, 2**64 - 2, True, payload) is None
+    for sub_id in subs.theirs:
+        assert _recv(subs.theirs[sub_id]) == proto.encode_frame(2**64 - 2, 2, payload)
+    assert subs.book.leases(2) == [(1, 2**64 - 2), (2, 2**64 - 2)]
+    assert subs.book.last_published == (2**64 - 2, 2)
+
+
+@pytest.mark.parametrize("subs", [["block", "latest", "block"]], indirect=True)
+def test_publish_reaches_only_those_the_book_names(subs: Subs) -> None:
+    """A "latest" subscriber holding its credit (2) gets no third frame."""
+    for seq in range(3):
+        assert subs.session.publish(seq, seq, True, b"") is None
+    for sub_id, seqs in ((1, [0, 1, 2]), (2, [0, 1]), (3, [0, 1, 2])):
+        assert [proto.decode(_recv(subs.theirs[sub_id])).seq for _ in seqs] == seqs  # type: ignore[union-attr]
+        with pytest.raises(BlockingIOError):
+            _recv(subs.theirs[sub_id])
+
+
+@pytest.mark.parametrize("subs", [["latest", "block", "block"]], indirect=True)
+def test_a_full_latest_socket_skips_the_frame_and_a_closed_peer_is_dropped(subs: Subs) -> None:
+    """A "latest" subscriber's full socket cancels its lease (it stays); a peer that
+    closed is dropped with the send's errno; the rest still get the frame."""
+    subs.fill(1)
+    subs.theirs[2].close()
+    left = subs.session.publish(0, 7, True, b"p")
+    assert left is not None and [sub_id for sub_id, _why in left] == [2]
+    assert left[0][1] in (f"send failed: {os.strerror(e)}" for e in (errno.EPIPE, errno.ECONNRESET))
+    assert subs.book.held_by(1) == {} and subs.session.ids() == [1, 3]
+    assert subs.book.leases(0) == [(3, 7)]
+    assert _recv(subs.theirs[3]) == proto.encode_frame(7, 0, b"p")
+
+
+def test_a_full_socket_that_drains_in_time_gets_its_frame(subs: Subs) -> None:
+    """publish waits for room (up to send_timeout); once the subscriber reads, the frame
+    goes and nobody leaves."""
+    subs.fill(1)
+
+    def drain() -> None:
+        time.sleep(0.05)
+        while True:
+            try:
+                subs.theirs[1].recv(1 << 17, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+
+    t = threading.Thread(target=drain)
+    t.start()
+    try:
+        assert subs.session.publish(1, 6, True, b"m") is None
+    finally:
+        t.join()
+    assert _recv(subs.theirs[1]) == proto.encode_frame(6, 1, b"m")
+    assert subs.session.ids() == [1, 2] and subs.session.evictions == 0
+
+
+def test_publish_refuses_bad_arguments_and_leases_nothing(subs: Subs) -> None:
+    with pytest.raises(UsageError, match="frame payload is 65537 bytes, more than the limit"):
+        subs.session.publish(0, 1, True, bytes(proto.MAX_FRAME_PAYLOAD + 1))
+    with pytest.raises(TypeError):
+        subs.session.publish(0, 1, True, bytearray(3))
+    with pytest.raises(SlotIndexError):
+        subs.session.publish(SLOTS, 1, True, b"")
+    with pytest.raises(OverflowError):
+        subs.session.publish(0, -1, True, b"")
+    assert subs.book.leases(0) == [] and subs.book.last_published is None
+    assert subs.session.publish(0, 1, True, b"") is None
+    with pytest.raises(LeaseStateError):  # the slot still has leases
+        subs.session.publish(0, 2, True, b"")
+    for sub_id in subs.theirs:
+        assert _recv(subs.theirs[sub_id]) == proto.encode_frame(1, 0)
+        with pytest.raises(BlockingIOError):
+            _recv(subs.theirs[sub_id])
+
+
+def test_the_session_refuses_bad_arguments(subs: Subs) -> None:
+    with pytest.raises(ValueError):
+        subs.session.add(8, "block", 1, -1)
+    with pytest.raises(OverflowError):
+        subs.session.add(2**32, "block", 1, os.dup(0))
+    with pytest.raises(TypeError, match="LeaseCore"):
+        PublisherSession(object(), None, 1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="send_timeout"):
+        PublisherSession(LeaseCore(2), None, -1.0)
+    with pytest.raises(ValueError, match="lease_timeout"):
+        PublisherSession(LeaseCore(2), float("nan"), 1.0)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        PublisherSession.__new__(PublisherSession).publish(0, 0, True, b"")
+    assert PublisherSession(LeaseCore(2), None, 1.0).count == 0
+    with pytest.raises(ValueError):
+        subs.session.take(-2, 1)
+    with pytest.raises(ValueError):
+        subs.session.take(0, 0)
+
+
+# -- take -----------------------------------------------------------------------------------
+
+
+def test_take_times_out_with_none(subs: Subs) -> None:
+    """``timeout_us`` is microseconds: a wait shorter than a millisecond is not rounded
+    up to one (a producer looks at the read flags between steps of tens of them)."""
+    start = time.monotonic()
+    assert subs.session.take(50_000, 1) is None
+    assert time.monotonic() - start >= 0.045
+    assert subs.session.take(0, 1) is None
+    assert PublisherSession(LeaseCore(2), None, 1.0).take(0, 1) is None
+    short = []
+    for _ in range(20):
+        start = time.perf_counter()
+        assert subs.session.take(50, 1) is None
+        short.append(time.perf_counter() - start)
+    assert min(short) >= 50e-6
+    assert min(short) < 0.9e-3, f"a 50 us wait took {min(short) * 1e6:.0f} us at best"
+
+
+def test_take_puts_limit_releases_per_ready_socket_into_the_book(subs: Subs) -> None:
+    for seq in range(2):
+        subs.session.publish(seq, seq, True, b"")
+    for seq in range(2):
+        subs.theirs[1].send(proto.encode_release(seq, seq))
+    subs.theirs[2].send(proto.encode_release(1, 1))
+    assert subs.session.take(1_000_000, 1) is None
+    assert subs.book.held_by(1) == {1: 1} and subs.book.held_by(2) == {0: 0}
+    assert subs.book.ended == 2
+    assert subs.session.take(0, 1 << 30) is None
+    assert subs.book.held_by(1) == {} and subs.book.ended == 3
+
+
+@pytest.mark.parametrize("timeout_us", [-1, 2**62])
+def test_take_wakes_on_a_release_sent_during_the_wait(subs: Subs, timeout_us: int) -> None:
+    """Without limit, or longer than the clock can add: a real wait, woken by the RELEASE."""
+    subs.session.publish(3, 9, True, b"")
+
+    def later() -> None:
+        time.sleep(0.05)
+        subs.theirs[2].send(proto.encode_release(9, 3))
+
+    t = threading.Thread(target=later)
+    t.start()
+    try:
+        assert subs.session.take(timeout_us, 1) is None
+    finally:
+        t.join()
+    assert [s for s, _seq in subs.book.leases(3)] == [1]
+
+
+@pytest.mark.parametrize("subs", [["block"] * 6], indirect=True)
+def test_take_drops_a_subscriber_at_anything_but_a_release(subs: Subs) -> None:
+    """A BYE, a hang-up, a message a subscriber may not send, bytes that are not the
+    protocol's, a RELEASE the book cannot explain: each ends that subscriber, with its
+    reason (what it sent after is not read); the others are read on."""
+    subs.session.publish(0, 1, True, b"")
+    for sub_id in subs.theirs:
+        _recv(subs.theirs[sub_id])  # a FRAME left unread would make a hang-up a reset
+    subs.theirs[1].send(proto.encode_release(1, 0))
+    subs.theirs[1].send(proto.encode_bye())
+    subs.theirs[1].send(proto.encode_release(2, 0))  # after the BYE: not read
+    subs.theirs[2].send(proto.encode_release(1, 0) + b"x")  # not a RELEASE: one byte more
+    subs.theirs[3].close()
+    subs.theirs[4].send(proto.encode_hello(proto.MODE_BLOCK, 1, 1, b"long" * 10))
+    subs.theirs[5].send(b"GET / HTTP/1.0\r\n")
+    subs.theirs[6].send(proto.encode_release(1, 0))
+    subs.theirs[6].send(proto.encode_release(1, 0))  # twice
+    left = subs.session.take(1_000_000, 1 << 30)
+    assert left is not None
+    why = dict(left)
+    assert [sub_id for sub_id, _t in left] == [1, 2, 3, 4, 5, 6]
+    assert why[1] == "said BYE"
+    assert why[2] == "protocol error: RELEASE must be 16 bytes, got 17"
+    assert why[3] == "disconnected"
+    assert why[4] == "protocol error: unexpected HELLO from a subscriber"
+    assert why[5].startswith("protocol error: bad magic")
+    assert why[6] == (
+        "protocol error: subscriber 6 released frame 1, which it does not hold "
+        "(never sent to it, or released already)"
+    )
+    assert subs.session.ids() == [] and subs.book.leases(0) == []
+    assert subs.book.ended == 6  # each lease ended once: 2 by RELEASE, 4 by departure
+
+
+def test_take_reports_a_failed_receive() -> None:
+    book = LeaseBook(2)
+    session = book.session(None, 1.0)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    session.add(1, "block", 1, a.detach())
+    try:
+        a2 = socket.socket(fileno=os.dup(session.fd(1)))
+        a2.send(b"x")
+        a2.close()
+        b.close()
+        assert session.take(1_000_000, 1) == [
+            (1, f"receive failed: {os.strerror(errno.ECONNRESET)}")
+        ]
+    finally:
+        session.close(0.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.one_of(
+        st.binary(min_size=1, max_size=40),
+        st.builds(proto.encode_release, st.integers(0, 3), st.integers(0, SLOTS)),
+        st.builds(proto.encode_frame, st.integers(0, 9), st.integers(0, 9), st.binary(max_size=9)),
+    )
+)
+def test_take_counts_exactly_the_releases_the_book_explains(data: bytes) -> None:
+    """Subscriber 1 holds frame 2 in slot 2: a datagram is taken into the book exactly when
+    it is that RELEASE, byte for byte; anything else ends the subscriber."""
+    made = Subs(["block"])
+    try:
+        made.session.publish(2, 2, True, b"")
+        _recv(made.theirs[1])
+        made.theirs[1].send(data)
+        left = made.session.take(1_000_000, 1)
+        if data == proto.encode_release(2, 2):
+            assert left is None and made.book.held_by(1) == {} and made.session.ids() == [1]
+        else:
+            assert left is not None and [sub_id for sub_id, _t in left] == [1]
+            assert made.session.ids() == []
+    finally:
+        made.close()
+
+
+def test_take_lets_other_threads_run_but_not_use_the_session(subs: Subs) -> None:
+    subs.session.publish(2, 9, True, b"")
+    refused: list[BaseException] = []
+
+    def wake() -> None:
+        try:
+            subs.session.ids()
+        except RuntimeError as exc:
+            refused.append(exc)
+        subs.theirs[1].send(proto.encode_release(9, 2))
+
+    got = assert_gil_released(lambda: subs.session.take(30_000_000, 1), ("poll", "ppoll"), wake)
+    assert got is None and subs.book.held_by(1) == {}
+    assert len(refused) == 1 and "waiting on another thread" in str(refused[0])
 
 
 def test_a_bye_or_a_hangup_ends_its_subscriber_and_gives_its_leases_back(subs: Subs) -> None:

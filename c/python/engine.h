@@ -11,7 +11,7 @@ typedef struct {
     PyObject *usage_error;    /* cupy_ipcpool._errors.UsageError */
     PyObject *transport_error; /* cupy_ipcpool._errors.TransportError */
     PyObject *errors;          /* cupy_ipcpool._errors, for the handshake's failures */
-    PyObject *lease_core;      /* the LeaseCore type, which PublisherWire works on */
+    PyObject *lease_core;      /* the LeaseCore type, which PublisherSession works on */
 } engine_state;
 
 /* engine.c: add the type of `spec`, bound to `module` (its state), as `name`; 0 or -1 */
@@ -36,9 +36,6 @@ int cipy_leasebook_exec(PyObject *module);
 /* leasebook.c: the lease book of the LeaseCore `obj`, or NULL with TypeError */
 struct cipi_leasebook;
 struct cipi_leasebook *cipy_leasebook_of(engine_state *es, PyObject *obj);
-
-/* pubwire.c: the PublisherWire type (the publisher's FRAMEs and its subscribers' messages) */
-int cipy_pubwire_exec(PyObject *module);
 
 /* pubsession.c: the PublisherSession type (the publisher's adopted subscribers) */
 int cipy_pubsession_exec(PyObject *module);

@@ -4,7 +4,7 @@
  *
  * The subscriber's wait and receive of a FRAME with its header checked
  * (recv_frame), its release: hang-up check, read-flag write, RELEASE
- * (release_frame).  (The publisher's are its PublisherWire, pubwire.c.)  Each is
+ * (release_frame).  (The publisher's are its PublisherSession, pubsession.c.)  Each is
  * one call instead of several
  * Python layers (docs/install.md, "The compiled parts").  A message is
  * recognised by the engine's decoder (cipi_decode, c/src/message.c), the one

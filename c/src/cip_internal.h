@@ -536,7 +536,7 @@ CIP_INTERNAL void cipi_leases_overdue(const struct cipi_leasebook *b, double now
 CIP_INTERNAL int cipi_leases_next_expiry(const struct cipi_leasebook *b, double timeout,
                                          double *at);
 
-/* pub_wire.c: the publisher's per-frame wire (cupy_ipcpool._engine.PublisherWire) */
+/* pub_wire.c: the publisher's per-frame wire (under pub_session.c) */
 struct cipi_pubevent { /* a subscriber to drop, and why */
     uint32_t sub_id;
     int err;       /* the errno of a failed send or receive (EAGAIN: its socket is full), or 0 */
@@ -552,8 +552,6 @@ struct cipi_pubwire {
     uint32_t receivers_cap;
 };
 CIP_INTERNAL cip_status cipi_frame_payload_fits(size_t len);
-CIP_INTERNAL int cipi_send_frame(int fd, uint64_t seq, uint32_t slot, const void *payload,
-                                 size_t len);
 CIP_INTERNAL void cipi_pubwire_free(struct cipi_pubwire *w);
 CIP_INTERNAL int cipi_pubwire_fd(const struct cipi_pubwire *w, uint32_t sub_id);
 CIP_INTERNAL cip_status cipi_pubwire_add(struct cipi_pubwire *w, uint32_t sub_id, int fd);

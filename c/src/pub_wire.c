@@ -53,15 +53,6 @@ cipi_frame_payload_fits(size_t len)
     return CIP_OK;
 }
 
-/* One FRAME on `fd` without waiting: 0 sent, else the errno (frame_send). */
-int
-cipi_send_frame(int fd, uint64_t seq, uint32_t slot, const void *payload, size_t len)
-{
-    struct frame_msg f;
-    frame_msg(&f, seq, slot, payload, len);
-    return frame_send(fd, &f);
-}
-
 /* Send frame `seq` to subscriber `sub_id`, whose socket was full, waiting for room for up
  * to `timeout_ns`: 0 sent, ETIMEDOUT (its socket stayed full), EINTR (a signal came: the
  * caller looks at it and calls again with what is left), EBADF (not on the wire), or the

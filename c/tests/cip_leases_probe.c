@@ -18,16 +18,8 @@
  *   state                             -> ok DUE ENDED LATEST_SLOTS then per slot
  *                                        holders(sorted)/holds/readers(sorted)
  *
- * and the publisher's wire over the book (c/src/pub_wire.c), on fds the test passes in:
- *
- *   wadd ID FD                        -> ok | err ...
- *   wremove ID                        -> ok 1|0
- *   wsend SLOT SEQ NOW ON_SCHEDULE LEN -> ok [ID/ERRNO/WHY;]... | err ...  (payload: LEN
- *                                        bytes, byte i is (SEQ + i) mod 256)
- *   wtake TIMEOUT_US LIMIT            -> ok TAKEN [ID/ERRNO/WHY;]... | err ...
- *   wwithin ID SEQ SLOT LEN TIMEOUT_MS -> ok ERRNO  (the payload as wsend's)
- *
- * and the publisher's session over the book (c/src/pub_session.c), which owns the fds:
+ * and the publisher's session over the book (c/src/pub_session.c, over c/src/pub_wire.c),
+ * on fds the test passes in, which it owns:
  *
  *   snew LEASE_TIMEOUT SEND_TIMEOUT   -> ok | err ...               (seconds; 0: no limit)
  *   sadd ID MODE CREDIT FD            -> ok | err ...
@@ -46,7 +38,6 @@
 #include <string.h>
 
 static struct cipi_leasebook book;
-static struct cipi_pubwire wire;
 static struct cipi_pubsession session;
 static int made, session_made;
 
@@ -57,14 +48,6 @@ print_left(void)
     for (uint32_t i = 0; i < session.nleft; i++)
         printf(" %u/%s;", session.left[i].sub_id, session.left[i].why);
     session.nleft = 0;
-    printf("\n");
-}
-
-static void
-print_events(void)
-{
-    for (uint32_t i = 0; i < wire.nevents; i++)
-        printf(" %u/%d/%s;", wire.events[i].sub_id, wire.events[i].err, wire.events[i].why);
     printf("\n");
 }
 
@@ -226,48 +209,6 @@ main(void)
             if (st == CIP_OK)
                 printf("ok %u\n", ended);
             answer(st);
-        } else if (!strcmp(cmd, "wadd") && sscanf(rest, "%lld %lld", &a, &b) == 2) {
-            st = cipi_pubwire_add(&wire, (uint32_t)a, (int)b);
-            if (st == CIP_OK)
-                printf("ok\n");
-            answer(st);
-        } else if (!strcmp(cmd, "wremove") && sscanf(rest, "%lld", &a) == 1) {
-            printf("ok %d\n", cipi_pubwire_remove(&wire, (uint32_t)a));
-        } else if (!strcmp(cmd, "wsend") &&
-                   sscanf(rest, "%lld %lld %lf %lld %lld", &a, &b, &now, &d, &c) == 5) {
-            uint8_t *payload = (uint8_t *)malloc(c > 0 ? (size_t)c : 1);
-            for (long long i = 0; i < c; i++)
-                payload[i] = (uint8_t)((b + i) & 0xFF);
-            st = cipi_leases_check_slot(&book, a);
-            if (st == CIP_OK)
-                st = cipi_pubwire_send(&wire, &book, (uint32_t)a, (uint64_t)b, now, (int)d, payload,
-                                       (size_t)c);
-            if (st == CIP_OK) {
-                printf("ok");
-                print_events();
-            }
-            answer(st);
-            free(payload);
-        } else if (!strcmp(cmd, "wtake") && sscanf(rest, "%lld %lld", &a, &b) == 2) {
-            int ready = cipi_pubwire_poll(&wire, a < 0 ? -1 : a * 1000);
-            uint32_t taken = 0;
-            st = CIP_OK;
-            wire.nevents = 0;
-            if (ready > 0)
-                st = cipi_pubwire_take(&wire, &book, (long)b, &taken);
-            if (st == CIP_OK) {
-                printf("ok %u", taken);
-                print_events();
-            }
-            answer(st);
-        } else if (!strcmp(cmd, "wwithin") &&
-                   sscanf(rest, "%lld %lld %lld %lld %lld", &a, &b, &c, &d, &ms) == 5) {
-            uint8_t *payload = (uint8_t *)malloc(d > 0 ? (size_t)d : 1);
-            for (long long i = 0; i < d; i++)
-                payload[i] = (uint8_t)((b + i) & 0xFF);
-            printf("ok %d\n", cipi_pubwire_send_within(&wire, (uint32_t)a, (uint64_t)b, (uint32_t)c,
-                                                        payload, (size_t)d, ms * 1000000LL));
-            free(payload);
         } else if (!strcmp(cmd, "snew") && sscanf(rest, "%lf %lf", &now, &secs) == 2) {
             if (session_made)
                 cipi_pubsession_free(&session);
@@ -344,6 +285,5 @@ main(void)
         cipi_pubsession_free(&session);
     if (made)
         cipi_leases_free(&book);
-    cipi_pubwire_free(&wire);
     return 0;
 }

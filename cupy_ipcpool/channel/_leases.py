@@ -38,7 +38,7 @@ from .._slots import first_free_slot
 from ._protocol import ENGINE_PROTOCOL
 
 if TYPE_CHECKING:  # the engine is loaded at the first book (_engine below)
-    from .._engine import LeaseCore, PublisherSession, PublisherWire
+    from .._engine import LeaseCore, PublisherSession
 
 #: The engine: every rule of the book is c/src/leases.c's (``LeaseCore``); this module
 #: documents them and keeps the Python API.
@@ -393,18 +393,6 @@ class LeaseBook:
     def lease_count(self, slot: int) -> int:
         """Return how many subscribers lease ``slot`` (the cheap form of :meth:`leases`)."""
         return self._core.lease_count(slot)
-
-    def wire(self) -> PublisherWire:
-        """A new wire over this book: the publisher's FRAMEs and its subscribers' messages.
-
-        The engine's ``PublisherWire`` (``c/src/pub_wire.c``): ``send`` publishes a
-        frame (:meth:`publishing`) and sends it to every receiver on the wire, a
-        ``"latest"`` one whose socket is full skipping it (:meth:`cancel`);
-        ``take`` reads the subscribers' messages, each RELEASE into this book
-        (:meth:`release`).  Both return what ends a subscriber, for the owner to
-        drop it.  The owner serialises calls to the wire and the book alike.
-        """
-        return _engine().PublisherWire(self._core)
 
     def session(self, lease_timeout: float | None, send_timeout: float) -> PublisherSession:
         """A new publisher session over this book: the adopted subscribers' sockets.
