@@ -91,13 +91,34 @@ def test_bind_and_connect_refuse_a_path_too_long_and_leave_nothing(short_dir: st
     long = path_of(short_dir, MAX_SOCKET_PATH + 1)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         with pytest.raises(cip.UsageError) as raised:
-            bind_unix(s, long, 0o600)
+            bind_unix(s, long, 0o600, backlog=1)
         assert_says_limit_length_and_fix(raised.value, MAX_SOCKET_PATH + 1)
         # nothing bound next to it, nothing linked at it (a socket no one could reach)
         assert os.listdir(short_dir) == []
         with pytest.raises(cip.UsageError) as raised:
             connect_unix(s, long, time.monotonic() + 1.0)
         assert_says_limit_length_and_fix(raised.value, MAX_SOCKET_PATH + 1)
+
+
+def test_a_bound_path_appears_only_once_its_socket_listens(
+    short_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that waits for the path to appear (a relay's reader, a follower) finds it
+    accepting connections: the socket listens before it is linked into place."""
+    real_link = os.link
+    seen: list[int] = []
+
+    def link(src: str, dst: str) -> None:
+        seen.append(s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+        real_link(src, dst)
+
+    monkeypatch.setattr(os, "link", link)
+    address = os.path.join(short_dir, "s")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        bind_unix(s, address, 0o600, backlog=4)
+        assert seen == [1]
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as c:
+            c.connect(address)
 
 
 def test_the_fd_server_refuses_a_path_too_long(

@@ -278,7 +278,7 @@ class FdServer(ClosesOnExit):
             self._finalizer = weakref.finalize(self, _remove_files, self.path, self._ino, self._dir)
             if self._dir is not None and shared:
                 os.chmod(self._dir, 0o711)
-            self._sock.listen(LISTEN_BACKLOG)
+            self._sock.listen(LISTEN_BACKLOG)  # the private directory's (bind_unix listens itself)
             self._sock.setblocking(False)
             self._loop = AcceptLoop(
                 self._sock,
@@ -310,7 +310,7 @@ class FdServer(ClosesOnExit):
             st = os.stat(self.path)
             self._ino = (st.st_dev, st.st_ino)
         else:
-            self._ino = bind_unix(self._sock, self.path, mode)
+            self._ino = bind_unix(self._sock, self.path, mode, backlog=LISTEN_BACKLOG)
 
     # -- serving: what a connection does once the accept loop accepted it ------
 

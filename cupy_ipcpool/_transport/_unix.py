@@ -257,15 +257,18 @@ def check_socket_path(path: str | bytes | os.PathLike[str] | os.PathLike[bytes])
     return path
 
 
-def bind_unix(sock: socket.socket, address: str, mode: int) -> tuple[int, int]:
-    """Bind ``sock`` at ``address`` so that the file never exists with a wider mode than ``mode``.
+def bind_unix(sock: socket.socket, address: str, mode: int, *, backlog: int) -> tuple[int, int]:
+    """Bind ``sock`` at ``address`` and listen, so that the file never exists with a wider
+    mode than ``mode``, nor before the socket listens.
 
     The socket is bound inside a fresh 0700 directory (``mkdtemp``) next to
-    ``address``, chmod-ed to ``mode``, then hard-linked into place (renamed
-    where the file system has no hard links); ``EADDRINUSE`` if someone took
-    the path meanwhile.  When that temporary path would not fit ``sun_path``,
-    the socket's mode is set with ``fchmod`` before binding it in place
-    (Linux applies it to the new file).  The process umask is never changed.
+    ``address``, chmod-ed to ``mode``, set listening (``backlog``), then
+    hard-linked into place (renamed where the file system has no hard links);
+    ``EADDRINUSE`` if someone took the path meanwhile.  So a client that waits
+    for the path to appear finds it accepting connections.  When that
+    temporary path would not fit ``sun_path``, the socket's mode is set with
+    ``fchmod`` before binding it in place (Linux applies it to the new file)
+    and it listens right after.  The process umask is never changed.
 
     Returns
     -------
@@ -293,10 +296,17 @@ def bind_unix(sock: socket.socket, address: str, mode: int) -> tuple[int, int]:
         if len(os.fsencode(tmp)) > MAX_SOCKET_PATH:
             os.fchmod(sock.fileno(), mode)
             _bind_or_raise(sock, address)
-            os.chmod(address, mode)
+            try:
+                os.chmod(address, mode)
+                sock.listen(backlog)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(address)
+                raise
         else:
             _bind_or_raise(sock, tmp)
             os.chmod(tmp, mode)
+            sock.listen(backlog)
             try:
                 os.link(tmp, address)
             except FileExistsError:

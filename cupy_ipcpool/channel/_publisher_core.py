@@ -200,15 +200,15 @@ class PublisherCore(ClosedFlag):
         _remove_stale(self.address)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            ident = bind_unix(listener, self.address, 0o600 if allowed <= {euid} else 0o666)
-            try:
-                # Well above the subscriber limit: the accept thread drains the
-                # queue at once, so only a burst ever sits in it.
-                listener.listen(min(max(4 * max_subscribers, 256), socket.SOMAXCONN))
-                listener.setblocking(False)
-            except BaseException:
-                os.unlink(self.address)
-                raise
+            # Well above the subscriber limit: the accept thread drains the queue at
+            # once, so only a burst ever sits in it.  The path appears listening.
+            ident = bind_unix(
+                listener,
+                self.address,
+                0o600 if allowed <= {euid} else 0o666,
+                backlog=min(max(4 * max_subscribers, 256), socket.SOMAXCONN),
+            )
+            listener.setblocking(False)
         except BaseException:
             listener.close()
             raise
