@@ -561,10 +561,12 @@ def _served(tmp: str) -> Iterator[tuple[Any, Connection, subprocess.Popen[bytes]
             time.sleep(0.1)
         yield prod, parent, serve, address
     finally:
-        for p in (serve,):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait(10)
+        if serve is not None:
+            if serve.poll() is None:
+                serve.kill()
+            # its pipe closed too: left to the garbage collector, its ResourceWarning
+            # would fail whichever test of this worker collects it
+            serve.communicate(timeout=10)
         if prod.is_alive():
             prod.kill()
         prod.join(10)
