@@ -36,6 +36,10 @@ int cipy_leasebook_exec(PyObject *module);
 /* leasebook.c: the lease book of the LeaseCore `obj`, or NULL with TypeError */
 struct cipi_leasebook;
 struct cipi_leasebook *cipy_leasebook_of(engine_state *es, PyObject *obj);
+/* leasebook.c: a subscriber's mode by its name (CIPI_LEASE_*, or -1), and the UsageError
+ * of one it does not know (NULL) */
+int cipy_lease_mode(PyObject *name);
+PyObject *cipy_lease_mode_error(engine_state *es, PyObject *name);
 
 /* pubsession.c: the PublisherSession type (the publisher's adopted subscribers) */
 int cipy_pubsession_exec(PyObject *module);

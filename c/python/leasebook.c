@@ -140,22 +140,10 @@ core_add_subscriber(LeaseCore *self, PyObject *const *args, Py_ssize_t nargs)
     long long id = PyLong_AsLongLong(args[0]), credit;
     if (id == -1 && PyErr_Occurred())
         return NULL;
-    int mode = -1;
-    if (PyUnicode_Check(args[1])) {
-        mode = PyUnicode_CompareWithASCIIString(args[1], "block") == 0    ? CIPI_LEASE_BLOCK
-               : PyUnicode_CompareWithASCIIString(args[1], "latest") == 0 ? CIPI_LEASE_LATEST
-               : PyUnicode_CompareWithASCIIString(args[1], "ahead") == 0  ? CIPI_LEASE_AHEAD
-                                                                          : -1;
-    }
-    if (mode < 0 && cipi_leases_sub(&self->book, (uint64_t)id) == NULL) { /* a known id: below */
-        engine_state *es = (engine_state *)PyType_GetModuleState(Py_TYPE(self));
-        PyObject *cls = PyObject_GetAttrString(es->errors, "UsageError");
-        if (cls != NULL) {
-            PyErr_Format(cls, "mode must be 'block', 'latest' or 'ahead', not %R", args[1]);
-            Py_DECREF(cls);
-        }
-        return NULL;
-    }
+    int mode = cipy_lease_mode(args[1]);
+    if (mode < 0 && cipi_leases_sub(&self->book, (uint64_t)id) == NULL) /* a known id: below */
+        return cipy_lease_mode_error((engine_state *)PyType_GetModuleState(Py_TYPE(self)),
+                                     args[1]);
     credit = PyLong_AsLongLong(args[2]);
     if (credit == -1 && PyErr_Occurred())
         return NULL;
@@ -668,6 +656,30 @@ cipy_leasebook_exec(PyObject *module)
     engine_state *es = (engine_state *)PyModule_GetState(module);
     es->lease_core = PyObject_GetAttrString(module, "LeaseCore");
     return es->lease_core == NULL ? -1 : 0;
+}
+
+/* A subscriber's mode by its name: CIPI_LEASE_*, or -1 (no exception) for another. */
+int
+cipy_lease_mode(PyObject *name)
+{
+    if (!PyUnicode_Check(name))
+        return -1;
+    return PyUnicode_CompareWithASCIIString(name, "block") == 0    ? CIPI_LEASE_BLOCK
+           : PyUnicode_CompareWithASCIIString(name, "latest") == 0 ? CIPI_LEASE_LATEST
+           : PyUnicode_CompareWithASCIIString(name, "ahead") == 0  ? CIPI_LEASE_AHEAD
+                                                                   : -1;
+}
+
+/* The UsageError of a mode cipy_lease_mode does not know; NULL. */
+PyObject *
+cipy_lease_mode_error(engine_state *es, PyObject *name)
+{
+    PyObject *cls = PyObject_GetAttrString(es->errors, "UsageError");
+    if (cls != NULL) {
+        PyErr_Format(cls, "mode must be 'block', 'latest' or 'ahead', not %R", name);
+        Py_DECREF(cls);
+    }
+    return NULL;
 }
 
 struct cipi_leasebook *

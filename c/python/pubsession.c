@@ -201,20 +201,9 @@ session_add(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
     if (usable(self) < 0 || check_nargs(nargs, 4, "add(sub_id, mode, credit, fd)") < 0 ||
         as_sub_id(args[0], &id) < 0)
         return NULL;
-    int mode = -1;
-    if (PyUnicode_Check(args[1]))
-        mode = PyUnicode_CompareWithASCIIString(args[1], "block") == 0    ? CIPI_LEASE_BLOCK
-               : PyUnicode_CompareWithASCIIString(args[1], "latest") == 0 ? CIPI_LEASE_LATEST
-               : PyUnicode_CompareWithASCIIString(args[1], "ahead") == 0  ? CIPI_LEASE_AHEAD
-                                                                          : -1;
-    if (mode < 0) {
-        PyObject *cls = PyObject_GetAttrString(state(self)->errors, "UsageError");
-        if (cls != NULL) {
-            PyErr_Format(cls, "mode must be 'block', 'latest' or 'ahead', not %R", args[1]);
-            Py_DECREF(cls);
-        }
-        return NULL;
-    }
+    int mode = cipy_lease_mode(args[1]);
+    if (mode < 0)
+        return cipy_lease_mode_error(state(self), args[1]);
     long long credit = PyLong_AsLongLong(args[2]);
     if (credit == -1 && PyErr_Occurred())
         return NULL;
