@@ -335,9 +335,12 @@ def test_take_lets_other_threads_run_but_not_use_the_session(subs: Subs) -> None
     subs.session.publish(2, 9, True, b"")
     refused: list[BaseException] = []
 
+    looked: list[list[int]] = []
+
     def wake() -> None:
+        looked.append(subs.session.ids())  # looking is fine (a user's monitoring thread)
         try:
-            subs.session.ids()
+            subs.session.drop(2, "from another thread", False)
         except RuntimeError as exc:
             refused.append(exc)
         subs.theirs[1].send(proto.encode_release(9, 2))
@@ -345,6 +348,7 @@ def test_take_lets_other_threads_run_but_not_use_the_session(subs: Subs) -> None
     got = assert_gil_released(lambda: subs.session.take(30_000_000, 1), ("poll", "ppoll"), wake)
     assert got is None and subs.book.held_by(1) == {}
     assert len(refused) == 1 and "waiting on another thread" in str(refused[0])
+    assert looked == [[1, 2]] and subs.session.ids() == [1, 2]
 
 
 def test_a_bye_or_a_hangup_ends_its_subscriber_and_gives_its_leases_back(subs: Subs) -> None:
@@ -543,3 +547,29 @@ def test_a_notice_that_does_not_fit_keeps_the_leases_until_it_does() -> None:
     assert out["noticing_after"] == 0 and out["leases_after"] == 0
     assert out["tail"] == [str(proto.Refuse("evicted: told later")), "b''"]
     assert out["frames_after"] == 0
+
+
+def test_subscribers_can_be_read_while_the_producer_waits(tmp_path: object) -> None:
+    """A monitoring thread reads ``subscribers`` while the producer's thread waits in
+    ``poll`` (the session's wait has the GIL released): it gets the list, not an error."""
+    from cupy_ipcpool.channel._publisher_core import PublisherCore
+    from cupy_ipcpool.channel._subscriber_core import SubscriberCore
+
+    address = os.path.join(str(tmp_path), "p.sock")
+    with (
+        PublisherCore(address, 4, welcome=lambda _info: (b"", [])) as core,
+        SubscriberCore(address, timeout=5) as sub,
+    ):
+        deadline = time.monotonic() + 5
+        while not core.subscribers:
+            assert time.monotonic() < deadline
+            core.poll(0.01)
+        waiting = threading.Thread(target=core.poll, args=(5.0,))
+        waiting.start()
+        try:
+            time.sleep(0.05)  # in its wait by now
+            assert [info.sub_id for info in core.subscribers] == [sub.sub_id]
+        finally:
+            sub.close()  # its BYE ends the wait
+            waiting.join()
+        assert core.subscribers == []

@@ -7,8 +7,8 @@
  * leases are back in the book by then; the caller forgets them.
  *
  * Every method runs under the GIL; a wait (take, publish's wait for room, close's linger)
- * releases it, and meanwhile the session refuses every other call (the set being polled must
- * not change).  A signal ends a wait when its Python handler raises: that exception comes out
+ * releases it, and meanwhile the session refuses every call that could change it (the set
+ * being polled must not change); ids(), fd() and the counts answer at any time.  A signal ends a wait when its Python handler raises: that exception comes out
  * of the call.
  */
 #define PY_SSIZE_T_CLEAN
@@ -129,6 +129,18 @@ session_dealloc(PublisherSession *self)
     PyTypeObject *type = Py_TYPE(self);
     type->tp_free((PyObject *)self);
     Py_DECREF(type);
+}
+
+/* 0 when the session may be looked at, else -1 with an exception: at any time, also while
+ * a call waits on another thread (nothing changes the wire then: usable() refuses). */
+static int
+readable(PublisherSession *self)
+{
+    if (!self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "PublisherSession is not initialised");
+        return -1;
+    }
+    return 0;
 }
 
 /* 0 when the session may be used now, else -1 with an exception. */
@@ -325,7 +337,7 @@ session_close(PublisherSession *self, PyObject *arg)
 static PyObject *
 session_ids(PublisherSession *self, PyObject *Py_UNUSED(arg))
 {
-    if (usable(self) < 0)
+    if (readable(self) < 0)
         return NULL;
     const struct cipi_pubwire *w = &self->session.wire;
     PyObject *out = PyList_New(w->n);
@@ -344,7 +356,7 @@ static PyObject *
 session_fd(PublisherSession *self, PyObject *arg)
 {
     uint32_t id;
-    if (usable(self) < 0 || as_sub_id(arg, &id) < 0)
+    if (readable(self) < 0 || as_sub_id(arg, &id) < 0)
         return NULL;
     int fd = cipi_pubwire_fd(&self->session.wire, id);
     for (uint32_t i = 0; fd < 0 && i < self->session.nnotices; i++)
