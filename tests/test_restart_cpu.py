@@ -207,12 +207,15 @@ class PageConsumer:
 
     def recv(self, timeout: float | None = 10.0) -> PageFrame:
         frame = self.core.recv(timeout)
-        # as the GPU subscriber: once the producer is dead, queued frames are not handed out
-        if self.core.alarm and exited(self.pidfd):
-            self.settle_if_dead()
-            raise EndOfStream("the publisher exited", False)
         (gen,) = GEN.unpack(frame.payload)
         offset = self.layout.frame_offset(frame.slot)
+        # as the GPU subscriber (Subscriber._written): once the producer is dead, a queued
+        # frame its stream never wrote is not handed out, nor any after it; one it wrote
+        # is (a clean close's frames, read after the producer exited)
+        written = frame_state(self.flags.load(offset), gen) is True
+        if self.core.alarm and not written and exited(self.pidfd):
+            self.settle_if_dead()
+            raise EndOfStream("the publisher exited", False)
         if not self.flags.reached(offset, gen):  # the GPU subscriber enqueues a wait here
             self.stream.wait(offset, gen)
             self.waits.note(frame.slot, gen)
@@ -440,6 +443,35 @@ def test_a_clean_close_ends_follow_unless_restart_on_close(
     pub.expect("published")
     assert sub.expect() == [(r, s) for r in (0, 1) for s in range(PER_SESSION)]
     pub.close_cleanly()
+
+
+def _follow_after_the_publisher_exited(conn: Connection, address: str) -> None:
+    def body() -> list[int]:
+        with Follower(lambda: PageConsumer(address), address, wait=5.0) as follower:
+            frames = iter(follower)
+            seen = [next(frames).seq]
+            conn.send(("msg", "first"))
+            assert conn.recv() == "go"  # the publisher closed cleanly, and its process exited
+            seen += [frame.seq for frame in frames]
+            assert isinstance(follower.last_end, EndOfStream) and follower.last_end.clean
+        return seen
+
+    _run(conn, body)
+
+
+def test_frames_before_a_clean_close_are_handed_out_after_the_publisher_exits(
+    address: str, spawn: Callable[..., Child]
+) -> None:
+    """A subscriber that reads its queue only once the publisher's process has exited
+    (alarmed by its pidfd) still gets every frame written before the BYE, then a clean
+    end: only a frame the dead producer's stream never wrote is dropped."""
+    sub = spawn(_follow_after_the_publisher_exited, address)
+    pub = Producer(address, PER_SESSION, PER_SESSION)
+    pub.expect("published")
+    assert sub.expect() == "first"
+    pub.close_cleanly()  # joins the producer's process
+    sub.conn.send("go")
+    assert sub.expect() == list(range(PER_SESSION))
 
 
 def test_follow_stays_usable_after_wait_runs_out(address: str) -> None:
