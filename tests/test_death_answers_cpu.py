@@ -405,11 +405,14 @@ class _Reader:
 
     def recv(self) -> None:
         frame = self.core.recv(30.0)
-        if self.core.alarm and exited(self.pidfd):  # queued after the death: dropped
-            raise EndOfStream("the publisher exited", False)
         (gen,) = GEN.unpack(frame.payload)
         seq, slot = frame.seq, frame.slot
         offset = self.layout.frame_offset(slot)
+        # Subscriber._written: after the death, a queued frame the producer's stream never
+        # wrote is dropped (and the rest with it); one it wrote is handed out
+        written = frame_state(self.flags.load(offset), gen) is True
+        if self.core.alarm and not written and exited(self.pidfd):
+            raise EndOfStream("the publisher exited", False)
         # SyncPage.order: no wait only for the producer's own write
         if ((self.flags.load(offset) - gen) & M) >= _SET_WINDOW:
             self.stream.ops.append(("wait", offset, gen))
