@@ -200,6 +200,7 @@ class PublisherCore(ClosedFlag):
         _remove_stale(self.address)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
+            listener.setblocking(False)
             # Well above the subscriber limit: the accept thread drains the queue at
             # once, so only a burst ever sits in it.  The path appears listening.
             ident = bind_unix(
@@ -208,7 +209,6 @@ class PublisherCore(ClosedFlag):
                 0o600 if allowed <= {euid} else 0o666,
                 backlog=min(max(4 * max_subscribers, 256), socket.SOMAXCONN),
             )
-            listener.setblocking(False)
         except BaseException:
             listener.close()
             raise
@@ -297,8 +297,8 @@ class PublisherCore(ClosedFlag):
     @property
     def subscribers(self) -> list[SubscriberInfo]:
         """The adopted subscribers (an evicted one is not, even while its notice waits)."""
-        infos = self._infos
-        return [infos[sub_id] for sub_id in self._session.ids()]
+        infos = self._infos  # (close adopts the pending ones into the session, not here)
+        return [infos[sub_id] for sub_id in self._session.ids() if sub_id in infos]
 
     @property
     def lease_book(self) -> LeaseBook:
