@@ -2187,3 +2187,19 @@ def test_the_publishers_session_answers_alike_both_ways_in(leases_exe: Path) -> 
     assert via_probe[17:19] == ["ok", "ok 0 0 2"]
     assert via_probe[19] == "ok 0 9 0 []/0/[] []/0/[] []/0/[] []/0/[]"  # 4 + 4 + 1 leases ended
     assert via_probe[20] == "ok 1"
+
+
+def test_the_sessions_messages_write_seconds_as_python_does(leases_exe: Path) -> None:
+    """The eviction messages name lease_timeout and send_timeout as Python's repr(float)
+    writes them ("30.0 s", "0.05 s", "1e-05 s"): the engine's cipi_fmt_seconds, for
+    tricky values and for random ones of every magnitude the session accepts."""
+    rng = random.Random(44)
+    values = [0.0, 5.0, 0.05, 0.2, 10.0, 30.0, 1e-05, 0.0001, 123.456, 1e9, 1 / 3, 2.5e-7]
+    values += [rng.uniform(0, 10) ** rng.choice([-8, -3, 1, 3, 9]) for _ in range(300)]
+    values = [v for v in values if 0.0 <= v <= 1e9]
+    probe = Probe(leases_exe)
+    try:
+        got = [probe(f"fmt {v!r}") for v in values]
+    finally:
+        probe.close()
+    assert got == [f"ok {v!r}" for v in values]

@@ -331,6 +331,7 @@ CIP_INTERNAL cip_status cipi_fail(cip_status status, const char *fmt, ...)
 /* util.c */
 CIP_INTERNAL long long cipi_now_ns(void);
 CIP_INTERNAL long long cipi_now_ms(void);
+CIP_INTERNAL void cipi_fmt_seconds(char *out, size_t size, double x);
 CIP_INTERNAL int cipi_left_ms(long long deadline);
 CIP_INTERNAL long long cipi_deadline_of(int timeout_ms);
 CIP_INTERNAL void cipi_sleep_us(long us);

@@ -15,8 +15,6 @@
  * suspended, and it gets no frame more, until a later try queues it. */
 #include "cip_internal.h"
 
-#include <math.h>
-
 #ifndef SO_SNDBUFFORCE
 #define SO_SNDBUFFORCE 32 /* Linux; CAP_NET_ADMIN */
 #endif
@@ -27,19 +25,6 @@ static double
 now_s(void)
 {
     return (double)cipi_now_ns() / 1e9;
-}
-
-/* `seconds` as Python's repr writes a float ("5.0", "0.2"): the shortest that reads back. */
-static void
-fmt_seconds(char *out, size_t size, double seconds)
-{
-    for (int digits = 1; digits <= 17; digits++) {
-        snprintf(out, size, "%.*g", digits, seconds);
-        if (strtod(out, NULL) == seconds)
-            break;
-    }
-    if (strpbrk(out, ".eni") == NULL && strlen(out) + 2 < size)
-        strcat(out, ".0");
 }
 
 cip_status
@@ -259,7 +244,7 @@ send_stalled(struct cipi_pubsession *s, uint32_t sub_id, uint64_t seq, uint32_t 
     }
     if (err == ETIMEDOUT) {
         char t[32], why[96];
-        fmt_seconds(t, sizeof t, s->send_timeout);
+        cipi_fmt_seconds(t, sizeof t, s->send_timeout);
         snprintf(why, sizeof why, "evicted: its socket stayed full for %s s", t);
         s->evictions++;
         cipi_pubsession_drop(s, sub_id, why, 1);
@@ -381,7 +366,7 @@ cipi_pubsession_expire(struct cipi_pubsession *s)
         return cipi_fail(CIP_ERR_NO_MEMORY, "out of memory looking at the leases");
     cipi_leases_overdue(b, now, s->lease_timeout, ids, &n);
     char t[32];
-    fmt_seconds(t, sizeof t, s->lease_timeout);
+    cipi_fmt_seconds(t, sizeof t, s->lease_timeout);
     for (uint32_t i = 0; i < n; i++) {
         const struct cipi_lsub *sub = cipi_leases_sub(b, ids[i]);
         if (cipi_pubwire_fd(&s->wire, ids[i]) < 0) {

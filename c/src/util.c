@@ -35,6 +35,32 @@ cipi_deadline_of(int timeout_ms)
     return timeout_ms < 0 ? -1 : cipi_now_ms() + timeout_ms;
 }
 
+/* `x` (finite) as Python's repr(float) writes it, into out (32 bytes are enough): the
+ * fewest significant digits that read back as x; fixed notation for a decimal exponent in
+ * -4..15 (with ".0" when whole: "5.0", "0.05", "30.0"), else "1e-05", "1.5e+16". */
+void
+cipi_fmt_seconds(char *out, size_t size, double x)
+{
+    int p = 1;
+    for (; p < 17; p++) { /* %e with p significant digits */
+        snprintf(out, size, "%.*e", p - 1, x);
+        if (strtod(out, NULL) == x)
+            break;
+    }
+    snprintf(out, size, "%.*e", p - 1, x);
+    const char *e = strchr(out, 'e');
+    int exp10 = e != NULL ? atoi(e + 1) : 0;
+    if (x == 0.0 || (exp10 >= -4 && exp10 < 16)) {
+        int decimals = p - 1 - exp10;
+        snprintf(out, size, "%.*f", decimals > 0 ? decimals : 0, x);
+        if (strchr(out, '.') == NULL && strlen(out) + 2 < size)
+            strcat(out, ".0");
+        return;
+    }
+    /* scientific: Python writes the mantissa without trailing zeros and the exponent
+     * with at least two digits, as C's %e does */
+}
+
 void
 cipi_sleep_us(long us)
 {

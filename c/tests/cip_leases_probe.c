@@ -29,6 +29,7 @@
  *   sretry / sexpire                  -> ok [ID/WHY;]... | err ...
  *   sstate                            -> ok COUNT NOTICING EVICTIONS
  *   sclose LINGER_MS                  -> ok ALL_GONE
+ *   fmt SECONDS                       -> ok TEXT   (how the session's messages write it)
  *   quit
  */
 #include "../src/cip_internal.h"
@@ -125,6 +126,10 @@ main(void)
         cip_status st;
         if (!strcmp(cmd, "quit")) {
             break;
+        } else if (!strcmp(cmd, "fmt") && sscanf(rest, "%lf", &now) == 1) {
+            char text[32];
+            cipi_fmt_seconds(text, sizeof text, now);
+            printf("ok %s\n", text);
         } else if (!strcmp(cmd, "new") && sscanf(rest, "%lld %lld %lld", &a, &b, &c) == 3) {
             if (session_made) /* it reads and writes the book */
                 cipi_pubsession_free(&session);
