@@ -571,3 +571,23 @@ def test_subscribers_can_be_read_while_the_producer_waits(tmp_path: object) -> N
             sub.close()  # its BYE ends the wait
             waiting.join()
         assert core.subscribers == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"send_timeout": -1.0}, "send_timeout must be 0..1e9 seconds"),
+        ({"send_timeout": float("inf")}, "send_timeout must be 0..1e9 seconds"),
+        ({"lease_timeout": 0.0}, "lease_timeout must be positive"),
+    ],
+)
+def test_a_publisher_refuses_a_timeout_the_session_cannot_keep(
+    tmp_path: object, kwargs: dict[str, float], match: str
+) -> None:
+    """Refused when the publisher is made (not at the first stall), with nothing bound."""
+    from cupy_ipcpool.channel._publisher_core import PublisherCore
+
+    address = os.path.join(str(tmp_path), "p.sock")
+    with pytest.raises(UsageError, match=match):
+        PublisherCore(address, 4, welcome=lambda _info: (b"", []), **kwargs)  # type: ignore[arg-type]
+    assert not os.path.exists(address)
