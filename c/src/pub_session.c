@@ -419,9 +419,10 @@ cipi_pubsession_close(struct cipi_pubsession *s, long long linger_ns,
         struct timespec ts = {(time_t)(left / 1000000000LL), (long)(left % 1000000000LL)};
         void *token = waiting ? waiting->release() : NULL;
         int r = ppoll(set, waitn, &ts, NULL);
+        int err = errno; /* before reacquire, which may change it */
         if (waiting)
             waiting->reacquire(token);
-        if (r < 0 && errno == EINTR && waiting && waiting->interrupted()) {
+        if (r < 0 && err == EINTR && waiting && waiting->interrupted()) {
             all_gone = 0;
             break;
         }
