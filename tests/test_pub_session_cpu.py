@@ -437,6 +437,7 @@ def test_a_signal_during_the_wait_for_room_raises_and_evicts_that_subscriber() -
         assert left is not None and left[0][0] == 1 and "interrupted" in left[0][1]
         assert subs.book.leases(1) == [(2, 4)]
     finally:
+        timer.cancel()  # if the call failed before its wait, the signal must not come later
         timer.join()
         signal.signal(signal.SIGUSR1, old)
         subs.close()
@@ -601,6 +602,7 @@ def test_a_signal_during_closes_linger_raises_and_every_socket_is_closed(subs: S
             subs.session.close(30.0)
         assert time.monotonic() - start < 10.0
     finally:
+        timer.cancel()  # if the call failed before its wait, the signal must not come later
         timer.join()
         signal.signal(signal.SIGUSR1, old)
     assert subs.session.count == 0
