@@ -615,3 +615,17 @@ def test_a_signal_during_closes_linger_raises_and_every_socket_is_closed(subs: S
     assert subs.session.count == 0
     for sub_id in (1, 2):  # the BYE, then the end: the session's end is closed
         assert _decoded(subs.read_all(sub_id)) == [proto.Bye(), b""]
+
+
+def test_a_long_reason_is_cut_whole_characters_in_the_notice_and_the_departure(
+    subs: Subs,
+) -> None:
+    """A reason longer than the engine keeps is cut before the character it would split:
+    the REFUSE stays UTF-8 (a subscriber decodes it) and the departure says the same."""
+    why = "evicted: " + "é" * 300
+    left = subs.session.drop(1, why, True)
+    assert left is not None and left[0][0] == 1
+    kept = left[0][1]
+    assert why.startswith(kept) and 200 < len(kept.encode()) < 224
+    notice = _decoded(subs.read_all(1))
+    assert notice == [proto.Refuse(kept), b""]

@@ -76,14 +76,19 @@ fail(PublisherSession *self, cip_status st)
     return NULL;
 }
 
+/* A timeout in seconds, 0..1e9: 0, or -1 with UsageError (the publisher's own check). */
 static int
-seconds_arg(PyObject *obj, const char *what, double *out)
+seconds_arg(PublisherSession *self, PyObject *obj, const char *what, double *out)
 {
     double v = PyFloat_AsDouble(obj);
     if (v == -1.0 && PyErr_Occurred())
         return -1;
     if (!(v >= 0.0) || v > 1e9) {
-        PyErr_Format(PyExc_ValueError, "%s must be 0..1e9 seconds, not %R", what, obj);
+        PyObject *cls = PyObject_GetAttrString(state(self)->errors, "UsageError");
+        if (cls != NULL) {
+            PyErr_Format(cls, "%s must be 0..1e9 seconds, not %R", what, obj);
+            Py_DECREF(cls);
+        }
         return -1;
     }
     *out = v;
@@ -103,8 +108,9 @@ session_init(PublisherSession *self, PyObject *args, PyObject *kwds)
         return -1;
     }
     double lease_timeout = 0.0, send_timeout;
-    if ((lease_obj != Py_None && seconds_arg(lease_obj, "lease_timeout", &lease_timeout) < 0) ||
-        seconds_arg(send_obj, "send_timeout", &send_timeout) < 0)
+    if ((lease_obj != Py_None &&
+         seconds_arg(self, lease_obj, "lease_timeout", &lease_timeout) < 0) ||
+        seconds_arg(self, send_obj, "send_timeout", &send_timeout) < 0)
         return -1;
     struct cipi_leasebook *book = cipy_leasebook_of(state(self), core);
     if (book == NULL)
@@ -324,7 +330,7 @@ static PyObject *
 session_close(PublisherSession *self, PyObject *arg)
 {
     double linger;
-    if (usable(self) < 0 || seconds_arg(arg, "linger", &linger) < 0)
+    if (usable(self) < 0 || seconds_arg(self, arg, "linger", &linger) < 0)
         return NULL;
     self->busy = 1;
     int all_gone = cipi_pubsession_close(&self->session, (long long)(linger * 1e9), &gil);

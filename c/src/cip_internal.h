@@ -331,6 +331,7 @@ CIP_INTERNAL cip_status cipi_fail(cip_status status, const char *fmt, ...)
 /* util.c */
 CIP_INTERNAL long long cipi_now_ns(void);
 CIP_INTERNAL long long cipi_now_ms(void);
+CIP_INTERNAL struct timespec cipi_timespec_of_ns(long long ns);
 CIP_INTERNAL void cipi_fmt_seconds(char *out, size_t size, double x);
 CIP_INTERNAL int cipi_left_ms(long long deadline);
 CIP_INTERNAL long long cipi_deadline_of(int timeout_ms);
@@ -538,10 +539,13 @@ CIP_INTERNAL int cipi_leases_next_expiry(const struct cipi_leasebook *b, double 
                                          double *at);
 
 /* pub_wire.c: the publisher's per-frame wire (under pub_session.c) */
+/* Room for why a subscriber leaves ("said BYE", "protocol error: ...", an eviction's notice),
+ * its end included: the wire's events, the session's departures and notices alike. */
+#define CIPI_WHY_SIZE 224
 struct cipi_pubevent { /* a subscriber to drop, and why */
     uint32_t sub_id;
-    int err;       /* the errno of a failed send or receive (EAGAIN: its socket is full), or 0 */
-    char why[224]; /* "said BYE", "protocol error: ...", ... */
+    int err; /* the errno of a failed send or receive (EAGAIN: its socket is full), or 0 */
+    char why[CIPI_WHY_SIZE];
 };
 struct cipi_pubwire {
     struct pollfd *set; /* the subscribers' sockets, in the order added ... */
@@ -575,12 +579,12 @@ struct cipi_waiting { /* how a wait lets others run (the Python binding: the GIL
 };
 struct cipi_departure { /* a subscriber gone (socket closed, leases back), and why */
     uint32_t sub_id;
-    char why[224];
+    char why[CIPI_WHY_SIZE];
 };
 struct cipi_notice { /* an evicted subscriber whose notice did not fit its socket yet */
     uint32_t sub_id;
     int fd;
-    char why[224];
+    char why[CIPI_WHY_SIZE];
 };
 struct cipi_pubsession {
     struct cipi_pubwire wire;    /* the adopted subscribers' sockets (owned) */

@@ -99,6 +99,21 @@ cipi_pubsession_add(struct cipi_pubsession *s, uint32_t sub_id, int mode, long l
     return st;
 }
 
+/* Why a subscriber leaves, into out (CIPI_WHY_SIZE): a longer text is cut before the
+ * character it would split (a REFUSE's reason must stay UTF-8). */
+static void
+copy_why(char *out, const char *why)
+{
+    size_t n = strlen(why);
+    if (n >= CIPI_WHY_SIZE) {
+        n = CIPI_WHY_SIZE - 1;
+        while (n > 0 && ((unsigned char)why[n] & 0xC0) == 0x80)
+            n--; /* why[n], the first byte left out, continues a character: leave it all */
+    }
+    memcpy(out, why, n);
+    out[n] = '\0';
+}
+
 /* `sub_id` is gone: its socket is closed and its leases are back; the caller hears why. */
 static void
 gone(struct cipi_pubsession *s, uint32_t sub_id, int fd, const char *why)
@@ -109,7 +124,7 @@ gone(struct cipi_pubsession *s, uint32_t sub_id, int fd, const char *why)
     cipi_leases_remove(s->book, sub_id, s->freed, &n);
     struct cipi_departure *d = &s->left[s->nleft++]; /* reserved by add */
     d->sub_id = sub_id;
-    snprintf(d->why, sizeof d->why, "%s", why);
+    copy_why(d->why, why);
 }
 
 /* Read and discard what the peer sent: closing with unread data resets the peer, which
@@ -153,7 +168,8 @@ queue_notice(int fd, const uint8_t *msg, size_t len)
     return 0;
 }
 
-/* The REFUSE telling `why`, at p (room for CIP_WIRE_REFUSE_SIZE + the reason); its size. */
+/* The REFUSE telling `why` (CIPI_WHY_SIZE at most, copy_why's), at p (room for
+ * CIP_WIRE_REFUSE_SIZE + CIPI_WHY_SIZE); its size. */
 static size_t
 notice_of(uint8_t *p, const char *why)
 {
@@ -174,18 +190,20 @@ cipi_pubsession_drop(struct cipi_pubsession *s, uint32_t sub_id, const char *why
     if (fd < 0)
         return 0;
     cipi_pubwire_remove(&s->wire, sub_id);
+    char text[CIPI_WHY_SIZE];
+    copy_why(text, why);
     if (notify) {
-        uint8_t msg[CIP_WIRE_REFUSE_SIZE + sizeof s->notices->why];
-        if (!queue_notice(fd, msg, notice_of(msg, why))) {
+        uint8_t msg[CIP_WIRE_REFUSE_SIZE + CIPI_WHY_SIZE];
+        if (!queue_notice(fd, msg, notice_of(msg, text))) {
             cipi_leases_suspend(s->book, sub_id);
             struct cipi_notice *nt = &s->notices[s->nnotices++]; /* reserved by add */
             nt->sub_id = sub_id;
             nt->fd = fd;
-            snprintf(nt->why, sizeof nt->why, "%s", why);
+            memcpy(nt->why, text, sizeof text);
             return 1;
         }
     }
-    gone(s, sub_id, fd, why);
+    gone(s, sub_id, fd, text);
     return 1;
 }
 
@@ -196,7 +214,7 @@ cipi_pubsession_retry_notices(struct cipi_pubsession *s)
     uint32_t kept = 0;
     for (uint32_t i = 0; i < s->nnotices; i++) {
         struct cipi_notice nt = s->notices[i];
-        uint8_t msg[CIP_WIRE_REFUSE_SIZE + sizeof nt.why];
+        uint8_t msg[CIP_WIRE_REFUSE_SIZE + CIPI_WHY_SIZE];
         if (queue_notice(nt.fd, msg, notice_of(msg, nt.why)))
             gone(s, nt.sub_id, nt.fd, nt.why);
         else
@@ -205,15 +223,9 @@ cipi_pubsession_retry_notices(struct cipi_pubsession *s)
     s->nnotices = kept;
 }
 
-/* The subscribers the wire's last send or take named: each is dropped, told nothing (a
- * full "block" socket, EAGAIN, is the caller's to wait for first). */
-static void
-drop_events(struct cipi_pubsession *s, const struct cipi_pubevent *ev, uint32_t n)
-{
-    for (uint32_t i = 0; i < n; i++)
-        if (ev[i].err != EAGAIN)
-            cipi_pubsession_drop(s, ev[i].sub_id, ev[i].why, 0);
-}
+/* Why a subscriber whose frame a signal kept from going is evicted. */
+static const char interrupted_why[] = "evicted: the publisher was interrupted (a signal) while "
+                                      "waiting for room in its full socket";
 
 /* Wait for room in subscriber `sub_id`'s full socket and send it frame `seq`, up to
  * send_timeout; evict it when its socket stays full, drop it when the send fails.  A signal
@@ -235,10 +247,7 @@ send_stalled(struct cipi_pubsession *s, uint32_t sub_id, uint64_t seq, uint32_t 
         if (err != EINTR)
             break;
         if (waiting && waiting->interrupted()) {
-            cipi_pubsession_drop(s, sub_id,
-                                 "evicted: the publisher was interrupted (a signal) while "
-                                 "waiting for room in its full socket",
-                                 1);
+            cipi_pubsession_drop(s, sub_id, interrupted_why, 1);
             return 1;
         }
     }
@@ -256,9 +265,6 @@ send_stalled(struct cipi_pubsession *s, uint32_t sub_id, uint64_t seq, uint32_t 
     return 0;
 }
 
-static cip_status take(struct cipi_pubsession *s, long long timeout_ns, long limit,
-                       const struct cipi_waiting *waiting);
-
 /* Publish frame `seq` in `slot` and send it to every subscriber the lease book names
  * (cipi_pubwire_send), then settle what failed: a full "block"/"ahead" socket is waited
  * for (send_stalled), any other failure drops its subscriber.  While RELEASEs of leases
@@ -275,29 +281,22 @@ cipi_pubsession_publish(struct cipi_pubsession *s, uint32_t slot, uint64_t seq, 
         cipi_pubwire_send(&s->wire, s->book, slot, seq, now, on_schedule, payload, len);
     if (st != CIP_OK)
         return st;
+    /* dropping a subscriber or waiting for one leaves the wire's events as they are */
     int interrupted = 0;
-    if (s->wire.nevents) {
-        /* a copy: dropping one does not touch the wire's events, but keep them apart */
-        uint32_t n = s->wire.nevents;
-        for (uint32_t i = 0; i < n; i++) {
-            struct cipi_pubevent ev = s->wire.events[i];
-            if (ev.err != EAGAIN) {
-                drop_events(s, &ev, 1);
-            } else if (interrupted) {
-                cipi_pubsession_drop(s, ev.sub_id,
-                                     "evicted: the publisher was interrupted (a signal) while "
-                                     "waiting for room in its full socket",
-                                     1);
-            } else {
-                interrupted = send_stalled(s, ev.sub_id, seq, slot, payload, len, waiting);
-            }
-        }
+    for (uint32_t i = 0; i < s->wire.nevents; i++) {
+        const struct cipi_pubevent *ev = &s->wire.events[i];
+        if (ev->err != EAGAIN)
+            cipi_pubsession_drop(s, ev->sub_id, ev->why, 0);
+        else if (interrupted)
+            cipi_pubsession_drop(s, ev->sub_id, interrupted_why, 1);
+        else
+            interrupted = send_stalled(s, ev->sub_id, seq, slot, payload, len, waiting);
     }
     if (s->lease_timeout > 0 && s->next_expiry == 0.0 && cipi_leases_any_leased(s->book))
         s->next_expiry = now + s->lease_timeout;
     if (s->book->releases_due && ++s->since_drain >= s->book->num_slots) {
         s->since_drain = 0;
-        st = take(s, 0, LONG_MAX, NULL);
+        st = cipi_pubsession_take(s, 0, LONG_MAX, NULL);
         if (st != CIP_OK)
             return st;
     }
@@ -308,9 +307,9 @@ cipi_pubsession_publish(struct cipi_pubsession *s, uint32_t slot, uint64_t seq, 
  * take up to `limit` from each readable socket: each RELEASE into the lease book, and what
  * ends a subscriber drops it.  CIPI_ERR_INTERRUPTED when waiting->interrupted stopped the
  * wait; CIP_ERR_TRANSPORT when ppoll failed. */
-static cip_status
-take(struct cipi_pubsession *s, long long timeout_ns, long limit,
-     const struct cipi_waiting *waiting)
+cip_status
+cipi_pubsession_take(struct cipi_pubsession *s, long long timeout_ns, long limit,
+                     const struct cipi_waiting *waiting)
 {
     if (s->wire.n == 0 && timeout_ns == 0)
         return CIP_OK;
@@ -335,15 +334,9 @@ take(struct cipi_pubsession *s, long long timeout_ns, long limit,
         return CIP_OK;
     uint32_t taken;
     cip_status st = cipi_pubwire_take(&s->wire, s->book, limit, &taken);
-    drop_events(s, s->wire.events, s->wire.nevents);
+    for (uint32_t i = 0; i < s->wire.nevents; i++) /* each ends its subscriber, untold */
+        cipi_pubsession_drop(s, s->wire.events[i].sub_id, s->wire.events[i].why, 0);
     return st;
-}
-
-cip_status
-cipi_pubsession_take(struct cipi_pubsession *s, long long timeout_ns, long limit,
-                     const struct cipi_waiting *waiting)
-{
-    return take(s, timeout_ns, limit, waiting);
 }
 
 /* Once the oldest lease may be overdue (next_expiry passed): take in the RELEASEs that
@@ -357,7 +350,7 @@ cipi_pubsession_expire(struct cipi_pubsession *s)
     double now = now_s();
     if (now < s->next_expiry)
         return CIP_OK;
-    cip_status st = take(s, 0, LONG_MAX, NULL);
+    cip_status st = cipi_pubsession_take(s, 0, LONG_MAX, NULL);
     if (st != CIP_OK)
         return st;
     struct cipi_leasebook *b = s->book;
@@ -374,13 +367,9 @@ cipi_pubsession_expire(struct cipi_pubsession *s)
             cipi_leases_remove(b, ids[i], s->freed, &nf); /* in the book only */
             continue;
         }
-        uint64_t first = sub->leases.v[0].seq;
-        for (uint32_t k = 1; k < sub->leases.len; k++)
-            if (sub->leases.v[k].seq < first)
-                first = sub->leases.v[k].seq;
-        char why[128];
+        char why[128]; /* its leases are kept oldest first */
         snprintf(why, sizeof why, "evicted: held frame %llu for more than lease_timeout=%s s",
-                 (unsigned long long)first, t);
+                 (unsigned long long)sub->leases.v[0].seq, t);
         s->evictions++;
         cipi_pubsession_drop(s, ids[i], why, 1);
     }
@@ -416,7 +405,7 @@ cipi_pubsession_close(struct cipi_pubsession *s, long long linger_ns,
             all_gone = 0;
             break;
         }
-        struct timespec ts = {(time_t)(left / 1000000000LL), (long)(left % 1000000000LL)};
+        struct timespec ts = cipi_timespec_of_ns(left);
         void *token = waiting ? waiting->release() : NULL;
         int r = ppoll(set, waitn, &ts, NULL);
         int err = errno; /* before reacquire, which may change it */

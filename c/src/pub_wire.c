@@ -75,7 +75,7 @@ cipi_pubwire_send_within(const struct cipi_pubwire *w, uint32_t sub_id, uint64_t
         if (left <= 0)
             return ETIMEDOUT;
         struct pollfd p = {.fd = fd, .events = POLLOUT, .revents = 0};
-        struct timespec ts = {(time_t)(left / 1000000000LL), (long)(left % 1000000000LL)};
+        struct timespec ts = cipi_timespec_of_ns(left);
         if (ppoll(&p, 1, &ts, NULL) < 0)
             return errno;
     }
@@ -238,11 +238,7 @@ cipi_pubwire_poll(struct cipi_pubwire *w, long long timeout_ns)
 {
     for (uint32_t i = 0; i < w->n; i++)
         w->set[i].revents = 0;
-    struct timespec ts = {0, 0};
-    if (timeout_ns > 0) {
-        ts.tv_sec = (time_t)(timeout_ns / 1000000000LL);
-        ts.tv_nsec = (long)(timeout_ns % 1000000000LL);
-    }
+    struct timespec ts = cipi_timespec_of_ns(timeout_ns > 0 ? timeout_ns : 0);
     /* ppoll(2), not poll(2): a wait of microseconds (a producer looking at the read flags
      * between short steps) is not rounded up to a millisecond */
     int r = ppoll(w->set, w->n, timeout_ns < 0 ? NULL : &ts, NULL);

@@ -11,6 +11,13 @@ cipi_now_ns(void)
     return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
+/* `ns` nanoseconds (0 or more) as ppoll(2)'s timeout. */
+struct timespec
+cipi_timespec_of_ns(long long ns)
+{
+    return (struct timespec){(time_t)(ns / 1000000000LL), (long)(ns % 1000000000LL)};
+}
+
 long long
 cipi_now_ms(void)
 {

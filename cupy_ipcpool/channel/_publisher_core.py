@@ -178,8 +178,6 @@ class PublisherCore(ClosedFlag):
             raise UsageError(f"handshake_timeout must be positive, not {handshake_timeout}")
         if max_subscribers < 1:
             raise UsageError(f"max_subscribers must be at least 1, not {max_subscribers}")
-        if not 0 <= send_timeout <= 1e9:
-            raise UsageError(f"send_timeout must be 0..1e9 seconds, not {send_timeout}")
         self._book = LeaseBook(self.num_slots, max_credit=max_credit)
         self.max_credit = self._book.max_credit
         self.lease_timeout = lease_timeout
