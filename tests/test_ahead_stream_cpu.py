@@ -32,7 +32,6 @@ import pytest
 
 from cupy_ipcpool.channel._ahead import AheadInbox, AheadSchedule, Predicted
 from cupy_ipcpool.channel._handshake import SubscriberInfo
-from cupy_ipcpool.channel._leases import read_flag_done
 from cupy_ipcpool.channel._payload import FRAME_HEAD
 from cupy_ipcpool.channel._publisher_core import PublisherCore
 from cupy_ipcpool.channel._subscriber_core import SubscriberCore
@@ -176,7 +175,10 @@ class _Publishing:
     ) -> None:
         self.flags = SharedFlags.create(LAYOUT.nbytes)
         self.slots = MemfdSlots(SLOTS, SLOT_BYTES)
-        self.core = PublisherCore(str(tmp_path / name), SLOTS, welcome=self._welcome)
+        self.core = PublisherCore(
+            str(tmp_path / name), SLOTS, welcome=self._welcome, on_join=self._join
+        )
+        self.core.read_flags(self.flags.mapping, LAYOUT.reads_offset, 1)
         self.stream = StreamStandIn(self.flags)
         self.q = SPAWN.Queue()
         #: ``args(address, q)``: the consumer's arguments
@@ -188,20 +190,20 @@ class _Publishing:
         payload, fds = self.slots.welcome(info)
         return payload, [*fds, self.flags.fd]
 
-    def reached(self, _sub_id: int, slot: int) -> bool:
-        return read_flag_done(self.flags.reached, LAYOUT.read_offset(0, slot), self.published[slot])
+    def _join(self, info: SubscriberInfo) -> None:
+        self.core.set_row(info.sub_id, 0)  # one subscriber: read-flag row 0
 
     def settle(self) -> int:
-        return self.book.settle_flagged(self.reached)
+        return self.core.settle()
 
     def wait_free(self, seq: int, slot: int) -> None:
         """Until ``slot`` has no lease (Publisher(ahead=True) takes exactly this slot)."""
         deadline = time.monotonic() + STALL
-        self.book.settle_flagged(self.reached, slot)
+        self.core.settle(slot)
         while self.book.lease_count(slot):
             assert time.monotonic() < deadline, f"frame {seq}: slot {slot} never came back"
             self.core.poll(STALL, self.settle)
-            self.book.settle_flagged(self.reached, slot)
+            self.core.settle(slot)
 
     def publish(self, seq: int, slot: int, generation: int, on_schedule: bool) -> None:
         """Frame ``seq`` into ``slot`` (free): the stream orders its write after the
@@ -211,7 +213,7 @@ class _Publishing:
         self.stream.run(functools.partial(self.slots.write, slot, seq))
         self.stream.write(LAYOUT.frame_offset(slot), generation & M)
         self.published[slot] = generation
-        assert self.core.publish(slot, frame(slot, generation), on_schedule) == seq
+        assert self.core.publish(slot, frame(slot, generation), on_schedule, generation) == seq
 
     def close(self) -> None:
         self.proc.join(STALL)

@@ -2087,7 +2087,20 @@ def _binding_session() -> Callable[[str], str]:
             if cmd == "spub":
                 slot, seq, on, n = map(int, args)
                 payload = bytes((seq + i) & 0xFF for i in range(n))
-                return "ok" + _left(s.publish(slot, seq, on == 1, payload))
+                return "ok" + _left(s.publish(slot, seq, on == 1, payload, seq))
+            if cmd == "spage":
+                state["page"] = bytearray(int(args[0]) * core.num_slots * 4)
+                s.flags(state["page"], 0, int(args[0]))
+                return "ok"
+            if cmd == "sflag":
+                row, slot, value = map(int, args)
+                struct.pack_into("<I", state["page"], (row * core.num_slots + slot) * 4, value)
+                return "ok"
+            if cmd == "srow":
+                s.set_row(int(args[0]), int(args[1]))
+                return "ok"
+            if cmd == "ssettle":
+                return f"ok {s.settle(int(args[0]))}"
             if cmd == "stake":
                 return "ok" + _left(s.take(int(args[0]), int(args[1])))
             if cmd == "sdrop":
@@ -2203,3 +2216,71 @@ def test_the_sessions_messages_write_seconds_as_python_does(leases_exe: Path) ->
     finally:
         probe.close()
     assert got == [f"ok {v!r}" for v in values]
+
+
+def _settle_script(start: Callable[[tuple[int, ...]], Callable[[str], str]]) -> list[str]:
+    """Leases that end at the read flags the session reads from a page (Publisher(ahead=True)):
+    an "ahead" and a "block" subscriber, rows 0 and 1; a flag ends a lease only once it holds
+    the generation published in its slot (here each frame's seq), or a later one."""
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2)]
+    fds = tuple(pairs[i][0].detach() for i in range(2))
+    try:
+        do = start(fds)
+        script = [
+            "new 4 -1 -1",
+            "snew 0 5",
+            f"sadd 1 2 2 {fds[0]}",
+            f"sadd 2 0 2 {fds[1]}",
+            "ssettle -1",  # no page yet: nothing
+            "srow 1 0",  # no page yet: refused
+            "spage 2",
+            "srow 1 0",
+            "srow 2 1",
+            "srow 3 0",  # not in the book
+            "srow 1 2",  # no such row
+            "spub 0 7 1 0",
+            "spub 1 8 1 0",
+            "ssettle -1",  # every flag still 0
+            "sflag 0 0 7",  # subscriber 1 is done with slot 0's frame 7
+            "ssettle 1",  # slot 1 only: nothing
+            "ssettle -1",
+            "sflag 1 0 6",  # subscriber 2: an older generation
+            "ssettle 0",
+            "sflag 1 0 9",  # past it (cyclic): done
+            "ssettle 0",
+            "sflag 0 1 4294967295",  # 2**32 - 1 is behind 8, cyclically
+            "ssettle 1",
+            "state",
+            "sclose 0",
+        ]
+        return [do(line) for line in script]
+    finally:
+        for _ours, t in pairs:
+            t.close()
+
+
+def test_leases_end_at_the_read_flags_alike_both_ways_in(leases_exe: Path) -> None:
+    probes: list[Probe] = []
+
+    def with_probe(fds: tuple[int, ...]) -> Callable[[str], str]:
+        probes.append(Probe(leases_exe, pass_fds=fds))
+        for fd in fds:
+            os.close(fd)
+        return probes[0]
+
+    try:
+        via_probe = _settle_script(with_probe)
+    finally:
+        for probe in probes:
+            probe.close()
+    via_binding = _settle_script(lambda _fds: _binding_session())
+    assert via_probe == via_binding
+    assert via_probe[4] == "ok 0"
+    assert via_probe[5].startswith("err 1 row 0 is not one of the page's 0 rows")
+    assert via_probe[9].startswith("err 1 subscriber 3 is not in the lease book")
+    assert via_probe[10].startswith("err 1 row 2 is not one of the page's 2 rows")
+    assert via_probe[13] == "ok 0"
+    assert via_probe[15:17] == ["ok 0", "ok 1"]
+    assert via_probe[18] == "ok 0" and via_probe[20] == "ok 1"
+    assert via_probe[22] == "ok 0"
+    assert via_probe[23].startswith("ok 2 2 0 []/0/[1,2] [1,2]/0/[] ")

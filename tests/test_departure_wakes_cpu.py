@@ -30,7 +30,7 @@ import pytest
 
 from cupy_ipcpool.channel._publisher_core import PublisherCore
 from cupy_ipcpool.channel._subscriber_core import SubscriberCore
-from tests.test_flag_leases_cpu import ConsumerProcesses, FlagProducer
+from tests.test_flag_leases_cpu import LAYOUT, ConsumerProcesses, FlagProducer
 
 #: The producer's wait (s): a departure must end it long before.
 WAIT = 30.0
@@ -50,8 +50,9 @@ class Producer(FlagProducer):
         if lease_timeout is not None:
             self.core.close()
             self.core = PublisherCore(
-                address, 2, welcome=self._welcome, lease_timeout=lease_timeout
+                address, 2, welcome=self._welcome, on_join=self._join, lease_timeout=lease_timeout
             )
+            self.core.read_flags(self.flags.mapping, LAYOUT.reads_offset, 1)
 
 
 def holding_consumer(conn: Connection, address: str) -> None:
@@ -96,7 +97,7 @@ def publish_in_a_free_slot(prod: FlagProducer) -> None:
     seq = prod.core.next_seq
     prod.slots.write(slot, seq)
     prod.published[slot] = seq + 1
-    prod.core.publish(slot)
+    prod.core.publish(slot, generation=seq + 1)
 
 
 def _leave_soon(way: str, proc: Any, conn: Connection, delay: float) -> threading.Thread:

@@ -28,7 +28,7 @@ import pytest
 from cupy_ipcpool._errors import LeaseStateError, ProtocolError
 from cupy_ipcpool.channel import _protocol as proto
 from cupy_ipcpool.channel._handshake import SubscriberInfo
-from cupy_ipcpool.channel._leases import BLOCK, LeaseBook, read_flag_done
+from cupy_ipcpool.channel._leases import BLOCK, LeaseBook
 from cupy_ipcpool.channel._publisher_core import SETTLE_RECHECK, PublisherCore
 from cupy_ipcpool.channel._subscriber_core import SubscriberCore
 from cupy_ipcpool.channel._syncpage import FlagLayout, SharedFlags
@@ -231,8 +231,8 @@ class FlagProducer:
     The flag page goes to the consumer with the slots' fds; each frame's
     generation is its seq + 1 (a new one for every use of a slot; the page starts at 0,
     as the pool's generations start at 1), and the
-    look at the flag is :meth:`LeaseBook.settle_flagged` with the publisher's rule
-    (:func:`read_flag_done`).
+    look at the flags is the engine's (:meth:`PublisherCore.settle`, reading the page
+    as ``Publisher`` has it read).
     """
 
     def __init__(self, address: str) -> None:
@@ -240,7 +240,11 @@ class FlagProducer:
         self.published = [0, 0]
         self.settle_calls = 0
         self.slots = MemfdSlots(2)
-        self.core = PublisherCore(address, 2, welcome=self._welcome)
+        self.core = PublisherCore(address, 2, welcome=self._welcome, on_join=self._join)
+        self.core.read_flags(self.flags.mapping, LAYOUT.reads_offset, 1)
+
+    def _join(self, info: SubscriberInfo) -> None:
+        self.core.set_row(info.sub_id, 0)  # every consumer here writes row 0
 
     def wait_subscribers(self, n: int) -> None:
         deadline = time.monotonic() + 10
@@ -252,12 +256,9 @@ class FlagProducer:
         payload, fds = self.slots.welcome(info)
         return payload, [*fds, self.flags.fd]
 
-    def reached(self, sub_id: int, slot: int) -> bool:
-        return read_flag_done(self.flags.reached, LAYOUT.read_offset(0, slot), self.published[slot])
-
     def settle(self) -> int:
         self.settle_calls += 1
-        return self.core.lease_book.settle_flagged(self.reached)
+        return self.core.settle()
 
     def publish_flagged(self) -> tuple[int, int]:
         """Publish the next frame (waiting for its slot by messages and flags)."""
@@ -271,7 +272,7 @@ class FlagProducer:
         seq = self.core.next_seq
         self.slots.write(slot, seq)
         self.published[slot] = seq + 1
-        assert self.core.publish(slot) == seq
+        assert self.core.publish(slot, generation=seq + 1) == seq
         return seq, slot
 
     def publish_without_waiting(self) -> tuple[int, int]:
@@ -280,13 +281,13 @@ class FlagProducer:
         What ``Publisher.acquire`` does when its look at the flags finds the slot
         free (``_PublisherLeases.leases``): no poll of the sockets.
         """
-        self.core.lease_book.settle_flagged(self.reached)
+        self.core.settle()
         slot = self.core.lease_book.pick_free_slot(0)
         assert slot is not None, "the flags freed no slot"
         seq = self.core.next_seq
         self.slots.write(slot, seq)
         self.published[slot] = seq + 1
-        assert self.core.publish(slot) == seq
+        assert self.core.publish(slot, generation=seq + 1) == seq
         return seq, slot
 
     def close(self) -> None:
@@ -473,7 +474,7 @@ def test_a_lease_a_look_at_the_flags_ended_is_reported_by_the_next_poll(pair: An
     prod, consumer = pair(release_after=99)  # no RELEASE message: only the flag
     prod.publish_flagged()
     ask(consumer, "frames", 1)  # the consumer checked frame 0 and set its flag
-    assert prod.core.lease_book.settle_flagged(prod.reached) == 1  # not a poll
+    assert prod.core.settle() == 1  # not a poll
     assert prod.core.poll(10.0, prod.settle) == 1  # reported, without waiting
     assert prod.core.poll(0.0, prod.settle) == 0  # and once only
 
@@ -500,7 +501,7 @@ def test_a_release_that_crossed_its_flag_is_kept_and_a_repeat_of_it_drops_the_se
     seq, slot = prod.publish_flagged()
     ask(consumer, "frames", 1)  # flag written, RELEASE sent, neither seen yet
     book = prod.core.lease_book
-    assert book.settle_flagged(prod.reached) == 1  # the flag first: the crossing
+    assert prod.core.settle() == 1  # the flag first: the crossing
     assert book.releases_due == 1
     prod.core.poll(0.0)  # reads the RELEASE: no news
     assert len(prod.core.subscribers) == 1 and book.releases_due == 0
@@ -527,7 +528,7 @@ def test_flags_without_releases_end_leases_up_to_the_bound_then_messages_do(
     for _ in range(bound + 2):
         prod.publish_without_waiting()  # its slot freed by a flag, no message read
         ask(consumer, "frames", 1)
-    assert book.settle_flagged(prod.reached) == 0  # both flags set, neither ends a lease
+    assert prod.core.settle() == 0  # both flags set, neither ends a lease
     assert book.pick_free_slot(0) is None and book.releases_due == bound
     prod.core.poll(0.0)  # reports the leases the flags ended so far
     assert prod.core.poll(0.2, prod.settle) == 0  # the producer waits for messages

@@ -94,7 +94,7 @@ def _decoded(datagrams: list[bytes]) -> list[object]:
 
 
 def test_publish_sends_the_frame_and_a_release_comes_back_into_the_book(subs: Subs) -> None:
-    assert subs.session.publish(1, 7, True, b"meta") is None
+    assert subs.session.publish(1, 7, True, b"meta", 0) is None
     for sub_id in (1, 2):
         (frame,) = _decoded(subs.read_all(sub_id))
         assert frame == proto.Frame(7, 1, b"meta")
@@ -109,7 +109,7 @@ def test_publish_gives_the_frame_to_every_receiver_and_leases_it(
     subs: Subs, payload: bytes
 ) -> None:
     """Every FRAME is byte for byte the Python reference encoder's."""
-    assert subs.session.publish(2, 2**64 - 2, True, payload) is None
+    assert subs.session.publish(2, 2**64 - 2, True, payload, 0) is None
     for sub_id in subs.theirs:
         assert _recv(subs.theirs[sub_id]) == proto.encode_frame(2**64 - 2, 2, payload)
     assert subs.book.leases(2) == [(1, 2**64 - 2), (2, 2**64 - 2)]
@@ -120,7 +120,7 @@ def test_publish_gives_the_frame_to_every_receiver_and_leases_it(
 def test_publish_reaches_only_those_the_book_names(subs: Subs) -> None:
     """A "latest" subscriber holding its credit (2) gets no third frame."""
     for seq in range(3):
-        assert subs.session.publish(seq, seq, True, b"") is None
+        assert subs.session.publish(seq, seq, True, b"", 0) is None
     for sub_id, seqs in ((1, [0, 1, 2]), (2, [0, 1]), (3, [0, 1, 2])):
         assert [proto.decode(_recv(subs.theirs[sub_id])).seq for _ in seqs] == seqs  # type: ignore[union-attr]
         with pytest.raises(BlockingIOError):
@@ -133,7 +133,7 @@ def test_a_full_latest_socket_skips_the_frame_and_a_closed_peer_is_dropped(subs:
     closed is dropped with the send's errno; the rest still get the frame."""
     subs.fill(1)
     subs.theirs[2].close()
-    left = subs.session.publish(0, 7, True, b"p")
+    left = subs.session.publish(0, 7, True, b"p", 0)
     assert left is not None and [sub_id for sub_id, _why in left] == [2]
     assert left[0][1] in (f"send failed: {os.strerror(e)}" for e in (errno.EPIPE, errno.ECONNRESET))
     assert subs.book.held_by(1) == {} and subs.session.ids() == [1, 3]
@@ -154,7 +154,7 @@ def test_a_full_socket_that_drains_in_time_gets_its_frame(subs: Subs) -> None:
     t = threading.Thread(target=drain)
     t.start()
     try:
-        assert subs.session.publish(1, 6, True, b"m") is None
+        assert subs.session.publish(1, 6, True, b"m", 0) is None
     finally:
         t.join()
     read.extend(subs.read_all(1))
@@ -164,17 +164,17 @@ def test_a_full_socket_that_drains_in_time_gets_its_frame(subs: Subs) -> None:
 
 def test_publish_refuses_bad_arguments_and_leases_nothing(subs: Subs) -> None:
     with pytest.raises(UsageError, match="frame payload is 65537 bytes, more than the limit"):
-        subs.session.publish(0, 1, True, bytes(proto.MAX_FRAME_PAYLOAD + 1))
+        subs.session.publish(0, 1, True, bytes(proto.MAX_FRAME_PAYLOAD + 1), 0)
     with pytest.raises(TypeError):
-        subs.session.publish(0, 1, True, bytearray(3))
+        subs.session.publish(0, 1, True, bytearray(3), 0)
     with pytest.raises(SlotIndexError):
-        subs.session.publish(SLOTS, 1, True, b"")
+        subs.session.publish(SLOTS, 1, True, b"", 0)
     with pytest.raises(OverflowError):
-        subs.session.publish(0, -1, True, b"")
+        subs.session.publish(0, -1, True, b"", 0)
     assert subs.book.leases(0) == [] and subs.book.last_published is None
-    assert subs.session.publish(0, 1, True, b"") is None
+    assert subs.session.publish(0, 1, True, b"", 0) is None
     with pytest.raises(LeaseStateError):  # the slot still has leases
-        subs.session.publish(0, 2, True, b"")
+        subs.session.publish(0, 2, True, b"", 0)
     for sub_id in subs.theirs:
         assert _recv(subs.theirs[sub_id]) == proto.encode_frame(1, 0)
         with pytest.raises(BlockingIOError):
@@ -223,7 +223,7 @@ def test_take_times_out_with_none(subs: Subs) -> None:
 
 def test_take_puts_limit_releases_per_ready_socket_into_the_book(subs: Subs) -> None:
     for seq in range(2):
-        subs.session.publish(seq, seq, True, b"")
+        subs.session.publish(seq, seq, True, b"", 0)
     for seq in range(2):
         subs.theirs[1].send(proto.encode_release(seq, seq))
     subs.theirs[2].send(proto.encode_release(1, 1))
@@ -237,7 +237,7 @@ def test_take_puts_limit_releases_per_ready_socket_into_the_book(subs: Subs) -> 
 @pytest.mark.parametrize("timeout_us", [-1, 2**62])
 def test_take_wakes_on_a_release_sent_during_the_wait(subs: Subs, timeout_us: int) -> None:
     """Without limit, or longer than the clock can add: a real wait, woken by the RELEASE."""
-    subs.session.publish(3, 9, True, b"")
+    subs.session.publish(3, 9, True, b"", 0)
 
     def later() -> None:
         time.sleep(0.05)
@@ -257,7 +257,7 @@ def test_take_drops_a_subscriber_at_anything_but_a_release(subs: Subs) -> None:
     """A BYE, a hang-up, a message a subscriber may not send, bytes that are not the
     protocol's, a RELEASE the book cannot explain: each ends that subscriber, with its
     reason (what it sent after is not read); the others are read on."""
-    subs.session.publish(0, 1, True, b"")
+    subs.session.publish(0, 1, True, b"", 0)
     for sub_id in subs.theirs:
         _recv(subs.theirs[sub_id])  # a FRAME left unread would make a hang-up a reset
     subs.theirs[1].send(proto.encode_release(1, 0))
@@ -316,7 +316,7 @@ def test_take_counts_exactly_the_releases_the_book_explains(data: bytes) -> None
     it is that RELEASE, byte for byte; anything else ends the subscriber."""
     made = Subs(["block"])
     try:
-        made.session.publish(2, 2, True, b"")
+        made.session.publish(2, 2, True, b"", 0)
         _recv(made.theirs[1])
         made.theirs[1].send(data)
         left = made.session.take(1_000_000, 1)
@@ -330,7 +330,7 @@ def test_take_counts_exactly_the_releases_the_book_explains(data: bytes) -> None
 
 
 def test_take_lets_other_threads_run_but_not_use_the_session(subs: Subs) -> None:
-    subs.session.publish(2, 9, True, b"")
+    subs.session.publish(2, 9, True, b"", 0)
     refused: list[BaseException] = []
 
     looked: list[list[int]] = []
@@ -350,7 +350,7 @@ def test_take_lets_other_threads_run_but_not_use_the_session(subs: Subs) -> None
 
 
 def test_a_bye_or_a_hangup_ends_its_subscriber_and_gives_its_leases_back(subs: Subs) -> None:
-    assert subs.session.publish(0, 1, True, b"") is None
+    assert subs.session.publish(0, 1, True, b"", 0) is None
     subs.theirs[1].send(proto.encode_bye())
     subs.read_all(2)  # closed with its frame unread, it would be a reset, not a hang-up
     subs.theirs[2].close()
@@ -379,7 +379,7 @@ def test_a_lease_past_lease_timeout_is_evicted_behind_the_frames_queued() -> Non
     queued, then the end; the leases come back once it is queued."""
     subs = Subs(["block", "latest"], lease_timeout=0.05)
     try:
-        assert subs.session.publish(2, 9, True, b"") is None
+        assert subs.session.publish(2, 9, True, b"", 0) is None
         assert subs.session.next_expiry is not None
         assert _decoded(subs.read_all(2)) == [proto.Frame(9, 2, b"")]
         subs.theirs[2].send(proto.encode_release(9, 2))  # in time: not evicted
@@ -400,7 +400,7 @@ def test_a_socket_full_past_send_timeout_is_evicted_and_told_why() -> None:
     try:
         subs.fill(1)
         start = time.monotonic()
-        left = subs.session.publish(0, 3, True, b"")
+        left = subs.session.publish(0, 3, True, b"", 0)
         assert time.monotonic() - start >= 0.05
         why = "evicted: its socket stayed full for 0.05 s"
         assert left == [(1, why)]
@@ -429,7 +429,7 @@ def test_a_signal_during_the_wait_for_room_raises_and_evicts_that_subscriber() -
         start = time.monotonic()
         timer.start()
         with pytest.raises(_Alarm):
-            subs.session.publish(1, 4, True, b"")
+            subs.session.publish(1, 4, True, b"", 0)
         assert time.monotonic() - start < 10.0
         assert subs.book.last_published == (4, 1)
         assert subs.session.ids() == [2]
@@ -492,13 +492,13 @@ def _unprivileged_notice_run(write_fd: int) -> None:
     out: dict[str, object] = {}
     with subs.ours(1) as ours:
         ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, wmem_max)  # as far as it grows
-    assert subs.session.publish(0, 1, True, b"") is None
+    assert subs.session.publish(0, 1, True, b"", 0) is None
     subs.fill(1)
     out["left_at_drop"] = subs.session.drop(1, "evicted: told later", True)
     out["noticing"] = subs.session.noticing
     out["ids"] = subs.session.ids()
     out["leases_kept"] = subs.book.lease_count(0)
-    assert subs.session.publish(1, 2, True, b"") is None  # nothing more goes to it
+    assert subs.session.publish(1, 2, True, b"", 0) is None  # nothing more goes to it
     out["leases_of_next"] = subs.book.lease_count(1)
     out["left_on_retry"] = subs.session.retry_notices()
     first = proto.decode(subs.theirs[1].recv(1 << 17))

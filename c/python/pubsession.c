@@ -22,6 +22,7 @@ typedef struct {
     PyObject_HEAD
     PyObject *core; /* the LeaseCore whose book the session reads and writes */
     struct cipi_pubsession session;
+    Py_buffer page; /* the sync page the read flags are read from (flags()), page.obj NULL: none */
     int ready;
     int busy; /* a call waits with the GIL released */
 } PublisherSession;
@@ -131,6 +132,8 @@ session_dealloc(PublisherSession *self)
 {
     if (self->ready)
         cipi_pubsession_free(&self->session); /* closes what close() did not */
+    if (self->page.obj != NULL)
+        PyBuffer_Release(&self->page);
     Py_XDECREF(self->core);
     PyTypeObject *type = Py_TYPE(self);
     type->tp_free((PyObject *)self);
@@ -237,7 +240,8 @@ session_add(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 session_publish(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (usable(self) < 0 || check_nargs(nargs, 4, "publish(slot, seq, on_schedule, payload)") < 0)
+    if (usable(self) < 0 ||
+        check_nargs(nargs, 5, "publish(slot, seq, on_schedule, payload, generation)") < 0)
         return NULL;
     long long slot = PyLong_AsLongLong(args[0]);
     if (slot == -1 && PyErr_Occurred())
@@ -255,12 +259,15 @@ session_publish(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "publish: payload must be bytes");
         return NULL;
     }
+    unsigned long long generation = PyLong_AsUnsignedLongLongMask(args[4]);
+    if (generation == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
     /* the payload stays alive and unchanged while a wait releases the GIL: bytes, which
      * args holds */
     self->busy = 1;
-    st = cipi_pubsession_publish(&self->session, (uint32_t)slot, seq, on_schedule,
-                                 PyBytes_AS_STRING(args[3]), (size_t)PyBytes_GET_SIZE(args[3]),
-                                 &gil);
+    st = cipi_pubsession_publish(&self->session, (uint32_t)slot, seq, (uint32_t)generation,
+                                 on_schedule, PyBytes_AS_STRING(args[3]),
+                                 (size_t)PyBytes_GET_SIZE(args[3]), &gil);
     self->busy = 0;
     return answer(self, st);
 }
@@ -335,9 +342,75 @@ session_close(PublisherSession *self, PyObject *arg)
     self->busy = 1;
     int all_gone = cipi_pubsession_close(&self->session, (long long)(linger * 1e9), &gil);
     self->busy = 0;
+    self->session.page = NULL; /* the page may be unmapped from here on */
+    if (self->page.obj != NULL)
+        PyBuffer_Release(&self->page);
     if (PyErr_Occurred())
         return NULL; /* a signal's handler raised during the linger */
     return PyBool_FromLong(all_gone);
+}
+
+static PyObject *
+session_flags(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (usable(self) < 0 || check_nargs(nargs, 3, "flags(page, reads_offset, rows)") < 0)
+        return NULL;
+    Py_ssize_t offset = PyLong_AsSsize_t(args[1]);
+    if (offset == -1 && PyErr_Occurred())
+        return NULL;
+    unsigned long rows = PyLong_AsUnsignedLong(args[2]);
+    if (rows == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    cip_status st = offset < 0 || rows > UINT32_MAX
+                        ? cipi_fail(CIP_ERR_INVALID_ARGUMENT, "flags: bad offset or rows")
+                        : cipi_pubsession_flags(&self->session, view.buf, (size_t)view.len,
+                                                (size_t)offset, (uint32_t)rows);
+    if (st != CIP_OK) {
+        PyBuffer_Release(&view);
+        return fail(self, st);
+    }
+    if (self->page.obj != NULL)
+        PyBuffer_Release(&self->page);
+    self->page = view; /* held: the page stays mapped while the session reads it */
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+session_set_row(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint32_t id, row;
+    if (usable(self) < 0 || check_nargs(nargs, 2, "set_row(sub_id, row)") < 0 ||
+        as_sub_id(args[0], &id) < 0 || as_sub_id(args[1], &row) < 0)
+        return NULL;
+    cip_status st = cipi_pubsession_set_row(&self->session, id, row);
+    if (st != CIP_OK)
+        return fail(self, st);
+    Py_RETURN_NONE;
+}
+
+/* Allowed while a call waits on another thread: it reads the page and changes the lease
+ * book only, which that wait does not touch (it polls the wire, the GIL released). */
+static PyObject *
+session_settle(PublisherSession *self, PyObject *arg)
+{
+    if (readable(self) < 0)
+        return NULL;
+    long long slot = PyLong_AsLongLong(arg);
+    if (slot == -1 && PyErr_Occurred())
+        return NULL;
+    if (slot < -1 || slot >= (long long)self->session.book->num_slots) {
+        PyErr_Format(PyExc_ValueError, "settle: slot %lld is not -1 or a slot of the ring",
+                     slot);
+        return NULL;
+    }
+    uint32_t ended;
+    cip_status st = cipi_pubsession_settle(&self->session, slot, &ended);
+    if (st != CIP_OK)
+        return fail(self, st);
+    return PyLong_FromUnsignedLong(ended);
 }
 
 static PyObject *
@@ -402,7 +475,8 @@ static PyMethodDef session_methods[] = {
      "add(sub_id, mode, credit, fd): adopt a subscriber (into the lease book and onto the "
      "wire); the session owns fd from here on, whatever the answer (closed on failure)."},
     {"publish", (PyCFunction)(void (*)(void))session_publish, METH_FASTCALL,
-     "publish(slot, seq, on_schedule, payload) -> list | None: publish frame seq in slot and "
+     "publish(slot, seq, on_schedule, payload, generation) -> list | None: publish frame seq "
+     "(of generation, what its readers' flags say once read) in slot and "
      "send it to every subscriber the lease book names.  A full 'latest' socket skips it; a "
      "full 'block'/'ahead' one is waited for up to send_timeout (the GIL released), then "
      "evicted; another failed send drops its subscriber.  Those that left: [(sub_id, why)]."},
@@ -422,6 +496,15 @@ static PyMethodDef session_methods[] = {
     {"close", (PyCFunction)session_close, METH_O,
      "close(linger) -> bool: BYE to every subscriber, wait up to linger seconds (the GIL "
      "released) for all to hang up, close every socket; True when all had."},
+    {"flags", (PyCFunction)(void (*)(void))session_flags, METH_FASTCALL,
+     "flags(page, reads_offset, rows): read the subscribers' read flags from page (the sync "
+     "page's host mapping, held until close): rows rows of num_slots flags from byte "
+     "reads_offset on."},
+    {"set_row", (PyCFunction)(void (*)(void))session_set_row, METH_FASTCALL,
+     "set_row(sub_id, row): subscriber sub_id writes its read flags in row."},
+    {"settle", (PyCFunction)session_settle, METH_O,
+     "settle(slot) -> int: end every lease of slot (-1: of every slot) whose read flag holds "
+     "the generation published there (LeaseCore.settle_flagged's rule); how many ended."},
     {"fd", (PyCFunction)session_fd, METH_O,
      "fd(sub_id) -> int: the socket of subscriber sub_id (its notice waiting or not), -1 when "
      "the session has none; the session's to close."},

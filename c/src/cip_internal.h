@@ -474,6 +474,7 @@ struct cipi_ids { /* subscriber ids, in insertion order */
 };
 struct cipi_lsub {
     uint32_t id;
+    uint32_t row; /* its row of read flags in the sync page (pub_session.c); UINT32_MAX: none */
     int latest, ahead, suspended;
     int receiving, early_seen; /* cipi_leases_publishing's marks, for the frame it records */
     uint32_t credit;
@@ -599,6 +600,12 @@ struct cipi_pubsession {
     struct cipi_departure *left; /* gone since the caller last looked (reserved by add) */
     uint32_t nleft, left_cap;
     uint32_t *freed;             /* cipi_leases_remove's room (num_slots) */
+    /* the read flags (cipi_pubsession_flags): the sync page's host mapping, where its rows
+     * begin (in flags), how many rows; and the generation last published in each slot */
+    const uint32_t *page;
+    size_t reads_at;
+    uint32_t rows;
+    uint32_t *published;
 };
 CIP_INTERNAL cip_status cipi_pubsession_init(struct cipi_pubsession *s, struct cipi_leasebook *b,
                                              double lease_timeout, double send_timeout);
@@ -609,9 +616,15 @@ CIP_INTERNAL int cipi_pubsession_drop(struct cipi_pubsession *s, uint32_t sub_id
                                       const char *why, int notify);
 CIP_INTERNAL void cipi_pubsession_retry_notices(struct cipi_pubsession *s);
 CIP_INTERNAL cip_status cipi_pubsession_publish(struct cipi_pubsession *s, uint32_t slot,
-                                                uint64_t seq, int on_schedule,
-                                                const void *payload, size_t len,
-                                                const struct cipi_waiting *waiting);
+                                                uint64_t seq, uint32_t generation,
+                                                int on_schedule, const void *payload,
+                                                size_t len, const struct cipi_waiting *waiting);
+CIP_INTERNAL cip_status cipi_pubsession_flags(struct cipi_pubsession *s, const void *page,
+                                              size_t nbytes, size_t reads_offset, uint32_t rows);
+CIP_INTERNAL cip_status cipi_pubsession_set_row(struct cipi_pubsession *s, uint32_t sub_id,
+                                                uint32_t row);
+CIP_INTERNAL cip_status cipi_pubsession_settle(struct cipi_pubsession *s, long long slot,
+                                               uint32_t *ended);
 CIP_INTERNAL cip_status cipi_pubsession_take(struct cipi_pubsession *s, long long timeout_ns,
                                              long limit, const struct cipi_waiting *waiting);
 CIP_INTERNAL cip_status cipi_pubsession_expire(struct cipi_pubsession *s);

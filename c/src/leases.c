@@ -248,6 +248,7 @@ cipi_leases_add(struct cipi_leasebook *b, uint64_t sub_id, int mode, long long c
         b->subs_cap = cap;
     }
     s->id = (uint32_t)sub_id;
+    s->row = UINT32_MAX;
     s->latest = mode == CIPI_LEASE_LATEST;
     s->ahead = mode == CIPI_LEASE_AHEAD;
     s->credit = cipi_granted_credit((uint64_t)credit, b->max_credit);

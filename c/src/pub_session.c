@@ -36,8 +36,13 @@ cipi_pubsession_init(struct cipi_pubsession *s, struct cipi_leasebook *b, double
     s->lease_timeout = lease_timeout;
     s->send_timeout = send_timeout;
     s->freed = malloc((b->num_slots ? b->num_slots : 1) * sizeof *s->freed);
-    if (s->freed == NULL)
+    s->published = calloc(b->num_slots ? b->num_slots : 1, sizeof *s->published);
+    if (s->freed == NULL || s->published == NULL) {
+        free(s->freed);
+        free(s->published);
+        memset(s, 0, sizeof *s);
         return cipi_fail(CIP_ERR_NO_MEMORY, "out of memory making a publisher session");
+    }
     return CIP_OK;
 }
 
@@ -53,6 +58,7 @@ cipi_pubsession_free(struct cipi_pubsession *s)
     free(s->notices);
     free(s->left);
     free(s->freed);
+    free(s->published);
     memset(s, 0, sizeof *s);
 }
 
@@ -273,14 +279,16 @@ send_stalled(struct cipi_pubsession *s, uint32_t sub_id, uint64_t seq, uint32_t 
  * CIPI_ERR_INTERRUPTED when waiting->interrupted stopped a wait (every failure is settled
  * first: the subscribers whose frame did not go are evicted). */
 cip_status
-cipi_pubsession_publish(struct cipi_pubsession *s, uint32_t slot, uint64_t seq, int on_schedule,
-                        const void *payload, size_t len, const struct cipi_waiting *waiting)
+cipi_pubsession_publish(struct cipi_pubsession *s, uint32_t slot, uint64_t seq,
+                        uint32_t generation, int on_schedule, const void *payload, size_t len,
+                        const struct cipi_waiting *waiting)
 {
     double now = s->lease_timeout > 0 ? now_s() : 0.0;
     cip_status st =
         cipi_pubwire_send(&s->wire, s->book, slot, seq, now, on_schedule, payload, len);
     if (st != CIP_OK)
         return st;
+    s->published[slot] = generation; /* what its readers' flags will say once they are done */
     /* dropping a subscriber or waiting for one leaves the wire's events as they are */
     int interrupted = 0;
     for (uint32_t i = 0; i < s->wire.nevents; i++) {
@@ -435,4 +443,67 @@ cipi_pubsession_close(struct cipi_pubsession *s, long long linger_ns,
     s->wire.n = 0;
     s->nnotices = 0;
     return all_gone;
+}
+
+/* ---- leases that end at the read flags (Publisher(ahead=True)) -------------------------- */
+
+/* Read the subscribers' flags from `page` (the sync page's host mapping, `nbytes` long,
+ * alive until the session is freed or given another): `rows` rows of num_slots flags from
+ * byte `reads_offset` on. */
+cip_status
+cipi_pubsession_flags(struct cipi_pubsession *s, const void *page, size_t nbytes,
+                      size_t reads_offset, uint32_t rows)
+{
+    size_t n = s->book->num_slots;
+    if (page == NULL || reads_offset % CIP_WIRE_SYNC_FLAG_BYTES || rows == 0 ||
+        reads_offset > nbytes ||
+        (nbytes - reads_offset) / CIP_WIRE_SYNC_FLAG_BYTES / n < rows)
+        return cipi_fail(CIP_ERR_INVALID_ARGUMENT,
+                         "%u rows of %zu read flags from byte %zu do not fit a page of %zu bytes",
+                         rows, n, reads_offset, nbytes);
+    s->page = (const uint32_t *)page;
+    s->reads_at = reads_offset / CIP_WIRE_SYNC_FLAG_BYTES;
+    s->rows = rows;
+    return CIP_OK;
+}
+
+/* Subscriber `sub_id` writes its read flags in row `row`. */
+cip_status
+cipi_pubsession_set_row(struct cipi_pubsession *s, uint32_t sub_id, uint32_t row)
+{
+    struct cipi_lsub *sub = cipi_leases_sub(s->book, sub_id);
+    if (sub == NULL)
+        return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "subscriber %u is not in the lease book",
+                         sub_id);
+    if (s->page == NULL || row >= s->rows)
+        return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "row %u is not one of the page's %u rows",
+                         row, s->rows);
+    sub->row = row;
+    return CIP_OK;
+}
+
+/* Whether sub_id's read flag of slot holds the generation published there, or a later one
+ * (cyclic, as on the GPU): only that generation counts; a subscriber never writes one it
+ * was not sent, and the older values (a previous owner's, an earlier round's) are behind. */
+static int
+read_flag_done(void *ctx, uint64_t sub_id, uint32_t slot)
+{
+    const struct cipi_pubsession *s = (const struct cipi_pubsession *)ctx;
+    const struct cipi_lsub *sub = cipi_leases_sub(s->book, sub_id);
+    if (sub == NULL || sub->row >= s->rows)
+        return 0;
+    uint32_t word = __atomic_load_n(
+        &s->page[s->reads_at + (size_t)sub->row * s->book->num_slots + slot], __ATOMIC_ACQUIRE);
+    return (int32_t)(word - s->published[slot]) >= 0;
+}
+
+/* End every lease (of `slot`, or of every slot for -1) whose read flag is done
+ * (cipi_leases_settle_flagged); *ended how many.  Nothing without a page. */
+cip_status
+cipi_pubsession_settle(struct cipi_pubsession *s, long long slot, uint32_t *ended)
+{
+    *ended = 0;
+    if (s->page == NULL)
+        return CIP_OK;
+    return cipi_leases_settle_flagged(s->book, read_flag_done, s, slot, ended);
 }

@@ -30,6 +30,11 @@
  *   sstate                            -> ok COUNT NOTICING EVICTIONS
  *   sclose LINGER_MS                  -> ok ALL_GONE
  *   fmt SECONDS                       -> ok TEXT   (how the session's messages write it)
+ *   spage ROWS                        -> ok | err ...   (a zeroed page of ROWS rows of read
+ *                                        flags, from byte 0, that the session reads)
+ *   sflag ROW SLOT VALUE              -> ok             (a subscriber's read flag written)
+ *   srow ID ROW                       -> ok | err ...
+ *   ssettle SLOT                      -> ok ENDED | err ...   (SLOT -1: every slot)
  *   quit
  */
 #include "../src/cip_internal.h"
@@ -41,6 +46,7 @@
 static struct cipi_leasebook book;
 static struct cipi_pubsession session;
 static int made, session_made;
+static uint32_t *page; /* spage's */
 
 /* those that left since the last answer, then the end of the line */
 static void
@@ -93,8 +99,9 @@ print_sorted(const struct cipi_ids *s)
 static int
 is_session_command(const char *cmd)
 {
-    static const char *const names[] = {"sadd",   "spub",    "stake",  "sdrop",
-                                        "sretry", "sexpire", "sstate", "sclose"};
+    static const char *const names[] = {"sadd",   "spub",   "stake", "sdrop", "sretry",
+                                        "sexpire", "sstate", "sclose", "spage", "sflag",
+                                        "srow",   "ssettle"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!strcmp(cmd, names[i]))
             return 1;
@@ -237,8 +244,8 @@ main(void)
                 payload[i] = (uint8_t)((b + i) & 0xFF);
             st = cipi_leases_check_slot(&book, a);
             if (st == CIP_OK)
-                st = cipi_pubsession_publish(&session, (uint32_t)a, (uint64_t)b, (int)d, payload,
-                                             (size_t)c, NULL);
+                st = cipi_pubsession_publish(&session, (uint32_t)a, (uint64_t)b, (uint32_t)b,
+                                             (int)d, payload, (size_t)c, NULL);
             if (st == CIP_OK) {
                 printf("ok");
                 print_left();
@@ -267,6 +274,28 @@ main(void)
                 print_left();
             }
             answer(st);
+        } else if (!strcmp(cmd, "spage") && sscanf(rest, "%lld", &a) == 1) {
+            size_t words = (size_t)(a > 0 ? a : 0) * book.num_slots;
+            free(page);
+            page = (uint32_t *)calloc(words ? words : 1, sizeof *page);
+            st = cipi_pubsession_flags(&session, page, words * sizeof *page, 0, (uint32_t)a);
+            if (st == CIP_OK)
+                printf("ok\n");
+            answer(st);
+        } else if (!strcmp(cmd, "sflag") && sscanf(rest, "%lld %lld %lld", &a, &b, &c) == 3) {
+            page[(size_t)a * book.num_slots + (size_t)b] = (uint32_t)c;
+            printf("ok\n");
+        } else if (!strcmp(cmd, "srow") && sscanf(rest, "%lld %lld", &a, &b) == 2) {
+            st = cipi_pubsession_set_row(&session, (uint32_t)a, (uint32_t)b);
+            if (st == CIP_OK)
+                printf("ok\n");
+            answer(st);
+        } else if (!strcmp(cmd, "ssettle") && sscanf(rest, "%lld", &a) == 1) {
+            uint32_t ended = 0;
+            st = cipi_pubsession_settle(&session, a, &ended);
+            if (st == CIP_OK)
+                printf("ok %u\n", ended);
+            answer(st);
         } else if (!strcmp(cmd, "sstate")) {
             printf("ok %u %u %llu\n", session.wire.n, session.nnotices,
                    (unsigned long long)session.evictions);
@@ -288,6 +317,7 @@ main(void)
     }
     if (session_made)
         cipi_pubsession_free(&session);
+    free(page);
     if (made)
         cipi_leases_free(&book);
     return 0;

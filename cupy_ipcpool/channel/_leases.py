@@ -50,18 +50,6 @@ LATEST = "latest"
 AHEAD = "ahead"
 
 
-def read_flag_done(reached: Callable[[int, int], bool], flag: int, published: int) -> bool:
-    """Whether a subscriber's read flag says its lease on a slot has ended.
-
-    ``flag`` locates the subscriber's read flag of the slot for ``reached``
-    (the flag page's cyclic comparison, as on the GPU); ``published`` is the
-    generation of the frame sent in that slot.  Only that generation counts:
-    a flag's older values (a previous owner's, a frame of an earlier round)
-    are behind it, and a subscriber never writes one it was not sent.
-    """
-    return reached(flag, published & 0xFFFFFFFF)
-
-
 def default_latest_reserve(num_slots: int) -> int:
     """Slots kept out of ``"latest"`` subscribers' reach: 2 (1 for a 2-slot ring, 0 for 1 slot).
 

@@ -44,7 +44,6 @@ from .._handles import ArrayHandle
 from .._pool import DEFAULT_TIMEOUT, IpcPool, SlotToken
 from .._transport._closing import ClosedFlag
 from ._handshake import SubscriberInfo
-from ._leases import read_flag_done
 from ._payload import (
     FRAME_HEAD,
     FRAME_VOID,
@@ -161,7 +160,6 @@ class _PublisherLeases:
         self._streams = publisher._streams
         # ahead=True: a lease also ends when its read flag is seen set (settle_by_flags)
         self._by_flags = publisher._ahead
-        self._reached = publisher._sync.reached
         self.closed = False  # set by the publisher's close
         self.lock = threading.RLock()  # serialises the (single-threaded) session core
 
@@ -171,7 +169,7 @@ class _PublisherLeases:
         count = self._book.lease_count(slot)
         if count and self._by_flags and self.lock.acquire(blocking=False):
             try:
-                self._book.settle_flagged(self._read, slot)
+                self._core.settle(slot)
                 count = self._book.lease_count(slot)
             finally:
                 self.lock.release()
@@ -197,15 +195,9 @@ class _PublisherLeases:
         ``release()``, on its stream after its work, but sends the RELEASE
         message only once the frame's own message has come (its next
         ``recv()``); the flag, in the shared host page, says the same sooner.
+        The engine reads the flags (:meth:`PublisherCore.settle`).
         """
-        return self._book.settle_flagged(self._read)
-
-    def _read(self, sub_id: int, slot: int) -> bool:
-        """Whether ``sub_id``'s read flag of ``slot`` holds the generation it was sent."""
-        row = self._rows.get(sub_id)
-        return row is not None and read_flag_done(
-            self._reached, row[1][slot], self._published[slot]
-        )
+        return self._core.settle()
 
     def order_write(self, slot: int, stream: int) -> None:
         """Make ``stream`` wait for the read flags of every subscriber that read ``slot``."""
@@ -362,7 +354,11 @@ class Publisher(ClosedFlag):
                 lease_timeout=lease_timeout,
                 spin_us=spin_us,
             )
+            # the engine reads the subscribers' read flags from the page's host mapping
+            self._core.read_flags(sync.flags.mapping, sync.layout.reads_offset, max_subscribers)
         except BaseException:
+            if hasattr(self, "_core"):
+                self._core.close()  # lets go of the page
             sync.close()
             raise
         # per-frame lookups, made once: the slots' and flags' addresses, and the
@@ -438,6 +434,9 @@ class Publisher(ClosedFlag):
     def _on_join(self, info: SubscriberInfo) -> None:
         with self._lock:
             self._adopted.add(info.sub_id)
+            row = self._rows.get(info.sub_id)
+        if row is not None:  # its read flags: where the engine looks when it settles
+            self._core.set_row(info.sub_id, row[0])
 
     def _on_leave(self, info: SubscriberInfo) -> None:
         # Our streams may wait on the read flags of a subscriber that read frames (it
@@ -685,7 +684,7 @@ class Publisher(ClosedFlag):
         scheduled = generation == self._published[slot] + 1
         self._published[slot] = generation
         with self._leases.lock:
-            seq = self._core.publish(slot, b"".join(parts), scheduled)
+            seq = self._core.publish(slot, b"".join(parts), scheduled, generation)
         self._end_write(token)
         if self._ahead:
             self._next_slot = (slot + 1) % len(self._ptrs)

@@ -317,6 +317,26 @@ class PublisherCore(ClosedFlag):
         """
         return self._session.evictions
 
+    def read_flags(self, page: object, reads_offset: int, rows: int) -> None:
+        """Read the subscribers' read flags from ``page`` (the sync page's host mapping,
+        held until :meth:`close`): ``rows`` rows of ``num_slots`` flags from byte
+        ``reads_offset`` on.  Each subscriber's row is given by :meth:`set_row`."""
+        self._session.flags(page, reads_offset, rows)
+
+    def set_row(self, sub_id: int, row: int) -> None:
+        """Subscriber ``sub_id`` (adopted) writes its read flags in row ``row``."""
+        self._session.set_row(sub_id, row)
+
+    def settle(self, slot: int | None = None) -> int:
+        """End every lease (of ``slot``, or of every slot) whose subscriber's read flag holds
+        the generation published there; return how many ended.
+
+        With ``Publisher(ahead=True)`` a lease ends when its read flag says so,
+        before the RELEASE message (which then is no news).  The engine reads
+        the flags (``c/src/pub_session.c``); nothing without :meth:`read_flags`.
+        """
+        return self._session.settle(-1 if slot is None else slot)
+
     def hold(self, slot: int) -> None:
         """Count a local reference (a live producer array) to ``slot``."""
         self._book.hold(slot)
@@ -482,7 +502,9 @@ class PublisherCore(ClosedFlag):
                 remaining = _NOTICE_RETRY if remaining is None else min(remaining, _NOTICE_RETRY)
             self._wait(remaining)
 
-    def publish(self, slot: int, payload: bytes = b"", on_schedule: bool = True) -> int:
+    def publish(
+        self, slot: int, payload: bytes = b"", on_schedule: bool = True, generation: int = 0
+    ) -> int:
         """Send frame ``(next seq, slot, payload)`` to the subscribers that take it.
 
         Every ``"block"`` subscriber receives it (a full socket stalls up to
@@ -500,6 +522,9 @@ class PublisherCore(ClosedFlag):
             Whether the frame's generation is the one ``"ahead"`` subscribers
             predict; False makes their leases on it end only at their read
             flags (``LeaseBook.publishing``).
+        generation:
+            The slot's generation in this frame: what a subscriber's read flag
+            of the slot holds once it is done with it (:meth:`settle`).
 
         Returns
         -------
@@ -523,7 +548,7 @@ class PublisherCore(ClosedFlag):
         if type(payload) is not bytes:
             payload = bytes(payload)
         try:
-            left = self._session.publish(slot, seq, on_schedule, payload)
+            left = self._session.publish(slot, seq, on_schedule, payload, generation)
         except BaseException:
             # refused before publishing (payload, slot, leases), or interrupted after it
             # (a signal while a full socket was waited for: the frame is out)

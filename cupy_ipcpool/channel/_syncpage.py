@@ -207,6 +207,11 @@ class SharedFlags:
         """The memfd (owned by this object until :meth:`close`)."""
         return self._fd
 
+    @property
+    def mapping(self) -> mmap.mmap:
+        """The page's host mapping: the buffer the engine reads flags from (see close)."""
+        return self._mm
+
     def load(self, offset: int) -> int:
         """The 32-bit flag at byte ``offset`` (one aligned load)."""
         return int(self._words[offset >> 2])
