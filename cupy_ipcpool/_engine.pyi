@@ -13,6 +13,7 @@ SYNC_FORCED: int
 SYNC_SET_WINDOW: int
 SYNC_READS_ALIGN: int
 SYNC_RECORD_CAP: int
+SETTLE_RECHECK: tuple[float, float, float]
 
 def frame_head(
     payload: bytes | bytearray | memoryview, seq: int, slot: int, /
@@ -108,6 +109,7 @@ class PublisherSession:
     noticing: int
     evictions: int
     next_expiry: float | None
+    flag_looks: int
 
     def __init__(
         self, lease_core: LeaseCore, lease_timeout: float | None, send_timeout: float
@@ -119,6 +121,9 @@ class PublisherSession:
     def flags(self, page: object, reads_offset: int, rows: int, /) -> None: ...
     def set_row(self, sub_id: int, row: int, /) -> None: ...
     def settle(self, slot: int, /) -> int: ...
+    def poll(
+        self, timeout_us: int, spin_ns: int, settle: bool, /
+    ) -> list[tuple[int, str]] | None: ...
     def take(self, timeout_us: int, limit: int, /) -> list[tuple[int, str]] | None: ...
     def drop(self, sub_id: int, why: str, notify: bool, /) -> list[tuple[int, str]] | None: ...
     def retry_notices(self) -> list[tuple[int, str]] | None: ...

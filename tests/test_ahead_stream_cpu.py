@@ -193,16 +193,13 @@ class _Publishing:
     def _join(self, info: SubscriberInfo) -> None:
         self.core.set_row(info.sub_id, 0)  # one subscriber: read-flag row 0
 
-    def settle(self) -> int:
-        return self.core.settle()
-
     def wait_free(self, seq: int, slot: int) -> None:
         """Until ``slot`` has no lease (Publisher(ahead=True) takes exactly this slot)."""
         deadline = time.monotonic() + STALL
         self.core.settle(slot)
         while self.book.lease_count(slot):
             assert time.monotonic() < deadline, f"frame {seq}: slot {slot} never came back"
-            self.core.poll(STALL, self.settle)
+            self.core.poll(STALL, True)
             self.core.settle(slot)
 
     def publish(self, seq: int, slot: int, generation: int, on_schedule: bool) -> None:

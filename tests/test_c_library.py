@@ -2103,6 +2103,8 @@ def _binding_session() -> Callable[[str], str]:
                 return f"ok {s.settle(int(args[0]))}"
             if cmd == "stake":
                 return "ok" + _left(s.take(int(args[0]), int(args[1])))
+            if cmd == "spoll":
+                return "ok" + _left(s.poll(int(args[0]), int(args[1]), args[2] == "1"))
             if cmd == "sdrop":
                 why = line.split(maxsplit=3)[3]
                 return "ok" + _left(s.drop(int(args[0]), why, args[1] == "1"))
@@ -2284,3 +2286,65 @@ def test_leases_end_at_the_read_flags_alike_both_ways_in(leases_exe: Path) -> No
     assert via_probe[18] == "ok 0" and via_probe[20] == "ok 1"
     assert via_probe[22] == "ok 0"
     assert via_probe[23].startswith("ok 2 2 0 []/0/[1,2] [1,2]/0/[] ")
+
+
+def _poll_script(start: Callable[[tuple[int, ...]], Callable[[str], str]]) -> list[str]:
+    """The publisher's wait for a lease to end (c/src/pub_poll.c): at a read flag, looked at
+    before a wait, during a spin and between a wait's steps; at an eviction past
+    lease_timeout; or not at all (the wait's timeout)."""
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2)]
+    fds = tuple(pairs[i][0].detach() for i in range(2))
+    try:
+        do = start(fds)
+        script = [
+            "new 4 -1 -1",
+            "snew 0.1 5",
+            f"sadd 1 2 2 {fds[0]}",  # "ahead", row 0
+            f"sadd 2 0 2 {fds[1]}",  # "block", row 1: sends nothing, sets no flag
+            "spage 2",
+            "srow 1 0",
+            "srow 2 1",
+            "spub 0 7 1 0",
+            "spoll 0 0 1",  # no flag set: nothing ended, no wait
+            "sflag 0 0 7",
+            "spoll 0 0 0",  # not settling: the flag is not looked at
+            "spoll 0 0 1",  # subscriber 1's lease ends at its flag
+            "state",
+            "spoll 5000000 0 1",  # subscriber 2 holds frame 7: evicted at lease_timeout
+            "state",
+            "spub 1 8 1 0",
+            "sflag 0 1 8",
+            "spoll 5000000 200000000 1",  # a spin's first look ends it
+            "spoll 20000 0 0",  # nothing ends: the wait's timeout
+            "sstate",
+            "sclose 0",
+        ]
+        return [do(line) for line in script]
+    finally:
+        for _ours, t in pairs:
+            t.close()
+
+
+def test_the_publishers_wait_answers_alike_both_ways_in(leases_exe: Path) -> None:
+    probes: list[Probe] = []
+
+    def with_probe(fds: tuple[int, ...]) -> Callable[[str], str]:
+        probes.append(Probe(leases_exe, pass_fds=fds))
+        for fd in fds:
+            os.close(fd)
+        return probes[0]
+
+    try:
+        via_probe = _poll_script(with_probe)
+    finally:
+        for probe in probes:
+            probe.close()
+    via_binding = _poll_script(lambda _fds: _binding_session())
+    assert via_probe == via_binding
+    assert via_probe[:11] == ["ok"] * 11
+    assert via_probe[11] == "ok"
+    assert via_probe[12] == "ok 1 1 0 [2]/0/[1] []/0/[] []/0/[] []/0/[]"  # a RELEASE due
+    assert via_probe[13] == "ok 2/evicted: held frame 7 for more than lease_timeout=0.1 s;"
+    assert via_probe[14] == "ok 1 2 0 []/0/[1] []/0/[] []/0/[] []/0/[]"
+    assert via_probe[15:19] == ["ok"] * 4
+    assert via_probe[19:] == ["ok 1 0 1", "ok 0"]  # subscriber 2's notice is queued

@@ -127,7 +127,7 @@ def test_a_departure_wakes_the_waiting_producer(holding: Any, way: str, flags: b
     # an eviction comes at the lease timeout, counted from the frames' publication
     thread = _leave_soon(way, proc, conn, 0.2)
     start = time.monotonic()
-    returned = prod.core.poll(WAIT, prod.settle if flags else None)
+    returned = prod.core.poll(WAIT, flags)
     woke = time.monotonic()
     thread.join()
     assert returned == 2, f"the poll ended with {returned} leases returned ({way})"
@@ -147,9 +147,7 @@ def test_a_departure_wakes_a_producer_that_waits_without_limit(holding: Any) -> 
     """``timeout=None``: before the fix a waiting poll with the flag look never resumed."""
     prod, _proc, conn = holding("bye")
     result: list[int] = []
-    waiter = threading.Thread(
-        target=lambda: result.append(prod.core.poll(None, prod.settle)), daemon=True
-    )
+    waiter = threading.Thread(target=lambda: result.append(prod.core.poll(None, True)), daemon=True)
     waiter.start()
     time.sleep(0.2)
     conn.send(("leave", "bye"))

@@ -282,16 +282,10 @@ CODE_FACTS: dict[str, Callable[[], Any]] = {
     "ACCEPT_BACKOFF_MS": lambda: (
         _import("cupy_ipcpool._transport._accept_loop", "ACCEPT_BACKOFF_S")() * 1000
     ),
-    "SETTLE_RECHECK_FIRST_US": lambda: (
-        _import("cupy_ipcpool.channel._publisher_core", "SETTLE_RECHECK")()[0] * 1e6
-    ),
-    "SETTLE_RECHECK_LAST_MS": lambda: (
-        _import("cupy_ipcpool.channel._publisher_core", "SETTLE_RECHECK")()[1] * 1000
-    ),
+    "SETTLE_RECHECK_FIRST_US": lambda: _import("cupy_ipcpool._engine", "SETTLE_RECHECK")()[0] * 1e6,
+    "SETTLE_RECHECK_LAST_MS": lambda: _import("cupy_ipcpool._engine", "SETTLE_RECHECK")()[1] * 1000,
     "MAX_DUE_PER_SLOT": lambda: _import("cupy_ipcpool.channel._leases", "default_max_due")()(1),
-    "SETTLE_RECHECK_GROWTH": lambda: _import(
-        "cupy_ipcpool.channel._publisher_core", "SETTLE_RECHECK"
-    )()[2],
+    "SETTLE_RECHECK_GROWTH": lambda: _import("cupy_ipcpool._engine", "SETTLE_RECHECK")()[2],
     "CIP_WIRE_DEATH_WAIT_MS": lambda: _c_wire("CIP_WIRE_DEATH_WAIT_MS"),
     "CIP_WIRE_CLOSE_WAIT_MS": lambda: _c_wire("CIP_WIRE_CLOSE_WAIT_MS"),
     "CIP_WIRE_UNMAP_WAIT_MS": lambda: _c_wire("CIP_WIRE_UNMAP_WAIT_MS"),

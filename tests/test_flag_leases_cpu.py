@@ -25,11 +25,12 @@ from typing import Any
 
 import pytest
 
+from cupy_ipcpool._engine import SETTLE_RECHECK
 from cupy_ipcpool._errors import LeaseStateError, ProtocolError
 from cupy_ipcpool.channel import _protocol as proto
 from cupy_ipcpool.channel._handshake import SubscriberInfo
 from cupy_ipcpool.channel._leases import BLOCK, LeaseBook
-from cupy_ipcpool.channel._publisher_core import SETTLE_RECHECK, PublisherCore
+from cupy_ipcpool.channel._publisher_core import PublisherCore
 from cupy_ipcpool.channel._subscriber_core import SubscriberCore
 from cupy_ipcpool.channel._syncpage import FlagLayout, SharedFlags
 from tests import _pipe_child
@@ -238,7 +239,6 @@ class FlagProducer:
     def __init__(self, address: str) -> None:
         self.flags = SharedFlags.create(LAYOUT.nbytes)
         self.published = [0, 0]
-        self.settle_calls = 0
         self.slots = MemfdSlots(2)
         self.core = PublisherCore(address, 2, welcome=self._welcome, on_join=self._join)
         self.core.read_flags(self.flags.mapping, LAYOUT.reads_offset, 1)
@@ -256,10 +256,6 @@ class FlagProducer:
         payload, fds = self.slots.welcome(info)
         return payload, [*fds, self.flags.fd]
 
-    def settle(self) -> int:
-        self.settle_calls += 1
-        return self.core.settle()
-
     def publish_flagged(self) -> tuple[int, int]:
         """Publish the next frame (waiting for its slot by messages and flags)."""
         deadline = time.monotonic() + 10
@@ -268,7 +264,7 @@ class FlagProducer:
             if slot is not None:
                 break
             assert time.monotonic() < deadline, "no slot came free"
-            self.core.poll(1.0, self.settle)
+            self.core.poll(1.0, True)
         seq = self.core.next_seq
         self.slots.write(slot, seq)
         self.published[slot] = seq + 1
@@ -411,9 +407,9 @@ def test_the_producer_runs_on_read_flags_while_releases_come_late(pair: Any) -> 
     assert seqs == list(range(frames))
     ask(consumer, "flush")
     deadline = time.monotonic() + 10
-    while prod.core.lease_book.any_leased() or prod.core.poll(0.0, prod.settle):
+    while prod.core.lease_book.any_leased() or prod.core.poll(0.0, True):
         assert time.monotonic() < deadline
-        prod.core.poll(0.1, prod.settle)
+        prod.core.poll(0.1, True)
     # the late RELEASE of every frame settled by its flag was no news: the subscriber
     # stayed, and no lease is left
     assert len(prod.core.subscribers) == 1
@@ -425,11 +421,11 @@ def test_a_flag_of_an_earlier_frame_does_not_end_a_lease(pair: Any) -> None:
     prod.publish_flagged()
     prod.publish_flagged()  # both slots leased
     ask(consumer, "frames", 2)  # flags at frames 0 and 1
-    assert prod.core.poll(0.0, prod.settle) == 2
+    assert prod.core.poll(0.0, True) == 2
     seq, slot = prod.publish_flagged()
     assert (seq, slot) == (2, 0)
     # slot 0's flag still holds frame 0's generation, which is not frame 2's
-    assert prod.core.poll(0.0, prod.settle) == 0
+    assert prod.core.poll(0.0, True) == 0
     assert prod.core.lease_book.leases(0) == [(prod.core.subscribers[0].sub_id, 2)]
 
 
@@ -438,17 +434,18 @@ def test_a_waiting_poll_sees_a_flag_set_later_and_does_not_spin(pair: Any) -> No
     prod.publish_flagged()
     # nothing sets the flag: the poll sleeps its timeout out, looking at the flags
     # between growing steps (not once per message, not in a busy loop)
-    prod.settle_calls = 0
+    looks = prod.core._session.flag_looks
     wait = 0.3
-    assert prod.core.poll(wait, prod.settle) == 0
+    assert prod.core.poll(wait, True) == 0
     first, longest, growth = SETTLE_RECHECK
     steps, step, slept = 0, first, 0.0
     while slept < wait:
         slept, steps, step = slept + step, steps + 1, min(step * growth, longest)
-    assert prod.settle_calls <= steps + 2  # the look before waiting, and the last one
+    # the look before waiting, and the last one
+    assert prod.core._session.flag_looks - looks <= steps + 2
     # the flag set while the producer waits (no message comes) ends its wait
     consumer.send(("frames", 1))
-    assert prod.core.poll(10.0, prod.settle) == 1
+    assert prod.core.poll(10.0, True) == 1
     assert consumer.poll(10) and consumer.recv() == ("ok", [0])
 
 
@@ -475,8 +472,8 @@ def test_a_lease_a_look_at_the_flags_ended_is_reported_by_the_next_poll(pair: An
     prod.publish_flagged()
     ask(consumer, "frames", 1)  # the consumer checked frame 0 and set its flag
     assert prod.core.settle() == 1  # not a poll
-    assert prod.core.poll(10.0, prod.settle) == 1  # reported, without waiting
-    assert prod.core.poll(0.0, prod.settle) == 0  # and once only
+    assert prod.core.poll(10.0, True) == 1  # reported, without waiting
+    assert prod.core.poll(0.0, True) == 0  # and once only
 
 
 def test_a_release_another_call_read_is_reported_by_the_next_poll(pair: Any) -> None:
@@ -531,7 +528,7 @@ def test_flags_without_releases_end_leases_up_to_the_bound_then_messages_do(
     assert prod.core.settle() == 0  # both flags set, neither ends a lease
     assert book.pick_free_slot(0) is None and book.releases_due == bound
     prod.core.poll(0.0)  # reports the leases the flags ended so far
-    assert prod.core.poll(0.2, prod.settle) == 0  # the producer waits for messages
+    assert prod.core.poll(0.2, True) == 0  # the producer waits for messages
     ask(consumer, "flush")  # all bound + 2 RELEASEs: bound of them due, 2 ending leases
     deadline = time.monotonic() + 10
     while book.any_leased() or book.releases_due:

@@ -300,6 +300,33 @@ session_take(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyObject *
+session_poll(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (usable(self) < 0 || check_nargs(nargs, 3, "poll(timeout_us, spin_ns, settle)") < 0)
+        return NULL;
+    long long timeout_us = PyLong_AsLongLong(args[0]);
+    if (timeout_us == -1 && PyErr_Occurred())
+        return NULL;
+    long long spin_ns = PyLong_AsLongLong(args[1]);
+    if (spin_ns == -1 && PyErr_Occurred())
+        return NULL;
+    int settle = PyObject_IsTrue(args[2]);
+    if (settle < 0)
+        return NULL;
+    if (timeout_us < -1 || spin_ns < 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "poll: timeout_us %lld (-1 waits without limit), spin_ns %lld (>= 0)",
+                     timeout_us, spin_ns);
+        return NULL;
+    }
+    long long wait_ns = timeout_us < 0 || timeout_us > LLONG_MAX / 2000 ? -1 : timeout_us * 1000;
+    self->busy = 1;
+    cip_status st = cipi_pubsession_poll(&self->session, wait_ns, spin_ns, settle, &gil);
+    self->busy = 0;
+    return answer(self, st);
+}
+
+static PyObject *
 session_drop(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
 {
     uint32_t id;
@@ -463,6 +490,12 @@ get_evictions(PublisherSession *self, void *Py_UNUSED(closure))
 }
 
 static PyObject *
+get_flag_looks(PublisherSession *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromUnsignedLongLong(self->session.flag_looks);
+}
+
+static PyObject *
 get_next_expiry(PublisherSession *self, void *Py_UNUSED(closure))
 {
     if (self->session.next_expiry == 0.0)
@@ -480,6 +513,12 @@ static PyMethodDef session_methods[] = {
      "send it to every subscriber the lease book names.  A full 'latest' socket skips it; a "
      "full 'block'/'ahead' one is waited for up to send_timeout (the GIL released), then "
      "evicted; another failed send drops its subscriber.  Those that left: [(sub_id, why)]."},
+    {"poll", (PyCFunction)(void (*)(void))session_poll, METH_FASTCALL,
+     "poll(timeout_us, spin_ns, settle) -> list | None: wait up to timeout_us (-1: without "
+     "limit, 0: not at all; the GIL released while it sleeps) for a lease to end, however: a "
+     "RELEASE, a read flag (settle: looked at between growing steps), a departure, an "
+     "eviction past lease_timeout.  The waiting notices are tried again first; with spin_ns "
+     "a wait first looks without sleeping for up to spin_ns (the GIL held)."},
     {"take", (PyCFunction)(void (*)(void))session_take, METH_FASTCALL,
      "take(timeout_us, limit) -> list | None: wait up to timeout_us (-1: without limit; the "
      "GIL released) for a message, then take up to limit from each readable socket: each "
@@ -517,6 +556,8 @@ static PyGetSetDef session_getset[] = {
     {"count", (getter)get_count, NULL, "subscribers on the wire", NULL},
     {"noticing", (getter)get_noticing, NULL, "evicted subscribers whose notice waits", NULL},
     {"evictions", (getter)get_evictions, NULL, "subscribers evicted so far", NULL},
+    {"flag_looks", (getter)get_flag_looks, NULL, "how often poll() looked at the read flags",
+     NULL},
     {"next_expiry", (getter)get_next_expiry, NULL,
      "when the oldest lease may be overdue (time.monotonic()), or None", NULL},
     {NULL, NULL, NULL, NULL, NULL},
@@ -545,5 +586,14 @@ static PyType_Spec session_spec = {
 int
 cipy_pubsession_exec(PyObject *module)
 {
+    /* SETTLE_RECHECK: a settling poll's first and longest step between two looks at the
+     * read flags (s), and each step's growth over the last (c/src/pub_poll.c) */
+    PyObject *recheck = Py_BuildValue("(ddd)", CIPI_SETTLE_RECHECK_FIRST_NS / 1e9,
+                                      CIPI_SETTLE_RECHECK_LAST_NS / 1e9,
+                                      CIPI_SETTLE_RECHECK_GROWTH);
+    if (recheck == NULL || PyModule_AddObject(module, "SETTLE_RECHECK", recheck) < 0) {
+        Py_XDECREF(recheck);
+        return -1;
+    }
     return cipy_add_type(module, &session_spec, "PublisherSession");
 }

@@ -606,6 +606,7 @@ struct cipi_pubsession {
     size_t reads_at;
     uint32_t rows;
     uint32_t *published;
+    uint64_t flag_looks; /* how often a poll looked at the read flags (pub_poll.c) */
 };
 CIP_INTERNAL cip_status cipi_pubsession_init(struct cipi_pubsession *s, struct cipi_leasebook *b,
                                              double lease_timeout, double send_timeout);
@@ -630,6 +631,18 @@ CIP_INTERNAL cip_status cipi_pubsession_take(struct cipi_pubsession *s, long lon
 CIP_INTERNAL cip_status cipi_pubsession_expire(struct cipi_pubsession *s);
 CIP_INTERNAL int cipi_pubsession_close(struct cipi_pubsession *s, long long linger_ns,
                                        const struct cipi_waiting *waiting);
+
+/* pub_poll.c: the publisher's wait for a lease to end.  While leases that end at read flags
+ * are held, a wait looks at the flags after FIRST ns, each step GROWTH times the last, up to
+ * every LAST ns; while an eviction notice waits for room, a wait lasts at most
+ * CIPI_NOTICE_RETRY_NS before it is tried again. */
+#define CIPI_SETTLE_RECHECK_FIRST_NS 20000
+#define CIPI_SETTLE_RECHECK_LAST_NS 16000000
+#define CIPI_SETTLE_RECHECK_GROWTH 1.25
+#define CIPI_NOTICE_RETRY_NS 50000000
+CIP_INTERNAL cip_status cipi_pubsession_poll(struct cipi_pubsession *s, long long timeout_ns,
+                                             long long spin_ns, int settle,
+                                             const struct cipi_waiting *waiting);
 
 /* hangup.c */
 enum cipi_hangup { CIPI_HANGUP_DROP, CIPI_HANGUP_BYE, CIPI_HANGUP_EVICTED, CIPI_HANGUP_BAD_NOTICE };

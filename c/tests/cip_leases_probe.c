@@ -35,6 +35,7 @@
  *   sflag ROW SLOT VALUE              -> ok             (a subscriber's read flag written)
  *   srow ID ROW                       -> ok | err ...
  *   ssettle SLOT                      -> ok ENDED | err ...   (SLOT -1: every slot)
+ *   spoll TIMEOUT_US SPIN_NS SETTLE   -> ok [ID/WHY;]... | err ...  (c/src/pub_poll.c)
  *   quit
  */
 #include "../src/cip_internal.h"
@@ -101,7 +102,7 @@ is_session_command(const char *cmd)
 {
     static const char *const names[] = {"sadd",   "spub",   "stake", "sdrop", "sretry",
                                         "sexpire", "sstate", "sclose", "spage", "sflag",
-                                        "srow",   "ssettle"};
+                                        "srow",   "ssettle", "spoll"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!strcmp(cmd, names[i]))
             return 1;
@@ -254,6 +255,13 @@ main(void)
             free(payload);
         } else if (!strcmp(cmd, "stake") && sscanf(rest, "%lld %lld", &a, &b) == 2) {
             st = cipi_pubsession_take(&session, a < 0 ? -1 : a * 1000, (long)b, NULL);
+            if (st == CIP_OK) {
+                printf("ok");
+                print_left();
+            }
+            answer(st);
+        } else if (!strcmp(cmd, "spoll") && sscanf(rest, "%lld %lld %lld", &a, &b, &c) == 3) {
+            st = cipi_pubsession_poll(&session, a < 0 ? -1 : a * 1000, b, (int)c, NULL);
             if (st == CIP_OK) {
                 printf("ok");
                 print_left();

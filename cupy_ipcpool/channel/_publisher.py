@@ -158,7 +158,7 @@ class _PublisherLeases:
         self._departed = publisher._departed  # shared: looked at while not empty
         self._settle = weakref.WeakMethod(publisher._settle_departed)  # no cycle to it
         self._streams = publisher._streams
-        # ahead=True: a lease also ends when its read flag is seen set (settle_by_flags)
+        # ahead=True: a lease also ends when its read flag is seen set (PublisherCore.settle)
         self._by_flags = publisher._ahead
         self.closed = False  # set by the publisher's close
         self.lock = threading.RLock()  # serialises the (single-threaded) session core
@@ -184,20 +184,9 @@ class _PublisherLeases:
         try:
             if self._core.closed:
                 return 0
-            return self._core.poll(timeout, self.settle_by_flags if self._by_flags else None)
+            return self._core.poll(timeout, self._by_flags)
         finally:
             self.lock.release()
-
-    def settle_by_flags(self) -> int:
-        """End every lease whose read flag the host sees set; return how many (under ``lock``).
-
-        With ``ahead=True``: an ``"ahead"`` subscriber writes its read flag at
-        ``release()``, on its stream after its work, but sends the RELEASE
-        message only once the frame's own message has come (its next
-        ``recv()``); the flag, in the shared host page, says the same sooner.
-        The engine reads the flags (:meth:`PublisherCore.settle`).
-        """
-        return self._core.settle()
 
     def order_write(self, slot: int, stream: int) -> None:
         """Make ``stream`` wait for the read flags of every subscriber that read ``slot``."""
@@ -258,8 +247,9 @@ class Publisher(ClosedFlag):
     spin_us:
         Microseconds :meth:`poll` (and a waiting ``acquire``) busy-polls the
         subscribers' sockets (with ``ahead=True``, and their read flags) before
-        sleeping; default 0 (no CPU while waiting).  See docs/performance.md
-        for what it buys.
+        sleeping, in one engine call that holds the GIL meanwhile (other
+        threads wait up to ``spin_us``); default 0 (no CPU while waiting).
+        See docs/performance.md for what it buys.
     ahead:
         Keep a fixed schedule, so that ``"ahead"`` subscribers can take frames
         before their FRAME messages (docs/protocol.md, "Frames handed out

@@ -50,17 +50,6 @@ from ._sockets import _spin_ns, _us, _warn
 if TYPE_CHECKING:
     from .._engine import PublisherSession
 
-#: Seconds between attempts to queue an eviction notice that did not fit (rare: a full
-#: socket whose buffer cannot grow; ``c/src/pub_session.c``).
-_NOTICE_RETRY = 0.05
-#: First and longest step (s) between two looks at the read flags while a poll that
-#: settles leases by them waits (Publisher(ahead=True)), and the growth of each step
-#: over the last: a flag set on the GPU wakes no one, so a wait looks again after
-#: 20 us, then 25, 31, ... up to every 16 ms.  A flag set t after the wait began is
-#: seen by about 1.25 t + 20 us (a wait never costs much more than it had to), in
-#: about 30 looks up to the longest step, then some 60 a second.
-SETTLE_RECHECK = (20e-6, 0.016, 1.25)
-
 
 def _unlink_ours(address: str, ident: tuple[int, int]) -> None:
     """Remove the socket file at ``address`` if it is still this publisher's; warns on failure."""
@@ -347,19 +336,20 @@ class PublisherCore(ClosedFlag):
 
     # -- hot path --
 
-    def poll(self, timeout: float | None = 0.0, settle: Callable[[], int] | None = None) -> int:
+    def poll(self, timeout: float | None = 0.0, settle: bool = False) -> int:
         """Adopt new subscribers and process their messages.
 
         Parameters
         ----------
         timeout:
-            Seconds to wait for a message (None: until one arrives; 0: do not wait).
+            Seconds to wait for a lease to end (None: until one does; 0: do not wait).
         settle:
-            Another way leases end, looked at after the messages (the
-            publisher's read flags, :meth:`LeaseBook.settle`): it returns how
-            many it ended.  While leases are held, a waiting poll looks again
-            at growing intervals (:data:`SETTLE_RECHECK`) and in every round of
-            its spin, since nothing wakes it when a flag is set.
+            Whether leases also end at the subscribers' read flags
+            (``Publisher(ahead=True)``, :meth:`settle`), looked at after the
+            messages.  While such leases are held, a waiting poll looks again
+            at growing intervals (``CIPI_SETTLE_RECHECK_*`` in
+            ``c/src/cip_internal.h``) and in every round of its spin, since
+            nothing wakes it when a flag is set.
 
         Returns
         -------
@@ -371,85 +361,25 @@ class PublisherCore(ClosedFlag):
             (:meth:`publish`, :meth:`acquire`, a look at a slot's leases).  A
             wait ends as soon as one ends; while some are still unreported,
             the call does not wait.
+
+        The wait is one engine call (``PublisherSession.poll``,
+        ``c/src/pub_poll.c``): the eviction notices that wait for room are
+        tried again, the sockets are read (each RELEASE into the lease book; a
+        subscriber that ends is dropped there), the read flags looked at, the
+        leases past ``lease_timeout`` evicted; with ``spin_us`` it first looks
+        without sleeping.  Who left comes back here, for ``on_leave``.
         """
+        if self._closed:
+            self._check_open()  # raises
         book = self._book
         if book.ended != self._reported:
             timeout = 0.0  # leases ended outside a poll: report them now
-        self._poll(timeout, settle)
+        if self._acc.pending:
+            self._adopt()
+        self._wait(timeout, settle, self._spin_ns)
         returned = book.ended - self._reported
         self._reported = book.ended
         return returned
-
-    def _poll(self, timeout: float | None, settle: Callable[[], int] | None) -> None:
-        """:meth:`poll`'s wait: until a lease ends (however: a RELEASE, a read flag, a
-        departure) or ``timeout`` passes; what ended is counted in the lease book."""
-        if self._closed:
-            self._check_open()  # raises
-        if self._acc.pending:
-            self._adopt()
-        if self._session.noticing:
-            timeout = self._retry_notices(timeout)
-        book = self._book
-        before = book.ended
-        spinning = bool(self._spin_ns) and timeout != 0.0 and self._session.count > 0
-        if settle is not None and not spinning:  # a spin's first round makes this look
-            self._wait(0.0)
-            settle()
-            if book.ended != before or timeout == 0.0:
-                self._expire()
-                return
-        if spinning:
-            if self._spin(timeout, settle, before):
-                self._expire()
-                return
-            if timeout is not None:
-                timeout = max(0.0, timeout - self._spin_ns / 1e9)
-        if settle is not None and book.any_leased():
-            self._wait_settling(self._until_expiry(timeout), settle, before)
-        elif self._session.next_expiry is None:
-            self._wait(timeout)
-            return
-        else:
-            self._wait(self._until_expiry(timeout))
-        self._expire()
-
-    def _expire(self) -> None:
-        """Evict the subscribers past ``lease_timeout``, if a lease may be overdue."""
-        if self._session.next_expiry is not None:
-            left = self._session.expire()
-            if left:
-                self._departed(left)
-
-    def _spin(self, timeout: float | None, settle: Callable[[], int] | None, before: int) -> bool:
-        """Busy-poll the sockets (and ``settle``) for up to ``spin_us`` (and ``timeout``);
-        True once a lease ended since the book counted ``before``."""
-        spin = self._spin_ns if timeout is None else min(self._spin_ns, int(timeout * 1e9))
-        end = time.perf_counter_ns() + spin
-        book = self._book
-        while True:
-            self._wait(0.0)
-            if settle is not None:
-                settle()
-            if book.ended != before:
-                return True
-            if time.perf_counter_ns() >= end:
-                return False
-
-    def _wait_settling(self, timeout: float | None, settle: Callable[[], int], before: int) -> None:
-        """Wait up to ``timeout`` for a lease to end (since the book counted ``before``):
-        woken by the sockets (a RELEASE, a departure), looking at ``settle`` between
-        growing steps (:data:`SETTLE_RECHECK`)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        step = SETTLE_RECHECK[0]
-        book = self._book
-        while True:
-            left = None if deadline is None else deadline - time.monotonic()
-            wait = step if left is None else max(0.0, min(step, left))
-            self._wait(wait)
-            settle()
-            if book.ended != before or (left is not None and left <= wait):
-                return
-            step = min(step * SETTLE_RECHECK[2], SETTLE_RECHECK[1])
 
     def acquire(self, timeout: float | None = None) -> tuple[int, list[int]]:
         """Return a free slot to write the next frame into.
@@ -480,14 +410,10 @@ class PublisherCore(ClosedFlag):
         self._check_open()
         deadline = None if timeout is None else time.monotonic() + timeout
         book = self._book
-        session = self._session
         while True:
             if self._acc.pending:
                 self._adopt()
             self._wait(0.0)
-            self._expire()
-            if session.noticing:
-                self._retry_notices(None)
             slot = book.pick_free_slot(self._last_slot + 1)
             if slot is not None:
                 return slot, book.readers_to_wait(slot)
@@ -496,10 +422,6 @@ class PublisherCore(ClosedFlag):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0.0:
                     raise SlotBusyError(self._busy_message(timeout))
-            if session.next_expiry is not None:
-                remaining = self._until_expiry(remaining)
-            if session.noticing:
-                remaining = _NOTICE_RETRY if remaining is None else min(remaining, _NOTICE_RETRY)
             self._wait(remaining)
 
     def publish(
@@ -564,14 +486,6 @@ class PublisherCore(ClosedFlag):
 
     # -- internals --
 
-    def _until_expiry(self, timeout: float | None) -> float | None:
-        """``timeout`` shortened to end when the oldest lease becomes overdue."""
-        expiry = self._session.next_expiry
-        if expiry is None:
-            return timeout
-        left = max(0.0, expiry - time.monotonic())
-        return left if timeout is None else min(timeout, left)
-
     def _adopt(self) -> None:
         acc = self._acc
         with acc.lock:
@@ -584,21 +498,10 @@ class PublisherCore(ClosedFlag):
             self._session.add(info.sub_id, info.mode, info.credit, conn.sock.detach())
             self._callback(self._on_join, info, "on_join")
 
-    def _wait(self, timeout: float | None) -> None:
-        """Wait up to ``timeout`` for the subscribers' messages and handle them.
-
-        One engine call (``PublisherSession.take``) polls the sockets, receives, and
-        counts each RELEASE in the lease book; a subscriber that ends (a BYE, a
-        hang-up, a message it may not send, a RELEASE the book refuses, a failed
-        receive) is dropped there and comes back with its reason.
-        """
-        session = self._session
-        if timeout == 0.0 and not session.count:
-            return
-        # A blocking wait takes one message per ready socket (a caller that waits
-        # wants the first one; more are found by the next poll at once), which
-        # spares the failing recv that would end a drain; poll(0) drains all.
-        left = session.take(_us(timeout), 1 << 30 if timeout == 0.0 else 1)
+    def _wait(self, timeout: float | None, settle: bool = False, spin_ns: int = 0) -> None:
+        """Wait up to ``timeout`` for a lease to end (``PublisherSession.poll``); tell
+        ``on_leave`` who left meanwhile."""
+        left = self._session.poll(_us(timeout), spin_ns, settle)
         if left:
             self._departed(left)
 
@@ -613,15 +516,6 @@ class PublisherCore(ClosedFlag):
             with self._acc.lock:
                 self._acc.count -= 1
             self._callback(self._on_leave, info, "on_leave")
-
-    def _retry_notices(self, timeout: float | None) -> float | None:
-        """Try again to queue the notices that did not fit; ``timeout``, capped while some wait."""
-        left = self._session.retry_notices()
-        if left:
-            self._departed(left)
-        if self._session.noticing and (timeout is None or timeout > _NOTICE_RETRY):
-            return _NOTICE_RETRY
-        return timeout
 
     @staticmethod
     def _callback(
