@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import mmap
 import os
+import select
+import signal
 import struct
+import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -143,3 +147,52 @@ def test_a_look_at_the_flags_from_another_thread_is_allowed_during_the_wait(subs
     )
     assert got is None and ended == [1] and subs.book.lease_count(1) == 0
     subs.session.close(0.0)  # lets go of the page
+
+
+def _overrun_run() -> None:
+    """In a child: a settling wait of 20 ms whose first round ends ~50 ms later (the GIL,
+    wanted back while another thread holds it for a whole switch interval)."""
+    subs = Subs(["ahead"])
+    page = bytearray(SLOTS * 4)
+    subs.session.flags(page, 0, 1)
+    subs.session.set_row(1, 0)
+    subs.session.publish(0, 1, True, b"", 1)
+    stop = threading.Event()
+
+    def hog() -> None:
+        while not stop.is_set():
+            pass
+
+    sys.setswitchinterval(0.05)
+    hogger = threading.Thread(target=hog)
+    hogger.start()
+    try:
+        assert subs.session.poll(20_000, 0, True) is None
+    finally:
+        stop.set()
+        hogger.join()
+    assert subs.book.lease_count(0) == 1
+
+
+def test_a_wait_whose_round_ends_past_its_deadline_still_ends() -> None:
+    """A round may end past the wait's deadline (here the GIL comes back late): the wait
+    ends then.  Before, a deadline already passed read as "no limit", and the wait went on
+    forever, in rounds of no wait that never let the GIL go."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            _overrun_run()
+            code = 0
+        finally:
+            os._exit(code)
+    pidfd = os.pidfd_open(pid)
+    try:
+        ended = select.select([pidfd], [], [], 20.0)[0]
+        if not ended:
+            os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(pidfd)
+    assert ended, "the wait never ended"
+    assert os.waitstatus_to_exitcode(status) == 0

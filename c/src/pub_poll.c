@@ -79,17 +79,18 @@ static cip_status
 wait_settling(struct cipi_pubsession *s, long long timeout_ns, uint64_t before,
               const struct cipi_waiting *waiting)
 {
-    long long deadline = timeout_ns < 0 ? 0 : cipi_now_ns() + timeout_ns;
+    int limited = timeout_ns >= 0; /* a round may end past the deadline: left < 0 then */
+    long long deadline = limited ? cipi_now_ns() + timeout_ns : 0;
     double step = CIPI_SETTLE_RECHECK_FIRST_NS;
     for (;;) {
-        long long left = timeout_ns < 0 ? -1 : deadline - cipi_now_ns();
+        long long left = limited ? deadline - cipi_now_ns() : 0;
         long long wait = (long long)step;
-        if (left >= 0 && left < wait)
+        if (limited && left < wait)
             wait = left > 0 ? left : 0;
         cip_status st = take(s, wait, waiting);
         if (st == CIP_OK)
             st = look(s, 1);
-        if (st != CIP_OK || s->book->ended != before || (left >= 0 && left <= wait))
+        if (st != CIP_OK || s->book->ended != before || (limited && left <= wait))
             return st;
         step *= CIPI_SETTLE_RECHECK_GROWTH;
         if (step > CIPI_SETTLE_RECHECK_LAST_NS)
