@@ -2220,63 +2220,78 @@ def test_the_sessions_messages_write_seconds_as_python_does(leases_exe: Path) ->
     assert got == [f"ok {v!r}" for v in values]
 
 
-def _settle_script(start: Callable[[tuple[int, ...]], Callable[[str], str]]) -> list[str]:
-    """Leases that end at the read flags the session reads from a page (Publisher(ahead=True)):
-    an "ahead" and a "block" subscriber, rows 0 and 1; a flag ends a lease only once it holds
-    the generation published in its slot (here each frame's seq), or a later one."""
+def _two_subscriber_script(
+    start: Callable[[tuple[int, ...]], Callable[[str], str]],
+    lines: Callable[[tuple[int, ...]], list[str]],
+) -> list[str]:
+    """``lines(fds)`` answered by the way in ``start(fds)`` gives, over two socket pairs (the
+    publisher's ends are ``fds``; the way in owns them from then on)."""
     pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2)]
     fds = tuple(pairs[i][0].detach() for i in range(2))
     try:
         do = start(fds)
-        script = [
-            "new 4 -1 -1",
-            "snew 0 5",
-            f"sadd 1 2 2 {fds[0]}",
-            f"sadd 2 0 2 {fds[1]}",
-            "ssettle -1",  # no page yet: nothing
-            "srow 1 0",  # no page yet: refused
-            "spage 2",
-            "srow 1 0",
-            "srow 2 1",
-            "srow 3 0",  # not in the book
-            "srow 1 2",  # no such row
-            "spub 0 7 1 0",
-            "spub 1 8 1 0",
-            "ssettle -1",  # every flag still 0
-            "sflag 0 0 7",  # subscriber 1 is done with slot 0's frame 7
-            "ssettle 1",  # slot 1 only: nothing
-            "ssettle -1",
-            "sflag 1 0 6",  # subscriber 2: an older generation
-            "ssettle 0",
-            "sflag 1 0 9",  # past it (cyclic): done
-            "ssettle 0",
-            "sflag 0 1 4294967295",  # 2**32 - 1 is behind 8, cyclically
-            "ssettle 1",
-            "state",
-            "sclose 0",
-        ]
-        return [do(line) for line in script]
+        return [do(line) for line in lines(fds)]
     finally:
         for _ours, t in pairs:
             t.close()
 
 
-def test_leases_end_at_the_read_flags_alike_both_ways_in(leases_exe: Path) -> None:
+def _answered_alike_both_ways(
+    leases_exe: Path, lines: Callable[[tuple[int, ...]], list[str]]
+) -> list[str]:
+    """The probe's answers to ``lines``, checked equal to the binding's."""
     probes: list[Probe] = []
 
     def with_probe(fds: tuple[int, ...]) -> Callable[[str], str]:
         probes.append(Probe(leases_exe, pass_fds=fds))
         for fd in fds:
-            os.close(fd)
+            os.close(fd)  # the probe's from here on
         return probes[0]
 
     try:
-        via_probe = _settle_script(with_probe)
+        via_probe = _two_subscriber_script(with_probe, lines)
     finally:
         for probe in probes:
             probe.close()
-    via_binding = _settle_script(lambda _fds: _binding_session())
-    assert via_probe == via_binding
+    assert via_probe == _two_subscriber_script(lambda _fds: _binding_session(), lines)
+    return via_probe
+
+
+def _settle_lines(fds: tuple[int, ...]) -> list[str]:
+    """Leases that end at the read flags the session reads from a page (Publisher(ahead=True)):
+    an "ahead" and a "block" subscriber, rows 0 and 1; a flag ends a lease only once it holds
+    the generation published in its slot (here each frame's seq), or a later one."""
+    return [
+        "new 4 -1 -1",
+        "snew 0 5",
+        f"sadd 1 2 2 {fds[0]}",
+        f"sadd 2 0 2 {fds[1]}",
+        "ssettle -1",  # no page yet: nothing
+        "srow 1 0",  # no page yet: refused
+        "spage 2",
+        "srow 1 0",
+        "srow 2 1",
+        "srow 3 0",  # not in the book
+        "srow 1 2",  # no such row
+        "spub 0 7 1 0",
+        "spub 1 8 1 0",
+        "ssettle -1",  # every flag still 0
+        "sflag 0 0 7",  # subscriber 1 is done with slot 0's frame 7
+        "ssettle 1",  # slot 1 only: nothing
+        "ssettle -1",
+        "sflag 1 0 6",  # subscriber 2: an older generation
+        "ssettle 0",
+        "sflag 1 0 9",  # past it (cyclic): done
+        "ssettle 0",
+        "sflag 0 1 4294967295",  # 2**32 - 1 is behind 8, cyclically
+        "ssettle 1",
+        "state",
+        "sclose 0",
+    ]
+
+
+def test_leases_end_at_the_read_flags_alike_both_ways_in(leases_exe: Path) -> None:
+    via_probe = _answered_alike_both_ways(leases_exe, _settle_lines)
     assert via_probe[4] == "ok 0"
     assert via_probe[5].startswith("err 1 row 0 is not one of the page's 0 rows")
     assert via_probe[9].startswith("err 1 subscriber 3 is not in the lease book")
@@ -2288,59 +2303,37 @@ def test_leases_end_at_the_read_flags_alike_both_ways_in(leases_exe: Path) -> No
     assert via_probe[23].startswith("ok 2 2 0 []/0/[1,2] [1,2]/0/[] ")
 
 
-def _poll_script(start: Callable[[tuple[int, ...]], Callable[[str], str]]) -> list[str]:
+def _poll_lines(fds: tuple[int, ...]) -> list[str]:
     """The publisher's wait for a lease to end (c/src/pub_poll.c): at a read flag, looked at
     before a wait, during a spin and between a wait's steps; at an eviction past
     lease_timeout; or not at all (the wait's timeout)."""
-    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2)]
-    fds = tuple(pairs[i][0].detach() for i in range(2))
-    try:
-        do = start(fds)
-        script = [
-            "new 4 -1 -1",
-            "snew 0.1 5",
-            f"sadd 1 2 2 {fds[0]}",  # "ahead", row 0
-            f"sadd 2 0 2 {fds[1]}",  # "block", row 1: sends nothing, sets no flag
-            "spage 2",
-            "srow 1 0",
-            "srow 2 1",
-            "spub 0 7 1 0",
-            "spoll 0 0 1",  # no flag set: nothing ended, no wait
-            "sflag 0 0 7",
-            "spoll 0 0 0",  # not settling: the flag is not looked at
-            "spoll 0 0 1",  # subscriber 1's lease ends at its flag
-            "state",
-            "spoll 5000000 0 1",  # subscriber 2 holds frame 7: evicted at lease_timeout
-            "state",
-            "spub 1 8 1 0",
-            "sflag 0 1 8",
-            "spoll 5000000 200000000 1",  # a spin's first look ends it
-            "spoll 20000 0 0",  # nothing ends: the wait's timeout
-            "sstate",
-            "sclose 0",
-        ]
-        return [do(line) for line in script]
-    finally:
-        for _ours, t in pairs:
-            t.close()
+    return [
+        "new 4 -1 -1",
+        "snew 0.1 5",
+        f"sadd 1 2 2 {fds[0]}",  # "ahead", row 0
+        f"sadd 2 0 2 {fds[1]}",  # "block", row 1: sends nothing, sets no flag
+        "spage 2",
+        "srow 1 0",
+        "srow 2 1",
+        "spub 0 7 1 0",
+        "spoll 0 0 1",  # no flag set: nothing ended, no wait
+        "sflag 0 0 7",
+        "spoll 0 0 0",  # not settling: the flag is not looked at
+        "spoll 0 0 1",  # subscriber 1's lease ends at its flag
+        "state",
+        "spoll 5000000 0 1",  # subscriber 2 holds frame 7: evicted at lease_timeout
+        "state",
+        "spub 1 8 1 0",
+        "sflag 0 1 8",
+        "spoll 5000000 200000000 1",  # a spin's first look ends it
+        "spoll 20000 0 0",  # nothing ends: the wait's timeout
+        "sstate",
+        "sclose 0",
+    ]
 
 
 def test_the_publishers_wait_answers_alike_both_ways_in(leases_exe: Path) -> None:
-    probes: list[Probe] = []
-
-    def with_probe(fds: tuple[int, ...]) -> Callable[[str], str]:
-        probes.append(Probe(leases_exe, pass_fds=fds))
-        for fd in fds:
-            os.close(fd)
-        return probes[0]
-
-    try:
-        via_probe = _poll_script(with_probe)
-    finally:
-        for probe in probes:
-            probe.close()
-    via_binding = _poll_script(lambda _fds: _binding_session())
-    assert via_probe == via_binding
+    via_probe = _answered_alike_both_ways(leases_exe, _poll_lines)
     assert via_probe[:11] == ["ok"] * 11
     assert via_probe[11] == "ok"
     assert via_probe[12] == "ok 1 1 0 [2]/0/[1] []/0/[] []/0/[] []/0/[]"  # a RELEASE due
