@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cupy_ipcpool._errors import ProtocolError
+from cupy_ipcpool._errors import ProtocolError, UsageError
 from cupy_ipcpool.channel import _protocol as proto
 from cupy_ipcpool.channel._leases import LeaseBook
 
@@ -346,3 +346,57 @@ def test_overdue_names_subscribers_holding_too_long() -> None:
     book.remove_subscriber(2)
     assert book.overdue(11.6, 1.0) == [1]
     assert book.oldest_lease(2) is None
+
+
+# What the channel sends is the engine's (proto.welcome_message / refuse_message /
+# bye_message, c/src/message.c); the encode_* functions are the pure-Python reference.
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(0, 2**32 - 1),
+    st.integers(-1, proto.MAX_SLOTS + 1),
+    st.integers(0, 2**64 - 1),
+    st.binary(max_size=64),
+    st.integers(0, proto.MAX_CREDIT + 1),
+    st.integers(0, 2**32),
+)
+def test_the_engines_welcome_is_the_reference_encoders(
+    sub_id: int, num_slots: int, next_seq: int, payload: bytes, credit: int, lease_ms: int
+) -> None:
+    def answer(encode: object) -> object:
+        try:
+            return encode(  # type: ignore[operator]
+                sub_id, num_slots, next_seq, payload, credit=credit, lease_timeout_ms=lease_ms
+            )
+        except (ValueError, OverflowError) as exc:
+            return type(exc).__name__, str(exc)
+
+    assert answer(proto.welcome_message) == answer(proto.encode_welcome)
+
+
+def test_the_engines_welcome_refuses_a_payload_past_the_limit() -> None:
+    big = b"x" * (proto.MAX_WELCOME_PAYLOAD + 1)
+    with pytest.raises(UsageError) as engine:
+        proto.welcome_message(1, 1, 0, big)
+    with pytest.raises(UsageError) as reference:
+        proto.encode_welcome(1, 1, 0, big)
+    assert str(engine.value) == str(reference.value)
+    data = proto.welcome_message(1, 1, 0, big[:-1])  # at the limit: whole
+    assert proto.decode(data) == proto.Welcome(1, 1, 0, big[:-1])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=1200) | st.text(alphabet="é✓\U0001f600a", min_size=300, max_size=700))
+def test_the_engines_refuse_is_the_reference_encoders(reason: str) -> None:
+    """A reason past 1 KiB of UTF-8 is cut before the character it would split; a lone
+    surrogate (not encodable) becomes '?'."""
+    data = proto.refuse_message(reason)
+    assert data == proto.encode_refuse(reason)
+    assert isinstance(proto.decode(data), proto.Refuse)
+
+
+def test_the_engines_refuse_of_a_lone_surrogate_and_the_bye() -> None:
+    assert proto.refuse_message("a\ud800b") == proto.encode_refuse("a\ud800b")
+    assert proto.decode(proto.refuse_message("a\ud800b")) == proto.Refuse("a?b")
+    assert proto.bye_message() == proto.encode_bye()

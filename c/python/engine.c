@@ -177,6 +177,87 @@ engine_decode(PyObject *module, PyObject *data)
     return out;
 }
 
+PyDoc_STRVAR(
+    encode_welcome_doc,
+    "encode_welcome(sub_id, num_slots, next_seq, payload, credit, lease_timeout_ms, /) -> bytes\n"
+    "\n"
+    "The WELCOME datagram (the caller attaches the slot fds): the engine's writer, which the\n"
+    "publisher sends.  Raises UsageError (cupy_ipcpool's) for a field out of range.");
+
+static PyObject *
+engine_encode_welcome(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs(nargs, 6, "encode_welcome") < 0)
+        return NULL;
+    unsigned long long sub_id = PyLong_AsUnsignedLongLong(args[0]);
+    if (sub_id == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    unsigned long long next_seq = PyLong_AsUnsignedLongLong(args[2]);
+    if (next_seq == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    long long v[3]; /* num_slots, credit, lease_timeout_ms: signed, so the engine words a
+                     * negative one as out of range */
+    const int at[3] = {1, 4, 5};
+    for (int i = 0; i < 3; i++) {
+        v[i] = PyLong_AsLongLong(args[at[i]]);
+        if (v[i] == -1 && PyErr_Occurred())
+            return NULL;
+    }
+    if (sub_id > UINT32_MAX) {
+        PyErr_Format(PyExc_OverflowError, "sub_id %llu does not fit 32 bits", sub_id);
+        return NULL;
+    }
+    Py_buffer payload;
+    if (PyObject_GetBuffer(args[3], &payload, PyBUF_SIMPLE) < 0)
+        return NULL;
+    uint8_t head[CIP_WIRE_WELCOME_SIZE];
+    PyObject *out = NULL;
+    if (cipi_put_welcome(head, (uint32_t)sub_id, v[0], next_seq, v[1], v[2],
+                         (size_t)payload.len) != CIP_OK) {
+        PyErr_SetString(state_of(module)->usage_error, cip_last_error());
+    } else if ((out = PyBytes_FromStringAndSize(NULL, sizeof head + payload.len)) != NULL) {
+        memcpy(PyBytes_AS_STRING(out), head, sizeof head);
+        memcpy(PyBytes_AS_STRING(out) + sizeof head, payload.buf, (size_t)payload.len);
+    }
+    PyBuffer_Release(&payload);
+    return out;
+}
+
+PyDoc_STRVAR(
+    encode_refuse_doc,
+    "encode_refuse(reason, /) -> bytes\n"
+    "\n"
+    "The REFUSE datagram telling ``reason`` (UTF-8; a character it cannot encode becomes\n"
+    "'?'), cut before the character that would pass MAX_REFUSE_REASON bytes: the engine's\n"
+    "writer, which the publisher sends.");
+
+static PyObject *
+engine_encode_refuse(PyObject *Py_UNUSED(module), PyObject *reason)
+{
+    PyObject *raw = PyUnicode_AsEncodedString(reason, "utf-8", "replace");
+    if (raw == NULL)
+        return NULL;
+    const char *text = PyBytes_AS_STRING(raw);
+    size_t n = cipi_utf8_cut(text, (size_t)PyBytes_GET_SIZE(raw), CIP_WIRE_MAX_REFUSE_REASON);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(CIP_WIRE_REFUSE_SIZE + n));
+    if (out != NULL) {
+        cipi_put_refuse((uint8_t *)PyBytes_AS_STRING(out), n);
+        memcpy(PyBytes_AS_STRING(out) + CIP_WIRE_REFUSE_SIZE, text, n);
+    }
+    Py_DECREF(raw);
+    return out;
+}
+
+PyDoc_STRVAR(encode_bye_doc, "encode_bye() -> bytes\n\nThe BYE datagram: the engine's writer.");
+
+static PyObject *
+engine_encode_bye(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(arg))
+{
+    uint8_t bye[CIP_WIRE_HEADER_SIZE];
+    cipi_put_bye(bye);
+    return PyBytes_FromStringAndSize((const char *)bye, sizeof bye);
+}
+
 /* ---- the WELCOME --------------------------------------------------------------------- */
 
 PyDoc_STRVAR(
@@ -436,6 +517,10 @@ engine_hangup_drain(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize
 
 static PyMethodDef engine_methods[] = {
     {"decode", (PyCFunction)engine_decode, METH_O, decode_doc},
+    {"encode_welcome", (PyCFunction)(void (*)(void))engine_encode_welcome, METH_FASTCALL,
+     encode_welcome_doc},
+    {"encode_refuse", (PyCFunction)engine_encode_refuse, METH_O, encode_refuse_doc},
+    {"encode_bye", (PyCFunction)engine_encode_bye, METH_NOARGS, encode_bye_doc},
     {"check_welcome", (PyCFunction)(void (*)(void))engine_check_welcome, METH_FASTCALL,
      check_welcome_doc},
     {"check_sync_fd", (PyCFunction)(void (*)(void))engine_check_sync_fd, METH_FASTCALL,

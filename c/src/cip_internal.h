@@ -393,6 +393,10 @@ CIP_INTERNAL void cipi_put_frame_head(uint8_t *p, uint64_t seq, uint32_t slot, s
 CIP_INTERNAL void cipi_put_release(uint8_t *p, uint64_t seq, uint32_t slot);
 CIP_INTERNAL void cipi_put_bye(uint8_t *p);
 CIP_INTERNAL void cipi_put_refuse(uint8_t *p, size_t len);
+CIP_INTERNAL cip_status cipi_put_welcome(uint8_t *p, uint32_t sub_id, long long num_slots,
+                                         uint64_t next_seq, long long credit,
+                                         long long lease_timeout_ms, size_t len);
+CIP_INTERNAL size_t cipi_utf8_cut(const char *s, size_t n, size_t max);
 
 /* welcome.c: what the WELCOME brought, checked before anything is mapped (no GPU) */
 struct cipi_welcome {

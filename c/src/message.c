@@ -182,8 +182,55 @@ cipi_put_bye(uint8_t *p)
     WR(p, HEADER_TYPE, CIP_WIRE_BYE);
 }
 
+/* The head of a WELCOME (CIP_WIRE_WELCOME_SIZE bytes at p) to subscriber `sub_id`: the ring's
+ * `num_slots`, the next frame's seq, the granted credit, the lease timeout; its payload of
+ * `len` bytes to follow.  CIP_ERR_INVALID_ARGUMENT, nothing written, for a field out of range,
+ * in the words of the Python API. */
+cip_status
+cipi_put_welcome(uint8_t *p, uint32_t sub_id, long long num_slots, uint64_t next_seq,
+                 long long credit, long long lease_timeout_ms, size_t len)
+{
+    if (num_slots < 1 || num_slots > CIP_WIRE_MAX_SLOTS)
+        return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "num_slots must be in 1..%u, not %lld",
+                         CIP_WIRE_MAX_SLOTS, num_slots);
+    if (credit < 1 || credit > CIP_WIRE_MAX_CREDIT)
+        return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "credit must be in 1..%u, not %lld",
+                         CIP_WIRE_MAX_CREDIT, credit);
+    if (lease_timeout_ms < 0 || lease_timeout_ms > UINT32_MAX)
+        return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "lease_timeout_ms must be in 0..%u, not %lld",
+                         UINT32_MAX, lease_timeout_ms);
+    if (len > CIP_WIRE_MAX_WELCOME_PAYLOAD)
+        return cipi_fail(CIP_ERR_INVALID_ARGUMENT,
+                         "welcome payload is %zu bytes, more than the limit of %u", len,
+                         CIP_WIRE_MAX_WELCOME_PAYLOAD);
+    memset(p, 0, CIP_WIRE_WELCOME_SIZE);
+    WR(p, WELCOME_MAGIC, CIP_WIRE_MAGIC);
+    WR(p, WELCOME_VERSION, CIP_WIRE_VERSION);
+    WR(p, WELCOME_TYPE, CIP_WIRE_WELCOME);
+    WR(p, WELCOME_SUB_ID, sub_id);
+    WR(p, WELCOME_NUM_SLOTS, num_slots);
+    WR(p, WELCOME_NEXT_SEQ, next_seq);
+    WR(p, WELCOME_CREDIT, credit);
+    WR(p, WELCOME_LEASE_TIMEOUT_MS, lease_timeout_ms);
+    WR(p, WELCOME_LEN, len);
+    return CIP_OK;
+}
+
+/* How many of the `n` bytes of UTF-8 text `s` to keep for at most `max`: a longer text is cut
+ * before the character the cut would split (a REFUSE's reason must stay UTF-8). */
+size_t
+cipi_utf8_cut(const char *s, size_t n, size_t max)
+{
+    if (n <= max)
+        return n;
+    n = max;
+    while (n > 0 && ((unsigned char)s[n] & 0xC0) == 0x80)
+        n--; /* s[n], the first byte left out, continues a character: leave it all out */
+    return n;
+}
+
 /* The head of a REFUSE (CIP_WIRE_REFUSE_SIZE bytes at p); its reason of `len` bytes (at most
- * CIP_WIRE_MAX_REFUSE_REASON) follows. */
+ * CIP_WIRE_MAX_REFUSE_REASON, cut by cipi_utf8_cut) follows. */
 void
 cipi_put_refuse(uint8_t *p, size_t len)
 {

@@ -110,12 +110,7 @@ cipi_pubsession_add(struct cipi_pubsession *s, uint32_t sub_id, int mode, long l
 static void
 copy_why(char *out, const char *why)
 {
-    size_t n = strlen(why);
-    if (n >= CIPI_WHY_SIZE) {
-        n = CIPI_WHY_SIZE - 1;
-        while (n > 0 && ((unsigned char)why[n] & 0xC0) == 0x80)
-            n--; /* why[n], the first byte left out, continues a character: leave it all */
-    }
+    size_t n = cipi_utf8_cut(why, strlen(why), CIPI_WHY_SIZE - 1);
     memcpy(out, why, n);
     out[n] = '\0';
 }

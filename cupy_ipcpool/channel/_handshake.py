@@ -344,7 +344,7 @@ class _Acceptor:
         try:
             if len(fds) > MAX_FDS:
                 raise UsageError(f"{len(fds)} fds do not fit one message (at most {MAX_FDS})")
-            msg = proto.encode_welcome(
+            msg = proto.welcome_message(
                 sub_id,
                 self.num_slots,
                 self.next_seq,
@@ -447,7 +447,7 @@ def _refuse(conn: socket.socket, reason: str) -> None:
         while conn.recv(proto.MAX_HELLO_SIZE + 1):
             pass
     with contextlib.suppress(OSError):
-        conn.send(proto.encode_refuse(reason), socket.MSG_DONTWAIT)
+        conn.send(proto.refuse_message(reason), socket.MSG_DONTWAIT)
     conn.close()
 
 

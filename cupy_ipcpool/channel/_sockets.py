@@ -102,7 +102,7 @@ def _say_bye_and_close(sock: socket.socket) -> None:
         while sock.recv(proto.MAX_FRAME_SIZE, socket.MSG_DONTWAIT):
             pass
     with contextlib.suppress(OSError):
-        sock.send(proto.encode_bye(), socket.MSG_DONTWAIT)
+        sock.send(proto.bye_message(), socket.MSG_DONTWAIT)
     sock.close()
 
 
