@@ -306,6 +306,92 @@ def test_force_frame_leaves_a_flag_that_reached_its_value_and_never_moves_back()
         page.close()
 
 
+# Rule 6 of issue 44 (docs/wire.md, "Forced flags"): a flag is forced by compare-and-swap:
+# a producer write landing between the survivor's read and its store is never overwritten
+# (a complete frame would read as incomplete).  A dead producer's frame flag is forced by
+# the engine (cip_flag_force, one C loop that no test can stop between its read and its
+# swap); a read flag by SharedFlags.force, whose Python loop the tests below interrupt.
+
+
+def _cas32():  # the compiled compare-and-swap on a host-mapped flag word
+    from cupy_ipcpool.channel._syncpage import _cas32
+
+    return _cas32()
+
+
+def test_the_compiled_cas_swaps_only_the_word_it_was_told() -> None:
+    page = SharedFlags.create(4096)
+    try:
+        cas32 = _cas32()
+        page.store(16, 41)
+        assert cas32(page.address + 16, 41, 99) == 41  # the word read: swapped
+        assert page.load(16) == 99
+        assert cas32(page.address + 16, 41, 7) == 99  # a stale expectation: left alone
+        assert page.load(16) == 99
+        assert page.load(12) == 0 and page.load(20) == 0
+        with pytest.raises(ValueError):
+            cas32(page.address + 2, 0, 1)  # not a word's address
+        with pytest.raises(OverflowError):
+            cas32(page.address + 16, 99, 2**32)
+    finally:
+        page.close()
+
+
+class _ReadBeforeAWrite:
+    """The page's words, whose next read of ``index`` returns ``stale`` and then lets the
+    producer's ``landed`` write reach the page: a write between a survivor's read and its
+    store, as a dying producer's last queued write may land."""
+
+    def __init__(self, words: memoryview, index: int, stale: int, landed: int) -> None:
+        self.words, self.index, self.stale, self.landed = words, index, stale, landed
+        self.armed = True
+
+    def __getitem__(self, index: int) -> int:
+        if self.armed and index == self.index:
+            self.armed = False
+            self.words[index] = self.landed
+            return self.stale
+        return int(self.words[index])
+
+    def __setitem__(self, index: int, value: int) -> None:
+        self.words[index] = value
+
+
+@pytest.mark.parametrize("method", ["force"])
+def test_a_write_landing_between_the_read_and_the_force_is_never_overwritten(
+    method: str,
+) -> None:
+    from cupy_ipcpool.channel._syncpage import frame_state
+
+    page = SharedFlags.create(4096)
+    try:
+        page.store(8, 4)  # generation 4 written; the survivor awaits 5
+        page._words = _ReadBeforeAWrite(page._words, 2, 4, 5)  # type: ignore[assignment]
+        assert not getattr(page, method)(8, 5), "forced over the producer's write"
+        assert page.load(8) == 5
+        assert frame_state(page.load(8), 5) is True  # the complete frame reads complete
+    finally:
+        page._words = page._words.words  # type: ignore[attr-defined]
+        page.close()
+
+
+@pytest.mark.parametrize("method", ["force"])
+def test_a_changed_word_still_short_of_the_awaited_one_is_forced_from_its_new_value(
+    method: str,
+) -> None:
+    from cupy_ipcpool.channel._syncpage import FORCED
+
+    page = SharedFlags.create(4096)
+    try:
+        page.store(8, 3)  # read 3; generation 4 lands meanwhile; 6 is awaited
+        page._words = _ReadBeforeAWrite(page._words, 2, 3, 4)  # type: ignore[assignment]
+        assert getattr(page, method)(8, 6)
+        assert page.load(8) == (4 + FORCED if method == "force_frame" else 6)
+    finally:
+        page._words = page._words.words  # type: ignore[attr-defined]
+        page.close()
+
+
 def test_force_frame_in_another_process_is_seen_here() -> None:
     """A survivor process forces the flag; this process decodes what it wrote."""
     from cupy_ipcpool.channel._syncpage import FORCED, frame_state

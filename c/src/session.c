@@ -62,7 +62,10 @@ cipi_refuse_reason(const struct cipi_msg *m, char *out, size_t cap)
 int
 cipi_producer_dead(cip_sub *sub)
 {
-    return cipi_pidfd_exited(sub->pidfd);
+    if (sub->pidfd < 0)
+        return 0;
+    struct pollfd p = {sub->pidfd, POLLIN, 0};
+    return poll(&p, 1, 0) > 0;
 }
 
 /* Whether the producer's pidfd becomes readable (it exited) within `ms`. */
