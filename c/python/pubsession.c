@@ -272,27 +272,37 @@ session_publish(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
     return answer(self, st);
 }
 
+/* A wait's timeout_us (-1: without limit) as nanoseconds into *wait_ns (-1 too); -1 with
+ * ValueError, naming `call`, for one below -1. */
+static int
+wait_arg(PyObject *obj, const char *call, long long *wait_ns)
+{
+    long long timeout_us = PyLong_AsLongLong(obj);
+    if (timeout_us == -1 && PyErr_Occurred())
+        return -1;
+    if (timeout_us < -1) {
+        PyErr_Format(PyExc_ValueError, "%s: timeout_us %lld (-1 waits without limit)", call,
+                     timeout_us);
+        return -1;
+    }
+    *wait_ns = timeout_us < 0 || timeout_us > LLONG_MAX / 2000 ? -1 : timeout_us * 1000;
+    return 0;
+}
+
 static PyObject *
 session_take(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (usable(self) < 0 || check_nargs(nargs, 2, "take(timeout_us, limit)") < 0)
-        return NULL;
-    long long timeout_us = PyLong_AsLongLong(args[0]);
-    if (timeout_us == -1 && PyErr_Occurred())
+    long long wait_ns;
+    if (usable(self) < 0 || check_nargs(nargs, 2, "take(timeout_us, limit)") < 0 ||
+        wait_arg(args[0], "take", &wait_ns) < 0)
         return NULL;
     long limit = PyLong_AsLong(args[1]);
     if (limit == -1 && PyErr_Occurred())
         return NULL;
-    if (timeout_us < -1) {
-        PyErr_Format(PyExc_ValueError, "take: timeout_us %lld (-1 waits without limit)",
-                     timeout_us);
-        return NULL;
-    }
     if (limit < 1) {
         PyErr_SetString(PyExc_ValueError, "take: limit must be at least 1");
         return NULL;
     }
-    long long wait_ns = timeout_us < 0 || timeout_us > LLONG_MAX / 2000 ? -1 : timeout_us * 1000;
     self->busy = 1;
     cip_status st = cipi_pubsession_take(&self->session, wait_ns, limit, &gil);
     self->busy = 0;
@@ -302,10 +312,9 @@ session_take(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 session_poll(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (usable(self) < 0 || check_nargs(nargs, 3, "poll(timeout_us, spin_ns, settle)") < 0)
-        return NULL;
-    long long timeout_us = PyLong_AsLongLong(args[0]);
-    if (timeout_us == -1 && PyErr_Occurred())
+    long long wait_ns;
+    if (usable(self) < 0 || check_nargs(nargs, 3, "poll(timeout_us, spin_ns, settle)") < 0 ||
+        wait_arg(args[0], "poll", &wait_ns) < 0)
         return NULL;
     long long spin_ns = PyLong_AsLongLong(args[1]);
     if (spin_ns == -1 && PyErr_Occurred())
@@ -313,13 +322,10 @@ session_poll(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
     int settle = PyObject_IsTrue(args[2]);
     if (settle < 0)
         return NULL;
-    if (timeout_us < -1 || spin_ns < 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "poll: timeout_us %lld (-1 waits without limit), spin_ns %lld (>= 0)",
-                     timeout_us, spin_ns);
+    if (spin_ns < 0) {
+        PyErr_Format(PyExc_ValueError, "poll: spin_ns %lld (0 or more)", spin_ns);
         return NULL;
     }
-    long long wait_ns = timeout_us < 0 || timeout_us > LLONG_MAX / 2000 ? -1 : timeout_us * 1000;
     self->busy = 1;
     cip_status st = cipi_pubsession_poll(&self->session, wait_ns, spin_ns, settle, &gil);
     self->busy = 0;

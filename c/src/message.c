@@ -123,6 +123,17 @@ cipi_decode(const void *data, size_t n, struct cipi_msg *out)
 
 /* ---- the writers: every message the engine sends, from the generated layouts ------------ */
 
+/* A payload of `len` bytes for a message whose payloads hold at most `limit`: CIP_OK, or
+ * CIP_ERR_INVALID_ARGUMENT in the words of the Python API ("hello payload is ..."). */
+static cip_status
+payload_within(const char *what, size_t len, unsigned limit)
+{
+    if (len > limit)
+        return cipi_fail(CIP_ERR_INVALID_ARGUMENT,
+                         "%s payload is %zu bytes, more than the limit of %u", what, len, limit);
+    return CIP_OK;
+}
+
 /* A HELLO asking for `mode` and `credit` from process `pid`, its payload of `len` bytes to
  * follow (CIP_WIRE_HELLO_SIZE bytes at p).  CIP_ERR_INVALID_ARGUMENT, nothing written, for a
  * field out of range, in the words of the Python API. */
@@ -135,10 +146,8 @@ cipi_put_hello(uint8_t *p, unsigned mode, uint64_t credit, uint32_t pid, size_t 
     if (credit < 1 || credit > CIP_WIRE_MAX_CREDIT)
         return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "credit must be in 1..%u, not %llu",
                          CIP_WIRE_MAX_CREDIT, (unsigned long long)credit);
-    if (len > CIP_WIRE_MAX_HELLO_PAYLOAD)
-        return cipi_fail(CIP_ERR_INVALID_ARGUMENT,
-                         "hello payload is %zu bytes, more than the limit of %u", len,
-                         CIP_WIRE_MAX_HELLO_PAYLOAD);
+    if (payload_within("hello", len, CIP_WIRE_MAX_HELLO_PAYLOAD) != CIP_OK)
+        return CIP_ERR_INVALID_ARGUMENT;
     memset(p, 0, CIP_WIRE_HELLO_SIZE);
     WR(p, HELLO_MAGIC, CIP_WIRE_MAGIC);
     WR(p, HELLO_VERSION, CIP_WIRE_VERSION);
@@ -199,10 +208,8 @@ cipi_put_welcome(uint8_t *p, uint32_t sub_id, long long num_slots, uint64_t next
     if (lease_timeout_ms < 0 || lease_timeout_ms > UINT32_MAX)
         return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "lease_timeout_ms must be in 0..%u, not %lld",
                          UINT32_MAX, lease_timeout_ms);
-    if (len > CIP_WIRE_MAX_WELCOME_PAYLOAD)
-        return cipi_fail(CIP_ERR_INVALID_ARGUMENT,
-                         "welcome payload is %zu bytes, more than the limit of %u", len,
-                         CIP_WIRE_MAX_WELCOME_PAYLOAD);
+    if (payload_within("welcome", len, CIP_WIRE_MAX_WELCOME_PAYLOAD) != CIP_OK)
+        return CIP_ERR_INVALID_ARGUMENT;
     memset(p, 0, CIP_WIRE_WELCOME_SIZE);
     WR(p, WELCOME_MAGIC, CIP_WIRE_MAGIC);
     WR(p, WELCOME_VERSION, CIP_WIRE_VERSION);
