@@ -47,6 +47,8 @@ M = 0xFFFFFFFF
 FRAMES = 3000
 #: seconds one frame may take before the stream counts as stalled (it takes microseconds)
 STALL = 10.0
+#: The frame the publisher holds back until the consumer has taken it ahead.
+HELD = 2 * SLOTS
 
 
 class StreamStandIn:
@@ -151,6 +153,8 @@ def ahead_consumer(address: str, frames: int, q: Any, early: bool = False) -> No
             else:
                 core.release(seq, slot)
             handed_out.append((seq, ahead))
+            if seq == HELD:  # the frame the publisher holds back until this is said
+                q.put(("handed out", seq, ahead))
         stream.finish()  # the last frames' checks have run
         stream.close()
         for fd in fds:
@@ -251,6 +255,13 @@ def test_an_ahead_stream_hands_out_every_frame_once_with_its_own_bytes(
         ended_at_publication = 0
         for seq in range(FRAMES):
             slot, generation = seq % SLOTS, gen_of(seq % SLOTS) + seq // SLOTS
+            if seq == HELD:
+                # Once every frame before it is back, the consumer finds no message waiting
+                # and takes this one ahead: the ahead path runs whatever the two hosts' pace
+                for earlier in range(SLOTS):
+                    side.wait_free(seq, earlier)
+                assert side.q.get(timeout=STALL) == ("handed out", HELD, True)
+                side.core.poll(0.0)  # its early RELEASE (release-early) is read before it goes
             side.wait_free(seq, slot)
             side.publish(seq, slot, generation, True)
             # released before it was published: the lease ended as it was published
@@ -260,10 +271,10 @@ def test_an_ahead_stream_hands_out_every_frame_once_with_its_own_bytes(
     _, handed_out, wrong = answer
     assert [seq for seq, _ahead in handed_out] == list(range(FRAMES))
     assert wrong == [], f"frames read with other bytes: {wrong[:10]}"
-    # the ahead path ran: how many frames took it depends on the two hosts' pace (a
-    # consumer that finds messages waiting hands those frames out by message)
-    assert any(was_ahead for _seq, was_ahead in handed_out), "no frame was handed out ahead"
-    if early:  # and some of those were released before they were published
+    # the ahead path ran (frame HELD at least; how many more took it depends on the two
+    # hosts' pace: a consumer that finds messages waiting hands those frames out by message)
+    assert (HELD, True) in handed_out, "frame HELD was not handed out ahead"
+    if early:  # and some of those were released before they were published (HELD at least)
         print(f"{ended_at_publication} of {FRAMES} leases ended as their frame was published")
         assert ended_at_publication, "no frame was released before its publication"
 
