@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
+import hashlib
 import importlib.util
 import os
 import random
@@ -95,6 +97,40 @@ def compiler() -> str | None:
     return None
 
 
+def library_objects(extra: tuple[str, ...] = ()) -> list[Path]:
+    """The library's sources (:data:`LIB_SOURCES`) compiled with :data:`CFLAGS` and ``extra``
+    into object files, once for every build of this test run that asks for the same ones.
+
+    They are kept under the system's temporary directory by a digest of the compiler, the
+    flags and every source and header of ``c/``: a change to any of them compiles afresh,
+    and the pytest-xdist workers share one compilation (the first takes a lock, the others
+    wait on it).  Skips if there is no compiler.
+    """
+    cc = compiler()
+    if cc is None:
+        pytest.skip(
+            "no C compiler (cc, gcc, clang or $CC) on this machine: the C library is not built"
+        )
+    flags = [*CFLAGS, *extra, f"-I{C_DIR / 'include'}"]
+    digest = hashlib.sha256("\0".join([cc, *flags]).encode())
+    for path in sorted(C_DIR.glob("*/*.[ch]")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    cache = Path(tempfile.gettempdir()) / f"cupy_ipcpool-c-objects-{os.getuid()}"
+    cache.mkdir(mode=0o700, exist_ok=True)
+    built = cache / digest.hexdigest()[:24]
+    objects = [built / (src.stem + ".o") for src in LIB_SOURCES]
+    with open(cache / "lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (built / "done").exists():
+            shutil.rmtree(built, ignore_errors=True)
+            built.mkdir()
+            cmd = [cc, *flags, "-c", *map(str, LIB_SOURCES)]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=built)
+            assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout}{done.stderr}"
+            (built / "done").touch()
+    return objects
+
+
 def build_c_program(
     out_dir: Path,
     name: str,
@@ -116,8 +152,8 @@ def build_c_program(
     extra:
         More compiler flags.
     library:
-        Add the library's sources, :data:`LIB_SOURCES` (False for a program that is
-        built without them).
+        Link the library in (its objects from :func:`library_objects`, compiled with the
+        same flags); False for a program that is built without it.
 
     Returns
     -------
@@ -136,7 +172,7 @@ def build_c_program(
         *extra,
         f"-I{C_DIR / 'include'}",
         *map(str, sources),
-        *(map(str, LIB_SOURCES) if library else []),
+        *(map(str, library_objects(extra)) if library else []),
         "-o",
         str(exe),
         "-ldl",

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_c_library import C_DIR, CFLAGS, LIB_SOURCES, Probe, compiler
+from test_c_library import C_DIR, CFLAGS, Probe, compiler, library_objects
 
 from cupy_ipcpool.channel._publisher_core import PublisherCore
 
@@ -45,13 +45,7 @@ def probe_exe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if cc is None or cxx is None:
         pytest.skip("no C and C++ compiler on this machine: the C++ layer is not built")
     out = tmp_path_factory.mktemp("cpp")
-    objects = []
-    for src in LIB_SOURCES:  # the C library, compiled as C
-        obj = out / (src.stem + ".o")
-        cmd = [cc, *CFLAGS, f"-I{C_DIR / 'include'}", "-c", str(src), "-o", str(obj)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr}"
-        objects.append(str(obj))
+    objects = map(str, library_objects())  # the C library, compiled as C
     exe = out / "cip_cpp_probe"
     cmd = [
         cxx,

@@ -1039,8 +1039,24 @@ HOSTILE_CARRIERS: dict[str, Any] = {
 
 
 @pytest.fixture
-def unraisable() -> Iterator[list[Any]]:
-    """What reaches ``sys.unraisablehook`` (a finalizer's "Exception ignored") meanwhile."""
+def frozen_heap() -> Iterator[None]:
+    """What exists before the test is left out of ``gc.collect()`` while it runs
+    (``gc.freeze``): a collection per example then scans only what the example made,
+    not the whole test session's heap."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+@pytest.fixture
+def unraisable(frozen_heap: None) -> Iterator[list[Any]]:
+    """What reaches ``sys.unraisablehook`` (a finalizer's "Exception ignored") meanwhile.
+
+    Its tests collect garbage before and after each call they check: with the heap as it
+    was frozen (``frozen_heap``), a collection scans only what the test made."""
     import sys
 
     seen: list[Any] = []
@@ -1162,19 +1178,6 @@ def test_rebuild_lets_keyboard_interrupt_through_and_closes(
 
 
 _carrier_kind = st.sampled_from(["honest", *sorted(HOSTILE_CARRIERS)])
-
-
-@pytest.fixture
-def frozen_heap() -> Iterator[None]:
-    """What exists before the test is left out of ``gc.collect()`` while it runs
-    (``gc.freeze``): a collection per example then scans only what the example made,
-    not the whole test session's heap."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 @settings(
