@@ -37,6 +37,7 @@ from skips import needs_ucx
 
 from cupy_ipcpool import EndOfStream, SlotBusyError, UsageError
 from cupy_ipcpool.remote import _wire as wire
+from cupy_ipcpool.remote._accept import MAX_PENDING_PER_ADDRESS
 from cupy_ipcpool.remote._admission import WAIT_PROOF, HandshakeBook, address_key
 from cupy_ipcpool.remote._credit import ServerBook
 from tests import _pipe_child
@@ -251,7 +252,8 @@ def test_silent_connections_from_one_address_lock_no_one_out(source: str) -> Non
         try:
             assert parent.poll(30), "the attacker did not start"
             assert parent.recv()[0] == "ready"
-            time.sleep(0.5)  # the flood is in place: every handshake slot of 127.0.0.1 is taken
+            # the flood is in place: every handshake room of its address is taken
+            wait_for(lambda: server.pending_handshakes >= MAX_PENDING_PER_ADDRESS)
             joins = []
             for _ in range(6):  # honest subscribers from the same address, one after another
                 t0 = time.monotonic()
