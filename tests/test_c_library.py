@@ -97,14 +97,19 @@ def compiler() -> str | None:
     return None
 
 
+#: How many compilations of the library (by sources and flags) the temp dir keeps.
+_OBJECT_BUILDS_KEPT = 8
+
+
 def library_objects(extra: tuple[str, ...] = ()) -> list[Path]:
     """The library's sources (:data:`LIB_SOURCES`) compiled with :data:`CFLAGS` and ``extra``
     into object files, once for every build of this test run that asks for the same ones.
 
     They are kept under the system's temporary directory by a digest of the compiler, the
-    flags and every source and header of ``c/``: a change to any of them compiles afresh,
-    and the pytest-xdist workers share one compilation (the first takes a lock, the others
-    wait on it).  Skips if there is no compiler.
+    flags and every source and header of ``c/``: a change to any of them compiles afresh
+    (the newest :data:`_OBJECT_BUILDS_KEPT` compilations stay), and the pytest-xdist
+    workers share one compilation (the first takes a lock, the others wait on it).  Skips
+    if there is no compiler.
     """
     cc = compiler()
     if cc is None:
@@ -128,6 +133,10 @@ def library_objects(extra: tuple[str, ...] = ()) -> list[Path]:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=built)
             assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout}{done.stderr}"
             (built / "done").touch()
+            # the builds of older sources and flags: the newest few stay (lanes run side by side)
+            older = sorted((d for d in cache.iterdir() if d.is_dir()), key=os.path.getmtime)
+            for stale in older[:-_OBJECT_BUILDS_KEPT]:
+                shutil.rmtree(stale, ignore_errors=True)
     return objects
 
 
