@@ -136,46 +136,7 @@ fastpath_wait_all(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t
     return PyLong_FromLong(rc);
 }
 
-PyDoc_STRVAR(cas32_doc,
-"cas32(addr, expected, desired) -> int\n"
-"\n"
-"Compare-and-swap of the aligned 32-bit word at host address ``addr`` (a\n"
-"shared flag page's mapping): store ``desired`` if it holds ``expected``, in\n"
-"one atomic step (sequentially consistent); return the word found there\n"
-"(``expected`` if stored).  A survivor forcing a dead peer's flag\n"
-"(channel/_syncpage.py) so that a write landing since its read is never\n"
-"overwritten, as the C library's cip_flag_force.  ``addr`` must be mapped.");
-
-static PyObject *
-fastpath_cas32(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
-{
-    if (check_nargs(nargs, 3, "cas32(addr, expected, desired)") < 0)
-        return NULL;
-    unsigned long long addr = PyLong_AsUnsignedLongLong(args[0]);
-    if (addr == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
-    if (addr == 0 || addr % 4 != 0) {
-        PyErr_Format(PyExc_ValueError, "cas32: address 0x%llx is not a 32-bit word's", addr);
-        return NULL;
-    }
-    unsigned long values[2];
-    for (int i = 0; i < 2; i++) {
-        values[i] = PyLong_AsUnsignedLong(args[1 + i]);
-        if (values[i] == (unsigned long)-1 && PyErr_Occurred())
-            return NULL;
-        if (values[i] > 0xFFFFFFFFul) {
-            PyErr_SetString(PyExc_OverflowError, "cas32: a word is 32 bits");
-            return NULL;
-        }
-    }
-    uint32_t word = (uint32_t)values[0];
-    __atomic_compare_exchange_n((uint32_t *)(uintptr_t)addr, &word, (uint32_t)values[1], 0,
-                                __ATOMIC_SEQ_CST, __ATOMIC_ACQUIRE);
-    return PyLong_FromUnsignedLong(word);
-}
-
 static PyMethodDef fastpath_methods[] = {
-    {"cas32", (PyCFunction)(void (*)(void))fastpath_cas32, METH_FASTCALL, cas32_doc},
     {"memop", (PyCFunction)(void (*)(void))fastpath_memop, METH_FASTCALL, memop_doc},
     {"wait_all", (PyCFunction)(void (*)(void))fastpath_wait_all, METH_FASTCALL, wait_all_doc},
     {NULL, NULL, 0, NULL},

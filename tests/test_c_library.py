@@ -2386,3 +2386,104 @@ def test_the_publishers_wait_answers_alike_both_ways_in(leases_exe: Path) -> Non
     assert via_probe[14] == "ok 1 2 0 []/0/[1] []/0/[] []/0/[] []/0/[]"
     assert via_probe[15:19] == ["ok"] * 4
     assert via_probe[19:] == ["ok 1 0 1", "ok 0"]  # subscriber 2's notice is queued
+
+
+# ---------------------------------------------------------------- the publisher's reader rows
+# c/src/reader_rows.c through both ways in (the Python publisher's _engine.ReaderRows and
+# the probe's r... commands): the same script gives the same answers, and the sanitizer lane
+# runs the rows' code under AddressSanitizer and UndefinedBehaviorSanitizer.  Its rules:
+# tests/test_reader_rows_cpu.py.
+
+
+def _binding_rows() -> Callable[[str], str]:
+    """The probe's rows commands, answered by the binding (ReaderRows over a bytearray)."""
+    state: dict[str, Any] = {}
+
+    def do(line: str) -> str:
+        cmd, *args = line.split()
+        if cmd == "rnew":
+            slots, n = int(args[0]), int(args[1])
+            state["page"] = bytearray(4 * slots * n)
+            state["rows"] = _engine.ReaderRows(state["page"], 0, n, slots)
+            state["slots"] = slots
+            return "ok"
+        rows, page = state["rows"], state["page"]
+        gens = [int(a) for a in args[2:]] if cmd == "rleave" else [int(a) for a in args]
+        try:
+            if cmd == "rassign":
+                index = rows.assign(int(args[0]), int(args[1]))
+                return f"ok {'none' if index is None else index}"
+            if cmd == "radopt":
+                rows.adopt(int(args[0]))
+                return "ok"
+            if cmd == "rleave":
+                rows.leave(int(args[0]), gens, args[1] == "1")
+                return "ok"
+            if cmd == "rsettle":
+                return f"ok {rows.settle(args[0] == '1')}"
+            if cmd == "rclose":
+                rows.close(gens)
+                return "ok"
+            if cmd == "rall":
+                return f"ok {int(rows.all_settled())}"
+            if cmd == "rflag":
+                row, slot, value = map(int, args)
+                struct.pack_into("<I", page, (row * state["slots"] + slot) * 4, value)
+                return "ok"
+            if cmd == "rstate":
+                words = struct.unpack(f"<{len(page) // 4}I", page)
+                n = state["slots"]
+                flags = " ".join(
+                    ",".join(map(str, words[i : i + n])) for i in range(0, len(words), n)
+                )
+                return f"ok {rows.live} {rows.departed} {rows.forced} {flags}"
+        except UsageError as exc:
+            return f"err {_LEASE_ERRORS['UsageError']} {exc}"
+        raise AssertionError(line)
+
+    return do
+
+
+def _rows_script(do: Callable[[str], str]) -> list[str]:
+    """Three rows of two slots: a reader that never read, a live one that leaves before its
+    flags are in, one that dies, the oldest departed row forced for a newcomer, the close."""
+    live = subprocess.Popen(["sleep", "60"])
+    dying = subprocess.Popen(["sleep", "60"])
+    try:
+        answers = [do("rnew 2 3")]
+        answers += [do(f"rassign {i} {live.pid}") for i in (1, 2)]
+        answers += [do(f"rassign 3 {dying.pid}"), do("rassign 4 1"), do("rassign 1 1")]
+        answers += [do("radopt 2"), do("radopt 3"), do("radopt 9")]
+        answers += [do("rleave 1 0 5 5"), do("rstate")]  # never adopted: free at once
+        answers += [do("rflag 1 0 7"), do("rleave 2 0 7 4294967298"), do("rsettle 0")]
+        dying.kill()
+        dying.wait()
+        answers += [do("rleave 3 0 6 6"), do("rstate")]  # dead: forced, not kept
+        answers += [do(f"rassign 5 {live.pid}"), do(f"rassign 6 {live.pid}")]
+        answers += [do(f"rassign 7 {live.pid}"), do("rstate")]  # row 1: the oldest, forced
+        answers += [do("radopt 5"), do("rclose 8 8"), do("rall"), do("rflag 0 0 8")]
+        answers += [do("rflag 0 1 9"), do("rall"), do("rsettle 0"), do("rstate")]
+        return answers
+    finally:
+        for proc in (live, dying):
+            proc.kill()
+            proc.wait()
+
+
+def test_the_reader_rows_answer_alike_both_ways_in(leases_exe: Path) -> None:
+    probe = Probe(leases_exe)
+    try:
+        via_probe = _rows_script(probe)
+    finally:
+        probe.close()
+    via_binding = _rows_script(_binding_rows())
+    assert via_probe == via_binding
+    assert via_probe[:5] == ["ok", "ok 0", "ok 1", "ok 2", "ok none"]
+    assert via_probe[5] == "err 1 subscriber 1 has a row already"
+    assert via_probe[8] == "err 1 subscriber 9 has no row"
+    assert via_probe[10] == "ok 2 0 0 0,0 0,0 0,0"  # a reader that read nothing: no wait
+    assert via_probe[13] == "ok 1"  # slot 1 short of 2 (4294967298 modulo 2**32)
+    assert via_probe[15] == "ok 0 1 2 0,0 7,0 6,6"  # the dead one's row forced
+    assert via_probe[16:19] == ["ok 0", "ok 2", "ok 1"]  # row 1 departed: taken last
+    assert via_probe[19] == "ok 3 0 3 0,0 7,2 6,6"  # ... and forced where it was short
+    assert via_probe[22] == "ok 0" and via_probe[25:] == ["ok 1", "ok 0", "ok 0 0 3 8,9 7,2 6,6"]

@@ -40,10 +40,10 @@ from cupy_ipcpool._errors import (
 from cupy_ipcpool.channel._follow import Follower
 from cupy_ipcpool.channel._publisher_core import PublisherCore
 from cupy_ipcpool.channel._settle import (
-    DepartedReader,
     close_pidfd,
     exited,
     open_pidfd,
+    reader_rows,
     settle_page,
     settle_streams,
 )
@@ -621,33 +621,41 @@ def _write_flags_then_wait(conn: Connection, fd_path: str, offsets: list[int]) -
 
 @pytest.mark.timeout(60)
 def test_a_dead_readers_flags_are_forced_a_live_ones_never(spawn: Callable[..., Child]) -> None:
+    """The publisher's departed reader (``reader_rows``): its row is kept while it lives and
+    a stream waits on it; once it died, the flags it never wrote are forced at close."""
     layout = FlagLayout(SLOTS, ROWS)
     page = SharedFlags.create(layout.nbytes)
+    rows = reader_rows(page, layout)
     try:
+        for sub_id in (1, 2):  # rows 0 and 1, taken and let go without reading
+            assert rows.assign(sub_id, os.getpid()) == sub_id - 1
+            rows.leave(sub_id, [3] * SLOTS, False)
         row = 2
         landed = [layout.read_offset(row, s) for s in range(0, SLOTS, 2)]
         child = spawn(_write_flags_then_wait, f"/proc/{os.getpid()}/fd/{page.fd}", landed)
         assert child.expect() == "written"
         assert child.proc.pid is not None
-        gone = DepartedReader(row, open_pidfd(child.proc.pid), [3] * SLOTS)
+        assert rows.assign(3, child.proc.pid) == row  # round-robin: the next row
+        rows.adopt(3)
         stream = PageStream(page)  # the publisher's stream waits on the odd slots' flags
         for s in range(1, SLOTS, 2):
             stream.wait(layout.read_offset(row, s), 3)
-        assert not gone.settled(page, layout) and not exited(gone.pidfd)
+        rows.close([3] * SLOTS)  # the publisher closes: its row is departed
+        assert rows.departed == 1 and rows.live == 0
         # alive: nothing is forced, and the page is not declared free
-        assert not settle_page(page, layout, stream, [gone], 0.2)
-        assert not stream.idle()
+        assert not settle_page(stream, rows, 0.2)
+        assert not stream.idle() and rows.forced == 0
         assert all(page.load(layout.read_offset(row, s)) == 0 for s in range(1, SLOTS, 2))
         os.kill(child.proc.pid, signal.SIGKILL)
         child.proc.join(10)
-        assert exited(gone.pidfd)
-        assert settle_page(page, layout, stream, [gone], 5.0)
-        assert stream.idle() and gone.settled(page, layout)
-        assert gone.force(page, layout) == 0  # nothing left to force
+        assert settle_page(stream, rows, 5.0)
+        assert stream.idle() and rows.all_settled()
+        assert rows.forced == SLOTS // 2  # only the flags it never wrote
         assert page.load(layout.read_offset(row + 1, 1)) == 0  # other rows untouched
-        gone.close()
-        gone.close()
+        rows.release_page()
+        rows.release_page()
     finally:
+        rows.release_page()
         page.close()
 
 

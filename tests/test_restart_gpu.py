@@ -510,9 +510,11 @@ def test_a_consumer_killed_before_its_read_flag_landed_does_not_stall_the_produc
                 assert f.slot == first
                 # frame() looked at the read flag on the host before it returned: still
                 # unset now, so it queued a wait for it on the producer's stream
+                rows = [pub._rows.index(info.sub_id) for info in pub.subscribers]
                 flags = [
-                    int(sync._words[(row[1][first] - sync._base) >> 2])
-                    for row in pub._rows.values()
+                    int(sync._words[(sync.read_flag(row, first) - sync._base) >> 2])
+                    for row in rows
+                    if row is not None
                 ]
                 assert flags and read not in flags, (read, flags)
                 a = f.array((N,), cp.uint32)
@@ -658,7 +660,7 @@ def test_soak_100k_frames_block_and_latest_with_restarts(address):
                     # The subscriber that left keeps its pidfd among the departed until the
                     # publisher next looks (every 10 ms, from poll and frame) and finds our
                     # streams past every wait on its row: bounded, given back, not a leak.
-                    while pub._departed:
+                    while pub._rows.departed:
                         pub.poll(0.01)
                         assert time.monotonic() < deadline, "a departed reader never settled"
                     gc.collect()

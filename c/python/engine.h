@@ -44,6 +44,9 @@ PyObject *cipy_lease_mode_error(engine_state *es, PyObject *name);
 /* pubsession.c: the PublisherSession type (the publisher's adopted subscribers) */
 int cipy_pubsession_exec(PyObject *module);
 
+/* rows.c: the ReaderRows type (the publisher's rows of read flags) */
+int cipy_rows_exec(PyObject *module);
+
 /* owed.c: the OwedReleases type (the RELEASEs the Python subscriber owes) */
 int cipy_owed_exec(PyObject *module);
 

@@ -36,6 +36,10 @@
  *   pub_session.c the publisher's adopted subscribers: their sockets, departures, eviction
  *                (lease_timeout, a socket that stays full), the eviction notice, the BYE
  *                at close (no GPU)
+ *   pub_poll.c   the publisher's wait for a lease to end: messages, read flags, the spin,
+ *                lease_timeout, the notices that wait for room (no GPU)
+ *   reader_rows.c the publisher's rows of read flags: who writes which, the departed
+ *                readers' rows (kept while streams may wait, forced after a death) (no GPU)
  *   hangup.c     the verdict on what is still queued at a hang-up
  *   session.c    the channel's socket session: the end of a stream, the backlog, hang-ups,
  *                releases owed, judging messages, the next frame
@@ -331,6 +335,9 @@ CIP_INTERNAL cip_status cipi_fail(cip_status status, const char *fmt, ...)
 /* util.c */
 CIP_INTERNAL long long cipi_now_ns(void);
 CIP_INTERNAL long long cipi_now_ms(void);
+CIP_INTERNAL int cipi_pidfd_open(int pid);
+CIP_INTERNAL int cipi_pidfd_exited(int pidfd);
+CIP_INTERNAL void cipi_pidfd_close(int pidfd);
 CIP_INTERNAL struct timespec cipi_timespec_of_ns(long long ns);
 CIP_INTERNAL void cipi_fmt_seconds(char *out, size_t size, double x);
 CIP_INTERNAL int cipi_left_ms(long long deadline);
@@ -647,6 +654,45 @@ CIP_INTERNAL int cipi_pubsession_close(struct cipi_pubsession *s, long long ling
 CIP_INTERNAL cip_status cipi_pubsession_poll(struct cipi_pubsession *s, long long timeout_ns,
                                              long long spin_ns, int settle,
                                              const struct cipi_waiting *waiting);
+
+/* reader_rows.c: the publisher's rows of read flags, and the departed readers'. */
+struct cipi_live_row {
+    uint32_t sub_id, index;
+    int pidfd;   /* its process's (the kernel's pid), -1: none */
+    int adopted; /* it may read frames: streams may wait on its row */
+};
+struct cipi_departed { /* a row the publisher's streams may still wait on */
+    uint32_t index;
+    int pidfd;
+};
+struct cipi_rows {
+    uint32_t max_rows, num_slots, next; /* next: where the round-robin looks first */
+    uint32_t *page;                     /* the sync page's host mapping (not owned) */
+    size_t reads_at;                    /* where the rows begin, in flags */
+    struct cipi_live_row *live;         /* max_rows */
+    uint32_t nlive;
+    struct cipi_departed *departed; /* max_rows, oldest first */
+    uint32_t ndeparted;
+    uint32_t *values;    /* per row, the generations a departed row's flags must reach */
+    uint64_t forced;     /* read flags written from the host so far */
+    long long next_look; /* cipi_rows_due: CLOCK_MONOTONIC ns */
+};
+/* How often (ns) the departed rows are looked at, at most (cipi_rows_due). */
+#define CIPI_ROWS_LOOK_EVERY_NS 10000000
+CIP_INTERNAL int cipi_flag_force_to(uint32_t *flag, uint32_t value);
+CIP_INTERNAL cip_status cipi_rows_init(struct cipi_rows *r, uint32_t max_rows, uint32_t num_slots,
+                                       uint32_t *page, size_t nbytes, size_t reads_offset);
+CIP_INTERNAL void cipi_rows_free(struct cipi_rows *r);
+CIP_INTERNAL cip_status cipi_rows_assign(struct cipi_rows *r, uint32_t sub_id, int pid,
+                                         uint32_t *index);
+CIP_INTERNAL cip_status cipi_rows_adopt(struct cipi_rows *r, uint32_t sub_id);
+CIP_INTERNAL long cipi_rows_index(const struct cipi_rows *r, uint32_t sub_id);
+CIP_INTERNAL void cipi_rows_leave(struct cipi_rows *r, uint32_t sub_id, const uint32_t *published,
+                                  int idle);
+CIP_INTERNAL int cipi_rows_due(struct cipi_rows *r);
+CIP_INTERNAL uint32_t cipi_rows_settle(struct cipi_rows *r, int idle);
+CIP_INTERNAL void cipi_rows_close(struct cipi_rows *r, const uint32_t *published);
+CIP_INTERNAL int cipi_rows_all_settled(struct cipi_rows *r);
 
 /* hangup.c */
 enum cipi_hangup { CIPI_HANGUP_DROP, CIPI_HANGUP_BYE, CIPI_HANGUP_EVICTED, CIPI_HANGUP_BAD_NOTICE };

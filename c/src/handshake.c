@@ -227,12 +227,7 @@ handshake(cip_sub *sub, const cip_sub_options *o)
     sub->sock = j.sock;
     sub->info.producer_pid = j.pid;
     sub->info.producer_uid = j.uid;
-    if (j.pid > 0) {
-        /* readable once the producer exits */
-        sub->pidfd = (int)syscall(CIP_SYS_PIDFD_OPEN, j.pid, 0);
-        if (sub->pidfd >= 0)
-            fcntl(sub->pidfd, F_SETFD, FD_CLOEXEC);
-    }
+    sub->pidfd = cipi_pidfd_open(j.pid); /* readable once the producer exits */
     const struct cipi_msg *m = &j.welcome;
     sub->info.sub_id = m->sub_id;
     sub->info.num_slots = m->num_slots;

@@ -62,10 +62,7 @@ cipi_refuse_reason(const struct cipi_msg *m, char *out, size_t cap)
 int
 cipi_producer_dead(cip_sub *sub)
 {
-    if (sub->pidfd < 0)
-        return 0;
-    struct pollfd p = {sub->pidfd, POLLIN, 0};
-    return poll(&p, 1, 0) > 0;
+    return cipi_pidfd_exited(sub->pidfd);
 }
 
 /* Whether the producer's pidfd becomes readable (it exited) within `ms`. */

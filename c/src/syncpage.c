@@ -41,6 +41,20 @@ cip_flag_state(uint32_t word, uint32_t generation)
     return distance >= CIP_WIRE_SYNC_FORCED ? 1 : 0;
 }
 
+/* A read flag a departed subscriber never wrote: store `value` unless the flag reached it
+ * (cyclic; it never moves backwards).  A compare-and-swap: a write that lands since the read
+ * is never overwritten.  1 if stored. */
+int
+cipi_flag_force_to(uint32_t *flag, uint32_t value)
+{
+    uint32_t word = __atomic_load_n(flag, __ATOMIC_ACQUIRE);
+    while ((int32_t)(word - value) < 0)
+        if (__atomic_compare_exchange_n(flag, &word, value, 0, __ATOMIC_SEQ_CST,
+                                        __ATOMIC_ACQUIRE))
+            return 1;
+    return 0;
+}
+
 int
 cip_flag_force(uint32_t *flag, uint32_t awaited)
 {

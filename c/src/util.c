@@ -18,6 +18,33 @@ cipi_timespec_of_ns(long long ns)
     return (struct timespec){(time_t)(ns / 1000000000LL), (long)(ns % 1000000000LL)};
 }
 
+/* A pidfd of `pid` (readable once it exits), or -1 where none can be had. */
+int
+cipi_pidfd_open(int pid)
+{
+    if (pid <= 0)
+        return -1;
+    int fd = (int)syscall(CIP_SYS_PIDFD_OPEN, pid, 0); /* close-on-exec */
+    return fd < 0 ? -1 : fd;
+}
+
+/* Whether the process of `pidfd` has exited (its pidfd is readable); 0 for -1. */
+int
+cipi_pidfd_exited(int pidfd)
+{
+    if (pidfd < 0)
+        return 0;
+    struct pollfd p = {pidfd, POLLIN, 0};
+    return poll(&p, 1, 0) > 0;
+}
+
+void
+cipi_pidfd_close(int pidfd)
+{
+    if (pidfd >= 0)
+        close(pidfd);
+}
+
 long long
 cipi_now_ms(void)
 {

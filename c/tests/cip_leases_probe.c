@@ -36,6 +36,19 @@
  *   srow ID ROW                       -> ok | err ...
  *   ssettle SLOT                      -> ok ENDED | err ...   (SLOT -1: every slot)
  *   spoll TIMEOUT_US SPIN_NS SETTLE   -> ok [ID/WHY;]... | err ...  (c/src/pub_poll.c)
+ *
+ * and the publisher's rows of read flags (c/src/reader_rows.c), over a page of their own
+ * (G...: one generation per slot):
+ *
+ *   rnew SLOTS ROWS                   -> ok | err ...   (a zeroed page)
+ *   rassign ID PID                    -> ok INDEX | ok none | err ...
+ *   radopt ID                         -> ok | err ...
+ *   rleave ID IDLE G...               -> ok
+ *   rsettle IDLE                      -> ok LEFT
+ *   rclose G...                       -> ok
+ *   rall                              -> ok 0|1
+ *   rflag ROW SLOT VALUE              -> ok
+ *   rstate                            -> ok LIVE DEPARTED FORCED then each row's flags
  *   quit
  */
 #include "../src/cip_internal.h"
@@ -43,6 +56,94 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+static void answer(cip_status st);
+
+static struct cipi_rows rows;
+static int rows_made;
+static uint32_t *rows_page, rows_published[CIP_WIRE_MAX_SLOTS];
+
+/* G...: one generation per slot of the rows, into rows_published; 0 if too few */
+static int
+parse_generations(const char *p)
+{
+    for (uint32_t s = 0; s < rows.num_slots; s++) {
+        char *end;
+        unsigned long long v = strtoull(p, &end, 10);
+        if (end == p)
+            return 0;
+        rows_published[s] = (uint32_t)v;
+        p = end;
+    }
+    return 1;
+}
+
+/* The rows' commands (r...); 0 when `cmd` is not one of them. */
+static int
+rows_command(const char *cmd, const char *rest)
+{
+    long long a = 0, b = 0, c = 0;
+    int used = 0;
+    cip_status st;
+    if (!strcmp(cmd, "rnew") && sscanf(rest, "%lld %lld", &a, &b) == 2) {
+        if (rows_made)
+            cipi_rows_free(&rows);
+        free(rows_page);
+        size_t words = (size_t)(a > 0 ? a : 1) * (size_t)(b > 0 ? b : 1);
+        rows_page = (uint32_t *)calloc(words, sizeof *rows_page);
+        st = cipi_rows_init(&rows, (uint32_t)b, (uint32_t)a, rows_page, words * 4, 0);
+        rows_made = st == CIP_OK;
+        if (st == CIP_OK)
+            printf("ok\n");
+        answer(st);
+    } else if (!rows_made) {
+        static const char *const names[] = {"rassign", "radopt", "rleave", "rsettle",
+                                            "rclose",  "rall",   "rflag",  "rstate"};
+        for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+            if (!strcmp(cmd, names[i])) {
+                printf("err -1 no rows\n");
+                return 1;
+            }
+        return 0;
+    } else if (!strcmp(cmd, "rassign") && sscanf(rest, "%lld %lld", &a, &b) == 2) {
+        uint32_t index;
+        st = cipi_rows_assign(&rows, (uint32_t)a, (int)b, &index);
+        if (st == CIP_OK)
+            printf("ok %u\n", index);
+        else if (st == CIP_ERR_PROTOCOL)
+            printf("ok none\n");
+        else
+            answer(st);
+    } else if (!strcmp(cmd, "radopt") && sscanf(rest, "%lld", &a) == 1) {
+        st = cipi_rows_adopt(&rows, (uint32_t)a);
+        if (st == CIP_OK)
+            printf("ok\n");
+        answer(st);
+    } else if (!strcmp(cmd, "rleave") && sscanf(rest, "%lld %lld %n", &a, &b, &used) == 2 &&
+               parse_generations(rest + used)) {
+        cipi_rows_leave(&rows, (uint32_t)a, rows_published, (int)b);
+        printf("ok\n");
+    } else if (!strcmp(cmd, "rsettle") && sscanf(rest, "%lld", &a) == 1) {
+        printf("ok %u\n", cipi_rows_settle(&rows, (int)a));
+    } else if (!strcmp(cmd, "rclose") && parse_generations(rest)) {
+        cipi_rows_close(&rows, rows_published);
+        printf("ok\n");
+    } else if (!strcmp(cmd, "rall")) {
+        printf("ok %d\n", cipi_rows_all_settled(&rows));
+    } else if (!strcmp(cmd, "rflag") && sscanf(rest, "%lld %lld %lld", &a, &b, &c) == 3) {
+        rows_page[(size_t)a * rows.num_slots + (size_t)b] = (uint32_t)c;
+        printf("ok\n");
+    } else if (!strcmp(cmd, "rstate")) {
+        printf("ok %u %u %llu", rows.nlive, rows.ndeparted, (unsigned long long)rows.forced);
+        for (uint32_t r = 0; r < rows.max_rows; r++)
+            for (uint32_t s = 0; s < rows.num_slots; s++)
+                printf(s ? ",%u" : " %u", rows_page[(size_t)r * rows.num_slots + s]);
+        printf("\n");
+    } else {
+        return 0;
+    }
+    return 1;
+}
 
 static struct cipi_leasebook book;
 static struct cipi_pubsession session;
@@ -134,6 +235,8 @@ main(void)
         cip_status st;
         if (!strcmp(cmd, "quit")) {
             break;
+        } else if (rows_command(cmd, rest)) {
+            continue;
         } else if (!strcmp(cmd, "fmt") && sscanf(rest, "%lf", &now) == 1) {
             char text[32];
             cipi_fmt_seconds(text, sizeof text, now);
@@ -326,6 +429,9 @@ main(void)
     if (session_made)
         cipi_pubsession_free(&session);
     free(page);
+    if (rows_made)
+        cipi_rows_free(&rows);
+    free(rows_page);
     if (made)
         cipi_leases_free(&book);
     return 0;

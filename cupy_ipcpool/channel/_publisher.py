@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -53,20 +52,10 @@ from ._payload import (
     WELCOME_HEAD,
 )
 from ._publisher_core import PublisherCore
-from ._settle import (
-    CLOSE_GRACE,
-    DepartedReader,
-    PageStreams,
-    close_pidfd,
-    exited,
-    open_pidfd,
-    settle_page,
-)
+from ._settle import CLOSE_GRACE, PageStreams, reader_rows, settle_page
 from ._syncpage import SyncPage
 
 _TEMPLATES = 1024  # most array geometries whose wire form a publisher keeps
-#: Seconds between two looks at departed subscribers (is one dead? are its flags in?).
-_DEPARTED_EVERY = 0.01
 
 #: Sync pages kept mapped because a live subscriber's read flag was still awaited by
 #: one of the publisher's streams when it closed: never unmapped while registered.
@@ -154,8 +143,8 @@ class _PublisherLeases:
         # the publisher's per-frame state, shared (not copied): what order_write needs
         self._published = publisher._published
         self._rows = publisher._rows
+        self._read_flag = publisher._sync.read_flag
         self._order_all = publisher._sync.order_all
-        self._departed = publisher._departed  # shared: looked at while not empty
         self._settle = weakref.WeakMethod(publisher._settle_departed)  # no cycle to it
         self._streams = publisher._streams
         # ahead=True: a lease also ends when its read flag is seen set (PublisherCore.settle)
@@ -192,7 +181,7 @@ class _PublisherLeases:
         """Make ``stream`` wait for the read flags of every subscriber that read ``slot``."""
         if self.closed:
             return
-        if self._departed:
+        if self._rows.departed:
             settle = self._settle()
             if settle is not None:
                 settle()
@@ -203,7 +192,8 @@ class _PublisherLeases:
         # every reader wrote the generation it was sent into its read flag on release;
         # order_all skips the flags the host sees set already (the usual case with one
         # subscriber: the slot was read a whole ring ago)
-        addrs = [row[1][slot] for row in map(self._rows.get, readers) if row is not None]
+        rows = self._rows
+        addrs = [self._read_flag(i, slot) for i in map(rows.index, readers) if i is not None]
         if addrs and self._order_all(stream, addrs, self._published[slot]):
             self._streams.note(stream)
 
@@ -304,11 +294,6 @@ class Publisher(ClosedFlag):
         self._pool = pool
         self._device = pool.device
         self._lock = threading.Lock()
-        # sub_id -> (its row of read flags in the sync page, the device addresses of
-        # that row's flags, one per slot); written under self._lock on the accept
-        # thread, read without it per frame (a dict lookup is atomic)
-        self._rows: dict[int, tuple[int, list[int]]] = {}
-        self._next_index = 0
         self._max_subscribers = max_subscribers
         self._closed = False
         self._token: SlotToken | None = None  # the slot being written
@@ -318,18 +303,14 @@ class Publisher(ClosedFlag):
         self._next_slot: int | None = None
         self._layout: tuple[bytes, ...] | None = None
         self._published = [0] * n  # generation of each slot's last published frame
-        # a pidfd per welcomed subscriber (its death means its read-flag writes never
-        # come), the adopted ones, and those that left while our streams may still
-        # wait on their flags; all under self._lock
-        self._pidfds: dict[int, int] = {}
-        self._adopted: set[int] = set()
-        self._departed: list[DepartedReader] = []
-        self._next_settle = 0.0
         self._streams = PageStreams()  # streams with flag operations on the page
         desc = pool.descriptor(transport="pidfd").to_bytes()  # raises if the pool is closed
         self._sync = sync = SyncPage.create(n, max_subscribers, self._device)
         self._desc_bytes = desc
         self._welcome_fds = [pool.fd(i) for i in range(n)] + [sync.fd]
+        # each subscriber's row of read flags, and the rows of those that left while our
+        # streams may still wait on their flags (c/src/reader_rows.c); under self._lock
+        self._rows = reader_rows(sync.flags, sync.layout)
         try:
             self._core = PublisherCore(
                 address,
@@ -349,6 +330,7 @@ class Publisher(ClosedFlag):
         except BaseException:
             if hasattr(self, "_core"):
                 self._core.close()  # lets go of the page
+            self._rows.release_page()
             sync.close()
             raise
         # per-frame lookups, made once: the slots' and flags' addresses, and the
@@ -392,26 +374,10 @@ class Publisher(ClosedFlag):
                 "'latest' subscriber would make it wait: subscribe with mode='block' or 'ahead'"
             )
         with self._lock:
-            used = {row for row, _ in self._rows.values()}
-            held = {d.index for d in self._departed}
-            for step in range(self._max_subscribers):
-                index = (self._next_index + step) % self._max_subscribers
-                if index not in used and index not in held:
-                    break
-            else:
-                if not self._departed:
-                    raise PeerRefusedError("no free subscriber row in the sync page")
-                oldest = self._departed.pop(0)
-                oldest.force(self._sync.flags, self._sync.layout)
-                oldest.close()
-                index = oldest.index
-            self._next_index = index + 1
-            sync = self._sync
-            flags = [sync.read_flag(index, slot) for slot in range(self._pool.num_slots)]
-            self._rows[info.sub_id] = (index, flags)
-            # the kernel's pid only: a pid claimed in HELLO may name another process here
-            # (then no pidfd, and a departed reader's flags are never written for it)
-            self._pidfds[info.sub_id] = open_pidfd(info.peer_pid)
+            # the kernel's pid: its pidfd says when the subscriber died
+            index = self._rows.assign(info.sub_id, info.peer_pid)
+        if index is None:
+            raise PeerRefusedError("no free subscriber row in the sync page")
         head = WELCOME_HEAD.pack(
             len(self._desc_bytes),
             self._pool.num_slots,
@@ -423,54 +389,26 @@ class Publisher(ClosedFlag):
 
     def _on_join(self, info: SubscriberInfo) -> None:
         with self._lock:
-            self._adopted.add(info.sub_id)
-            row = self._rows.get(info.sub_id)
-        if row is not None:  # its read flags: where the engine looks when it settles
-            self._core.set_row(info.sub_id, row[0])
+            self._rows.adopt(info.sub_id)
+            index = self._rows.index(info.sub_id)
+        if index is not None:  # its read flags: where the engine looks when it settles
+            self._core.set_row(info.sub_id, index)
 
     def _on_leave(self, info: SubscriberInfo) -> None:
         # Our streams may wait on the read flags of a subscriber that read frames (it
-        # was adopted): if it is dead, those writes died with its CUDA context, so they
-        # are made here.  No new wait on its row is queued from now on, so once its
-        # flags are in, or our streams have run dry, nothing waits on it; until then
-        # (it lives, its writes will come) its row waits among the departed.
+        # was adopted): the engine writes them if it is dead, and keeps its row among
+        # the departed while it lives and a stream of ours may still wait on it.
         with self._lock:
-            row = self._rows.pop(info.sub_id, None)
-            pidfd = self._pidfds.pop(info.sub_id, -1)
-            adopted = info.sub_id in self._adopted
-            self._adopted.discard(info.sub_id)
-            if row is None or not adopted or self._sync.flags.closed:
-                close_pidfd(pidfd)
+            if self._sync.flags.closed:
                 return
-            gone = DepartedReader(row[0], pidfd, [g & 0xFFFFFFFF for g in self._published])
-            if exited(pidfd):
-                gone.force(self._sync.flags, self._sync.layout)
-                gone.close()
-            elif gone.settled(self._sync.flags, self._sync.layout) or self._streams.idle():
-                gone.close()
-            else:
-                self._departed.append(gone)
+            self._rows.leave(info.sub_id, self._published, self._streams.idle())
 
     def _settle_departed(self) -> None:
         """Look (at most every 10 ms) whether departed subscribers died or wrote their flags,
         or whether our streams have run past every wait (then none waits on them)."""
-        now = time.monotonic()
-        if now < self._next_settle:
-            return
-        self._next_settle = now + _DEPARTED_EVERY
-        flags, layout = self._sync.flags, self._sync.layout
         with self._lock:
-            idle = self._streams.idle()
-            keep = []
-            for gone in self._departed:
-                if exited(gone.pidfd):
-                    gone.force(flags, layout)
-                    gone.close()
-                elif idle or gone.settled(flags, layout):
-                    gone.close()
-                else:
-                    keep.append(gone)
-            self._departed[:] = keep  # in place: the lease source holds this list
+            if self._rows.due():
+                self._rows.settle(self._streams.idle())
 
     # -- state --
 
@@ -720,7 +658,7 @@ class Publisher(ClosedFlag):
         """
         if self._closed:
             self._check()  # raises
-        if self._departed:
+        if self._rows.departed:
             self._settle_departed()
         returned = self._leases.collect(timeout)
         self._pool.notify_released()
@@ -768,14 +706,11 @@ class Publisher(ClosedFlag):
 class _PageState:
     """What closing a publisher needs of its sync-page bookkeeping (no reference to it)."""
 
-    __slots__ = ("adopted", "departed", "lock", "pidfds", "published", "rows", "streams")
+    __slots__ = ("lock", "published", "rows", "streams")
 
     def __init__(self, pub: Publisher) -> None:
-        self.adopted = pub._adopted
         self.lock = pub._lock
         self.rows = pub._rows
-        self.pidfds = pub._pidfds
-        self.departed = pub._departed
         self.published = pub._published
         self.streams = pub._streams
 
@@ -796,28 +731,20 @@ def _close_publisher(
     except Exception as exc:  # pragma: no cover - core.close never raises
         warnings.warn(f"closing the publisher socket failed: {exc}", TeardownWarning, stacklevel=2)
     pool.remove_lease_source(leases)
-    with state.lock:
-        values = [g & 0xFFFFFFFF for g in state.published]
-        gone = list(state.departed)
-        state.departed.clear()
-        for sub_id, (index, _flags) in list(state.rows.items()):
-            if sub_id in state.adopted:  # one never adopted read nothing: nothing waits on it
-                gone.append(DepartedReader(index, state.pidfds.pop(sub_id, -1), values))
-        state.rows.clear()
-        state.adopted.clear()
-        for fd in state.pidfds.values():
-            close_pidfd(fd)
-        state.pidfds.clear()
+    rows = state.rows
     try:
         if os.getpid() != pid or sync.flags.closed:
             return
+        with state.lock:  # every adopted subscriber's row is departed now
+            rows.close(state.published)
         try:
-            settled = settle_page(sync.flags, sync.layout, state.streams, gone, grace)
+            settled = settle_page(state.streams, rows, grace)
         except Exception as exc:
             warnings.warn(
                 f"waiting for the publisher's streams failed: {exc}", TeardownWarning, stacklevel=2
             )
             settled = False
+        rows.release_page()  # the rows' pidfds closed, the page no longer held
         if settled:
             sync.close()
         else:
@@ -830,5 +757,4 @@ def _close_publisher(
                 stacklevel=3,
             )
     finally:
-        for d in gone:
-            d.close()
+        rows.release_page()

@@ -30,10 +30,14 @@ import os
 import select
 import time
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._arrays import cupy_module
+from . import _syncpage
 from ._syncpage import FlagLayout, FrameWaits, SharedFlags
+
+if TYPE_CHECKING:
+    from .._engine import ReaderRows
 
 #: Seconds a subscriber waits, after the publisher hung up without BYE while a stream
 #: of its own waits on a frame flag the host does not see set, for the publisher's
@@ -157,39 +161,20 @@ class AheadFrame(Protocol):
     generation: int
 
 
-class DepartedReader:
-    """A subscriber that left while the publisher's streams may still wait on its read flags.
+def reader_rows(flags: SharedFlags, layout: FlagLayout) -> ReaderRows:
+    """The publisher's rows of read flags in ``flags`` (``c/src/reader_rows.c``).
 
-    Its row is kept out of reuse until its flags are seen at ``values`` (the
-    generations the publisher may wait for), or its process has exited (then
-    they are forced: the writes died with its CUDA context), or the row is
-    needed for a newcomer, or the publisher closes.
+    Which subscriber writes which row, and the rows of subscribers that left
+    while the publisher's streams may still wait on their flags (departed
+    readers): such a row is kept out of reuse until its flags are seen at the
+    generations the publisher may wait for, or its process has exited (then
+    they are forced: the writes died with its CUDA context), or the streams
+    are idle, or the row is needed for a newcomer (the oldest is forced), or
+    the publisher closes.  The page is held until ``release_page()``.
     """
-
-    __slots__ = ("index", "pidfd", "values")
-
-    def __init__(self, index: int, pidfd: int, values: list[int]) -> None:
-        self.index = index
-        self.pidfd = pidfd
-        self.values = values
-
-    def settled(self, flags: SharedFlags, layout: FlagLayout) -> bool:
-        """True once every flag of the row is at its value (nothing to wait for)."""
-        return all(
-            flags.reached(layout.read_offset(self.index, slot), value)
-            for slot, value in enumerate(self.values)
-        )
-
-    def force(self, flags: SharedFlags, layout: FlagLayout) -> int:
-        """Write the row's flags from the host; return how many had to be written."""
-        return sum(
-            flags.force(layout.read_offset(self.index, slot), value)
-            for slot, value in enumerate(self.values)
-        )
-
-    def close(self) -> None:
-        close_pidfd(self.pidfd)
-        self.pidfd = -1
+    return _syncpage._engine().ReaderRows(
+        flags.mapping, layout.reads_offset, layout.max_subscribers, layout.num_slots
+    )
 
 
 class PageStreams:
@@ -302,26 +287,23 @@ def settle_streams(
     return True
 
 
-def settle_page(
-    flags: SharedFlags,
-    layout: FlagLayout,
-    streams: Streams,
-    gone: list[DepartedReader],
-    grace: float,
-) -> bool:
+class DepartedRows(Protocol):
+    """What :func:`settle_page` needs of the publisher's departed readers (:func:`reader_rows`)."""
+
+    def all_settled(self) -> bool: ...
+
+
+def settle_page(streams: Streams, departed: DepartedRows, grace: float) -> bool:
     """Wait until no stream of the publisher has a flag operation left on the page.
 
-    The read flags of subscribers that died are forced (their writes died with
-    them); a live one's are awaited.  False if a stream still waits on a live
-    subscriber's flag after ``grace`` seconds.
+    The read flags of departed subscribers that died are forced (their writes
+    died with them); a live one's are awaited.  False if a stream still waits
+    on a live subscriber's flag after ``grace`` seconds.
     """
     deadline = time.monotonic() + grace
     pause = 0.0005
     while True:
-        for d in gone:
-            if exited(d.pidfd):
-                d.force(flags, layout)
-        if streams.idle() or all(d.settled(flags, layout) for d in gone):
+        if departed.all_settled() or streams.idle():  # the dead ones forced first
             streams.synchronize()  # every flag they may wait on is in: this ends
             return True
         if time.monotonic() >= deadline:

@@ -38,8 +38,8 @@ way holds the last generation the producer really wrote there plus
 :data:`FORCED` (:meth:`SharedFlags.force_frame`), so every process that maps
 the page can tell, for each frame of that slot, whether the producer's stream
 wrote it before it died (:func:`frame_state`, :class:`FrameWaits`); a read
-flag is forced to the generation the producer may wait for
-(:meth:`SharedFlags.force`).  Those parts need no GPU.
+flag is forced to the generation the producer may wait for (the engine's
+rows of read flags, :func:`~._settle.reader_rows`).  Those parts need no GPU.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import ctypes
 import fcntl
 import mmap
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
 from .. import _driver
@@ -224,17 +224,6 @@ class SharedFlags:
         """True when the flag at ``offset`` is at or past ``value`` (cyclic, as on the GPU)."""
         return ((self._words[offset >> 2] - value) & _MASK) < _HALF
 
-    def force(self, offset: int, value: int) -> bool:
-        """Store ``value`` at ``offset`` unless the flag reached it already; True if stored.
-
-        What a survivor does for a flag that a dead peer will never write: a
-        stream waiting for ``value`` there then goes on.  A flag that is at or
-        past ``value`` is left alone (it never moves backwards).  A
-        compare-and-swap (:meth:`_force`): a write landing since the read is
-        never overwritten.
-        """
-        return self._force(offset, value & _MASK)
-
     def force_frame(self, offset: int, awaited: int) -> bool:
         """Force the frame flag at ``offset`` that a dead producer never set to ``awaited``.
 
@@ -250,18 +239,6 @@ class SharedFlags:
         """
         # a closed page's mmap gives no buffer (ValueError), as its words give no value
         return bool(_engine().flag_force(self._mm, offset, awaited))
-
-    def _force(self, offset: int, value: int) -> bool:
-        """Unless the word at ``offset`` reached ``value``, swap it for ``value`` if it
-        still holds the word read; else decide again on the word found."""
-        word = int(self._words[offset >> 2])  # raises once the page is closed
-        cas32 = _cas32()
-        while ((word - value) & _MASK) >= _HALF:
-            found = cas32(self.address + offset, word, value)
-            if found == word:
-                return True
-            word = found
-        return False
 
     @property
     def closed(self) -> bool:
@@ -399,16 +376,6 @@ class FrameWaits:
         if not self._readable(flags):
             return (), tuple(seq for seq, _slot, _generation in self._book.record)
         return self._book.answers(flags._mm if flags is not None else None)
-
-
-def _cas32() -> Callable[[int, int, int], int]:
-    """``_fastpath.cas32``: the compare-and-swap of a flag word from the host."""
-    from .._compiled import load
-
-    cas32: Callable[[int, int, int], int] = load(
-        "cupy_ipcpool._fastpath", MAX_BATCH=_MAX_BATCH
-    ).cas32
-    return cas32
 
 
 def _memops() -> tuple[object, int, int, int, int, object, int]:
