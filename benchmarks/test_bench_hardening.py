@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from cupy_ipcpool.channel import _protocol as proto
-from cupy_ipcpool.channel._handshake import SubscriberInfo
+from cupy_ipcpool.channel._handshake import Welcome
 from cupy_ipcpool.channel._publisher_core import PublisherCore
 
 SLOTS = 8
@@ -45,8 +45,8 @@ class _Slots:
         self.maps = [mmap.mmap(fd, SLOT_BYTES) for fd in self.fds]
         self.data = b"\x5a" * SLOT_BYTES
 
-    def welcome(self, info: SubscriberInfo) -> tuple[bytes, list[int]]:
-        return b"", list(self.fds)
+    def welcome(self) -> Welcome:
+        return Welcome(b"", tuple(self.fds))
 
     def close(self) -> None:
         for m in self.maps:
@@ -90,7 +90,7 @@ def _fuzz(conn: Connection, address: str) -> None:
 def publisher(tmp_path_factory: Any) -> Iterator[tuple[PublisherCore, _Slots]]:
     address = str(tmp_path_factory.mktemp("bench") / "chan.sock")
     slots = _Slots()
-    core = PublisherCore(address, SLOTS, welcome=slots.welcome)
+    core = PublisherCore(address, SLOTS, welcome=slots.welcome())
     yield core, slots
     core.close()
     slots.close()

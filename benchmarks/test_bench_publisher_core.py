@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from cupy_ipcpool.channel import _protocol as proto
+from cupy_ipcpool.channel._handshake import Welcome
 from cupy_ipcpool.channel._publisher_core import PublisherCore
 
 SLOTS = 4
@@ -47,7 +48,7 @@ FANS = [1, 8]
 @pytest.fixture(params=FANS, ids=lambda n: f"{n}sub")
 def joined(request: Any, tmp_path: Any) -> Iterator[tuple[PublisherCore, list[socket.socket]]]:
     address = os.path.join(tmp_path, "pub.sock")
-    core = PublisherCore(address, SLOTS, welcome=lambda _info: (b"", []))
+    core = PublisherCore(address, SLOTS, welcome=Welcome())
     subs: list[socket.socket] = []
     try:
         for _ in range(request.param):

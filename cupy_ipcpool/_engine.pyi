@@ -211,6 +211,42 @@ def release_frame(
 ) -> int:
     """Hang-up check, read-flag write, RELEASE; -1 after a hang-up, else the CUresult."""
 
+class Acceptor:
+    """The publisher's accept thread (``c/src/acceptor.c``); it owns ``listener`` from here on."""
+
+    news: bool
+    next_seq: int
+    welcomed: int
+    failure: str | None
+
+    def __init__(
+        self,
+        listener: int,
+        *,
+        num_slots: int,
+        payload: bytes,
+        fds: Sequence[int],
+        rows: ReaderRows | None,
+        row_at: int,
+        refuse: dict[str, str],
+        allowed_uids: Sequence[int],
+        max_subscribers: int,
+        max_credit: int,
+        lease_timeout_ms: int,
+        handshake_timeout: float,
+        max_pending_per_uid: int,
+    ) -> None: ...
+    def start(self) -> None: ...
+    def take(
+        self,
+    ) -> tuple[
+        list[tuple[int, int, int, int, str, int, bytes, int, int | None]],
+        list[tuple[int, int, int, int, str, int, bytes, int, int | None]],
+    ]: ...
+    def dropped(self) -> None: ...
+    def stop(self) -> None: ...
+    def pending_handshakes(self, uid: int | None = None, /) -> int: ...
+
 class ReaderRows:
     """The publisher's rows of read flags (c/src/reader_rows.c);
     ``channel._settle.reader_rows`` documents it."""
@@ -223,6 +259,7 @@ class ReaderRows:
     def assign(self, sub_id: int, pid: int, /) -> int | None: ...
     def adopt(self, sub_id: int, /) -> None: ...
     def index(self, sub_id: int, /) -> int | None: ...
+    def drop(self, sub_id: int, /) -> None: ...
     def leave(self, sub_id: int, published: Sequence[int], idle: bool, /) -> None: ...
     def due(self) -> bool: ...
     def settle(self, idle: bool, /) -> int: ...

@@ -12,7 +12,7 @@ import mmap
 import os
 import struct
 
-from cupy_ipcpool.channel._handshake import SubscriberInfo
+from cupy_ipcpool.channel._handshake import Welcome
 from cupy_ipcpool.channel._protocol import Frame
 from cupy_ipcpool.channel._publisher_core import PublisherCore
 from cupy_ipcpool.channel._subscriber_core import SubscriberCore
@@ -42,9 +42,10 @@ class MemfdSlots:
             self.close()
             raise
 
-    def welcome(self, info: SubscriberInfo) -> tuple[bytes, list[int]]:
-        """The ``welcome`` callback: payload = slot size, fds = the memfds."""
-        return _SIZE.pack(self.slot_size), list(self.fds)
+    def welcome(self, *more_fds: int) -> Welcome:
+        """What a subscriber is welcomed with: payload = slot size, fds = the memfds (and
+        ``more_fds`` after them)."""
+        return Welcome(_SIZE.pack(self.slot_size), (*self.fds, *more_fds))
 
     def write(self, slot: int, seq: int) -> None:
         """Fill ``slot`` with frame ``seq``'s pattern."""
@@ -68,7 +69,7 @@ class MemfdProducer:
             self.core = PublisherCore(
                 address,
                 num_slots,
-                welcome=self.slots.welcome,
+                welcome=self.slots.welcome(),
                 **kwargs,  # type: ignore[arg-type]
             )
         except BaseException:
@@ -115,7 +116,7 @@ class MemfdConsumer:
     def __init__(self, address: str, **kwargs: object) -> None:
         self.core = SubscriberCore(address, **kwargs)  # type: ignore[arg-type]
         try:
-            (self.slot_size,) = _SIZE.unpack(self.core.welcome_payload)
+            (self.slot_size,) = _SIZE.unpack_from(self.core.welcome_payload)  # a row may follow
             fds = self.core.take_fds()
             self.maps: list[mmap.mmap] = []
             try:

@@ -180,7 +180,10 @@ class _Publishing:
         self.flags = SharedFlags.create(LAYOUT.nbytes)
         self.slots = MemfdSlots(SLOTS, SLOT_BYTES)
         self.core = PublisherCore(
-            str(tmp_path / name), SLOTS, welcome=self._welcome, on_join=self._join
+            str(tmp_path / name),
+            SLOTS,
+            welcome=self.slots.welcome(self.flags.fd),
+            on_join=self._join,
         )
         self.core.read_flags(self.flags.mapping, LAYOUT.reads_offset, 1)
         self.stream = StreamStandIn(self.flags)
@@ -189,10 +192,6 @@ class _Publishing:
         self.proc = SPAWN.Process(target=consumer, args=args(self.core.address, self.q))
         self.book = self.core.lease_book
         self.published = [0] * SLOTS
-
-    def _welcome(self, info: SubscriberInfo) -> tuple[bytes, list[int]]:
-        payload, fds = self.slots.welcome(info)
-        return payload, [*fds, self.flags.fd]
 
     def _join(self, info: SubscriberInfo) -> None:
         self.core.set_row(info.sub_id, 0)  # one subscriber: read-flag row 0

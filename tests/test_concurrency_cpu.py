@@ -1,11 +1,8 @@
 """Races between the publisher's accept thread and its producer thread, forced, not waited for.
 
-Each test builds the exact interleaving that a loaded machine produces now and
-then: the accept thread is held inside a ``welcome`` callback (a
-``threading.Event``) while the producer thread changes the world under it, fd
-numbers are steered with held descriptors, and the only waits are on events
-that the code under test causes (a message received, a callback run).  The
-timeouts are bounds for a broken build, never the synchronisation.
+Fd numbers are steered with held descriptors, and the only waits are on
+events that the code under test causes (a message received, a callback run).
+The timeouts are bounds for a broken build, never the synchronisation.
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from cupy_ipcpool.channel import _protocol as proto
-from cupy_ipcpool.channel._handshake import SubscriberInfo
+from cupy_ipcpool.channel._handshake import Welcome
 from cupy_ipcpool.channel._publisher_core import PublisherCore
 
 #: Bound on each wait of these tests (only a broken build waits that long).
@@ -61,28 +58,6 @@ def _quiet(sock: socket.socket) -> bool:
     return not poller.poll(0)
 
 
-class _Gate:
-    """A ``welcome`` callback that holds the accept thread inside it for one named HELLO."""
-
-    def __init__(self, gated: bytes) -> None:
-        self.gated = gated
-        self.entered = threading.Event()
-        self.release = threading.Event()
-        self.left: list[bytes] = []
-        self.gated_left = threading.Event()
-
-    def welcome(self, info: SubscriberInfo) -> tuple[bytes, list[int]]:
-        if info.hello == self.gated:
-            self.entered.set()
-            assert self.release.wait(BOUND), "the test never released the accept thread"
-        return b"", []
-
-    def on_leave(self, info: SubscriberInfo) -> None:
-        self.left.append(info.hello)
-        if info.hello == self.gated:
-            self.gated_left.set()
-
-
 @pytest.fixture
 def held_fds() -> Iterator[list[int]]:
     """Descriptors a test holds open to steer which number the kernel gives out next."""
@@ -108,51 +83,48 @@ def test_a_stale_hangup_is_not_applied_to_a_newcomer_with_the_same_fd(
 ) -> None:
     """An event raised for a closed connection is never applied to the next one with its number.
 
-    The interleaving: subscriber A is welcomed and watched (fd N) by the
-    accept thread; while that thread is held in G's ``welcome``, the producer
-    adopts A and drops it (N closed), newcomer B connects and G hangs up.  The
-    thread's next ``poll`` then reports, in one batch and in this order: the
-    listener (B, accepted as fd N and welcomed), the adoption wake-up, N's
-    POLLNVAL (raised for A) and G's hang-up (the marker that the batch is done).
+    Each round: subscriber A is welcomed (the accept thread watches its fd N for a hang-up
+    until the producer takes it), adopted and dropped (N closed by the producer), and a
+    newcomer B connects at once with every lower number held, so the kernel gives it N while
+    the accept thread may still hold A's N in its poll set.  The thread matches every event
+    to the connection it was raised for (a welcomed subscriber by its id, a handshake by its
+    key), so B is never taken for A: it is welcomed, adopted, and sent nothing else.
     """
-    gate = _Gate(b"gate")
-    core = PublisherCore(address, 4, welcome=gate.welcome, on_leave=gate.on_leave)
-    g, a, b = _client(), _client(), _client()
+    left: list[bytes] = []
+    core = PublisherCore(address, 4, welcome=Welcome(), on_leave=lambda i: left.append(i.hello))
     try:
-        g.connect(address)  # no HELLO yet: accepted and left waiting for it
-        a.connect(address)
-        a.send(_hello(b"A"))
-        assert isinstance(_recv(a), proto.Welcome)  # so G was accepted before, and A is watched
-        g.send(_hello(b"gate"))
-        assert gate.entered.wait(BOUND), "the accept thread never got G's HELLO"
-
-        _until(lambda: len(core.subscribers) == 1, core, "A was not adopted")
-        (info_a,) = core.subscribers
-        fd_a = core._session.fd(info_a.sub_id)  # the fd number the newcomer must be given
-        _fill_holes_below(fd_a, held_fds)
-        a.send(proto.encode_bye())
-        _until(lambda: not core.subscribers, core, "A's BYE did not end it")
-        probe = os.dup(0)
-        os.close(probe)
-        assert probe == fd_a, "the interleaving was not forced: fd N is not the next number"
-        g.shutdown(socket.SHUT_WR)  # G hangs up; it can still read its WELCOME
-        b.connect(address)
-        b.send(_hello(b"newcomer"))
-        gate.release.set()
-
-        assert gate.gated_left.wait(BOUND), "G's hang-up was never reaped"
-        assert gate.left == [b"A", b"gate"], "a live newcomer was cut off by A's old event"
-        assert isinstance(_recv(b), proto.Welcome)
-        assert _quiet(b), "the newcomer saw something after its WELCOME"
-        _until(lambda: len(core.subscribers) == 1, core, "the newcomer was not adopted")
-        (info_b,) = core.subscribers
-        assert info_b.hello == b"newcomer"
-        assert core._session.fd(info_b.sub_id) == fd_a  # it got the number of the one that went
+        for n in range(20):
+            a, b = _client(), _client()  # both made before the numbers are steered
+            a.connect(address)
+            a.send(_hello(b"A%d" % n))
+            assert isinstance(_recv(a), proto.Welcome)
+            _until(lambda: len(core.subscribers) == 1, core, "A was not adopted")
+            (info_a,) = core.subscribers
+            fd_a = core._session.fd(info_a.sub_id)  # the number the newcomer must be given
+            _fill_holes_below(fd_a, held_fds)
+            a.send(proto.encode_bye())
+            _until(lambda: not core.subscribers, core, "A's BYE did not end it")
+            probe = os.dup(0)
+            os.close(probe)
+            assert probe == fd_a, "fd N is not the next number"
+            b.connect(address)
+            b.send(_hello(b"B%d" % n))
+            assert isinstance(_recv(b), proto.Welcome)
+            _until(lambda: len(core.subscribers) == 1, core, "the newcomer was not adopted")
+            (info_b,) = core.subscribers
+            assert info_b.hello == b"B%d" % n
+            assert core._session.fd(info_b.sub_id) == fd_a  # the number of the one that went
+            assert _quiet(b), "the newcomer saw something after its WELCOME"
+            b.send(proto.encode_bye())
+            _until(lambda: not core.subscribers, core, "B's BYE did not end it")
+            a.close()  # (open until now: its number stays out of the kernel's next pick)
+            b.close()
+            assert left == [x for k in range(n + 1) for x in (b"A%d" % k, b"B%d" % k)]
+            for fd in held_fds:
+                os.close(fd)
+            held_fds.clear()
     finally:
-        gate.release.set()
         core.close()
-        for sock in (g, a, b):
-            sock.close()
 
 
 @pytest.mark.timeout(60)
@@ -164,7 +136,7 @@ def test_close_stops_accepting_before_it_waits_for_subscribers(address: str) -> 
     ends without a WELCOME (EOF: a waiting subscriber retries), and a welcomed
     subscriber not yet adopted is lingered on like an adopted one.
     """
-    core = PublisherCore(address, 4, welcome=lambda _info: (b"", []))
+    core = PublisherCore(address, 4, welcome=Welcome())
     first, midway, unadopted, late = _client(), _client(), _client(), _client()
     closer: threading.Thread | None = None
     result: list[bool] = []

@@ -86,14 +86,13 @@ def test_allowed_uids_is_checked_where_it_is_given(tmp_path, allowed, error, wor
     and the pool: a bare uid or a string is a clear error, not "'int' object is not
     iterable"."""
     from cupy_ipcpool._transport import FdServer
+    from cupy_ipcpool.channel._handshake import Welcome
     from cupy_ipcpool.channel._publisher_core import PublisherCore
 
     with pytest.raises(error, match=words):
         cip.subscribe(str(tmp_path / "nobody.sock"), allowed_uids=allowed, timeout=0)
     with pytest.raises(error, match=words):
-        PublisherCore(
-            str(tmp_path / "p.sock"), 2, welcome=lambda _info: (b"", []), allowed_uids=allowed
-        )
+        PublisherCore(str(tmp_path / "p.sock"), 2, welcome=Welcome(), allowed_uids=allowed)
     assert not (tmp_path / "p.sock").exists()
     with pytest.raises(error, match=words):
         FdServer([], token=b"t" * 16, allowed_uids=allowed)

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from test_c_library import C_DIR, CFLAGS, Probe, compiler, library_objects
 
+from cupy_ipcpool.channel._handshake import Welcome
 from cupy_ipcpool.channel._publisher_core import PublisherCore
 
 SLOTS = 4
@@ -64,7 +65,7 @@ def probe_exe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def publisher(tmp_path: Path) -> Iterator[PublisherCore]:
-    core = PublisherCore(str(tmp_path / "pub.sock"), SLOTS, welcome=lambda _info: (b"", []))
+    core = PublisherCore(str(tmp_path / "pub.sock"), SLOTS, welcome=Welcome())
     try:
         yield core
     finally:

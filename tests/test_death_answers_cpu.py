@@ -19,7 +19,6 @@ frame, with what its checks saw.  The GPU version is
 
 from __future__ import annotations
 
-import itertools
 import mmap
 import os
 import pickle
@@ -36,8 +35,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cupy_ipcpool._errors import EndOfStream, EvictedError
+from cupy_ipcpool.channel._handshake import Welcome
 from cupy_ipcpool.channel._publisher_core import PublisherCore
-from cupy_ipcpool.channel._settle import close_pidfd, exited, open_pidfd, settle_streams
+from cupy_ipcpool.channel._settle import (
+    close_pidfd,
+    exited,
+    open_pidfd,
+    reader_rows,
+    settle_streams,
+)
 from cupy_ipcpool.channel._subscriber_core import SubscriberCore
 from cupy_ipcpool.channel._syncpage import (
     _SET_WINDOW,
@@ -307,11 +313,12 @@ def _producer(conn: Connection, address: str, frames: int, lag: int, base: int) 
     layout = FlagLayout(SLOTS, ROWS)
     page = SharedFlags.create(layout.nbytes)
     slots = MemfdSlots(SLOTS, SLOT_SIZE)
-    rows = itertools.count()
-
-    def welcome(_info: Any) -> tuple[bytes, list[int]]:
-        return HEAD.pack(SLOT_SIZE, SLOTS, ROWS, next(rows)), [*slots.fds, page.fd]
-
+    welcome = Welcome(
+        HEAD.pack(SLOT_SIZE, SLOTS, ROWS, 0),
+        (*slots.fds, page.fd),
+        rows=reader_rows(page, layout),  # each subscriber its own row, round-robin
+        row_at=HEAD.size - 4,
+    )
     core = PublisherCore(address, SLOTS, welcome=welcome)
     try:
         for slot in range(SLOTS):  # every flag holds the slot's last generation

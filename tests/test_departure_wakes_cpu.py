@@ -50,7 +50,11 @@ class Producer(FlagProducer):
         if lease_timeout is not None:
             self.core.close()
             self.core = PublisherCore(
-                address, 2, welcome=self._welcome, on_join=self._join, lease_timeout=lease_timeout
+                address,
+                2,
+                welcome=self.slots.welcome(self.flags.fd),
+                on_join=self._join,
+                lease_timeout=lease_timeout,
             )
             self.core.read_flags(self.flags.mapping, LAYOUT.reads_offset, 1)
 

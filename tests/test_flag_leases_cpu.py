@@ -240,7 +240,9 @@ class FlagProducer:
         self.flags = SharedFlags.create(LAYOUT.nbytes)
         self.published = [0, 0]
         self.slots = MemfdSlots(2)
-        self.core = PublisherCore(address, 2, welcome=self._welcome, on_join=self._join)
+        self.core = PublisherCore(
+            address, 2, welcome=self.slots.welcome(self.flags.fd), on_join=self._join
+        )
         self.core.read_flags(self.flags.mapping, LAYOUT.reads_offset, 1)
 
     def _join(self, info: SubscriberInfo) -> None:
@@ -251,10 +253,6 @@ class FlagProducer:
         while len(self.core.subscribers) < n:
             assert time.monotonic() < deadline, "the consumer did not join"
             self.core.poll(0.01)
-
-    def _welcome(self, info: SubscriberInfo) -> tuple[bytes, list[int]]:
-        payload, fds = self.slots.welcome(info)
-        return payload, [*fds, self.flags.fd]
 
     def publish_flagged(self) -> tuple[int, int]:
         """Publish the next frame (waiting for its slot by messages and flags)."""

@@ -39,9 +39,11 @@ from cupy_ipcpool._errors import (
 )
 from cupy_ipcpool._transport import FdServer, bind_unix, fetch_fds, fetch_fds_over_socket
 from cupy_ipcpool.channel import _protocol as proto
-from cupy_ipcpool.channel._handshake import HANDSHAKE_TIMEOUT, SubscriberInfo
+from cupy_ipcpool.channel._handshake import HANDSHAKE_TIMEOUT, SubscriberInfo, Welcome
 from cupy_ipcpool.channel._publisher_core import PublisherCore
+from cupy_ipcpool.channel._settle import reader_rows
 from cupy_ipcpool.channel._subscriber_core import SubscriberCore
+from cupy_ipcpool.channel._syncpage import FlagLayout, SharedFlags
 
 NOBODY = 65534
 
@@ -60,7 +62,7 @@ def _memfd_channel(
     """A publisher core over memfd slots, driven by the test itself; both closed after."""
     slots = MemfdSlots(num_slots, slot_size)
     try:
-        core = PublisherCore(address, num_slots, welcome=slots.welcome, **kwargs)
+        core = PublisherCore(address, num_slots, welcome=slots.welcome(), **kwargs)
         try:
             yield core, slots
         finally:
@@ -103,20 +105,28 @@ def public_dir() -> Iterator[str]:
 
 
 class RowProducer:
-    """A publisher whose ``welcome`` takes a row, as the channel's sync page does.
+    """A publisher that gives each subscriber a row of read flags, as the channel does.
 
     A background thread publishes (memfd slots) and polls, as a live producer
-    would; rows come back through ``on_leave``.
+    would.  The accept thread hands out the rows (the engine's ``ReaderRows``
+    over a page of flags); one welcomed and never adopted gives its row back
+    there, an adopted one through ``on_leave``.
     """
 
     def __init__(self, address: str, num_slots: int = 8, **kwargs: Any) -> None:
         self.slots = MemfdSlots(num_slots)
-        self.lock = threading.Lock()
-        self.free_rows = set(range(kwargs.get("max_subscribers", 64)))
-        self.rows: dict[int, int] = {}
-        self.welcomed = 0
+        layout = FlagLayout(num_slots, kwargs.get("max_subscribers", 64))
+        self.flags = SharedFlags.create(layout.nbytes)
+        self.rows = reader_rows(self.flags, layout)
+        self.idle = [0] * num_slots
+        welcome = Welcome(
+            struct.pack("<QI", self.slots.slot_size, 0),
+            tuple(self.slots.fds),
+            rows=self.rows,
+            row_at=8,
+        )
         self.core = PublisherCore(
-            address, num_slots, welcome=self._welcome, on_leave=self._on_leave, **kwargs
+            address, num_slots, welcome=welcome, on_leave=self._on_leave, **kwargs
         )
         self.errors: list[BaseException] = []
         self._stop = threading.Event()
@@ -125,23 +135,15 @@ class RowProducer:
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
 
-    def _welcome(self, info: SubscriberInfo) -> tuple[bytes, list[int]]:
-        with self.lock:
-            if not self.free_rows:
-                raise RuntimeError("no free subscriber row in the sync page")
-            self.rows[info.sub_id] = self.free_rows.pop()
-            self.welcomed += 1
-        return self.slots.welcome(info)
-
     def _on_leave(self, info: SubscriberInfo) -> None:
-        with self.lock:
-            row = self.rows.pop(info.sub_id, None)
-            if row is not None:
-                self.free_rows.add(row)
+        self.rows.leave(info.sub_id, self.idle, True)  # no stream waits on its flags
 
     def rows_in_use(self) -> int:
-        with self.lock:
-            return len(self.rows)
+        return self.rows.live
+
+    @property
+    def welcomed(self) -> int:
+        return self.core.welcomed
 
     def _loop(self) -> None:
         core = self.core
@@ -172,6 +174,8 @@ class RowProducer:
         self.thread.join(15)
         self.core.close()
         self.slots.close()
+        self.rows.release_page()
+        self.flags.close()
         assert not self.errors, self.errors
 
     def __enter__(self) -> RowProducer:
@@ -348,18 +352,19 @@ def test_hello_then_hang_up_gives_every_row_back(tmp_path: Any) -> None:
 
 @pytest.mark.timeout(60)
 def test_welcome_that_cannot_be_sent_gives_the_row_back(tmp_path: Any) -> None:
-    """A HELLO queued by a client that has left: the WELCOME fails, the row comes back."""
+    """A HELLO queued by a client that has left: the WELCOME fails (or the hang-up is seen
+    right after it), the row comes back, and ``on_leave`` hears of each in the producer's
+    thread."""
     address = str(tmp_path / "chan.sock")
     slots = MemfdSlots(2)
     left: list[int] = []
-    welcomed: list[int] = []
+    producer = threading.get_ident()
 
-    def welcome(info: SubscriberInfo) -> tuple[bytes, list[int]]:
-        welcomed.append(info.sub_id)
-        time.sleep(0.05)  # the client is gone by the time the WELCOME goes out
-        return slots.welcome(info)
+    def on_leave(info: SubscriberInfo) -> None:
+        assert threading.get_ident() == producer
+        left.append(info.sub_id)
 
-    core = PublisherCore(address, 2, welcome=welcome, on_leave=lambda i: left.append(i.sub_id))
+    core = PublisherCore(address, 2, welcome=slots.welcome(), on_leave=on_leave)
     try:
         for _ in range(5):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -368,10 +373,10 @@ def test_welcome_that_cannot_be_sent_gives_the_row_back(tmp_path: Any) -> None:
             s.close()
         deadline = time.monotonic() + 10
         while len(left) < 5:
-            assert time.monotonic() < deadline, (welcomed, left)
-            time.sleep(0.02)
-        core.poll(0.05)
-        assert sorted(left) == sorted(welcomed)
+            assert time.monotonic() < deadline, (core.welcomed, left)
+            core.poll(0.02)
+        assert sorted(left) == [1, 2, 3, 4, 5]
+        assert core.welcomed == 5
         assert core.subscribers == []
     finally:
         core.close()
@@ -1130,7 +1135,7 @@ def test_binding_never_changes_the_umask(tmp_path: Any) -> None:
         for i in range(20):
             with FdServer(slots.fds, token=b"k", path=str(tmp_path / f"f{i}.sock")) as server:
                 assert os.stat(server.path).st_mode & 0o777 == 0o600
-            core = PublisherCore(str(tmp_path / f"p{i}.sock"), 1, welcome=slots.welcome)
+            core = PublisherCore(str(tmp_path / f"p{i}.sock"), 1, welcome=slots.welcome())
             assert os.stat(core.address).st_mode & 0o777 == 0o600
             core.close()
         # a path too long for the private directory next to it: fchmod before bind

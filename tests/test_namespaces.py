@@ -342,9 +342,10 @@ time.sleep(120)
 #: its kernel cannot name (SO_PEERCRED pid 0); report what it knows of it.
 _PUBLISH_AND_REPORT = r"""
 import json, sys, time
+from cupy_ipcpool.channel._handshake import Welcome
 from cupy_ipcpool.channel._publisher_core import PublisherCore
 joined = []
-core = PublisherCore(sys.argv[1], 2, welcome=lambda info: (b"", []), on_join=joined.append)
+core = PublisherCore(sys.argv[1], 2, welcome=Welcome(), on_join=joined.append)
 print("ready", flush=True)
 deadline = time.monotonic() + 30
 while not joined and time.monotonic() < deadline:

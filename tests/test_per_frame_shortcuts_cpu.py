@@ -55,6 +55,7 @@ from cupy_ipcpool._errors import (
 from cupy_ipcpool._handles import ArrayHandle
 from cupy_ipcpool._peer import PeerPool
 from cupy_ipcpool._slots import SlotTable
+from cupy_ipcpool.channel._handshake import Welcome
 from cupy_ipcpool.channel._leases import LeaseBook
 from cupy_ipcpool.channel._payload import FRAME_HEAD, FRAME_VOID, frame_head
 from cupy_ipcpool.channel._publisher_core import PublisherCore
@@ -83,7 +84,7 @@ def test_spin_us_is_validated(address: str, bad: object) -> None:
     with MemfdProducer(address, 2), pytest.raises(UsageError, match="spin_us"):
         SubscriberCore(address, spin_us=bad)  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="spin_us"):
-        PublisherCore(address, 2, welcome=lambda info: (b"", []), spin_us=bad)  # type: ignore[arg-type]
+        PublisherCore(address, 2, welcome=Welcome(), spin_us=bad)  # type: ignore[arg-type]
 
 
 # -- spin_us: frames still arrive, in order, unharmed ------------------------------

@@ -555,12 +555,13 @@ def test_a_notice_that_does_not_fit_keeps_the_leases_until_it_does() -> None:
 def test_subscribers_can_be_read_while_the_producer_waits(tmp_path: object) -> None:
     """A monitoring thread reads ``subscribers`` while the producer's thread waits in
     ``poll`` (the session's wait has the GIL released): it gets the list, not an error."""
+    from cupy_ipcpool.channel._handshake import Welcome
     from cupy_ipcpool.channel._publisher_core import PublisherCore
     from cupy_ipcpool.channel._subscriber_core import SubscriberCore
 
     address = os.path.join(str(tmp_path), "p.sock")
     with (
-        PublisherCore(address, 4, welcome=lambda _info: (b"", [])) as core,
+        PublisherCore(address, 4, welcome=Welcome()) as core,
         SubscriberCore(address, timeout=5) as sub,
     ):
         deadline = time.monotonic() + 5
@@ -590,11 +591,12 @@ def test_a_publisher_refuses_a_timeout_the_session_cannot_keep(
     tmp_path: object, kwargs: dict[str, float], match: str
 ) -> None:
     """Refused when the publisher is made (not at the first stall), with nothing bound."""
+    from cupy_ipcpool.channel._handshake import Welcome
     from cupy_ipcpool.channel._publisher_core import PublisherCore
 
     address = os.path.join(str(tmp_path), "p.sock")
     with pytest.raises(UsageError, match=match):
-        PublisherCore(address, 4, welcome=lambda _info: (b"", []), **kwargs)  # type: ignore[arg-type]
+        PublisherCore(address, 4, welcome=Welcome(), **kwargs)  # type: ignore[arg-type]
     assert not os.path.exists(address)
 
 

@@ -38,6 +38,7 @@ from cupy_ipcpool._errors import (
     UsageError,
 )
 from cupy_ipcpool.channel._follow import Follower
+from cupy_ipcpool.channel._handshake import Welcome
 from cupy_ipcpool.channel._publisher_core import PublisherCore
 from cupy_ipcpool.channel._settle import (
     close_pidfd,
@@ -101,9 +102,7 @@ def _producer(conn: Connection, address: str, frames: int, set_first: int, base:
     page = SharedFlags.create(layout.nbytes)
     slots = MemfdSlots(SLOTS, SLOT_SIZE)
 
-    def welcome(_info: Any) -> tuple[bytes, list[int]]:
-        return HEAD.pack(SLOT_SIZE, SLOTS, ROWS, 0), [*slots.fds, page.fd]
-
+    welcome = Welcome(HEAD.pack(SLOT_SIZE, SLOTS, ROWS, 0), (*slots.fds, page.fd))
     core = PublisherCore(address, SLOTS, welcome=welcome)
     try:
         deadline = time.monotonic() + 30

@@ -32,11 +32,14 @@ from cupy_ipcpool._errors import (
     ProtocolError,
     SlotBusyError,
     TransportError,
+    UsageError,
 )
 from cupy_ipcpool.channel import _protocol as proto
-from cupy_ipcpool.channel._handshake import SubscriberInfo
+from cupy_ipcpool.channel._handshake import SubscriberInfo, Welcome
 from cupy_ipcpool.channel._publisher_core import PublisherCore
+from cupy_ipcpool.channel._settle import reader_rows
 from cupy_ipcpool.channel._subscriber_core import SubscriberCore
+from cupy_ipcpool.channel._syncpage import FlagLayout, SharedFlags
 from tests._fds import fd_count, fds_opened_since, open_fds
 from tests.skips import drops_to_uid
 
@@ -508,23 +511,70 @@ def test_subscriber_errors(address: str) -> None:
         producer.core.acquire(0)
 
 
-def test_welcome_fds_and_refusals(address: str) -> None:
-    def welcome(info: SubscriberInfo) -> tuple[bytes, list[int]]:
-        if info.hello == b"bad":
-            raise ValueError("no thanks")
-        return b"payload:" + info.hello, []
+def test_welcome_payload_rows_and_refusals(address: str) -> None:
+    """Each subscriber's WELCOME is the publisher's payload with its own row written in; a
+    mode the publisher does not serve, a full set of rows and a full publisher are refused,
+    each saying why; a row comes back when its subscriber leaves."""
+    layout = FlagLayout(2, 2)
+    flags = SharedFlags.create(layout.nbytes)
+    rows = reader_rows(flags, layout)
+    welcome = Welcome(
+        b"payload:" + bytes(4) + b"!", rows=rows, row_at=8, refuse={"latest": "no thanks"}
+    )
 
-    with PublisherCore(address, 2, welcome=welcome, max_subscribers=1) as pub:
-        with pytest.raises(PeerRefusedError, match="no thanks"):
-            SubscriberCore(address, hello=b"bad")
-        with SubscriberCore(address, hello=b"ok") as sub:
-            assert sub.welcome_payload == b"payload:ok"
-            assert sub.take_fds() == []
+    def leave(info: SubscriberInfo) -> None:
+        rows.leave(info.sub_id, [0, 0], True)
+
+    try:
+        with PublisherCore(address, 2, welcome=welcome, on_leave=leave) as pub:
+            with pytest.raises(PeerRefusedError, match="no thanks"):
+                SubscriberCore(address, mode="latest")
+            with SubscriberCore(address) as one, SubscriberCore(address, mode="ahead") as two:
+                assert one.welcome_payload == b"payload:\0\0\0\0!"
+                assert two.welcome_payload == b"payload:\1\0\0\0!"
+                assert one.take_fds() == []
+                with pytest.raises(PeerRefusedError, match="no free subscriber row"):
+                    SubscriberCore(address)
+                assert rows.live == 2
+            deadline = time.monotonic() + 10
+            while pub.subscribers or rows.live:
+                assert time.monotonic() < deadline, (pub.subscribers, rows.live)
+                pub.poll(0.05)
+            with SubscriberCore(address) as three:  # round-robin: row 0 again
+                assert three.welcome_payload == b"payload:\0\0\0\0!"
+                assert three.sub_id == 3  # a refused subscriber takes no id
+    finally:
+        rows.release_page()
+        flags.close()
+    with PublisherCore(address, 2, welcome=Welcome(b"p"), max_subscribers=1) as pub:
+        with SubscriberCore(address) as sub:
+            assert sub.welcome_payload == b"p"
             with pytest.raises(PeerRefusedError, match="max_subscribers=1"):
                 SubscriberCore(address)
         pub.poll(0.2)
         pub.poll(0.2)
         assert pub.subscribers == []
+
+
+def test_welcome_refuses_what_it_cannot_send(address: str) -> None:
+    """A ``Welcome`` whose row would not fit its payload, with too many fds, or refusing a
+    mode that does not exist, is refused when the publisher is made, with nothing bound."""
+    layout = FlagLayout(1, 1)
+    flags = SharedFlags.create(layout.nbytes)
+    rows = reader_rows(flags, layout)
+    try:
+        bad = [
+            (Welcome(b"abcd", rows=rows, row_at=2), "row_at=2"),
+            (Welcome(b"", (0,) * 300), "300 fds do not fit"),
+            (Welcome(b"", refuse={"lastest": "typo"}), "refuse names no mode"),
+        ]
+        for welcome, match in bad:
+            with pytest.raises(UsageError, match=match):
+                PublisherCore(address, 2, welcome=welcome)
+            assert not os.path.exists(address)
+    finally:
+        rows.release_page()
+        flags.close()
 
 
 def test_untaken_fds_are_closed(address: str, fd_count: Callable[[], int]) -> None:
@@ -570,10 +620,7 @@ def test_acquire_reports_readers_to_wait(address: str) -> None:
 def test_large_welcome_payload(address: str) -> None:
     big = bytes(range(256)) * (proto.MAX_WELCOME_PAYLOAD // 256)
 
-    def welcome(info: SubscriberInfo) -> tuple[bytes, list[int]]:
-        return big, []
-
-    with PublisherCore(address, 1, welcome=welcome):
+    with PublisherCore(address, 1, welcome=Welcome(big)):
         try:
             sub = SubscriberCore(address)
         except PeerRefusedError as exc:  # a small net.core.wmem_max: refused, and says why

@@ -47,6 +47,14 @@ int cipy_pubsession_exec(PyObject *module);
 /* rows.c: the ReaderRows type (the publisher's rows of read flags) */
 int cipy_rows_exec(PyObject *module);
 
+/* rows.c: the accept thread's hooks into the ReaderRows `obj` (of `module`; the caller keeps
+ * obj alive while they are used), or -1 with TypeError */
+struct cipi_acceptor_hooks;
+int cipy_rows_hooks(PyObject *module, PyObject *obj, struct cipi_acceptor_hooks *out);
+
+/* acceptor.c: the Acceptor type (the publisher's accept thread) */
+int cipy_acceptor_exec(PyObject *module);
+
 /* owed.c: the OwedReleases type (the RELEASEs the Python subscriber owes) */
 int cipy_owed_exec(PyObject *module);
 

@@ -3,8 +3,10 @@
  * (c/src/reader_rows.c): which subscriber writes which row, and the departed readers' rows,
  * kept while the publisher's streams may wait on them and forced once their process died.
  *
- * Every method runs under the GIL and never releases it; the publisher calls it under its
- * lock (the accept thread assigns rows, the producer's thread adopts, leaves and settles).
+ * Every method runs under the GIL and never releases it, and holds the rows' mutex: the
+ * publisher's accept thread (c/src/acceptor.c, without the GIL) assigns rows and gives back
+ * those of subscribers never adopted through cipy_rows_hooks, under the same mutex; the
+ * producer's thread adopts, leaves and settles.
  * The page is held (a buffer export) until release_page() or the object's end.
  */
 #define PY_SSIZE_T_CLEAN
@@ -17,6 +19,7 @@ typedef struct {
     PyObject_HEAD
     struct cipi_rows rows;
     Py_buffer page; /* page.obj NULL: released (every call but the getters is refused) */
+    pthread_mutex_t lock; /* over rows: the accept thread's hooks and every method */
     uint32_t *published; /* num_slots: the generations a leave or close passes */
 } ReaderRows;
 
@@ -42,6 +45,7 @@ rows_init(ReaderRows *self, PyObject *args, PyObject *kwds)
     }
     if (PyObject_GetBuffer(page, &self->page, PyBUF_WRITABLE) < 0)
         return -1;
+    pthread_mutex_init(&self->lock, NULL);
     cip_status st = offset < 0 || num_slots > CIP_WIRE_MAX_SLOTS
                         ? cipi_fail(CIP_ERR_INVALID_ARGUMENT, "ReaderRows: bad offset or slots")
                         : cipi_rows_init(&self->rows, max_rows, num_slots,
@@ -68,6 +72,7 @@ rows_dealloc(ReaderRows *self)
     if (self->page.obj != NULL)
         PyBuffer_Release(&self->page);
     PyMem_Free(self->published);
+    pthread_mutex_destroy(&self->lock);
     PyTypeObject *type = Py_TYPE(self);
     type->tp_free((PyObject *)self);
     Py_DECREF(type);
@@ -140,7 +145,9 @@ rows_assign(ReaderRows *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     uint32_t index;
+    pthread_mutex_lock(&self->lock);
     cip_status st = cipi_rows_assign(&self->rows, id, (int)pid, &index);
+    pthread_mutex_unlock(&self->lock);
     if (st == CIP_ERR_PROTOCOL)
         Py_RETURN_NONE; /* every row is live */
     if (st != CIP_OK) {
@@ -156,7 +163,10 @@ rows_adopt(ReaderRows *self, PyObject *arg)
     uint32_t id;
     if (usable(self) < 0 || as_u32(arg, &id) < 0)
         return NULL;
-    if (cipi_rows_adopt(&self->rows, id) != CIP_OK) {
+    pthread_mutex_lock(&self->lock);
+    cip_status st = cipi_rows_adopt(&self->rows, id);
+    pthread_mutex_unlock(&self->lock);
+    if (st != CIP_OK) {
         PyErr_SetString(state(self)->usage_error, cip_last_error());
         return NULL;
     }
@@ -169,10 +179,28 @@ rows_index(ReaderRows *self, PyObject *arg)
     uint32_t id;
     if (as_u32(arg, &id) < 0)
         return NULL;
+    pthread_mutex_lock(&self->lock);
     long index = cipi_rows_index(&self->rows, id);
+    pthread_mutex_unlock(&self->lock);
     if (index < 0)
         Py_RETURN_NONE;
     return PyLong_FromLong(index);
+}
+
+static PyObject *
+rows_drop(ReaderRows *self, PyObject *arg)
+{
+    uint32_t id;
+    if (usable(self) < 0 || as_u32(arg, &id) < 0)
+        return NULL;
+    pthread_mutex_lock(&self->lock);
+    cip_status st = cipi_rows_drop(&self->rows, id);
+    pthread_mutex_unlock(&self->lock);
+    if (st != CIP_OK) {
+        PyErr_SetString(state(self)->usage_error, cip_last_error());
+        return NULL;
+    }
+    Py_RETURN_NONE;
 }
 
 static PyObject *
@@ -188,14 +216,21 @@ rows_leave(ReaderRows *self, PyObject *const *args, Py_ssize_t nargs)
     int idle = PyObject_IsTrue(args[2]);
     if (as_u32(args[0], &id) < 0 || idle < 0 || published_arg(self, args[1]) < 0)
         return NULL;
+    pthread_mutex_lock(&self->lock);
     cipi_rows_leave(&self->rows, id, self->published, idle);
+    pthread_mutex_unlock(&self->lock);
     Py_RETURN_NONE;
 }
 
 static PyObject *
 rows_due(ReaderRows *self, PyObject *Py_UNUSED(arg))
 {
-    return PyBool_FromLong(self->page.obj != NULL && cipi_rows_due(&self->rows));
+    if (self->page.obj == NULL)
+        Py_RETURN_FALSE;
+    pthread_mutex_lock(&self->lock);
+    int due = cipi_rows_due(&self->rows);
+    pthread_mutex_unlock(&self->lock);
+    return PyBool_FromLong(due);
 }
 
 static PyObject *
@@ -204,7 +239,10 @@ rows_settle(ReaderRows *self, PyObject *arg)
     int idle = PyObject_IsTrue(arg);
     if (usable(self) < 0 || idle < 0)
         return NULL;
-    return PyLong_FromUnsignedLong(cipi_rows_settle(&self->rows, idle));
+    pthread_mutex_lock(&self->lock);
+    uint32_t settled = cipi_rows_settle(&self->rows, idle);
+    pthread_mutex_unlock(&self->lock);
+    return PyLong_FromUnsignedLong(settled);
 }
 
 static PyObject *
@@ -212,7 +250,9 @@ rows_close(ReaderRows *self, PyObject *arg)
 {
     if (usable(self) < 0 || published_arg(self, arg) < 0)
         return NULL;
+    pthread_mutex_lock(&self->lock);
     cipi_rows_close(&self->rows, self->published);
+    pthread_mutex_unlock(&self->lock);
     Py_RETURN_NONE;
 }
 
@@ -221,34 +261,96 @@ rows_all_settled(ReaderRows *self, PyObject *Py_UNUSED(arg))
 {
     if (usable(self) < 0)
         return NULL;
-    return PyBool_FromLong(cipi_rows_all_settled(&self->rows));
+    pthread_mutex_lock(&self->lock);
+    int all = cipi_rows_all_settled(&self->rows);
+    pthread_mutex_unlock(&self->lock);
+    return PyBool_FromLong(all);
 }
 
 static PyObject *
 rows_release_page(ReaderRows *self, PyObject *Py_UNUSED(arg))
 {
-    cipi_rows_free(&self->rows); /* closes the pidfds; no row is kept */
-    if (self->page.obj != NULL)
-        PyBuffer_Release(&self->page);
+    if (self->page.obj == NULL)
+        Py_RETURN_NONE;
+    pthread_mutex_lock(&self->lock); /* the accept thread's hooks see it released */
+    cipi_rows_free(&self->rows);     /* closes the pidfds; no row is kept */
+    PyBuffer_Release(&self->page);
+    pthread_mutex_unlock(&self->lock);
     Py_RETURN_NONE;
 }
 
 static PyObject *
 get_departed(ReaderRows *self, void *Py_UNUSED(closure))
 {
-    return PyLong_FromUnsignedLong(self->rows.ndeparted);
+    pthread_mutex_lock(&self->lock);
+    uint32_t n = self->rows.ndeparted;
+    pthread_mutex_unlock(&self->lock);
+    return PyLong_FromUnsignedLong(n);
 }
 
 static PyObject *
 get_live(ReaderRows *self, void *Py_UNUSED(closure))
 {
-    return PyLong_FromUnsignedLong(self->rows.nlive);
+    pthread_mutex_lock(&self->lock);
+    uint32_t n = self->rows.nlive;
+    pthread_mutex_unlock(&self->lock);
+    return PyLong_FromUnsignedLong(n);
 }
 
 static PyObject *
 get_forced(ReaderRows *self, void *Py_UNUSED(closure))
 {
-    return PyLong_FromUnsignedLongLong(self->rows.forced);
+    pthread_mutex_lock(&self->lock);
+    uint64_t n = self->rows.forced;
+    pthread_mutex_unlock(&self->lock);
+    return PyLong_FromUnsignedLongLong(n);
+}
+
+/* ---- the accept thread's hooks (no GIL: the mutex alone) ---- */
+
+static int
+hook_assign(void *ctx, uint32_t sub_id, int pid, uint32_t *row)
+{
+    ReaderRows *self = ctx;
+    pthread_mutex_lock(&self->lock);
+    int got = -1; /* the page let go of: the publisher is closing */
+    if (self->page.obj != NULL) {
+        cip_status st = cipi_rows_assign(&self->rows, sub_id, pid, row);
+        got = st == CIP_OK ? 0 : st == CIP_ERR_PROTOCOL ? 1 : -1;
+    }
+    pthread_mutex_unlock(&self->lock);
+    return got;
+}
+
+static void
+hook_drop(void *ctx, uint32_t sub_id)
+{
+    ReaderRows *self = ctx;
+    pthread_mutex_lock(&self->lock);
+    if (self->page.obj != NULL)
+        (void)cipi_rows_drop(&self->rows, sub_id);
+    pthread_mutex_unlock(&self->lock);
+}
+
+int
+cipy_rows_hooks(PyObject *module, PyObject *obj, struct cipi_acceptor_hooks *out)
+{
+    PyObject *type = PyObject_GetAttrString(module, "ReaderRows");
+    if (type == NULL)
+        return -1;
+    int ok = PyObject_TypeCheck(obj, (PyTypeObject *)type);
+    Py_DECREF(type);
+    if (!ok) {
+        PyErr_Format(PyExc_TypeError, "rows must be a ReaderRows, not %.100s",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    if (usable((ReaderRows *)obj) < 0)
+        return -1;
+    out->ctx = obj;
+    out->assign = hook_assign;
+    out->drop = hook_drop;
+    return 0;
 }
 
 static PyMethodDef rows_methods[] = {
@@ -259,6 +361,8 @@ static PyMethodDef rows_methods[] = {
     {"adopt", (PyCFunction)rows_adopt, METH_O,
      "adopt(sub_id): the subscriber may read frames (streams may wait on its row)."},
     {"index", (PyCFunction)rows_index, METH_O, "index(sub_id) -> int | None: its row."},
+    {"drop", (PyCFunction)rows_drop, METH_O,
+     "drop(sub_id): a subscriber welcomed and never adopted: its row is free at once."},
     {"leave", (PyCFunction)(void (*)(void))rows_leave, METH_FASTCALL,
      "leave(sub_id, published, idle): the subscriber left; its row waits among the departed "
      "until its flags reach published (per slot), its process dies (forced), or the "

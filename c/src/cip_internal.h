@@ -40,6 +40,8 @@
  *                lease_timeout, the notices that wait for room (no GPU)
  *   reader_rows.c the publisher's rows of read flags: who writes which, the departed
  *                readers' rows (kept while streams may wait, forced after a death) (no GPU)
+ *   acceptor.c   the publisher's listening side: the accept thread, admission (uid, one
+ *                deadline per handshake, a cap per uid), the HELLO, the WELCOME (no GPU)
  *   hangup.c     the verdict on what is still queued at a hang-up
  *   session.c    the channel's socket session: the end of a stream, the backlog, hang-ups,
  *                releases owed, judging messages, the next frame
@@ -689,10 +691,60 @@ CIP_INTERNAL cip_status cipi_rows_adopt(struct cipi_rows *r, uint32_t sub_id);
 CIP_INTERNAL long cipi_rows_index(const struct cipi_rows *r, uint32_t sub_id);
 CIP_INTERNAL void cipi_rows_leave(struct cipi_rows *r, uint32_t sub_id, const uint32_t *published,
                                   int idle);
+CIP_INTERNAL cip_status cipi_rows_drop(struct cipi_rows *r, uint32_t sub_id);
 CIP_INTERNAL int cipi_rows_due(struct cipi_rows *r);
 CIP_INTERNAL uint32_t cipi_rows_settle(struct cipi_rows *r, int idle);
 CIP_INTERNAL void cipi_rows_close(struct cipi_rows *r, const uint32_t *published);
 CIP_INTERNAL int cipi_rows_all_settled(struct cipi_rows *r);
+
+/* acceptor.c: the publisher's accept thread, admission and handshake. */
+struct cipi_welcomed { /* a subscriber welcomed: pending adoption, or gone before it */
+    uint32_t sub_id;
+    int fd;                     /* its socket; -1 once gone */
+    int pid, peer_pid;          /* pid: the kernel's, else its claim; peer_pid: the kernel's */
+    uint32_t uid, mode, credit; /* credit: granted */
+    uint8_t *hello;             /* its HELLO payload (malloc'd), hello_len bytes */
+    uint32_t hello_len;
+    long row; /* its row of read flags, -1: none */
+};
+struct cipi_acceptor_hooks { /* the rows of read flags (called on the accept thread) */
+    void *ctx;
+    /* 0: *row is the subscriber's; 1: no row free; -1: the rows are gone (closing) */
+    int (*assign)(void *ctx, uint32_t sub_id, int pid, uint32_t *row);
+    void (*drop)(void *ctx, uint32_t sub_id); /* never adopted: its row back */
+};
+struct cipi_acceptor_config {
+    int listener; /* listening, non-blocking: the acceptor's from init on */
+    uint32_t num_slots, max_subscribers, max_credit, lease_timeout_ms, per_uid;
+    long long handshake_ns;
+    const uint32_t *uids; /* allowed */
+    size_t nuids;
+    const uint8_t *payload; /* the WELCOME payload (copied) */
+    size_t payload_len;
+    long row_at;         /* where the row goes in it (4 bytes LE), -1: no rows */
+    const int *fds;      /* sent with every WELCOME (duplicated) */
+    size_t nfds;
+    const char *refuse[3]; /* by mode: the REFUSE reason, NULL: served */
+    struct cipi_acceptor_hooks hooks;
+};
+struct cipi_acceptor; /* acceptor.c's */
+CIP_INTERNAL cip_status cipi_acceptor_new(const struct cipi_acceptor_config *cfg,
+                                          struct cipi_acceptor **out);
+CIP_INTERNAL cip_status cipi_acceptor_start(struct cipi_acceptor *a);
+CIP_INTERNAL void cipi_acceptor_wake(struct cipi_acceptor *a);
+CIP_INTERNAL void cipi_acceptor_take(struct cipi_acceptor *a, struct cipi_welcomed **pending,
+                                     size_t *npending, struct cipi_welcomed **gone,
+                                     size_t *ngone);
+CIP_INTERNAL void cipi_acceptor_dropped(struct cipi_acceptor *a);
+CIP_INTERNAL size_t cipi_acceptor_handshakes(struct cipi_acceptor *a, long long uid);
+CIP_INTERNAL int cipi_acceptor_news(struct cipi_acceptor *a);
+CIP_INTERNAL uint64_t cipi_acceptor_next_seq(struct cipi_acceptor *a);
+CIP_INTERNAL void cipi_acceptor_set_next_seq(struct cipi_acceptor *a, uint64_t seq);
+CIP_INTERNAL uint64_t cipi_acceptor_welcomed(struct cipi_acceptor *a);
+CIP_INTERNAL const char *cipi_acceptor_failure(struct cipi_acceptor *a);
+CIP_INTERNAL void cipi_acceptor_stop(struct cipi_acceptor *a);
+CIP_INTERNAL void cipi_acceptor_free_list(struct cipi_welcomed *list, size_t n);
+CIP_INTERNAL void cipi_acceptor_free(struct cipi_acceptor *a);
 
 /* hangup.c */
 enum cipi_hangup { CIPI_HANGUP_DROP, CIPI_HANGUP_BYE, CIPI_HANGUP_EVICTED, CIPI_HANGUP_BAD_NOTICE };

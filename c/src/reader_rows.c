@@ -187,6 +187,23 @@ cipi_rows_leave(struct cipi_rows *r, uint32_t sub_id, const uint32_t *published,
     }
 }
 
+/* Subscriber `sub_id` was welcomed and never adopted (its WELCOME failed, or it hung up
+ * first): it read no frame, so its row is free at once.  CIP_ERR_INVALID_ARGUMENT for one
+ * that was adopted (that one leaves through cipi_rows_leave); nothing for one without a row. */
+cip_status
+cipi_rows_drop(struct cipi_rows *r, uint32_t sub_id)
+{
+    long i = live_at(r, sub_id);
+    if (i < 0)
+        return CIP_OK;
+    if (r->live[i].adopted)
+        return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "subscriber %u was adopted: it leaves, "
+                                                   "not drops", sub_id);
+    cipi_pidfd_close(r->live[i].pidfd);
+    r->live[i] = r->live[--r->nlive];
+    return CIP_OK;
+}
+
 /* Whether the departed rows are due a look (some wait, and the last look is
  * CIPI_ROWS_LOOK_EVERY_NS ago): a look asks the caller whether its streams are idle, which
  * costs a query of each.  1 starts the next interval. */

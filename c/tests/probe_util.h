@@ -12,7 +12,7 @@
 #include <string.h>
 
 /* The bytes of the hex string `s` into `out` (at most `cap`); their number returned. */
-static size_t
+static __attribute__((unused)) size_t
 unhex(const char *s, uint8_t *out, size_t cap)
 {
     size_t n = strlen(s) / 2;
@@ -27,7 +27,7 @@ unhex(const char *s, uint8_t *out, size_t cap)
 }
 
 /* The open fds of this process (/proc/self/fd, less the directory's own fd). */
-static int
+static __attribute__((unused)) int
 count_fds(void)
 {
     DIR *d = opendir("/proc/self/fd");

@@ -25,6 +25,8 @@ MAX_CHANNEL_SLOTS = SCM_MAX_FD - 1
 # subscriber's index in the sync page u32, sync page bytes u64, then the descriptor.
 # Its fds: one per slot, then the sync page's.
 WELCOME_HEAD = struct.Struct("<IIIIQ")
+#: Where the subscriber's index in the sync page is, in the WELCOME payload.
+WELCOME_ROW_AT = 12
 # FRAME payload: flag index u32 (the slot, bit 31 set for a void frame), generation u32
 # (low bits), number of arrays u16, metadata length u16, then the packed array handles,
 # then the metadata.

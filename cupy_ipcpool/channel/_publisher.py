@@ -34,7 +34,6 @@ from typing import Any, overload
 from .._args import deprecated, keyword_only_signature, moved_to_keywords
 from .._arrays import cupy_module, stream_ptr
 from .._errors import (
-    PeerRefusedError,
     PoolClosedError,
     TeardownWarning,
     UsageError,
@@ -42,7 +41,7 @@ from .._errors import (
 from .._handles import ArrayHandle
 from .._pool import DEFAULT_TIMEOUT, IpcPool, SlotToken
 from .._transport._closing import ClosedFlag
-from ._handshake import SubscriberInfo
+from ._handshake import SubscriberInfo, Welcome
 from ._payload import (
     FRAME_HEAD,
     FRAME_VOID,
@@ -50,11 +49,22 @@ from ._payload import (
     MAX_CHANNEL_SLOTS,
     MAX_METADATA,
     WELCOME_HEAD,
+    WELCOME_ROW_AT,
 )
 from ._publisher_core import PublisherCore
 from ._settle import CLOSE_GRACE, PageStreams, reader_rows, settle_page
 from ._syncpage import SyncPage
 
+#: What a publisher refuses, by subscriber mode: one that keeps no fixed slot schedule, and
+#: one that does (``ahead=True``), for which a ``"latest"`` subscriber would make it wait.
+_BLOCK_REFUSES = {
+    "ahead": "this publisher keeps no fixed slot schedule: 'ahead' subscribers need a "
+    "Publisher made with ahead=True (subscribe with mode='block')"
+}
+_AHEAD_REFUSES = {
+    "latest": "this publisher keeps a fixed slot schedule (ahead=True), for which a "
+    "'latest' subscriber would make it wait: subscribe with mode='block' or 'ahead'"
+}
 _TEMPLATES = 1024  # most array geometries whose wire form a publisher keeps
 
 #: Sync pages kept mapped because a live subscriber's read flag was still awaited by
@@ -306,16 +316,22 @@ class Publisher(ClosedFlag):
         self._streams = PageStreams()  # streams with flag operations on the page
         desc = pool.descriptor(transport="pidfd").to_bytes()  # raises if the pool is closed
         self._sync = sync = SyncPage.create(n, max_subscribers, self._device)
-        self._desc_bytes = desc
-        self._welcome_fds = [pool.fd(i) for i in range(n)] + [sync.fd]
         # each subscriber's row of read flags, and the rows of those that left while our
-        # streams may still wait on their flags (c/src/reader_rows.c); under self._lock
+        # streams may still wait on their flags (c/src/reader_rows.c); given out (round-robin,
+        # so a departed subscriber's row is reused as late as possible) and written into the
+        # WELCOME by the accept thread, under the GIL; otherwise under self._lock
         self._rows = reader_rows(sync.flags, sync.layout)
         try:
             self._core = PublisherCore(
                 address,
                 n,
-                welcome=self._welcome,
+                welcome=Welcome(
+                    WELCOME_HEAD.pack(len(desc), n, max_subscribers, 0, sync.nbytes) + desc,
+                    (*(pool.fd(i) for i in range(n)), sync.fd),
+                    rows=self._rows,
+                    row_at=WELCOME_ROW_AT,
+                    refuse=_AHEAD_REFUSES if self._ahead else _BLOCK_REFUSES,
+                ),
                 allowed_uids=allowed_uids,
                 on_join=self._on_join,
                 on_leave=self._on_leave,
@@ -357,35 +373,6 @@ class Publisher(ClosedFlag):
         )
 
     # -- accept thread / callbacks --
-
-    def _welcome(self, info: SubscriberInfo) -> tuple[bytes, list[int]]:
-        # Rows are handed out round-robin, so a departed subscriber's row is reused
-        # as late as possible (its last flag writes may still be in flight).
-        # A departed subscriber's row is not reused while our streams may wait on it,
-        # unless no other row is free: then the oldest such row is forced and taken.
-        if info.mode == "ahead" and not self._ahead:
-            raise PeerRefusedError(
-                "this publisher keeps no fixed slot schedule: 'ahead' subscribers need a "
-                "Publisher made with ahead=True (subscribe with mode='block')"
-            )
-        if info.mode == "latest" and self._ahead:
-            raise PeerRefusedError(
-                "this publisher keeps a fixed slot schedule (ahead=True), for which a "
-                "'latest' subscriber would make it wait: subscribe with mode='block' or 'ahead'"
-            )
-        with self._lock:
-            # the kernel's pid: its pidfd says when the subscriber died
-            index = self._rows.assign(info.sub_id, info.peer_pid)
-        if index is None:
-            raise PeerRefusedError("no free subscriber row in the sync page")
-        head = WELCOME_HEAD.pack(
-            len(self._desc_bytes),
-            self._pool.num_slots,
-            self._max_subscribers,
-            index,
-            self._sync.nbytes,
-        )
-        return head + self._desc_bytes, self._welcome_fds
 
     def _on_join(self, info: SubscriberInfo) -> None:
         with self._lock:

@@ -1,9 +1,10 @@
 """The producer side of a channel session, without the GPU parts: :class:`PublisherCore`.
 
-It listens on a filesystem path (the accept thread of :mod:`._handshake`
-welcomes subscribers), hands out free slots, publishes frames and collects
-leases back.  The GPU layer (:mod:`._publisher`) wraps it: it fills the opaque
-payloads (pool descriptor, array handles) and provides the slot fds.
+It listens on a filesystem path (the engine's accept thread, ``c/src/acceptor.c``,
+welcomes subscribers with a :class:`~._handshake.Welcome`), hands out free
+slots, publishes frames and collects leases back.  The GPU layer
+(:mod:`._publisher`) wraps it: it fills the opaque payloads (pool descriptor,
+array handles) and provides the slot fds.
 
 A ``"latest"`` subscriber's credit is capped so that it never makes the
 producer wait; an optional lease timeout evicts a subscriber that holds a
@@ -35,20 +36,24 @@ from typing import TYPE_CHECKING
 from .._errors import PoolClosedError, SlotBusyError, UsageError
 from .._transport._closing import ClosedFlag
 from .._transport._unix import allowed_uid_set, bind_unix, check_socket_path, unlink_if_ours
+from . import _leases, _sockets
 from . import _protocol as proto
-from . import _sockets
 from ._handshake import (
     HANDSHAKE_TIMEOUT,
     MAX_PENDING_PER_UID,
     SubscriberInfo,
-    _Acceptor,
+    Welcome,
     _remove_stale,
 )
 from ._leases import LeaseBook
 from ._sockets import _spin_ns, _us, _warn
 
 if TYPE_CHECKING:
-    from .._engine import PublisherSession
+    from .._engine import Acceptor, PublisherSession
+
+#: What the engine's accept thread tells of a subscriber: (sub_id, fd, pid, uid, mode,
+#: credit, hello, peer_pid, row).
+_Taken = tuple[int, int, int, int, str, int, bytes, int, "int | None"]
 
 
 def _unlink_ours(address: str, ident: tuple[int, int]) -> None:
@@ -59,15 +64,34 @@ def _unlink_ours(address: str, ident: tuple[int, int]) -> None:
         _warn(f"could not remove the socket file {address}: {exc}")
 
 
+def _info(taken: _Taken) -> SubscriberInfo:
+    sub_id, _fd, pid, uid, mode, credit, hello, peer_pid, _row = taken
+    return SubscriberInfo(sub_id, pid, uid, mode, credit, hello, peer_pid)
+
+
+def _stop_accepting(acc: Acceptor, session: PublisherSession) -> list[SubscriberInfo]:
+    """Stop the accept thread; the welcomed not yet adopted join ``session`` (for its BYE and
+    linger); return those that went before adoption."""
+    acc.stop()
+    new, gone = acc.take()
+    for taken in new:
+        sub_id, fd, _pid, _uid, mode, credit = taken[:6]
+        try:
+            session.add(sub_id, mode, credit, fd)
+        except Exception as exc:
+            _warn(f"closing subscriber {sub_id} failed: {exc!r}")
+    return [_info(t) for t in gone]
+
+
 def _close_publisher(
-    acc: _Acceptor,
+    acc: Acceptor,
     session: PublisherSession,
     address: str,
     ident: tuple[int, int],
 ) -> None:
     """Tear a publisher down (also its finalizer); warns instead of raising."""
     try:
-        acc.stop()
+        _stop_accepting(acc, session)
     except Exception as exc:
         _warn(f"stopping the accept thread failed: {exc!r}")
     try:
@@ -88,10 +112,9 @@ class PublisherCore(ClosedFlag):
     num_slots:
         Number of slots in the ring.
     welcome:
-        Called on the accept thread for each new subscriber with its
-        :class:`SubscriberInfo`; returns ``(payload, fds)`` for the WELCOME
-        message.  The fds stay owned by the caller (the kernel duplicates them
-        into the subscriber).  An exception refuses that subscriber.
+        What each subscriber is welcomed with (:class:`~._handshake.Welcome`:
+        the payload, the fds, its row of read flags, the modes refused).  The
+        accept thread composes each WELCOME from it and calls no user code.
     allowed_uids:
         Uids that may subscribe (``SO_PEERCRED``); default: this process's
         effective uid only, and the socket file is mode 0600.  When other uids
@@ -100,11 +123,10 @@ class PublisherCore(ClosedFlag):
         Called in the producer's thread when a subscriber is adopted (at the
         next ``poll``/``acquire``/``publish``) and when it leaves (BYE, EOF,
         error, out-of-protocol message, eviction).  ``on_leave`` is also called
-        for a subscriber that ``welcome`` accepted but that is never adopted
-        (the WELCOME could not be sent, or it hung up before adoption): then
-        on the accept thread, without an ``on_join`` before it, so that what
-        ``welcome`` took is given back; it must be thread-safe.  Exceptions
-        become ``RuntimeWarning``.
+        for a subscriber that was welcomed but never adopted (the WELCOME could
+        not be sent, or it hung up before adoption), without an ``on_join``
+        before it: in the producer's thread too, at its next call (or at
+        ``close``).  Exceptions become ``RuntimeWarning``.
     max_subscribers:
         Further subscribers are refused.
     send_timeout:
@@ -133,7 +155,8 @@ class PublisherCore(ClosedFlag):
     Notes
     -----
     Not thread-safe: call every method from one thread.  The accept thread only
-    appends to a lock-protected pending list (and reaps entries that hang up).
+    appends to lock-protected lists (welcomed; welcomed and gone before adoption)
+    and reaps the welcomed that hang up.
     """
 
     def __init__(
@@ -141,7 +164,7 @@ class PublisherCore(ClosedFlag):
         address: str | os.PathLike[str],
         num_slots: int,
         *,
-        welcome: Callable[[SubscriberInfo], tuple[bytes, list[int]]],
+        welcome: Welcome,
         allowed_uids: Iterable[int] | None = None,
         on_join: Callable[[SubscriberInfo], object] | None = None,
         on_leave: Callable[[SubscriberInfo], object] | None = None,
@@ -200,18 +223,23 @@ class PublisherCore(ClosedFlag):
             listener.close()
             raise
         try:
-            self._acc = _Acceptor(
-                listener,
-                self.num_slots,
-                welcome,
-                allowed,
-                max_subscribers,
-                on_abandon=on_leave,
-                handshake_timeout=handshake_timeout,
-                max_pending_per_uid=max_pending_per_uid,
+            # the engine's accept thread (c/src/acceptor.c); it owns the listener from here on
+            self._acc = _leases._engine().Acceptor(
+                listener.fileno(),
+                num_slots=self.num_slots,
+                payload=welcome.payload,
+                fds=welcome.fds,
+                rows=welcome.rows,
+                row_at=welcome.row_at,
+                refuse=dict(welcome.refuse),
+                allowed_uids=sorted(allowed),
+                max_subscribers=max_subscribers,
                 max_credit=self.max_credit,
                 lease_timeout_ms=0 if lease_timeout is None else math.ceil(lease_timeout * 1000),
+                handshake_timeout=handshake_timeout,
+                max_pending_per_uid=max_pending_per_uid,
             )
+            listener.detach()
         except BaseException:
             listener.close()
             os.unlink(self.address)
@@ -253,18 +281,14 @@ class PublisherCore(ClosedFlag):
         if self._closed:
             return True
         self._closed = True
-        try:
-            pending = self._acc.stop_accepting()
+        session = self._session
+        gone: list[SubscriberInfo] = []
+        try:  # welcomed, not adopted: told BYE and lingered for alike
+            gone = _stop_accepting(self._acc, session)
         except Exception as exc:
             _warn(f"stopping the accept thread failed: {exc!r}")
-            pending = []
-        session = self._session
-        for conn in pending:  # welcomed, not adopted: told BYE and lingered for alike
-            info = conn.info
-            try:
-                session.add(info.sub_id, info.mode, info.credit, conn.sock.detach())
-            except Exception as exc:
-                _warn(f"closing subscriber {info.sub_id} failed: {exc!r}")
+        for info in gone:
+            self._callback(self._on_leave, info, "on_leave")
         _unlink_ours(self.address, self._ident)
         try:
             all_gone = session.close(linger)
@@ -296,6 +320,11 @@ class PublisherCore(ClosedFlag):
     def next_seq(self) -> int:
         """Sequence number the next :meth:`publish` assigns."""
         return self._acc.next_seq
+
+    @property
+    def welcomed(self) -> int:
+        """Subscribers a WELCOME was made for so far (sent or not, adopted or not)."""
+        return self._acc.welcomed
 
     @property
     def evictions(self) -> int:
@@ -374,7 +403,7 @@ class PublisherCore(ClosedFlag):
         book = self._book
         if book.ended != self._reported:
             timeout = 0.0  # leases ended outside a poll: report them now
-        if self._acc.pending:
+        if self._acc.news:
             self._adopt()
         self._wait(timeout, settle, self._spin_ns)
         returned = book.ended - self._reported
@@ -410,8 +439,9 @@ class PublisherCore(ClosedFlag):
         self._check_open()
         deadline = None if timeout is None else time.monotonic() + timeout
         book = self._book
+        acc = self._acc
         while True:
-            if self._acc.pending:
+            if acc.news:
                 self._adopt()
             self._wait(0.0)
             slot = book.pick_free_slot(self._last_slot + 1)
@@ -464,7 +494,7 @@ class PublisherCore(ClosedFlag):
         """
         self._check_open()
         acc = self._acc
-        if acc.pending:
+        if acc.news:
             self._adopt()
         seq = acc.next_seq
         if type(payload) is not bytes:
@@ -487,16 +517,17 @@ class PublisherCore(ClosedFlag):
     # -- internals --
 
     def _adopt(self) -> None:
-        acc = self._acc
-        with acc.lock:
-            new, acc.pending = acc.pending, []
-        acc.adopted()
-        for conn in new:
-            info = conn.info
+        """Adopt the subscribers welcomed since the last call; tell ``on_leave`` of those that
+        went before they were adopted."""
+        new, gone = self._acc.take()
+        for taken in new:
+            info = _info(taken)
             self._infos[info.sub_id] = info
             # the session owns the socket from here on (and closes it if it cannot add it)
-            self._session.add(info.sub_id, info.mode, info.credit, conn.sock.detach())
+            self._session.add(info.sub_id, info.mode, info.credit, taken[1])
             self._callback(self._on_join, info, "on_join")
+        for taken in gone:
+            self._callback(self._on_leave, _info(taken), "on_leave")
 
     def _wait(self, timeout: float | None, settle: bool = False, spin_ns: int = 0) -> None:
         """Wait up to ``timeout`` for a lease to end (``PublisherSession.poll``); tell
@@ -513,8 +544,7 @@ class PublisherCore(ClosedFlag):
             self.last_leave_reason = why
             if info is None:
                 continue
-            with self._acc.lock:
-                self._acc.count -= 1
+            self._acc.dropped()
             self._callback(self._on_leave, info, "on_leave")
 
     @staticmethod

@@ -29,7 +29,7 @@ import numpy
 from .._args import deprecated, keyword_only_signature, moved_to_keywords
 from .._errors import EndOfStream, ProtocolError, UsageError
 from .._transport._closing import ClosesOnExit
-from ..channel._handshake import SubscriberInfo
+from ..channel._handshake import SubscriberInfo, Welcome
 from ..channel._iterate import frames_until_clean_end
 from ..channel._publisher_core import PublisherCore
 from ..channel._subscriber_core import SubscriberCore
@@ -95,15 +95,13 @@ class HostChannelPublisher(ClosesOnExit):
         self.num_slots = num_slots
         self.slot_nbytes = slot_nbytes
         try:
-            self.core = PublisherCore(address, num_slots, welcome=self._welcome, **kwargs)
+            welcome = Welcome(_WELCOME.pack(slot_nbytes), tuple(self.slots.fds))
+            self.core = PublisherCore(address, num_slots, welcome=welcome, **kwargs)
         except BaseException:
             self.slots.close()
             raise
         self.address = self.core.address
         self._reserved: set[int] = set()
-
-    def _welcome(self, info: SubscriberInfo) -> tuple[bytes, list[int]]:
-        return _WELCOME.pack(self.slot_nbytes), list(self.slots.fds)
 
     @property
     def subscribers(self) -> list[SubscriberInfo]:
