@@ -172,7 +172,6 @@ def test_handshakes_have_one_deadline_and_a_cap_per_uid(probe: Probe, tmp_path: 
     address = _listen(probe, tmp_path / "p.sock", per_uid=2, handshake_ms=300)
     idle = [_client(address) for _ in range(3)]
     assert "the oldest, made room" in _refused(idle[0])
-    # (told before the newest is in the book: the oldest goes first to make room)
     _until_answer(probe, f"hs {os.getuid()}", "ok 2")
     assert probe("hs -1") == "ok 2"
     for s in idle[1:]:

@@ -593,11 +593,12 @@ engine_exec(PyObject *module)
         add_int(module, "SYNC_RECORD_CAP", CIP_WIRE_SYNC_RECORD_CAP) < 0)
         return -1;
     /* PROTOCOL (the message layouts), the per-frame socket calls, FrameBook, FrameLedger,
-     * OwedReleases, LeaseCore, PublisherSession, ReaderRows, Acceptor */
+     * OwedReleases, LeaseCore, PublisherSession, ReaderRows, AdmissionBook, Acceptor */
     if (cipy_frameio_exec(module) < 0 || cipy_book_exec(module) < 0 ||
         cipy_ledger_exec(module) < 0 || cipy_owed_exec(module) < 0 ||
         cipy_leasebook_exec(module) < 0 || cipy_pubsession_exec(module) < 0 ||
-        cipy_rows_exec(module) < 0 || cipy_acceptor_exec(module) < 0)
+        cipy_rows_exec(module) < 0 || cipy_admission_exec(module) < 0 ||
+        cipy_acceptor_exec(module) < 0)
         return -1;
     return cipy_handshake_exec(module);
 }

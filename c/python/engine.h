@@ -52,6 +52,9 @@ int cipy_rows_exec(PyObject *module);
 struct cipi_acceptor_hooks;
 int cipy_rows_hooks(PyObject *module, PyObject *obj, struct cipi_acceptor_hooks *out);
 
+/* admission.c: the AdmissionBook type (connections waiting, per group) */
+int cipy_admission_exec(PyObject *module);
+
 /* acceptor.c: the Acceptor type (the publisher's accept thread) */
 int cipy_acceptor_exec(PyObject *module);
 

@@ -24,48 +24,6 @@
 #define ACCEPT_BACKOFF_NS 50000000LL   /* the listener left alone after EMFILE and the like */
 #define HELLO_BUF (CIP_WIRE_HELLO_SIZE + CIP_WIRE_MAX_HELLO_PAYLOAD + 1)
 
-struct cipi_handshake { /* a connection accepted, its HELLO not yet read */
-    int fd;
-    uint64_t key; /* unique for the acceptor's lifetime: names it, not its fd */
-    uint32_t uid;
-    int pid;
-    long long deadline; /* CLOCK_MONOTONIC ns */
-};
-struct cipi_acceptor {
-    /* set at init */
-    int listener, wake;
-    uint32_t num_slots, max_subscribers, max_credit, lease_timeout_ms, per_uid;
-    long long handshake_ns;
-    uint32_t *uids;
-    size_t nuids;
-    uint8_t *payload;
-    size_t payload_len;
-    long row_at;
-    int *fds;
-    size_t nfds;
-    char *refuse[3];
-    struct cipi_acceptor_hooks hooks;
-    pthread_t thread;
-    int started, lock_made;
-    /* the thread's (hs changes under lock too: cipi_acceptor_handshakes reads it) */
-    struct cipi_handshake *hs;
-    size_t nhs, hs_cap;
-    uint64_t next_key;
-    uint32_t next_id;
-    long long backoff_until;
-    char failure[160]; /* why the thread ended early; "" */
-    /* under lock */
-    pthread_mutex_t lock;
-    struct cipi_welcomed *pending, *abandoned;
-    size_t npending, pending_cap, nabandoned, abandoned_cap;
-    uint32_t count; /* welcomed and not yet dropped: pending and adopted */
-    int stopping;
-    /* atomics */
-    int news;          /* pending or abandoned are not empty */
-    uint64_t next_seq; /* the next frame's seq (the producer's), told in each WELCOME */
-    uint64_t welcomed; /* subscribers given an id */
-};
-
 static void
 drain(int fd)
 {
@@ -145,14 +103,7 @@ abandon(struct cipi_acceptor *a, struct cipi_welcomed *w)
     free(w->hello);
 }
 
-/* ---- admission: the handshakes in progress, in accept order (so deadlines increase) -- */
-
-static void
-forget_handshake(struct cipi_acceptor *a, size_t i)
-{
-    memmove(&a->hs[i], &a->hs[i + 1], (a->nhs - i - 1) * sizeof *a->hs);
-    a->nhs--;
-}
+/* ---- the handshakes in progress: their fds by key; admission.c has the rest ---------- */
 
 static long
 handshake_at(const struct cipi_acceptor *a, uint64_t key)
@@ -163,15 +114,37 @@ handshake_at(const struct cipi_acceptor *a, uint64_t key)
     return -1;
 }
 
+/* Handshake `key` ends (its HELLO came, or it must go): out of the book (under lock); its
+ * fd, or -1 if it was not there. */
+static int
+forget_handshake(struct cipi_acceptor *a, uint64_t key)
+{
+    pthread_mutex_lock(&a->lock);
+    long i = handshake_at(a, key);
+    int fd = -1;
+    if (i >= 0) {
+        fd = a->hs[i].fd;
+        memmove(&a->hs[i], &a->hs[i + 1], (a->nhs - (size_t)i - 1) * sizeof *a->hs);
+        a->nhs--;
+        (void)cipi_admission_remove(a->adm, key);
+    }
+    pthread_mutex_unlock(&a->lock);
+    return fd;
+}
+
 size_t
 cipi_acceptor_handshakes(struct cipi_acceptor *a, long long uid)
 {
     pthread_mutex_lock(&a->lock);
-    size_t n = 0;
-    for (size_t i = 0; i < a->nhs; i++)
-        n += uid < 0 || a->hs[i].uid == (uint32_t)uid;
+    size_t n = cipi_admission_count(a->adm, uid < 0, (uint64_t)uid);
     pthread_mutex_unlock(&a->lock);
     return n;
+}
+
+static double
+now_s(void)
+{
+    return (double)cipi_now_ns() / 1e9;
 }
 
 static int
@@ -324,8 +297,8 @@ on_hello(struct cipi_acceptor *a, size_t i, uint8_t *buf)
     ssize_t n = recv(hs.fd, buf, HELLO_BUF, MSG_DONTWAIT);
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
         return;
+    (void)forget_handshake(a, hs.key);
     pthread_mutex_lock(&a->lock);
-    forget_handshake(a, i);
     int stopping = a->stopping;
     pthread_mutex_unlock(&a->lock);
     if (n <= 0 || stopping) {
@@ -333,6 +306,25 @@ on_hello(struct cipi_acceptor *a, size_t i, uint8_t *buf)
         return;
     }
     welcome(a, hs.fd, &hs, buf, (size_t)n);
+}
+
+/* Room for one more handshake (under lock): 0, or -1 without memory (nothing changed). */
+static int
+room_for_one(struct cipi_acceptor *a)
+{
+    if (a->nhs < a->hs_cap)
+        return 0;
+    size_t grown = a->hs_cap ? 2 * a->hs_cap : 16;
+    struct cipi_handshake *hs = realloc(a->hs, grown * sizeof *a->hs);
+    if (hs == NULL)
+        return -1;
+    a->hs = hs;
+    uint64_t *keys = realloc(a->keys, grown * sizeof *a->keys);
+    if (keys == NULL)
+        return -1;
+    a->keys = keys;
+    a->hs_cap = grown;
+    return 0;
 }
 
 static void
@@ -350,37 +342,29 @@ accepted(struct cipi_acceptor *a, int fd, uint8_t *buf)
         refuse_and_close(fd, why);
         return;
     }
-    size_t same = 0, oldest = SIZE_MAX;
-    for (size_t i = 0; i < a->nhs; i++)
-        if (a->hs[i].uid == cred.uid && same++ == 0)
-            oldest = i;
-    if (same >= a->per_uid) { /* the oldest of its uid makes room */
-        int gone = a->hs[oldest].fd;
-        pthread_mutex_lock(&a->lock);
-        forget_handshake(a, oldest);
-        pthread_mutex_unlock(&a->lock);
+    uint64_t key = a->next_key++;
+    size_t ngone = 0;
+    pthread_mutex_lock(&a->lock);
+    cip_status st = CIP_ERR_NO_MEMORY;
+    if (room_for_one(a) == 0)
+        st = cipi_admission_admit(a->adm, key, cred.uid, now_s(), a->gone, &ngone);
+    if (st == CIP_OK)
+        a->hs[a->nhs++] = (struct cipi_handshake){fd, key, (uint32_t)cred.uid, (int)cred.pid};
+    pthread_mutex_unlock(&a->lock);
+    for (size_t k = 0; k < ngone; k++) { /* the longest waiting of its uid made room */
+        int gone = forget_handshake(a, a->gone[k]);
         char why[160];
         snprintf(why, sizeof why,
                  "%u handshakes of uid %u were in progress; this one, the oldest, made room "
                  "for a newer one",
                  a->per_uid, (unsigned)cred.uid);
-        refuse_and_close(gone, why);
+        if (gone >= 0)
+            refuse_and_close(gone, why);
     }
-    pthread_mutex_lock(&a->lock);
-    if (a->nhs == a->hs_cap) {
-        size_t grown = a->hs_cap ? 2 * a->hs_cap : 16;
-        void *p = realloc(a->hs, grown * sizeof *a->hs);
-        if (p == NULL) {
-            pthread_mutex_unlock(&a->lock);
-            close(fd);
-            return;
-        }
-        a->hs = p;
-        a->hs_cap = grown;
+    if (st != CIP_OK) {
+        close(fd);
+        return;
     }
-    a->hs[a->nhs++] = (struct cipi_handshake){
-        fd, a->next_key++, (uint32_t)cred.uid, (int)cred.pid, cipi_now_ns() + a->handshake_ns};
-    pthread_mutex_unlock(&a->lock);
     on_hello(a, a->nhs - 1, buf); /* the HELLO is often there already */
 }
 
@@ -464,7 +448,9 @@ run(void *arg)
             fds[n] = (struct pollfd){a->pending[i].fd, POLLRDHUP, 0};
             own[n++] = (struct owner){OWN_PENDING, a->pending[i].sub_id};
         }
-        long long until = a->nhs ? a->hs[0].deadline : -1;
+        double first;
+        long long until = cipi_admission_next_deadline(a->adm, &first) ? (long long)(first * 1e9)
+                                                                        : -1;
         pthread_mutex_unlock(&a->lock);
         if (now < a->backoff_until && (until < 0 || a->backoff_until < until))
             until = a->backoff_until;
@@ -502,28 +488,22 @@ run(void *arg)
                 on_hangup(a, (uint32_t)own[k].id);
             }
         }
-        now = cipi_now_ns();
-        while (a->nhs && a->hs[0].deadline <= now) {
-            int fd = a->hs[0].fd;
-            pthread_mutex_lock(&a->lock);
-            forget_handshake(a, 0);
-            pthread_mutex_unlock(&a->lock);
-            char why[96];
-            char secs[32];
+        pthread_mutex_lock(&a->lock);
+        size_t nexpired = cipi_admission_expired(a->adm, now_s(), a->keys);
+        pthread_mutex_unlock(&a->lock);
+        for (size_t k = 0; k < nexpired; k++) {
+            int fd = forget_handshake(a, a->keys[k]);
+            char why[96], secs[32];
             cipi_fmt_seconds(secs, sizeof secs, (double)a->handshake_ns / 1e9);
             snprintf(why, sizeof why, "no HELLO within %s s", secs);
-            refuse_and_close(fd, why);
+            if (fd >= 0)
+                refuse_and_close(fd, why);
         }
     }
 out:
     /* the handshakes in progress end without a WELCOME */
-    pthread_mutex_lock(&a->lock);
-    while (a->nhs) {
-        int fd = a->hs[0].fd;
-        forget_handshake(a, 0);
-        end_and_close(fd);
-    }
-    pthread_mutex_unlock(&a->lock);
+    while (a->nhs)
+        end_and_close(forget_handshake(a, a->hs[0].key));
     free(buf);
     free(fds);
     free(own);
@@ -564,10 +544,16 @@ init(struct cipi_acceptor *a, const struct cipi_acceptor_config *cfg)
     a->hooks = cfg->hooks;
     a->next_id = 1;
     a->payload_len = cfg->payload_len;
+    cip_status st = cipi_admission_new(cfg->per_uid, (double)cfg->handshake_ns / 1e9, &a->adm);
+    if (st != CIP_OK) {
+        release(a);
+        return st;
+    }
     a->payload = malloc(cfg->payload_len ? cfg->payload_len : 1);
     a->uids = malloc((cfg->nuids ? cfg->nuids : 1) * sizeof *a->uids);
     a->fds = malloc((cfg->nfds ? cfg->nfds : 1) * sizeof *a->fds);
-    if (a->payload == NULL || a->uids == NULL || a->fds == NULL) {
+    a->gone = malloc(cfg->per_uid * sizeof *a->gone);
+    if (a->payload == NULL || a->uids == NULL || a->fds == NULL || a->gone == NULL) {
         release(a);
         return cipi_fail(CIP_ERR_NO_MEMORY, "out of memory");
     }
@@ -668,8 +654,8 @@ cipi_acceptor_start(struct cipi_acceptor *a)
     return CIP_OK;
 }
 
-void
-cipi_acceptor_wake(struct cipi_acceptor *a)
+static void
+wake(struct cipi_acceptor *a)
 {
     uint64_t one = 1;
     if (a->wake >= 0)
@@ -692,7 +678,7 @@ cipi_acceptor_take(struct cipi_acceptor *a, struct cipi_welcomed **pending, size
     __atomic_store_n(&a->news, 0, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&a->lock);
     if (*npending)
-        cipi_acceptor_wake(a); /* stop watching them: a closed fd in a poll set stays open */
+        wake(a); /* stop watching them: a closed fd in a poll set stays open */
 }
 
 void
@@ -715,7 +701,7 @@ cipi_acceptor_stop(struct cipi_acceptor *a)
     a->stopping = 1;
     pthread_mutex_unlock(&a->lock);
     if (a->started) {
-        cipi_acceptor_wake(a);
+        wake(a);
         pthread_join(a->thread, NULL);
         a->started = 0;
     }
@@ -759,10 +745,15 @@ release(struct cipi_acceptor *a)
     free(a->uids);
     free(a->fds);
     free(a->hs);
+    free(a->keys);
+    free(a->gone);
+    cipi_admission_free(a->adm);
     a->payload = NULL;
     a->uids = NULL;
     a->fds = NULL;
     a->hs = NULL;
+    a->keys = a->gone = NULL;
+    a->adm = NULL;
     if (a->lock_made)
         pthread_mutex_destroy(&a->lock);
     a->lock_made = 0;
