@@ -17,7 +17,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import pytest
-from _memfd_backend import MemfdConsumer, MemfdProducer
+from _memfd_backend import MemfdConsumer, MemfdProducer, MemfdSlots
 from _pipe_child import PipeChild, run_body, started
 from _restart_children import (
     child_hold_until_killed,
@@ -554,6 +554,31 @@ def test_welcome_payload_rows_and_refusals(address: str) -> None:
         pub.poll(0.2)
         pub.poll(0.2)
         assert pub.subscribers == []
+
+
+def test_a_closed_publisher_holds_no_fd_while_it_lives(address: str) -> None:
+    """``close()`` lets go of every fd at once (the listener, the accept thread's wake-up, its
+    copies of the WELCOME's fds, the subscribers' sockets), not when the object is collected:
+    a reference kept (or a cycle the collector frees later) holds nothing."""
+    slots = MemfdSlots(4)
+    try:
+        before = fd_count()
+        core = PublisherCore(address, 4, welcome=slots.welcome())
+        adopted = SubscriberCore(address)
+        deadline = time.monotonic() + 10
+        while not core.subscribers:
+            assert time.monotonic() < deadline, "the subscriber was not adopted"
+            core.poll(0.01)
+        waiting = SubscriberCore(address)  # welcomed; close() finds it not adopted
+        core.close()
+        for sub in (adopted, waiting):
+            for fd in sub.take_fds():
+                os.close(fd)
+            sub.close()
+        assert fd_count() == before, "the closed publisher still holds fds"
+        assert core.closed  # (still referenced here)
+    finally:
+        slots.close()
 
 
 def test_welcome_refuses_what_it_cannot_send(address: str) -> None:

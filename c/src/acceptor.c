@@ -691,7 +691,8 @@ cipi_acceptor_dropped(struct cipi_acceptor *a)
 }
 
 /* Stop welcoming: join the thread (the handshakes in progress end without a WELCOME), close
- * the listener.  The pending subscribers and the abandoned are left for a last take. */
+ * the listener, the wake-up and our copies of the WELCOME's fds: a stopped acceptor holds no
+ * fd but those of the welcomed not yet taken, which are left for a last take. */
 void
 cipi_acceptor_stop(struct cipi_acceptor *a)
 {
@@ -708,6 +709,12 @@ cipi_acceptor_stop(struct cipi_acceptor *a)
     if (a->listener >= 0)
         close(a->listener);
     a->listener = -1;
+    for (size_t i = 0; i < a->nfds; i++)
+        close(a->fds[i]);
+    a->nfds = 0;
+    if (a->wake >= 0)
+        close(a->wake);
+    a->wake = -1;
 }
 
 void
