@@ -504,6 +504,10 @@ out:
     /* the handshakes in progress end without a WELCOME */
     while (a->nhs)
         end_and_close(forget_handshake(a, a->hs[0].key));
+    if (a->failure[0] != '\0') { /* ended by a failure: a connect is refused, not left queued */
+        close(a->listener);
+        a->listener = -1; /* (read by stop once it has joined this thread) */
+    }
     free(buf);
     free(fds);
     free(own);

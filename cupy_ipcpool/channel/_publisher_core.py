@@ -73,6 +73,8 @@ def _stop_accepting(acc: Acceptor, session: PublisherSession) -> list[Subscriber
     """Stop the accept thread; the welcomed not yet adopted join ``session`` (for its BYE and
     linger); return those that went before adoption."""
     acc.stop()
+    if acc.failure is not None:  # it had ended before: nobody was welcomed since
+        _warn(f"the publisher's accept thread had stopped: {acc.failure}")
     new, gone = acc.take()
     for taken in new:
         sub_id, fd, _pid, _uid, mode, credit = taken[:6]
