@@ -243,6 +243,25 @@ def test_out_of_fds_the_thread_backs_off_and_accepts_once_fds_are_free(
     s.close()
 
 
+def test_a_child_forked_while_the_thread_runs_stops_without_it(
+    probe: Probe, tmp_path: Path
+) -> None:
+    """A process forked while the accept thread runs (``os.fork``, multiprocessing's fork)
+    has no such thread: its stop joins nothing and takes no lock the thread may have held
+    at the fork, its take finds nothing of the parent's, and the parent serves on."""
+    address = _listen(probe, tmp_path / "p.sock")
+    welcomed = _client(address)
+    welcomed.send(_hello())
+    assert isinstance(_answer(welcomed)[0], proto.Welcome)  # pending in the parent
+    assert probe("forkstop", timeout=BOUND) == "ok 0"
+    late = _client(address)
+    late.send(_hello())
+    assert isinstance(_answer(late)[0], proto.Welcome)
+    assert probe("take").startswith("ok 2 1:0:")
+    for s in (welcomed, late):
+        s.close()
+
+
 def test_many_clients_at_once_each_answered_nothing_lost(probe: Probe, tmp_path: Path) -> None:
     """Clients of several threads connect, say HELLO, some hang up at once, while the
     producer takes and drops: every client is answered (WELCOME or REFUSE), every id is

@@ -20,8 +20,25 @@ typedef struct {
     struct cipi_rows rows;
     Py_buffer page; /* page.obj NULL: released (every call but the getters is refused) */
     pthread_mutex_t lock; /* over rows: the accept thread's hooks and every method */
+    pid_t owner;          /* the process that made it: a forked child takes no lock (below) */
     uint32_t *published; /* num_slots: the generations a leave or close passes */
 } ReaderRows;
+
+/* The rows' mutex, but in a child forked while the accept thread of the parent may have
+ * held it (copied locked): there no other thread of ours uses these rows. */
+static void
+rows_lock(ReaderRows *self)
+{
+    if (getpid() == self->owner)
+        pthread_mutex_lock(&self->lock);
+}
+
+static void
+rows_unlock(ReaderRows *self)
+{
+    if (getpid() == self->owner)
+        pthread_mutex_unlock(&self->lock);
+}
 
 static engine_state *
 state(ReaderRows *self)
@@ -46,6 +63,7 @@ rows_init(ReaderRows *self, PyObject *args, PyObject *kwds)
     if (PyObject_GetBuffer(page, &self->page, PyBUF_WRITABLE) < 0)
         return -1;
     pthread_mutex_init(&self->lock, NULL);
+    self->owner = getpid();
     cip_status st = offset < 0 || num_slots > CIP_WIRE_MAX_SLOTS
                         ? cipi_fail(CIP_ERR_INVALID_ARGUMENT, "ReaderRows: bad offset or slots")
                         : cipi_rows_init(&self->rows, max_rows, num_slots,
@@ -72,7 +90,8 @@ rows_dealloc(ReaderRows *self)
     if (self->page.obj != NULL)
         PyBuffer_Release(&self->page);
     PyMem_Free(self->published);
-    pthread_mutex_destroy(&self->lock);
+    if (getpid() == self->owner)
+        pthread_mutex_destroy(&self->lock);
     PyTypeObject *type = Py_TYPE(self);
     type->tp_free((PyObject *)self);
     Py_DECREF(type);
@@ -145,9 +164,9 @@ rows_assign(ReaderRows *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     uint32_t index;
-    pthread_mutex_lock(&self->lock);
+    rows_lock(self);
     cip_status st = cipi_rows_assign(&self->rows, id, (int)pid, &index);
-    pthread_mutex_unlock(&self->lock);
+    rows_unlock(self);
     if (st == CIP_ERR_PROTOCOL)
         Py_RETURN_NONE; /* every row is live */
     if (st != CIP_OK) {
@@ -163,9 +182,9 @@ rows_adopt(ReaderRows *self, PyObject *arg)
     uint32_t id;
     if (usable(self) < 0 || as_u32(arg, &id) < 0)
         return NULL;
-    pthread_mutex_lock(&self->lock);
+    rows_lock(self);
     cip_status st = cipi_rows_adopt(&self->rows, id);
-    pthread_mutex_unlock(&self->lock);
+    rows_unlock(self);
     if (st != CIP_OK) {
         PyErr_SetString(state(self)->usage_error, cip_last_error());
         return NULL;
@@ -179,9 +198,9 @@ rows_index(ReaderRows *self, PyObject *arg)
     uint32_t id;
     if (as_u32(arg, &id) < 0)
         return NULL;
-    pthread_mutex_lock(&self->lock);
+    rows_lock(self);
     long index = cipi_rows_index(&self->rows, id);
-    pthread_mutex_unlock(&self->lock);
+    rows_unlock(self);
     if (index < 0)
         Py_RETURN_NONE;
     return PyLong_FromLong(index);
@@ -193,9 +212,9 @@ rows_drop(ReaderRows *self, PyObject *arg)
     uint32_t id;
     if (usable(self) < 0 || as_u32(arg, &id) < 0)
         return NULL;
-    pthread_mutex_lock(&self->lock);
+    rows_lock(self);
     cip_status st = cipi_rows_drop(&self->rows, id);
-    pthread_mutex_unlock(&self->lock);
+    rows_unlock(self);
     if (st != CIP_OK) {
         PyErr_SetString(state(self)->usage_error, cip_last_error());
         return NULL;
@@ -216,9 +235,9 @@ rows_leave(ReaderRows *self, PyObject *const *args, Py_ssize_t nargs)
     int idle = PyObject_IsTrue(args[2]);
     if (as_u32(args[0], &id) < 0 || idle < 0 || published_arg(self, args[1]) < 0)
         return NULL;
-    pthread_mutex_lock(&self->lock);
+    rows_lock(self);
     cipi_rows_leave(&self->rows, id, self->published, idle);
-    pthread_mutex_unlock(&self->lock);
+    rows_unlock(self);
     Py_RETURN_NONE;
 }
 
@@ -227,9 +246,9 @@ rows_due(ReaderRows *self, PyObject *Py_UNUSED(arg))
 {
     if (self->page.obj == NULL)
         Py_RETURN_FALSE;
-    pthread_mutex_lock(&self->lock);
+    rows_lock(self);
     int due = cipi_rows_due(&self->rows);
-    pthread_mutex_unlock(&self->lock);
+    rows_unlock(self);
     return PyBool_FromLong(due);
 }
 
@@ -239,9 +258,9 @@ rows_settle(ReaderRows *self, PyObject *arg)
     int idle = PyObject_IsTrue(arg);
     if (usable(self) < 0 || idle < 0)
         return NULL;
-    pthread_mutex_lock(&self->lock);
+    rows_lock(self);
     uint32_t settled = cipi_rows_settle(&self->rows, idle);
-    pthread_mutex_unlock(&self->lock);
+    rows_unlock(self);
     return PyLong_FromUnsignedLong(settled);
 }
 
@@ -250,9 +269,9 @@ rows_close(ReaderRows *self, PyObject *arg)
 {
     if (usable(self) < 0 || published_arg(self, arg) < 0)
         return NULL;
-    pthread_mutex_lock(&self->lock);
+    rows_lock(self);
     cipi_rows_close(&self->rows, self->published);
-    pthread_mutex_unlock(&self->lock);
+    rows_unlock(self);
     Py_RETURN_NONE;
 }
 
@@ -261,9 +280,9 @@ rows_all_settled(ReaderRows *self, PyObject *Py_UNUSED(arg))
 {
     if (usable(self) < 0)
         return NULL;
-    pthread_mutex_lock(&self->lock);
+    rows_lock(self);
     int all = cipi_rows_all_settled(&self->rows);
-    pthread_mutex_unlock(&self->lock);
+    rows_unlock(self);
     return PyBool_FromLong(all);
 }
 
@@ -272,37 +291,37 @@ rows_release_page(ReaderRows *self, PyObject *Py_UNUSED(arg))
 {
     if (self->page.obj == NULL)
         Py_RETURN_NONE;
-    pthread_mutex_lock(&self->lock); /* the accept thread's hooks see it released */
+    rows_lock(self); /* the accept thread's hooks see it released */
     cipi_rows_free(&self->rows);     /* closes the pidfds; no row is kept */
     PyBuffer_Release(&self->page);
-    pthread_mutex_unlock(&self->lock);
+    rows_unlock(self);
     Py_RETURN_NONE;
 }
 
 static PyObject *
 get_departed(ReaderRows *self, void *Py_UNUSED(closure))
 {
-    pthread_mutex_lock(&self->lock);
+    rows_lock(self);
     uint32_t n = self->rows.ndeparted;
-    pthread_mutex_unlock(&self->lock);
+    rows_unlock(self);
     return PyLong_FromUnsignedLong(n);
 }
 
 static PyObject *
 get_live(ReaderRows *self, void *Py_UNUSED(closure))
 {
-    pthread_mutex_lock(&self->lock);
+    rows_lock(self);
     uint32_t n = self->rows.nlive;
-    pthread_mutex_unlock(&self->lock);
+    rows_unlock(self);
     return PyLong_FromUnsignedLong(n);
 }
 
 static PyObject *
 get_forced(ReaderRows *self, void *Py_UNUSED(closure))
 {
-    pthread_mutex_lock(&self->lock);
+    rows_lock(self);
     uint64_t n = self->rows.forced;
-    pthread_mutex_unlock(&self->lock);
+    rows_unlock(self);
     return PyLong_FromUnsignedLongLong(n);
 }
 
@@ -312,13 +331,13 @@ static int
 hook_assign(void *ctx, uint32_t sub_id, int pid, uint32_t *row)
 {
     ReaderRows *self = ctx;
-    pthread_mutex_lock(&self->lock);
+    rows_lock(self);
     int got = -1; /* the page let go of: the publisher is closing */
     if (self->page.obj != NULL) {
         cip_status st = cipi_rows_assign(&self->rows, sub_id, pid, row);
         got = st == CIP_OK ? 0 : st == CIP_ERR_PROTOCOL ? 1 : -1;
     }
-    pthread_mutex_unlock(&self->lock);
+    rows_unlock(self);
     return got;
 }
 
@@ -326,10 +345,10 @@ static void
 hook_drop(void *ctx, uint32_t sub_id)
 {
     ReaderRows *self = ctx;
-    pthread_mutex_lock(&self->lock);
+    rows_lock(self);
     if (self->page.obj != NULL)
         (void)cipi_rows_drop(&self->rows, sub_id);
-    pthread_mutex_unlock(&self->lock);
+    rows_unlock(self);
 }
 
 int

@@ -655,6 +655,7 @@ cipi_acceptor_start(struct cipi_acceptor *a)
     if (e != 0)
         return cipi_fail(CIP_ERR_TRANSPORT, "cannot start the accept thread: %s", strerror(e));
     a->started = 1;
+    a->owner = getpid();
     return CIP_OK;
 }
 
@@ -672,6 +673,11 @@ void
 cipi_acceptor_take(struct cipi_acceptor *a, struct cipi_welcomed **pending, size_t *npending,
                    struct cipi_welcomed **gone, size_t *ngone)
 {
+    if (a->forked) { /* the parent's subscribers: none of them is this process's to adopt */
+        *pending = *gone = NULL;
+        *npending = *ngone = 0;
+        return;
+    }
     pthread_mutex_lock(&a->lock);
     *pending = a->pending;
     *npending = a->npending;
@@ -702,14 +708,20 @@ cipi_acceptor_stop(struct cipi_acceptor *a)
 {
     if (!a->lock_made)
         return;
-    pthread_mutex_lock(&a->lock);
-    a->stopping = 1;
-    pthread_mutex_unlock(&a->lock);
-    if (a->started) {
-        wake(a);
-        pthread_join(a->thread, NULL);
-        a->started = 0;
+    if (a->started && getpid() != a->owner) {
+        /* a child forked while the thread ran: the thread is not here, and the locks it
+         * takes (ours, the rows') may have been held at the fork: touch neither */
+        a->forked = 1;
+    } else if (!a->forked) {
+        pthread_mutex_lock(&a->lock);
+        a->stopping = 1;
+        pthread_mutex_unlock(&a->lock);
+        if (a->started) {
+            wake(a);
+            pthread_join(a->thread, NULL);
+        }
     }
+    a->started = 0;
     if (a->listener >= 0)
         close(a->listener);
     a->listener = -1;
@@ -734,7 +746,7 @@ static void
 release(struct cipi_acceptor *a)
 {
     cipi_acceptor_stop(a);
-    for (size_t i = 0; i < a->npending; i++) { /* never taken: their rows back, said BYE-less */
+    for (size_t i = 0; i < a->npending && !a->forked; i++) { /* never taken: rows back */
         if (a->pending[i].row >= 0)
             a->hooks.drop(a->hooks.ctx, a->pending[i].sub_id);
     }
@@ -766,7 +778,8 @@ release(struct cipi_acceptor *a)
     a->keys = a->gone = NULL;
     a->adm = NULL;
     if (a->lock_made)
-        pthread_mutex_destroy(&a->lock);
+        if (!a->forked)
+            pthread_mutex_destroy(&a->lock);
     a->lock_made = 0;
 }
 

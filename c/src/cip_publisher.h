@@ -306,7 +306,9 @@ struct cipi_acceptor {
     char *refuse[3];
     struct cipi_acceptor_hooks hooks;
     pthread_t thread;
+    pid_t owner; /* the process that started the thread (a forked child has no such thread) */
     int started, lock_made;
+    int forked; /* stopped in a child forked while the thread ran: its locks are not touched */
     /* the thread's; hs and adm change under lock too (cipi_acceptor_handshakes reads them) */
     struct cipi_handshake *hs; /* the connections whose HELLO is awaited, by key */
     size_t nhs, hs_cap;

@@ -16,11 +16,15 @@
  *   starve  -> ok N     RLIMIT_NOFILE lowered and the fd table filled (N held): accept fails
  *   feed    -> ok       the held fds closed, the limit back
  *   cpu     -> ok NS    this process's CPU time
+ *   forkstop -> ok STATUS  a child forked now stops, takes and frees the acceptor (as a
+ *                      forked Python process would at exit): its exit status, 0 if it did
+ *                      so within 5 s
  */
 #include "../src/cip_internal.h"
 #include "probe_util.h"
 
 #include <sys/resource.h>
+#include <sys/wait.h>
 #include <sys/un.h>
 #include <time.h>
 
@@ -213,6 +217,22 @@ main(void)
                 close(starved[--nstarved]);
             setrlimit(RLIMIT_NOFILE, &nofile);
             printf("ok\n");
+        } else if (!strcmp(cmd, "forkstop") && made) {
+            pid_t child = fork();
+            if (child == 0) {
+                alarm(5); /* a join of the parent's thread, or a lock held at the fork, hangs */
+                struct cipi_welcomed *w, *gone;
+                size_t n, ngone;
+                cipi_acceptor_stop(acc);
+                cipi_acceptor_take(acc, &w, &n, &gone, &ngone);
+                cipi_acceptor_free_list(w, n);
+                cipi_acceptor_free_list(gone, ngone);
+                cipi_acceptor_free(acc);
+                _exit(n == 0 && ngone == 0 ? 0 : 3);
+            }
+            int status = 0;
+            waitpid(child, &status, 0);
+            printf("ok %d\n", WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
         } else if (!strcmp(cmd, "cpu")) {
             struct timespec t;
             clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
