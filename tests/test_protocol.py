@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cupy_ipcpool import _compiled
 from cupy_ipcpool._errors import ProtocolError, UsageError
 from cupy_ipcpool.channel import _protocol as proto
 from cupy_ipcpool.channel._leases import LeaseBook
@@ -348,8 +349,30 @@ def test_overdue_names_subscribers_holding_too_long() -> None:
     assert book.oldest_lease(2) is None
 
 
-# What the channel sends is the engine's (proto.welcome_message / refuse_message /
-# bye_message, c/src/message.c); the encode_* functions are the pure-Python reference.
+# What the channel sends is the engine's (c/src/message.c): the accept thread writes its
+# WELCOMEs and REFUSEs with the writers _engine.encode_welcome / encode_refuse bind, and
+# proto.bye_message is the engine's BYE; the encode_* functions are the pure-Python reference.
+
+
+def welcome_message(
+    sub_id: int,
+    num_slots: int,
+    next_seq: int,
+    payload: bytes,
+    *,
+    credit: int = 1,
+    lease_timeout_ms: int = 0,
+) -> bytes:
+    """The WELCOME as the engine writes it (cipi_put_welcome: the accept thread's writer)."""
+    engine = _compiled.load("cupy_ipcpool._engine")
+    return bytes(
+        engine.encode_welcome(sub_id, num_slots, next_seq, payload, credit, lease_timeout_ms)
+    )
+
+
+def refuse_message(reason: str) -> bytes:
+    """The REFUSE as the engine writes it (cipi_put_refuse: the accept thread's writer)."""
+    return bytes(_compiled.load("cupy_ipcpool._engine").encode_refuse(reason))
 
 
 @settings(max_examples=300, deadline=None)
@@ -372,17 +395,17 @@ def test_the_engines_welcome_is_the_reference_encoders(
         except (ValueError, OverflowError) as exc:
             return type(exc).__name__, str(exc)
 
-    assert answer(proto.welcome_message) == answer(proto.encode_welcome)
+    assert answer(welcome_message) == answer(proto.encode_welcome)
 
 
 def test_the_engines_welcome_refuses_a_payload_past_the_limit() -> None:
     big = b"x" * (proto.MAX_WELCOME_PAYLOAD + 1)
     with pytest.raises(UsageError) as engine:
-        proto.welcome_message(1, 1, 0, big)
+        welcome_message(1, 1, 0, big)
     with pytest.raises(UsageError) as reference:
         proto.encode_welcome(1, 1, 0, big)
     assert str(engine.value) == str(reference.value)
-    data = proto.welcome_message(1, 1, 0, big[:-1])  # at the limit: whole
+    data = welcome_message(1, 1, 0, big[:-1])  # at the limit: whole
     assert proto.decode(data) == proto.Welcome(1, 1, 0, big[:-1])
 
 
@@ -391,12 +414,12 @@ def test_the_engines_welcome_refuses_a_payload_past_the_limit() -> None:
 def test_the_engines_refuse_is_the_reference_encoders(reason: str) -> None:
     """A reason past 1 KiB of UTF-8 is cut before the character it would split; a lone
     surrogate (not encodable) becomes '?'."""
-    data = proto.refuse_message(reason)
+    data = refuse_message(reason)
     assert data == proto.encode_refuse(reason)
     assert isinstance(proto.decode(data), proto.Refuse)
 
 
 def test_the_engines_refuse_of_a_lone_surrogate_and_the_bye() -> None:
-    assert proto.refuse_message("a\ud800b") == proto.encode_refuse("a\ud800b")
-    assert proto.decode(proto.refuse_message("a\ud800b")) == proto.Refuse("a?b")
+    assert refuse_message("a\ud800b") == proto.encode_refuse("a\ud800b")
+    assert proto.decode(refuse_message("a\ud800b")) == proto.Refuse("a?b")
     assert proto.bye_message() == proto.encode_bye()

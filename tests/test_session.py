@@ -582,21 +582,26 @@ def test_a_closed_publisher_holds_no_fd_while_it_lives(address: str) -> None:
 
 
 def test_welcome_refuses_what_it_cannot_send(address: str) -> None:
-    """A ``Welcome`` whose row would not fit its payload, with too many fds, or refusing a
-    mode that does not exist, is refused when the publisher is made, with nothing bound."""
+    """A ``Welcome`` whose row would not fit its payload, with too many fds, an fd that is
+    not open, or refusing a mode that does not exist, is refused when the publisher is made,
+    with nothing bound and no fd kept (the copies made before the bad one are closed)."""
     layout = FlagLayout(1, 1)
     flags = SharedFlags.create(layout.nbytes)
     rows = reader_rows(flags, layout)
+    closed = 1 << 20  # above any fd number this process is allowed
     try:
         bad = [
             (Welcome(b"abcd", rows=rows, row_at=2), "row_at=2"),
             (Welcome(b"", (0,) * 300), "300 fds do not fit"),
+            (Welcome(b"", (0, 1, closed)), f"fd {closed} cannot be duplicated"),
             (Welcome(b"", refuse={"lastest": "typo"}), "refuse names no mode"),
         ]
         for welcome, match in bad:
+            before = fd_count()
             with pytest.raises(UsageError, match=match):
                 PublisherCore(address, 2, welcome=welcome)
             assert not os.path.exists(address)
+            assert fd_count() == before
     finally:
         rows.release_page()
         flags.close()

@@ -237,15 +237,10 @@ engine_encode_refuse(PyObject *Py_UNUSED(module), PyObject *reason)
     PyObject *raw = PyUnicode_AsEncodedString(reason, "utf-8", "replace");
     if (raw == NULL)
         return NULL;
-    const char *text = PyBytes_AS_STRING(raw);
-    size_t n = cipi_utf8_cut(text, (size_t)PyBytes_GET_SIZE(raw), CIP_WIRE_MAX_REFUSE_REASON);
-    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(CIP_WIRE_REFUSE_SIZE + n));
-    if (out != NULL) {
-        cipi_put_refuse((uint8_t *)PyBytes_AS_STRING(out), n);
-        memcpy(PyBytes_AS_STRING(out) + CIP_WIRE_REFUSE_SIZE, text, n);
-    }
+    uint8_t msg[CIP_WIRE_REFUSE_SIZE + CIP_WIRE_MAX_REFUSE_REASON];
+    size_t n = cipi_put_refuse(msg, PyBytes_AS_STRING(raw), (size_t)PyBytes_GET_SIZE(raw));
     Py_DECREF(raw);
-    return out;
+    return PyBytes_FromStringAndSize((const char *)msg, (Py_ssize_t)n);
 }
 
 PyDoc_STRVAR(encode_bye_doc, "encode_bye() -> bytes\n\nThe BYE datagram: the engine's writer.");

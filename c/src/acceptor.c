@@ -42,11 +42,9 @@ static void
 refuse_and_close(int fd, const char *reason)
 {
     uint8_t msg[CIP_WIRE_REFUSE_SIZE + CIP_WIRE_MAX_REFUSE_REASON];
-    size_t n = cipi_utf8_cut(reason, strlen(reason), CIP_WIRE_MAX_REFUSE_REASON);
+    size_t n = cipi_put_refuse(msg, reason, strlen(reason));
     drain(fd);
-    cipi_put_refuse(msg, n);
-    memcpy(msg + CIP_WIRE_REFUSE_SIZE, reason, n);
-    (void)!send(fd, msg, CIP_WIRE_REFUSE_SIZE + n, MSG_DONTWAIT | MSG_NOSIGNAL);
+    (void)!send(fd, msg, n, MSG_DONTWAIT | MSG_NOSIGNAL);
     close(fd);
 }
 
@@ -702,17 +700,16 @@ cipi_acceptor_dropped(struct cipi_acceptor *a)
 
 /* Stop welcoming: join the thread (the handshakes in progress end without a WELCOME), close
  * the listener, the wake-up and our copies of the WELCOME's fds: a stopped acceptor holds no
- * fd but those of the welcomed not yet taken, which are left for a last take. */
+ * fd but those of the welcomed not yet taken, which are left for a last take.  Also what a
+ * half-made acceptor (cipi_acceptor_new failing) gives back of its fds. */
 void
 cipi_acceptor_stop(struct cipi_acceptor *a)
 {
-    if (!a->lock_made)
-        return;
     if (a->started && getpid() != a->owner) {
         /* a child forked while the thread ran: the thread is not here, and the locks it
          * takes (ours, the rows') may have been held at the fork: touch neither */
         a->forked = 1;
-    } else if (!a->forked) {
+    } else if (a->lock_made && !a->forked) { /* (a half-made one has no lock, no thread) */
         pthread_mutex_lock(&a->lock);
         a->stopping = 1;
         pthread_mutex_unlock(&a->lock);
@@ -754,12 +751,6 @@ release(struct cipi_acceptor *a)
     cipi_acceptor_free_list(a->abandoned, a->nabandoned);
     a->pending = a->abandoned = NULL;
     a->npending = a->nabandoned = 0;
-    for (size_t i = 0; i < a->nfds; i++)
-        close(a->fds[i]);
-    a->nfds = 0;
-    if (a->wake >= 0)
-        close(a->wake);
-    a->wake = -1;
     for (int m = 0; m < 3; m++) {
         free(a->refuse[m]);
         a->refuse[m] = NULL;

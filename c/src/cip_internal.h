@@ -394,7 +394,7 @@ CIP_INTERNAL cip_status cipi_put_hello(uint8_t *p, unsigned mode, uint64_t credi
 CIP_INTERNAL void cipi_put_frame_head(uint8_t *p, uint64_t seq, uint32_t slot, size_t len);
 CIP_INTERNAL void cipi_put_release(uint8_t *p, uint64_t seq, uint32_t slot);
 CIP_INTERNAL void cipi_put_bye(uint8_t *p);
-CIP_INTERNAL void cipi_put_refuse(uint8_t *p, size_t len);
+CIP_INTERNAL size_t cipi_put_refuse(uint8_t *p, const char *reason, size_t len);
 CIP_INTERNAL cip_status cipi_put_welcome(uint8_t *p, uint32_t sub_id, long long num_slots,
                                          uint64_t next_seq, long long credit,
                                          long long lease_timeout_ms, size_t len);

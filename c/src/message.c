@@ -236,13 +236,17 @@ cipi_utf8_cut(const char *s, size_t n, size_t max)
     return n;
 }
 
-/* The head of a REFUSE (CIP_WIRE_REFUSE_SIZE bytes at p); its reason of `len` bytes (at most
- * CIP_WIRE_MAX_REFUSE_REASON, cut by cipi_utf8_cut) follows. */
-void
-cipi_put_refuse(uint8_t *p, size_t len)
+/* A REFUSE telling the UTF-8 `reason` of `len` bytes, cut before the character that would
+ * pass CIP_WIRE_MAX_REFUSE_REASON (cipi_utf8_cut), at p (room for CIP_WIRE_REFUSE_SIZE +
+ * CIP_WIRE_MAX_REFUSE_REASON); its size. */
+size_t
+cipi_put_refuse(uint8_t *p, const char *reason, size_t len)
 {
+    size_t n = cipi_utf8_cut(reason, len, CIP_WIRE_MAX_REFUSE_REASON);
     WR(p, REFUSE_MAGIC, CIP_WIRE_MAGIC);
     WR(p, REFUSE_VERSION, CIP_WIRE_VERSION);
     WR(p, REFUSE_TYPE, CIP_WIRE_REFUSE);
-    WR(p, REFUSE_LEN, len);
+    WR(p, REFUSE_LEN, n);
+    memcpy(p + CIP_WIRE_REFUSE_SIZE, reason, n);
+    return CIP_WIRE_REFUSE_SIZE + n;
 }

@@ -174,10 +174,7 @@ queue_notice(int fd, const uint8_t *msg, size_t len)
 static size_t
 notice_of(uint8_t *p, const char *why)
 {
-    size_t n = strlen(why);
-    cipi_put_refuse(p, n);
-    memcpy(p + CIP_WIRE_REFUSE_SIZE, why, n);
-    return CIP_WIRE_REFUSE_SIZE + n;
+    return cipi_put_refuse(p, why, strlen(why));
 }
 
 /* Drop subscriber `sub_id` (nothing when it is not on the wire), for `why`.  With `notify`

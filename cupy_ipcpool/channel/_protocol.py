@@ -25,8 +25,8 @@ REFUSE after the WELCOME means the subscriber was evicted.  Payloads are
 opaque bytes for the GPU layer.  :func:`decode` checks every field (the engine does,
 ``c/src/message.c``: the C library decodes with the same code) and raises only
 :class:`~cupy_ipcpool._errors.ProtocolError` on malformed input.  What the channel
-sends is written by the engine too (:func:`welcome_message`, :func:`refuse_message`,
-:func:`bye_message`; the FRAMEs, RELEASEs and HELLOs inside its calls); the
+sends is written by the engine too (the accept thread's WELCOMEs and REFUSEs,
+:func:`bye_message`, the FRAMEs, RELEASEs and HELLOs inside its calls); the
 ``encode_*`` functions are the pure-Python reference encoders that the tests
 compare the engine's bytes with.
 """
@@ -377,31 +377,6 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
     return _MESSAGES[kind](*fields)
 
 
-def welcome_message(
-    sub_id: int,
-    num_slots: int,
-    next_seq: int,
-    payload: bytes = b"",
-    *,
-    credit: int = 1,
-    lease_timeout_ms: int = 0,
-) -> bytes:
-    """The WELCOME the publisher sends: the engine's writer (``c/src/message.c``).
-
-    The fields and their checks are :func:`encode_welcome`'s (the pure-Python
-    reference encoder, which tests compare it with); raises
-    :class:`~cupy_ipcpool._errors.UsageError` for a field out of range.
-    """
-    return bytes(
-        _engine().encode_welcome(sub_id, num_slots, next_seq, payload, credit, lease_timeout_ms)
-    )
-
-
-def refuse_message(reason: str) -> bytes:
-    """The REFUSE the publisher sends: the engine's writer (:func:`encode_refuse`'s rules)."""
-    return bytes(_engine().encode_refuse(reason))
-
-
 def bye_message() -> bytes:
     """The BYE this side sends: the engine's writer (:func:`encode_bye`'s bytes)."""
     return bytes(_engine().encode_bye())
@@ -450,6 +425,4 @@ __all__ = [
     "encode_refuse",
     "encode_release",
     "encode_welcome",
-    "refuse_message",
-    "welcome_message",
 ]
