@@ -26,6 +26,7 @@ import pytest
 from _memfd_backend import MemfdConsumer, MemfdSlots
 from _memop_recorder import MemopRecorder
 from _pipe_child import PipeChild, started
+from _stop import sigstop
 
 from cupy_ipcpool._errors import (
     ChannelTimeoutError,
@@ -735,19 +736,6 @@ def test_connected_turns_false_on_a_clean_close_and_keeps_queued_frames(
 # -- 4a': eviction with frames queued while the subscriber is stopped or not reading --------
 
 
-def _proc_state(pid: int) -> str:
-    """The one-letter state of process ``pid`` (``T``: stopped)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
-
-
-def _until_stopped(pid: int) -> None:
-    deadline = time.monotonic() + 5
-    while _proc_state(pid) not in ("T", "t"):
-        assert time.monotonic() < deadline, f"process {pid} did not stop"
-        time.sleep(0.001)
-
-
 def _call_result(consumer: MemfdConsumer) -> tuple[str, Any]:
     """One ``recv``: ("frame", (seq, intact)) where intact says the slot held its data
     when recv returned, or ("raised", exception type name)."""
@@ -836,14 +824,13 @@ def test_stopped_while_a_frame_is_queued_never_gets_it(
             time.sleep(0.05)  # the subscriber waits in poll(2) by now (past its spin)
             stop_first = n % 2 == 1  # the frame surely arrives during the stop
             if stop_first:
-                os.kill(pid, signal.SIGSTOP)
+                sigstop(pid)
             slot, _ = core.acquire(5.0)
             slots.write(slot, core.next_seq)
             core.publish(slot)
             if not stop_first:
-                os.kill(pid, signal.SIGSTOP)
+                sigstop(pid)
             try:
-                _until_stopped(pid)
                 unread = _unread_bytes(fd) > 0
                 assert unread or not stop_first, "a frame sent during the stop was read"
                 deadline = time.monotonic() + 5

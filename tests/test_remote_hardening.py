@@ -42,6 +42,7 @@ from cupy_ipcpool.remote._admission import WAIT_PROOF, HandshakeBook, address_ke
 from cupy_ipcpool.remote._credit import ServerBook
 from tests import _pipe_child
 from tests._fds import open_fds
+from tests._stop import sigstop
 
 CTX = _pipe_child.CHILDREN  # forkserver children (tests/_pipe_child.py)
 SECRET_ENV = "CUPY_IPCPOOL_SECRET"
@@ -344,7 +345,7 @@ def test_stopped_latest_subscriber_does_not_stall_the_producer() -> None:
         assert busy0 == 0 and base > 20
         sub_id = server.subscribers[0].sub_id
         wait_for(lambda: server._book.granted(sub_id) == 4)  # it offers its whole ring again
-        os.kill(proc.pid, signal.SIGSTOP)  # every frame sent to it from now on stays in flight
+        sigstop(proc.pid)  # every frame sent to it from now on stays in flight
         stalled, busy = _rate(pub, 2.0)
         os.kill(proc.pid, signal.SIGCONT)
         assert busy == 0, f"{busy} SlotBusyError while one latest subscriber was stopped"
@@ -369,7 +370,7 @@ def test_send_timeout_evicts_a_stopped_subscriber_and_gives_back(mode: str) -> N
             sub_id = server.subscribers[0].sub_id
             # its whole ring is offered
             wait_for(lambda: server._book.granted(sub_id) == 2, what=lambda: _state(pub, server))
-            os.kill(proc.pid, signal.SIGSTOP)  # the frames sent into it never complete
+            sigstop(proc.pid)  # the frames sent into it never complete
             t0 = time.monotonic()
             while server.subscribers:  # the producer goes on publishing meanwhile
                 with contextlib.suppress(SlotBusyError):  # a block subscriber may make it wait
