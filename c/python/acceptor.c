@@ -195,8 +195,8 @@ acceptor_start(Acceptor *self, PyObject *Py_UNUSED(arg))
 
 /* [(sub_id, fd, pid, uid, mode, credit, hello, peer_pid, row)] of `n` welcomed (their fds
  * the caller's once this returns; on failure every fd is closed). */
-static PyObject *
-as_list(struct cipi_welcomed *w, size_t n)
+PyObject *
+cipy_welcomed_list(struct cipi_welcomed *w, size_t n)
 {
     PyObject *out = PyList_New((Py_ssize_t)n);
     for (size_t i = 0; out != NULL && i < n; i++) {
@@ -227,12 +227,12 @@ acceptor_take(Acceptor *self, PyObject *Py_UNUSED(arg))
     struct cipi_welcomed *pending, *gone;
     size_t npending, ngone;
     cipi_acceptor_take(self->acc, &pending, &npending, &gone, &ngone);
-    PyObject *gone_list = as_list(gone, ngone);
+    PyObject *gone_list = cipy_welcomed_list(gone, ngone);
     if (gone_list == NULL) {
         cipi_acceptor_free_list(pending, npending);
         return NULL;
     }
-    PyObject *new_list = as_list(pending, npending);
+    PyObject *new_list = cipy_welcomed_list(pending, npending);
     if (new_list == NULL) {
         Py_DECREF(gone_list);
         return NULL;
@@ -373,8 +373,23 @@ static PyType_Spec acceptor_spec = {
     acceptor_slots,
 };
 
+struct cipi_acceptor *
+cipy_acceptor_of(engine_state *es, PyObject *obj)
+{
+    if (!PyObject_TypeCheck(obj, (PyTypeObject *)es->acceptor)) {
+        PyErr_Format(PyExc_TypeError, "an Acceptor is needed, not %.100s", Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    Acceptor *self = (Acceptor *)obj;
+    return ready(self) < 0 ? NULL : self->acc;
+}
+
 int
 cipy_acceptor_exec(PyObject *module)
 {
-    return cipy_add_type(module, &acceptor_spec, "Acceptor");
+    engine_state *es = (engine_state *)PyModule_GetState(module);
+    if (cipy_add_type(module, &acceptor_spec, "Acceptor") < 0)
+        return -1;
+    es->acceptor = PyObject_GetAttrString(module, "Acceptor");
+    return es->acceptor == NULL ? -1 : 0;
 }

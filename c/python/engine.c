@@ -593,7 +593,7 @@ engine_exec(PyObject *module)
         cipy_ledger_exec(module) < 0 || cipy_owed_exec(module) < 0 ||
         cipy_leasebook_exec(module) < 0 || cipy_pubsession_exec(module) < 0 ||
         cipy_rows_exec(module) < 0 || cipy_admission_exec(module) < 0 ||
-        cipy_acceptor_exec(module) < 0)
+        cipy_acceptor_exec(module) < 0 || cipy_producer_exec(module) < 0)
         return -1;
     return cipy_handshake_exec(module);
 }
@@ -606,6 +606,8 @@ engine_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(state_of(module)->transport_error);
     Py_VISIT(state_of(module)->errors);
     Py_VISIT(state_of(module)->lease_core);
+    Py_VISIT(state_of(module)->publisher_session);
+    Py_VISIT(state_of(module)->acceptor);
     return 0;
 }
 
@@ -617,6 +619,8 @@ engine_clear(PyObject *module)
     Py_CLEAR(state_of(module)->transport_error);
     Py_CLEAR(state_of(module)->errors);
     Py_CLEAR(state_of(module)->lease_core);
+    Py_CLEAR(state_of(module)->publisher_session);
+    Py_CLEAR(state_of(module)->acceptor);
     return 0;
 }
 

@@ -12,6 +12,8 @@ typedef struct {
     PyObject *transport_error; /* cupy_ipcpool._errors.TransportError */
     PyObject *errors;          /* cupy_ipcpool._errors, for the handshake's failures */
     PyObject *lease_core;      /* the LeaseCore type, which PublisherSession works on */
+    PyObject *publisher_session; /* the PublisherSession type, which Producer works on ... */
+    PyObject *acceptor;          /* ... with an Acceptor */
 } engine_state;
 
 /* engine.c: add the type of `spec`, bound to `module` (its state), as `name`; 0 or -1 */
@@ -43,6 +45,21 @@ PyObject *cipy_lease_mode_error(engine_state *es, PyObject *name);
 
 /* pubsession.c: the PublisherSession type (the publisher's adopted subscribers) */
 int cipy_pubsession_exec(PyObject *module);
+/* pubsession.c: the session of PublisherSession `obj`, usable now, and where a call that
+ * waits marks it busy; or NULL with an exception */
+struct cipi_pubsession;
+struct cipi_pubsession *cipy_pubsession_of(engine_state *es, PyObject *obj, int **busy);
+/* pubsession.c: those that left the session since the last answer, taken: None, or
+ * [(sub_id, why)]; NULL on failure (kept for the next answer) */
+PyObject *cipy_departures(struct cipi_pubsession *s);
+/* pubsession.c: the exception of a publisher-side status, in the engine's words; NULL */
+PyObject *cipy_publisher_fail(engine_state *es, int status);
+/* pubsession.c: a wait's timeout_us (-1: without limit) as ns into *wait_ns (-1 too); -1 with
+ * ValueError, naming `call`, for one below -1 */
+int cipy_wait_arg(PyObject *obj, const char *call, long long *wait_ns);
+/* pubsession.c: how a publisher-side wait lets other threads run (the GIL released) */
+struct cipi_waiting;
+extern const struct cipi_waiting cipy_gil;
 
 /* rows.c: the ReaderRows type (the publisher's rows of read flags) */
 int cipy_rows_exec(PyObject *module);
@@ -57,6 +74,16 @@ int cipy_admission_exec(PyObject *module);
 
 /* acceptor.c: the Acceptor type (the publisher's accept thread) */
 int cipy_acceptor_exec(PyObject *module);
+/* acceptor.c: the accept thread of Acceptor `obj`, or NULL with an exception */
+struct cipi_acceptor;
+struct cipi_acceptor *cipy_acceptor_of(engine_state *es, PyObject *obj);
+/* acceptor.c: [(sub_id, fd, pid, uid, mode, credit, hello, peer_pid, row)] of n welcomed,
+ * their fds the caller's; the list is freed (on failure too, every fd closed) */
+struct cipi_welcomed;
+PyObject *cipy_welcomed_list(struct cipi_welcomed *w, size_t n);
+
+/* producer.c: the Producer type (the producer's calls over a session and an Acceptor) */
+int cipy_producer_exec(PyObject *module);
 
 /* owed.c: the OwedReleases type (the RELEASEs the Python subscriber owes) */
 int cipy_owed_exec(PyObject *module);

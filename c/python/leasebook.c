@@ -367,6 +367,18 @@ core_is_free(LeaseCore *self, PyObject *arg)
 }
 
 static PyObject *
+core_pick_free(LeaseCore *self, PyObject *arg)
+{
+    unsigned long long start = PyLong_AsUnsignedLongLong(arg);
+    if (start == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    long slot = cipi_leases_pick_free(&self->book, start);
+    if (slot < 0)
+        Py_RETURN_NONE;
+    return PyLong_FromLong(slot);
+}
+
+static PyObject *
 core_lease_count(LeaseCore *self, PyObject *arg)
 {
     uint32_t slot;
@@ -569,6 +581,7 @@ static PyMethodDef core_methods[] = {
     {"settle_flagged", FAST(settle_flagged), NULL},
     {"cancel", FAST(cancel), NULL},
     {"is_free", (PyCFunction)core_is_free, METH_O, NULL},
+    {"pick_free", (PyCFunction)core_pick_free, METH_O, NULL},
     {"lease_count", (PyCFunction)core_lease_count, METH_O, NULL},
     {"any_leased", (PyCFunction)core_any_leased, METH_NOARGS, NULL},
     {"free_slots", (PyCFunction)core_free_slots, METH_NOARGS, NULL},

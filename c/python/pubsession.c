@@ -45,7 +45,7 @@ signal_raised(void)
     return PyErr_CheckSignals() < 0;
 }
 
-static const struct cipi_waiting gil = {gil_release, gil_reacquire, signal_raised};
+const struct cipi_waiting cipy_gil = {gil_release, gil_reacquire, signal_raised};
 
 static engine_state *
 state(PublisherSession *self)
@@ -54,8 +54,8 @@ state(PublisherSession *self)
 }
 
 /* The exception of status st, in the engine's words; NULL. */
-static PyObject *
-fail(PublisherSession *self, cip_status st)
+PyObject *
+cipy_publisher_fail(engine_state *es, int st)
 {
     if (st == CIPI_ERR_INTERRUPTED)
         return NULL; /* the signal handler's exception is set */
@@ -69,12 +69,18 @@ fail(PublisherSession *self, cip_status st)
                        : st == CIPI_ERR_SLOT_INDEX ? "SlotIndexError"
                        : st == CIP_ERR_PROTOCOL    ? "ProtocolError"
                                                    : "UsageError";
-    PyObject *cls = PyObject_GetAttrString(state(self)->errors, name);
+    PyObject *cls = PyObject_GetAttrString(es->errors, name);
     if (cls != NULL) {
         PyErr_SetString(cls, cip_last_error());
         Py_DECREF(cls);
     }
     return NULL;
+}
+
+static PyObject *
+fail(PublisherSession *self, cip_status st)
+{
+    return cipy_publisher_fail(state(self), st);
 }
 
 /* A timeout in seconds, 0..1e9: 0, or -1 with UsageError (the publisher's own check). */
@@ -168,6 +174,21 @@ usable(PublisherSession *self)
     return 0;
 }
 
+struct cipi_pubsession *
+cipy_pubsession_of(engine_state *es, PyObject *obj, int **busy)
+{
+    if (!PyObject_TypeCheck(obj, (PyTypeObject *)es->publisher_session)) {
+        PyErr_Format(PyExc_TypeError, "a PublisherSession is needed, not %.100s",
+                     Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    PublisherSession *self = (PublisherSession *)obj;
+    if (usable(self) < 0)
+        return NULL;
+    *busy = &self->busy;
+    return &self->session;
+}
+
 /* a subscriber id (u32): 0, or -1 with an exception */
 static int
 as_sub_id(PyObject *obj, uint32_t *out)
@@ -184,10 +205,9 @@ as_sub_id(PyObject *obj, uint32_t *out)
 }
 
 /* Those that left since the last answer: None, or [(sub_id, why)]; taken from the session. */
-static PyObject *
-departures(PublisherSession *self)
+PyObject *
+cipy_departures(struct cipi_pubsession *s)
 {
-    struct cipi_pubsession *s = &self->session;
     if (s->nleft == 0)
         Py_RETURN_NONE;
     PyObject *out = PyList_New(s->nleft);
@@ -212,7 +232,7 @@ answer(PublisherSession *self, cip_status st)
         /* those that left before the error are not lost: the next answer has them */
         return fail(self, st);
     }
-    return departures(self);
+    return cipy_departures(&self->session);
 }
 
 static PyObject *
@@ -267,15 +287,15 @@ session_publish(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
     self->busy = 1;
     st = cipi_pubsession_publish(&self->session, (uint32_t)slot, seq, (uint32_t)generation,
                                  on_schedule, PyBytes_AS_STRING(args[3]),
-                                 (size_t)PyBytes_GET_SIZE(args[3]), &gil);
+                                 (size_t)PyBytes_GET_SIZE(args[3]), &cipy_gil);
     self->busy = 0;
     return answer(self, st);
 }
 
 /* A wait's timeout_us (-1: without limit) as nanoseconds into *wait_ns (-1 too); -1 with
  * ValueError, naming `call`, for one below -1. */
-static int
-wait_arg(PyObject *obj, const char *call, long long *wait_ns)
+int
+cipy_wait_arg(PyObject *obj, const char *call, long long *wait_ns)
 {
     long long timeout_us = PyLong_AsLongLong(obj);
     if (timeout_us == -1 && PyErr_Occurred())
@@ -294,7 +314,7 @@ session_take(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
 {
     long long wait_ns;
     if (usable(self) < 0 || check_nargs(nargs, 2, "take(timeout_us, limit)") < 0 ||
-        wait_arg(args[0], "take", &wait_ns) < 0)
+        cipy_wait_arg(args[0], "take", &wait_ns) < 0)
         return NULL;
     long limit = PyLong_AsLong(args[1]);
     if (limit == -1 && PyErr_Occurred())
@@ -304,7 +324,7 @@ session_take(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     self->busy = 1;
-    cip_status st = cipi_pubsession_take(&self->session, wait_ns, limit, &gil);
+    cip_status st = cipi_pubsession_take(&self->session, wait_ns, limit, &cipy_gil);
     self->busy = 0;
     return answer(self, st);
 }
@@ -314,7 +334,7 @@ session_poll(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
 {
     long long wait_ns;
     if (usable(self) < 0 || check_nargs(nargs, 3, "poll(timeout_us, spin_ns, settle)") < 0 ||
-        wait_arg(args[0], "poll", &wait_ns) < 0)
+        cipy_wait_arg(args[0], "poll", &wait_ns) < 0)
         return NULL;
     long long spin_ns = PyLong_AsLongLong(args[1]);
     if (spin_ns == -1 && PyErr_Occurred())
@@ -327,7 +347,7 @@ session_poll(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     self->busy = 1;
-    cip_status st = cipi_pubsession_poll(&self->session, wait_ns, spin_ns, settle, &gil);
+    cip_status st = cipi_pubsession_poll(&self->session, wait_ns, spin_ns, settle, &cipy_gil);
     self->busy = 0;
     return answer(self, st);
 }
@@ -346,7 +366,7 @@ session_drop(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
     if (notify < 0)
         return NULL;
     cipi_pubsession_drop(&self->session, id, why, notify);
-    return departures(self);
+    return cipy_departures(&self->session);
 }
 
 static PyObject *
@@ -355,7 +375,7 @@ session_retry_notices(PublisherSession *self, PyObject *Py_UNUSED(arg))
     if (usable(self) < 0)
         return NULL;
     cipi_pubsession_retry_notices(&self->session);
-    return departures(self);
+    return cipy_departures(&self->session);
 }
 
 static PyObject *
@@ -373,7 +393,7 @@ session_close(PublisherSession *self, PyObject *arg)
     if (usable(self) < 0 || seconds_arg(self, arg, "linger", &linger) < 0)
         return NULL;
     self->busy = 1;
-    int all_gone = cipi_pubsession_close(&self->session, (long long)(linger * 1e9), &gil);
+    int all_gone = cipi_pubsession_close(&self->session, (long long)(linger * 1e9), &cipy_gil);
     self->busy = 0;
     self->session.page = NULL; /* the page may be unmapped from here on */
     if (self->page.obj != NULL)
@@ -601,5 +621,9 @@ cipy_pubsession_exec(PyObject *module)
         Py_XDECREF(recheck);
         return -1;
     }
-    return cipy_add_type(module, &session_spec, "PublisherSession");
+    engine_state *es = (engine_state *)PyModule_GetState(module);
+    if (cipy_add_type(module, &session_spec, "PublisherSession") < 0)
+        return -1;
+    es->publisher_session = PyObject_GetAttrString(module, "PublisherSession");
+    return es->publisher_session == NULL ? -1 : 0;
 }

@@ -1,6 +1,6 @@
 /* cip_publisher.h -- what the publisher side's modules share (leases.c, pub_wire.c,
- * pub_session.c, pub_poll.c, reader_rows.c, admission.c, acceptor.c): declared here, defined
- * by the module named, of hidden visibility.  Included by cip_internal.h (at its end), never
+ * pub_session.c, pub_poll.c, reader_rows.c, admission.c, acceptor.c, producer.c): declared
+ * here, defined by the module named, of hidden visibility.  Included by cip_internal.h (at its end), never
  * on its own. */
 #ifndef CIP_PUBLISHER_H
 #define CIP_PUBLISHER_H
@@ -69,6 +69,7 @@ CIP_INTERNAL void cipi_leases_remove(struct cipi_leasebook *b, uint64_t sub_id, 
                                      uint32_t *nfreed);
 CIP_INTERNAL void cipi_leases_suspend(struct cipi_leasebook *b, uint64_t sub_id);
 CIP_INTERNAL int cipi_leases_is_free(const struct cipi_leasebook *b, uint32_t slot);
+CIP_INTERNAL long cipi_leases_pick_free(const struct cipi_leasebook *b, uint64_t start);
 CIP_INTERNAL cip_status cipi_leases_publishing(struct cipi_leasebook *b, uint32_t slot,
                                                uint64_t seq, double now, int on_schedule,
                                                uint32_t *receivers, uint32_t *n);
@@ -151,6 +152,7 @@ struct cipi_pubsession {
     uint32_t nnotices, notices_cap;
     struct cipi_departure *left; /* gone since the caller last looked (reserved by add) */
     uint32_t nleft, left_cap;
+    uint64_t departures;         /* gone so far, all told */
     uint32_t *freed;             /* cipi_leases_remove's room (num_slots) */
     /* the read flags (cipi_pubsession_flags): the sync page's host mapping, where its rows
      * begin (in flags), how many rows; and the generation last published in each slot */
@@ -346,5 +348,35 @@ CIP_INTERNAL const char *cipi_acceptor_failure(struct cipi_acceptor *a);
 CIP_INTERNAL void cipi_acceptor_stop(struct cipi_acceptor *a);
 CIP_INTERNAL void cipi_acceptor_free_list(struct cipi_welcomed *list, size_t n);
 CIP_INTERNAL void cipi_acceptor_free(struct cipi_acceptor *a);
+
+/* producer.c: the producer's calls over its accept thread and its session */
+struct cipi_producer {
+    struct cipi_pubsession *s; /* the adopted subscribers (not owned) */
+    struct cipi_acceptor *acc; /* the accept thread (not owned) */
+    uint32_t last_slot;        /* the slot last published: the pick of a free one starts after */
+    uint64_t reported;         /* the lease book's `ended` as of the last poll's answer */
+    uint64_t departed;         /* the session's departures told to the acceptor */
+    struct cipi_welcomed *joined, *gone; /* adopted, and gone before adoption: not yet taken */
+    size_t njoined, ngone;
+};
+CIP_INTERNAL void cipi_producer_init(struct cipi_producer *p, struct cipi_pubsession *s,
+                                     struct cipi_acceptor *acc);
+CIP_INTERNAL void cipi_producer_free(struct cipi_producer *p);
+CIP_INTERNAL cip_status cipi_producer_poll(struct cipi_producer *p, long long timeout_ns,
+                                           long long spin_ns, int settle,
+                                           const struct cipi_waiting *waiting,
+                                           uint64_t *returned);
+CIP_INTERNAL cip_status cipi_producer_acquire(struct cipi_producer *p, long long timeout_ns,
+                                              const struct cipi_waiting *waiting, uint32_t *slot);
+CIP_INTERNAL cip_status cipi_producer_publish(struct cipi_producer *p, uint32_t slot,
+                                              uint32_t generation, int on_schedule,
+                                              const void *payload, size_t len,
+                                              const struct cipi_waiting *waiting,
+                                              uint64_t *seq);
+CIP_INTERNAL int cipi_producer_has_news(const struct cipi_producer *p);
+CIP_INTERNAL void cipi_producer_take_news(struct cipi_producer *p, struct cipi_welcomed **joined,
+                                          size_t *njoined, struct cipi_welcomed **gone,
+                                          size_t *ngone);
+CIP_INTERNAL void cipi_producer_stop(struct cipi_producer *p);
 
 #endif /* CIP_PUBLISHER_H */

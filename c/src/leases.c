@@ -331,6 +331,20 @@ cipi_leases_is_free(const struct cipi_leasebook *b, uint32_t slot)
     return b->holders[slot].len == 0 && b->holds[slot] == 0;
 }
 
+/* The first free slot from `start` on, round-robin; -1: none.  The rule of
+ * cupy_ipcpool._slots.first_free_slot, which the pool follows (a test holds both to one
+ * model). */
+long
+cipi_leases_pick_free(const struct cipi_leasebook *b, uint64_t start)
+{
+    for (uint32_t i = 0; i < b->num_slots; i++) {
+        uint32_t slot = (uint32_t)((start + i) % b->num_slots);
+        if (cipi_leases_is_free(b, slot))
+            return (long)slot;
+    }
+    return -1;
+}
+
 /* What a call that ran out of memory keeping a reader says, once. */
 static cip_status
 reported(struct cipi_leasebook *b)

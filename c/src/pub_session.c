@@ -123,6 +123,7 @@ gone(struct cipi_pubsession *s, uint32_t sub_id, int fd, const char *why)
     close(fd);
     uint32_t n;
     cipi_leases_remove(s->book, sub_id, s->freed, &n);
+    s->departures++;
     struct cipi_departure *d = &s->left[s->nleft++]; /* reserved by add */
     d->sub_id = sub_id;
     copy_why(d->why, why);

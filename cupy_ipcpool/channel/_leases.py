@@ -34,7 +34,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .._compiled import loader
-from .._slots import first_free_slot
 from ._protocol import ENGINE_PROTOCOL
 
 if TYPE_CHECKING:  # the engine is loaded at the first book (_engine below)
@@ -465,7 +464,8 @@ class LeaseBook:
         """Scan round-robin from ``start`` for a free slot.
 
         The rule of :func:`~cupy_ipcpool._slots.first_free_slot` (the pool's
-        too); free: no lease and no local hold.
+        too), the engine's (``c/src/leases.c``): the producer's ``acquire`` picks
+        so; free: no lease and no local hold.
 
         Parameters
         ----------
@@ -477,8 +477,7 @@ class LeaseBook:
         int or None
             The first free slot, or None when every slot is leased or held.
         """
-        is_free = self._core.is_free
-        return first_free_slot(start, self.num_slots, lambda s: not is_free(s))
+        return self._core.pick_free(start)
 
 
 __all__ = [

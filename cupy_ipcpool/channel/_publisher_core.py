@@ -27,7 +27,6 @@ from __future__ import annotations
 import math
 import os
 import socket
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -49,7 +48,7 @@ from ._leases import LeaseBook
 from ._sockets import _spin_ns, _us, _warn
 
 if TYPE_CHECKING:
-    from .._engine import Acceptor, PublisherSession
+    from .._engine import Producer, PublisherSession
 
 #: What the engine's accept thread tells of a subscriber: (sub_id, fd, pid, uid, mode,
 #: credit, hello, peer_pid, row).
@@ -69,31 +68,12 @@ def _info(taken: _Taken) -> SubscriberInfo:
     return SubscriberInfo(sub_id, pid, uid, mode, credit, hello, peer_pid)
 
 
-def _stop_accepting(acc: Acceptor, session: PublisherSession) -> list[SubscriberInfo]:
-    """Stop the accept thread; the welcomed not yet adopted join ``session`` (for its BYE and
-    linger); return those that went before adoption."""
-    acc.stop()
-    if acc.failure is not None:  # it had ended before: nobody was welcomed since
-        _warn(f"the publisher's accept thread had stopped: {acc.failure}")
-    new, gone = acc.take()
-    for taken in new:
-        sub_id, fd, _pid, _uid, mode, credit = taken[:6]
-        try:
-            session.add(sub_id, mode, credit, fd)
-        except Exception as exc:
-            _warn(f"closing subscriber {sub_id} failed: {exc!r}")
-    return [_info(t) for t in gone]
-
-
 def _close_publisher(
-    acc: Acceptor,
-    session: PublisherSession,
-    address: str,
-    ident: tuple[int, int],
+    producer: Producer, session: PublisherSession, address: str, ident: tuple[int, int]
 ) -> None:
     """Tear a publisher down (also its finalizer); warns instead of raising."""
     try:
-        _stop_accepting(acc, session)
+        producer.stop()
     except Exception as exc:
         _warn(f"stopping the accept thread failed: {exc!r}")
     try:
@@ -202,10 +182,8 @@ class PublisherCore(ClosedFlag):
         self._on_leave = on_leave
         #: the adopted subscribers, until they are gone (their sockets closed, leases back)
         self._infos: dict[int, SubscriberInfo] = {}
-        self._reported = 0  # the lease book's `ended` as of the last poll's answer
         #: the adopted subscribers' sockets: frames out, messages in, eviction (the engine's)
         self._session = self._book.session(lease_timeout, send_timeout)
-        self._last_slot = self.num_slots - 1
         self._closed = False
         self.last_leave_reason = ""
 
@@ -247,8 +225,11 @@ class PublisherCore(ClosedFlag):
             os.unlink(self.address)
             raise
         self._ident = ident
+        #: the producer's calls: adoption, the next seq, the pick of a free slot, the count
+        #: of leases ended (c/src/producer.c)
+        self._producer = _leases._engine().Producer(self._session, self._acc)
         self._finalizer = weakref.finalize(
-            self, _close_publisher, self._acc, self._session, self.address, ident
+            self, _close_publisher, self._producer, self._session, self.address, ident
         )
         self._acc.start()
 
@@ -284,13 +265,12 @@ class PublisherCore(ClosedFlag):
             return True
         self._closed = True
         session = self._session
-        gone: list[SubscriberInfo] = []
         try:  # welcomed, not adopted: told BYE and lingered for alike
-            gone = _stop_accepting(self._acc, session)
+            self._tell(self._producer.stop())
         except Exception as exc:
             _warn(f"stopping the accept thread failed: {exc!r}")
-        for info in gone:
-            self._callback(self._on_leave, info, "on_leave")
+        if self._acc.failure is not None:  # it had ended before: nobody was welcomed since
+            _warn(f"the publisher's accept thread had stopped: {self._acc.failure}")
         _unlink_ours(self.address, self._ident)
         try:
             all_gone = session.close(linger)
@@ -321,7 +301,7 @@ class PublisherCore(ClosedFlag):
     @property
     def next_seq(self) -> int:
         """Sequence number the next :meth:`publish` assigns."""
-        return self._acc.next_seq
+        return self._producer.next_seq
 
     @property
     def welcomed(self) -> int:
@@ -402,15 +382,11 @@ class PublisherCore(ClosedFlag):
         """
         if self._closed:
             self._check_open()  # raises
-        book = self._book
-        if book.ended != self._reported:
-            timeout = 0.0  # leases ended outside a poll: report them now
-        if self._acc.news:
-            self._adopt()
-        self._wait(timeout, settle, self._spin_ns)
-        returned = book.ended - self._reported
-        self._reported = book.ended
-        return returned
+        producer = self._producer
+        returned = producer.poll(_us(timeout), self._spin_ns, settle)
+        if producer.has_news:
+            self._tell(producer.news())
+        return int(returned)
 
     def acquire(self, timeout: float | None = None) -> tuple[int, list[int]]:
         """Return a free slot to write the next frame into.
@@ -439,22 +415,13 @@ class PublisherCore(ClosedFlag):
             The publisher is closed.
         """
         self._check_open()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        book = self._book
-        acc = self._acc
-        while True:
-            if acc.news:
-                self._adopt()
-            self._wait(0.0)
-            slot = book.pick_free_slot(self._last_slot + 1)
-            if slot is not None:
-                return slot, book.readers_to_wait(slot)
-            remaining = None
-            if deadline is not None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0.0:
-                    raise SlotBusyError(self._busy_message(timeout))
-            self._wait(remaining)
+        producer = self._producer
+        slot = producer.acquire(_us(timeout))
+        if producer.has_news:
+            self._tell(producer.news())
+        if slot is None:
+            raise SlotBusyError(self._busy_message(timeout))
+        return slot, self._book.readers_to_wait(slot)
 
     def publish(
         self, slot: int, payload: bytes = b"", on_schedule: bool = True, generation: int = 0
@@ -495,59 +462,34 @@ class PublisherCore(ClosedFlag):
             The publisher is closed.
         """
         self._check_open()
-        acc = self._acc
-        if acc.news:
-            self._adopt()
-        seq = acc.next_seq
         if type(payload) is not bytes:
             payload = bytes(payload)
+        producer = self._producer
         try:
-            left = self._session.publish(slot, seq, on_schedule, payload, generation)
-        except BaseException:
-            # refused before publishing (payload, slot, leases), or interrupted after it
-            # (a signal while a full socket was waited for: the frame is out)
-            if self._book.last_published == (seq, slot):
-                acc.next_seq = seq + 1
-                self._last_slot = slot
-            raise
-        acc.next_seq = seq + 1
-        self._last_slot = slot
-        if left:
-            self._departed(left)
-        return seq
+            return int(producer.publish(slot, payload, on_schedule, generation))
+        finally:
+            if producer.has_news:
+                self._tell(producer.news())
 
     # -- internals --
 
-    def _adopt(self) -> None:
-        """Adopt the subscribers welcomed since the last call; tell ``on_leave`` of those that
-        went before they were adopted."""
-        new, gone = self._acc.take()
-        for taken in new:
+    def _tell(self, news: tuple[list[_Taken], list[_Taken], list[tuple[int, str]]] | None) -> None:
+        """Tell ``on_join`` who was adopted, ``on_leave`` who went before adoption and who left
+        (their sockets closed, leases back), in that order."""
+        if news is None:
+            return
+        joined, gone, left = news
+        for taken in joined:
             info = _info(taken)
             self._infos[info.sub_id] = info
-            # the session owns the socket from here on (and closes it if it cannot add it)
-            self._session.add(info.sub_id, info.mode, info.credit, taken[1])
             self._callback(self._on_join, info, "on_join")
         for taken in gone:
             self._callback(self._on_leave, _info(taken), "on_leave")
-
-    def _wait(self, timeout: float | None, settle: bool = False, spin_ns: int = 0) -> None:
-        """Wait up to ``timeout`` for a lease to end (``PublisherSession.poll``); tell
-        ``on_leave`` who left meanwhile."""
-        left = self._session.poll(_us(timeout), spin_ns, settle)
-        if left:
-            self._departed(left)
-
-    def _departed(self, left: list[tuple[int, str]]) -> None:
-        """Subscribers the session ended (sockets closed, leases back): forget each, tell
-        ``on_leave``."""
         for sub_id, why in left:
-            info = self._infos.pop(sub_id, None)
             self.last_leave_reason = why
-            if info is None:
-                continue
-            self._acc.dropped()
-            self._callback(self._on_leave, info, "on_leave")
+            left_info = self._infos.pop(sub_id, None)
+            if left_info is not None:
+                self._callback(self._on_leave, left_info, "on_leave")
 
     @staticmethod
     def _callback(
