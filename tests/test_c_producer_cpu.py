@@ -1,0 +1,207 @@
+"""The producer's calls in C (``c/src/producer.c``), driven from a plain C program.
+
+``c/tests/cip_producer_probe.c`` is a publisher with no GPU and no Python: a lease book, a
+session and the accept thread under the producer's calls, as a C publisher runs them.
+The subscribers are real sockets of this process speaking the wire by hand (the
+reference encoders of ``channel._protocol``).  The Python publisher runs the same calls
+through ``_engine.Producer`` (the rest of the CPU tier); here they run where the sanitizer
+lanes can watch them (.ci/run).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_c_library import C_DIR, Probe, build_c_program
+
+from cupy_ipcpool.channel import _protocol as proto
+
+#: Bound on every wait here (only a broken build waits that long).
+BOUND = 10.0
+
+
+@pytest.fixture(scope="module")
+def producer_exe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_c_program(
+        tmp_path_factory.mktemp("cproducer"),
+        "cip_producer_probe",
+        [C_DIR / "tests" / "cip_producer_probe.c"],
+    )
+
+
+@pytest.fixture
+def probe(producer_exe: Path) -> Iterator[Probe]:
+    p = Probe(producer_exe)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def _listen(
+    probe: Probe, tmp_path: Path, slots: int = 4, max_subs: int = 8, lease_ms: int = 0
+) -> str:
+    path = tmp_path / "p.sock"
+    assert probe(f"listen {path} {slots} {max_subs} {lease_ms}") == "ok"
+    return str(path)
+
+
+def _subscribe(address: str, mode: str = "block", credit: int = 8) -> tuple[socket.socket, int]:
+    """A subscriber by hand: HELLO, WELCOME; its socket and sub_id."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        s.settimeout(BOUND)
+        s.connect(address)
+        s.send(proto.encode_hello(proto.MODE_CODES[mode], credit, os.getpid(), b""))
+        data, fds, _flags, _addr = socket.recv_fds(s, proto.MAX_WELCOME_SIZE + 1, 8)
+        for fd in fds:
+            os.close(fd)
+        welcome = proto.decode(data)
+        assert isinstance(welcome, proto.Welcome), welcome
+    except BaseException:
+        s.close()
+        raise
+    assert welcome.payload == b"pay" and len(fds) == 1
+    return s, welcome.sub_id
+
+
+def _adopted(probe: Probe, n: int) -> list[str]:
+    """``poll 0`` until ``news`` tells of n more adopted; their ``id:mode:credit``."""
+    deadline = time.monotonic() + BOUND
+    joined: list[str] = []
+    while len(joined) < n:
+        assert probe("poll 0").startswith("ok")
+        news = probe("news").split(" / ")
+        joined += news[0].split()[2:]
+        assert time.monotonic() < deadline, joined
+        time.sleep(0.002)
+    return joined
+
+
+def _frame(s: socket.socket) -> proto.Frame:
+    msg = proto.decode(s.recv(proto.MAX_FRAME_SIZE))
+    assert isinstance(msg, proto.Frame), msg
+    return msg
+
+
+def test_a_c_publisher_streams_to_subscribers_round_robin(probe: Probe, tmp_path: Path) -> None:
+    """Frames go out in seq order to every subscriber, in slots picked round-robin after the
+    last published; releases end the leases and poll counts each once."""
+    address = _listen(probe, tmp_path)
+    one, id1 = _subscribe(address)
+    two, id2 = _subscribe(address, "latest", credit=1)
+    assert sorted(_adopted(probe, 2)) == sorted([f"{id1}:block:2", f"{id2}:latest:1"])
+    got = []
+    for n in range(6):
+        slot = int(probe("acquire 1000").split()[1])
+        assert probe(f"publish {slot} frame{n}") == f"ok {n}"
+        f = _frame(one)
+        assert (f.seq, f.slot, f.payload) == (n, slot, f"frame{n}".encode())
+        got.append(slot)
+        one.send(proto.encode_release(f.seq, f.slot))
+        if n == 0:  # the latest one takes the first and holds it
+            g = _frame(two)
+            assert (g.seq, g.slot) == (0, slot)
+        assert probe("poll 1000") == "ok 1"
+    # slot 0 stays the latest subscriber's (credit 1, frame 0 held): the pick passes it
+    assert got == [0, 1, 2, 3, 1, 2]
+    assert probe("state") == "ok 6 2 2 0"  # next seq, last slot, subscribers, evictions
+    two.send(proto.encode_release(0, 0))
+    assert probe("poll 1000") == "ok 1"
+    assert probe("acquire 0") == "ok 3"  # after the last published (2)
+    one.close()
+    two.close()
+
+
+def test_acquire_waits_for_a_release_and_times_out_without_one(
+    probe: Probe, tmp_path: Path
+) -> None:
+    """With every slot leased, acquire waits for a RELEASE (then returns that slot) and says
+    timeout when none comes."""
+    address = _listen(probe, tmp_path, slots=2)
+    s, _sid = _subscribe(address, credit=2)
+    _adopted(probe, 1)
+    for n in range(2):
+        slot = int(probe("acquire 1000").split()[1])
+        assert probe(f"publish {slot} x") == f"ok {n}"
+    frames = [_frame(s), _frame(s)]
+    t0 = time.monotonic()
+    assert probe("acquire 200") == "timeout"
+    assert time.monotonic() - t0 >= 0.2
+    s.send(proto.encode_release(frames[1].seq, frames[1].slot))
+    assert probe("acquire 5000") == f"ok {frames[1].slot}"
+    assert probe("poll 0") == "ok 1"
+    s.close()
+
+
+def test_a_departure_is_told_once_and_frees_its_place(probe: Probe, tmp_path: Path) -> None:
+    """A subscriber that hangs up holding a frame: its lease comes back, news tells why, and
+    its place under max_subscribers is free again."""
+    address = _listen(probe, tmp_path, slots=4, max_subs=1)
+    s, sid = _subscribe(address)
+    _adopted(probe, 1)
+    slot = int(probe("acquire 1000").split()[1])
+    assert probe(f"publish {slot} x") == "ok 0"
+    _frame(s)
+    refused = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    refused.settimeout(BOUND)
+    refused.connect(address)
+    refused.send(proto.encode_hello(proto.MODE_CODES["block"], 1, os.getpid(), b""))
+    reply = proto.decode(refused.recv(proto.MAX_WELCOME_SIZE))
+    assert isinstance(reply, proto.Refuse) and "max_subscribers" in reply.reason
+    refused.close()
+    s.close()
+    assert probe("poll 5000") == "ok 1"  # its lease, back with its departure
+    news = probe("news").split(" / ")
+    assert news[0] == "ok 0" and news[1] == "0"
+    assert news[2] == f"1 {sid}:disconnected|", news
+    assert probe("news") == "ok 0 / 0 / 0"
+    again, _ = _subscribe(address)  # max_subscribers=1: the departed one's place
+    _adopted(probe, 1)
+    again.close()
+
+
+def test_a_subscriber_gone_before_adoption_is_told_gone(probe: Probe, tmp_path: Path) -> None:
+    """One welcomed that hangs up before the producer's next call is told as gone, never
+    as joined."""
+    address = _listen(probe, tmp_path)
+    s, sid = _subscribe(address)
+    s.close()
+    deadline = time.monotonic() + BOUND
+    while True:
+        assert probe("poll 0").startswith("ok")
+        news = probe("news")
+        if news != "ok 0 / 0 / 0":
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    # adopted first and then found gone, or gone before adoption: told once, either way
+    joined, gone, left = news.split(" / ")
+    if gone == f"1 {sid}":
+        assert joined == "ok 0" and left == "0"
+    else:
+        assert joined == f"ok 1 {sid}:block:2", news
+
+
+def test_stop_adopts_the_welcomed_for_the_bye_and_close_gives_back_every_fd(
+    probe: Probe, tmp_path: Path
+) -> None:
+    """At stop, the welcomed not yet adopted join the session untold, so close says BYE to
+    them too; afterwards the probe holds no socket of theirs."""
+    before = int(probe("fds").split()[1])
+    address = _listen(probe, tmp_path)
+    s, _sid = _subscribe(address)
+    assert probe("stop") == "ok 0 / 0 / 0"
+    assert probe("state").split()[3] == "1"  # in the session, for the BYE
+    assert probe("close 0") == "ok 0"
+    msg = proto.decode(s.recv(64))
+    assert isinstance(msg, proto.Bye)
+    s.close()
+    # the stopped acceptor closed the listener, its wake-up and its copies of the WELCOME's
+    # fd; the session closed the subscriber's socket: the probe's own memfd is what is left
+    assert int(probe("fds").split()[1]) == before + 1
