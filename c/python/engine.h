@@ -57,6 +57,17 @@ PyObject *cipy_publisher_fail(engine_state *es, int status);
 /* pubsession.c: a wait's timeout_us (-1: without limit) as ns into *wait_ns (-1 too); -1 with
  * ValueError, naming `call`, for one below -1 */
 int cipy_wait_arg(PyObject *obj, const char *call, long long *wait_ns);
+/* pubsession.c: a frame's (slot, payload, on_schedule, generation) from args[0..4), the slot
+ * checked against book; 0, or -1 with an exception.  The payload is the bytes' own. */
+struct cipy_frame {
+    uint32_t slot, generation;
+    int on_schedule;
+    const char *payload;
+    size_t len;
+};
+struct cipi_leasebook;
+int cipy_frame_args(engine_state *es, struct cipi_leasebook *book, PyObject *const *args,
+                    struct cipy_frame *out);
 /* pubsession.c: how a publisher-side wait lets other threads run (the GIL released) */
 struct cipi_waiting;
 extern const struct cipi_waiting cipy_gil;

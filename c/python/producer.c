@@ -128,32 +128,17 @@ producer_acquire(Producer *self, PyObject *arg)
 static PyObject *
 producer_publish(Producer *self, PyObject *const *args, Py_ssize_t nargs)
 {
+    struct cipy_frame f;
     if (usable(self) < 0 ||
-        check_nargs(nargs, 4, "publish(slot, payload, on_schedule, generation)") < 0)
-        return NULL;
-    long long slot = PyLong_AsLongLong(args[0]);
-    if (slot == -1 && PyErr_Occurred())
-        return NULL;
-    cip_status st = cipi_leases_check_slot(self->prod.s->book, slot);
-    if (st != CIP_OK)
-        return cipy_publisher_fail(state(self), st);
-    if (!PyBytes_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "publish: payload must be bytes");
-        return NULL;
-    }
-    int on_schedule = PyObject_IsTrue(args[2]);
-    if (on_schedule < 0)
-        return NULL;
-    unsigned long long generation = PyLong_AsUnsignedLongLongMask(args[3]);
-    if (generation == (unsigned long long)-1 && PyErr_Occurred())
+        check_nargs(nargs, 4, "publish(slot, payload, on_schedule, generation)") < 0 ||
+        cipy_frame_args(state(self), self->prod.s->book, args, &f) < 0)
         return NULL;
     /* the payload stays alive and unchanged while a wait releases the GIL: bytes, which
      * args holds */
     uint64_t seq;
     *self->busy = 1;
-    st = cipi_producer_publish(&self->prod, (uint32_t)slot, (uint32_t)generation, on_schedule,
-                               PyBytes_AS_STRING(args[1]), (size_t)PyBytes_GET_SIZE(args[1]),
-                               &cipy_gil, &seq);
+    cip_status st = cipi_producer_publish(&self->prod, f.slot, f.generation, f.on_schedule,
+                                          f.payload, f.len, &cipy_gil, &seq);
     *self->busy = 0;
     if (st != CIP_OK)
         return cipy_publisher_fail(state(self), st);

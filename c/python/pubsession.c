@@ -257,37 +257,54 @@ session_add(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+int
+cipy_frame_args(engine_state *es, struct cipi_leasebook *book, PyObject *const *args,
+                struct cipy_frame *out)
+{
+    long long slot = PyLong_AsLongLong(args[0]);
+    if (slot == -1 && PyErr_Occurred())
+        return -1;
+    cip_status st = cipi_leases_check_slot(book, slot);
+    if (st != CIP_OK) {
+        cipy_publisher_fail(es, st);
+        return -1;
+    }
+    if (!PyBytes_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "publish: payload must be bytes");
+        return -1;
+    }
+    int on_schedule = PyObject_IsTrue(args[2]);
+    if (on_schedule < 0)
+        return -1;
+    unsigned long long generation = PyLong_AsUnsignedLongLongMask(args[3]);
+    if (generation == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    out->slot = (uint32_t)slot;
+    out->payload = PyBytes_AS_STRING(args[1]);
+    out->len = (size_t)PyBytes_GET_SIZE(args[1]);
+    out->on_schedule = on_schedule;
+    out->generation = (uint32_t)generation;
+    return 0;
+}
+
 static PyObject *
 session_publish(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
 {
+    struct cipy_frame f;
     if (usable(self) < 0 ||
         check_nargs(nargs, 5, "publish(slot, seq, on_schedule, payload, generation)") < 0)
         return NULL;
-    long long slot = PyLong_AsLongLong(args[0]);
-    if (slot == -1 && PyErr_Occurred())
+    PyObject *frame[4] = {args[0], args[3], args[2], args[4]};
+    if (cipy_frame_args(state(self), self->session.book, frame, &f) < 0)
         return NULL;
-    cip_status st = cipi_leases_check_slot(self->session.book, slot);
-    if (st != CIP_OK)
-        return fail(self, st);
     unsigned long long seq = PyLong_AsUnsignedLongLong(args[1]);
     if (seq == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
-    int on_schedule = PyObject_IsTrue(args[2]);
-    if (on_schedule < 0)
-        return NULL;
-    if (!PyBytes_Check(args[3])) {
-        PyErr_SetString(PyExc_TypeError, "publish: payload must be bytes");
-        return NULL;
-    }
-    unsigned long long generation = PyLong_AsUnsignedLongLongMask(args[4]);
-    if (generation == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
     /* the payload stays alive and unchanged while a wait releases the GIL: bytes, which
      * args holds */
     self->busy = 1;
-    st = cipi_pubsession_publish(&self->session, (uint32_t)slot, seq, (uint32_t)generation,
-                                 on_schedule, PyBytes_AS_STRING(args[3]),
-                                 (size_t)PyBytes_GET_SIZE(args[3]), &cipy_gil);
+    cip_status st = cipi_pubsession_publish(&self->session, f.slot, seq, f.generation,
+                                            f.on_schedule, f.payload, f.len, &cipy_gil);
     self->busy = 0;
     return answer(self, st);
 }
