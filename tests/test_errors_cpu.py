@@ -317,12 +317,12 @@ def test_compiled_parts_are_loaded_only_through_the_loader() -> None:
 
 #: The layers of DESIGN.md, bottom first; a module may import its own layer and below.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("errors", ("_errors", "_version", "_args")),
+    ("errors", ("_errors", "_version", "_args", "_compiled")),
     ("handles", ("_handles", "_handles.*")),
     ("driver", ("_driver", "_fastpath")),
     ("vmm", ("_vmm",)),
     ("transport", ("_transport", "_transport.*", "transport.*")),
-    ("pool", ("_arrays", "_compiled", "_slots", "_arena", "_pool")),
+    ("pool", ("_arrays", "_slots", "_arena", "_pool")),
     ("peer", ("_peer", "_seedpeer")),
     ("allocator", ("_allocator", "_compat")),
     ("engine", ("_engine",)),
@@ -501,11 +501,24 @@ def _c_attribute_violations(
     return found
 
 
+#: What of the engine the layers below it may use: the transport-level rules it holds
+#: (``_engine`` itself imports nothing above ``_errors``).
+ENGINE_BELOW = frozenset({"AdmissionBook"})
+
+
+def _engine_uses(path: pathlib.Path) -> set[str]:
+    """The names a module takes from the engine it loads (``_engine().Name``)."""
+    return set(re.findall(r"\b_engine\(\)\.(\w+)", path.read_text()))
+
+
 def _graph() -> dict[str, set[str]]:
     graph = {}
+    below = _layer_of("_engine")
     for path in PACKAGE.rglob("*.py"):
         name = _module_name(path)
         graph[name] = {m for m in (*_imports(path), *_loads(path)) if m != name}
+        if _layer_of(name) < below and _engine_uses(path) <= ENGINE_BELOW:
+            graph[name].discard("_engine")  # its transport-level rules only
     for name, source in _c_sources().items():
         graph[name] = _c_imports(source) - {name}
     return graph
@@ -555,6 +568,22 @@ def test_the_graph_holds_the_compiled_parts_and_the_loads_by_name() -> None:
     assert "_engine" in graph["channel._sockets"]
     assert {"_errors"} <= graph["_engine"]  # the exceptions it raises
     assert "_fastpath" in graph["channel._syncpage"]
+    # the transport uses the engine's admission book, and nothing else of it
+    assert _engine_uses(PACKAGE / "_transport" / "_admission.py") == {"AdmissionBook"}
+    assert "_engine" not in graph["_transport._admission"]
+
+
+def test_a_lower_layer_taking_more_of_the_engine_is_an_upward_import(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Below the engine, ``_engine().AdmissionBook`` is allowed; any other name is not."""
+    allowed = tmp_path / "allowed.py"
+    allowed.write_text("book = _engine().AdmissionBook(8, 1.0)\n")
+    assert _engine_uses(allowed) <= ENGINE_BELOW
+    more = tmp_path / "more.py"
+    more.write_text("book = _engine().AdmissionBook(8, 1.0)\nrows = _engine().ReaderRows\n")
+    assert _engine_uses(more) == {"AdmissionBook", "ReaderRows"}
+    assert not _engine_uses(more) <= ENGINE_BELOW
 
 
 def test_the_c_scanner_finds_imports_and_attributes() -> None:
