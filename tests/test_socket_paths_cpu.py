@@ -16,6 +16,8 @@ import os
 import pathlib
 import shutil
 import socket
+import stat
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -101,24 +103,23 @@ def test_bind_and_connect_refuse_a_path_too_long_and_leave_nothing(short_dir: st
 
 
 def test_a_bound_path_appears_only_once_its_socket_listens(
-    short_dir: str, monkeypatch: pytest.MonkeyPatch
+    short_dir: str, tmp_path: pathlib.Path
 ) -> None:
     """A client that waits for the path to appear (a relay's reader, a follower) finds it
-    accepting connections: the socket listens before it is linked into place."""
-    real_link = os.link
-    seen: list[int] = []
+    accepting connections: the socket listens, with its mode, before it is linked into place.
+    ``c/tests/cip_listen_probe.c`` has its own ``link()``, which looks at that moment."""
+    from test_c_library import C_DIR, build_c_program
 
-    def link(src: str, dst: str) -> None:
-        seen.append(s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
-        real_link(src, dst)
-
-    monkeypatch.setattr(os, "link", link)
+    exe = build_c_program(
+        tmp_path,
+        "cip_listen_probe",
+        [C_DIR / "tests" / "cip_listen_probe.c"],
+    )
     address = os.path.join(short_dir, "s")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
-        bind_unix(s, address, 0o600, backlog=4)
-        assert seen == [1]
-        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as c:
-            c.connect(address)
+    out = subprocess.run([exe, address, "600"], capture_output=True, text=True, timeout=30)
+    assert out.stdout.splitlines() == ["at link: listening=1 mode=600", "ok"], out
+    assert stat.S_IMODE(os.lstat(address).st_mode) == 0o600
+    assert os.listdir(short_dir) == ["s"]  # its temporary directory is gone
 
 
 def test_the_fd_server_refuses_a_path_too_long(

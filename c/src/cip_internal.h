@@ -19,6 +19,8 @@
  *                and the messages the engine sends, written
  *   welcome.c    what the WELCOME brought (payload, sync page fd), checked before mapping
  *   sockets.c    Unix sockets: the socket path check, connecting, receiving fds
+ *   listen.c     a listening Unix socket at a path: bound and set listening before the file
+ *                appears, a stale file replaced, removed at teardown only while ours
  *   fetch.c      fetching a pool's fds: pidfd_getfd, the fd server
  *   pool.c       pools: attach (import, reserve, map, access), slots, handles, close (no
  *                unmap under queued GPU work)
@@ -42,6 +44,8 @@
  *                readers' rows (kept while streams may wait, forced after a death) (no GPU)
  *   admission.c  connections waiting, per group, one deadline each, a cap per group (no GPU)
  *   acceptor.c   the publisher's accept thread: the uid check, HELLO, WELCOME (no GPU)
+ *   producer.c   the producer's calls: adoption, the next seq, the pick of a free slot and
+ *                the wait for one, the leases ended since the last poll (no GPU)
  *   hangup.c     the verdict on what is still queued at a hang-up
  *   session.c    the channel's socket session: the end of a stream, the backlog, hang-ups,
  *                releases owed, judging messages, the next frame
@@ -418,6 +422,12 @@ CIP_INTERNAL cip_status cipi_connect_unix(const char *path, int type, long long 
 CIP_INTERNAL ssize_t cipi_recv_with_fds(int s, void *buf, size_t n, void *control,
                                         size_t control_len, int *fds, size_t *nfds, size_t maxfds,
                                         int *excess, int *msg_flags);
+
+/* listen.c */
+CIP_INTERNAL cip_status cipi_bind_listen(int fd, const char *path, unsigned mode, int backlog,
+                                         uint64_t *dev, uint64_t *ino, int *err);
+CIP_INTERNAL cip_status cipi_remove_stale(const char *path, int *err);
+CIP_INTERNAL int cipi_unlink_if_ours(const char *path, uint64_t dev, uint64_t ino);
 
 /* pool.c */
 CIP_INTERNAL cip_status cipi_attach_fds(const cip_descriptor *d, int *fds, size_t nfds, int device,

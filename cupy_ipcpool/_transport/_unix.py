@@ -12,10 +12,10 @@ import errno
 import os
 import socket
 import struct
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+from cupy_ipcpool._compiled import loader
 from cupy_ipcpool._errors import (
     PeerRefusedError,
     TransportError,
@@ -23,7 +23,9 @@ from cupy_ipcpool._errors import (
     UsageError,
     UsageTypeError,
 )
-from cupy_ipcpool._handles import MAX_SOCKET_PATH
+
+#: The engine, for the socket path rules it holds (c/src/sockets.c, c/src/listen.c).
+_engine = loader("cupy_ipcpool._engine")
 
 __all__ = [
     "SCM_MAX_FD",
@@ -222,11 +224,12 @@ def check_socket_path(path: str | bytes | os.PathLike[str] | os.PathLike[bytes])
 
     The one check of a socket path given to the library, made where it is
     given (every bind and connect goes through :func:`bind_unix` or
-    :func:`connect_unix`, which call it).  The kernel's ``sun_path`` holds 108
-    bytes; a path must leave room for its NUL (as Python's ``socket`` module
-    and the C library require), so at most :data:`MAX_SOCKET_PATH` (107)
-    bytes, counted as the path is given (relative to the working directory
-    when relative).
+    :func:`connect_unix`, which call it); its length rule is the engine's
+    (``c/src/sockets.c``), which the C library's subscriber follows too.  The
+    kernel's ``sun_path`` holds 108 bytes; a path must leave room for its NUL
+    (as Python's ``socket`` module and the C library require), so at most
+    :data:`MAX_SOCKET_PATH` (107) bytes, counted as the path is given
+    (relative to the working directory when relative).
 
     Raises
     ------
@@ -243,17 +246,9 @@ def check_socket_path(path: str | bytes | os.PathLike[str] | os.PathLike[bytes])
         raise UsageTypeError(
             f"a socket path must be a str or path-like, not {type(path).__name__}"
         ) from None
-    if not path:
-        raise UsageError("the socket path is empty")
     if "\x00" in path:
         raise UsageError(f"the socket path {path!r} holds a NUL character")
-    size = len(os.fsencode(path))
-    if size > MAX_SOCKET_PATH:
-        raise UsageError(
-            f"the socket path {path} is {size} bytes long; a Unix socket path holds at most "
-            f"{MAX_SOCKET_PATH} bytes (sun_path): use a shorter path, e.g. in a directory "
-            "under /tmp or $XDG_RUNTIME_DIR"
-        )
+    _engine().check_socket_path(path)  # empty, or longer than MAX_SOCKET_PATH bytes
     return path
 
 
@@ -268,7 +263,8 @@ def bind_unix(sock: socket.socket, address: str, mode: int, *, backlog: int) -> 
     for the path to appear finds it accepting connections.  When that
     temporary path would not fit ``sun_path``, the socket's mode is set with
     ``fchmod`` before binding it in place (Linux applies it to the new file)
-    and it listens right after.  The process umask is never changed.
+    and it listens right after.  The process umask is never changed.  The
+    rule is the engine's (``c/src/listen.c``), which the C library follows too.
 
     Returns
     -------
@@ -284,64 +280,8 @@ def bind_unix(sock: socket.socket, address: str, mode: int, *, backlog: int) -> 
         otherwise.
     """
     address = check_socket_path(address)
-    parent = os.path.dirname(os.path.abspath(address))
-    try:
-        tmpdir = tempfile.mkdtemp(prefix=".ipcp", dir=parent)
-    except OSError as exc:
-        raise TransportError(
-            exc.errno or errno.EIO, f"cannot create a directory next to {address}: {exc.strerror}"
-        ) from None
-    try:
-        tmp = os.path.join(tmpdir, "s")
-        if len(os.fsencode(tmp)) > MAX_SOCKET_PATH:
-            os.fchmod(sock.fileno(), mode)
-            _bind_or_raise(sock, address)
-            try:
-                os.chmod(address, mode)
-                sock.listen(backlog)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(address)
-                raise
-        else:
-            _bind_or_raise(sock, tmp)
-            os.chmod(tmp, mode)
-            sock.listen(backlog)
-            try:
-                os.link(tmp, address)
-            except FileExistsError:
-                raise TransportError(
-                    errno.EADDRINUSE, f"{address} was created by someone else while binding"
-                ) from None
-            except OSError as exc:
-                if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
-                    raise TransportError(
-                        exc.errno or errno.EIO, f"cannot create {address}: {exc.strerror}"
-                    ) from None
-                # No hard links on this file system: move it into place instead.
-                if os.path.lexists(address):
-                    raise TransportError(
-                        errno.EADDRINUSE, f"{address} was created by someone else while binding"
-                    ) from None
-                os.rename(tmp, address)
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
-        st = os.lstat(address)
-        return st.st_dev, st.st_ino
-    finally:
-        with contextlib.suppress(OSError):
-            os.rmdir(tmpdir)
-
-
-def _bind_or_raise(sock: socket.socket, path: str) -> None:
-    try:
-        sock.bind(path)
-    except OSError as exc:
-        err = exc.errno or errno.EIO
-        if err == errno.EADDRINUSE:
-            raise TransportError(err, f"{path} exists; remove it or choose another path") from None
-        raise TransportError(err, f"cannot bind a socket at {path}: {exc.strerror}") from None
+    dev, ino = _engine().bind_listen(sock.fileno(), address, mode, backlog)  # c/src/listen.c
+    return dev, ino
 
 
 def connect_unix(sock: socket.socket, path: str, deadline: float) -> None:
@@ -391,10 +331,4 @@ def unlink_if_ours(path: str, ident: tuple[int, int]) -> None:
     ``OSError`` is the caller's to report (the fd server and the publisher
     warn with their own words).
     """
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if (st.st_dev, st.st_ino) == ident:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+    _engine().unlink_if_ours(path, *ident)  # c/src/listen.c

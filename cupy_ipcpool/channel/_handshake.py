@@ -14,18 +14,13 @@ what the Python side gives it (:class:`Welcome`) and gets back
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import os
-import socket
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .._errors import TransportError
 from .._transport import MAX_PENDING_PER_UID
 from .._transport._accept_loop import HANDSHAKE_TIMEOUT
+from . import _leases
 
 if TYPE_CHECKING:
     from .._engine import ReaderRows
@@ -107,41 +102,10 @@ class Welcome:
 
 
 def _remove_stale(address: str) -> None:
-    """Unlink ``address`` if it is a socket nobody listens on; refuse a live one."""
-    try:
-        st = os.lstat(address)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise TransportError(
-            errno.EEXIST, f"{address} exists and is not a socket; remove it or choose another path"
-        )
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    try:
-        probe.settimeout(1.0)
-        probe.connect(address)
-    except (ConnectionRefusedError, FileNotFoundError):
-        pass  # stale: nothing listens there
-    except TimeoutError:
-        raise TransportError(
-            errno.EADDRINUSE,
-            f"a publisher is already listening at {address} (its backlog is full); "
-            "close it or choose another address",
-        ) from None
-    except OSError as exc:
-        raise TransportError(
-            exc.errno or errno.EADDRINUSE,
-            f"cannot tell whether {address} is in use ({exc}); remove it or choose another path",
-        ) from None
-    else:
-        raise TransportError(
-            errno.EADDRINUSE,
-            f"a publisher is already listening at {address}; close it or choose another address",
-        )
-    finally:
-        probe.close()
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(address)
+    """Unlink ``address`` if it is a socket nobody listens on; refuse a live one (the engine's
+    rule, ``c/src/listen.c``: TransportError ``EEXIST`` for a file that is not a socket,
+    ``EADDRINUSE`` for a live one, even with a full backlog)."""
+    _leases._engine().remove_stale(address)
 
 
 __all__ = ["HANDSHAKE_TIMEOUT", "MAX_PENDING_PER_UID", "SubscriberInfo", "Welcome"]
