@@ -10,15 +10,19 @@ lanes can watch them (.ci/run).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _memfd_backend import MemfdConsumer
 from test_c_library import C_DIR, Probe, build_c_program
 
+from cupy_ipcpool import EndOfStream
 from cupy_ipcpool.channel import _protocol as proto
 
 #: Bound on every wait here (only a broken build waits that long).
@@ -205,3 +209,99 @@ def test_stop_adopts_the_welcomed_for_the_bye_and_close_gives_back_every_fd(
     # the stopped acceptor closed the listener, its wake-up and its copies of the WELCOME's
     # fd; the session closed the subscriber's socket: the probe's own memfd is what is left
     assert int(probe("fds").split()[1]) == before + 1
+
+
+# -- the public API: cip_pub_* to Python subscribers ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pub_exe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_c_program(
+        tmp_path_factory.mktemp("cpub"), "cip_pub_probe", [C_DIR / "tests" / "cip_pub_probe.c"]
+    )
+
+
+def _lines_until(proc: subprocess.Popen[str], want: str) -> list[str]:
+    """The C publisher's lines up to the first that starts with ``want``."""
+    lines = []
+    while True:
+        line = proc.stdout.readline() if proc.stdout else ""
+        assert line, f"the C publisher ended before {want!r}: {lines}"
+        lines.append(line.strip())
+        if line.startswith(want):
+            return lines
+
+
+def test_a_c_publisher_of_the_api_streams_to_python_subscribers(
+    pub_exe: Path, tmp_path: Path
+) -> None:
+    """cip_pub_open_raw / acquire / publish_raw / poll / close: two Python subscriber cores
+    (block, latest) map the C publisher's memfd slots and check every frame's bytes; the
+    block one gets every frame in order, each slot's content intact until released; close
+    says BYE (EndOfStream) and waits for both to hang up (closing is not their leaving:
+    on_leave is not told, as in Python)."""
+    address = str(tmp_path / "p.sock")
+    frames = 40
+    proc = subprocess.Popen(
+        [pub_exe, address, str(frames), "2", "2000"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert _lines_until(proc, "listening") == ["listening"]
+        with (
+            MemfdConsumer(address, mode="block", credit=2) as block,
+            MemfdConsumer(address, mode="latest") as latest,
+        ):
+            seqs, latest_seqs = [], []
+            for _ in range(frames):
+                f = block.recv(BOUND)  # checks the slot's bytes
+                assert f.payload == f"frame {f.seq}".encode()
+                seqs.append(f.seq)
+                block.release(f)  # checks them again
+                with contextlib.suppress(TimeoutError):
+                    g = latest.recv(0.0)
+                    latest_seqs.append(g.seq)
+                    latest.release(g)
+            assert seqs == list(range(frames))
+            assert latest_seqs == sorted(set(latest_seqs)) and latest_seqs, latest_seqs
+            with pytest.raises(EndOfStream):
+                block.recv(BOUND)
+        out = proc.communicate(timeout=BOUND)[0].splitlines()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out
+    assert [line.split()[0] for line in out].count("published") <= frames
+    assert out[:2] == ["joined 1 block 2", "joined 2 latest 1"], out
+    assert not [line for line in out if line.startswith(("left", "error"))], out
+    assert out[-1] == "closed CIP_OK", out  # both hung up within the linger
+
+
+def test_the_api_publisher_refuses_what_it_cannot_serve(pub_exe: Path, tmp_path: Path) -> None:
+    """An ahead subscriber is refused with the reason (no read flags); a live path is refused
+    to a second publisher; the socket file goes with the publisher."""
+    address = str(tmp_path / "p.sock")
+    proc = subprocess.Popen([pub_exe, address, "0", "1", "2000"], stdout=subprocess.PIPE, text=True)
+    try:
+        _lines_until(proc, "listening")
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.settimeout(BOUND)
+        s.connect(address)
+        s.send(proto.encode_hello(proto.MODE_CODES["ahead"], 1, os.getpid(), b""))
+        reply = proto.decode(s.recv(proto.MAX_WELCOME_SIZE))
+        s.close()
+        assert isinstance(reply, proto.Refuse) and "no read flags" in reply.reason
+        second = subprocess.run(
+            [pub_exe, address, "0", "1", "0"], capture_output=True, text=True, timeout=BOUND
+        )
+        assert second.returncode == 1
+        assert "CIP_ERR_TRANSPORT a publisher is already listening at" in second.stdout
+        with MemfdConsumer(address) as sub, pytest.raises(EndOfStream):  # the one it waits for
+            sub.recv(BOUND)
+        out = proc.communicate(timeout=BOUND)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert out.splitlines()[-1] == "closed CIP_OK"
+    assert not os.path.exists(address)

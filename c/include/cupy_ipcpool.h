@@ -381,6 +381,77 @@ cip_status cip_sub_close(cip_sub *sub);
  * handle.  NULL is ignored (CIP_OK). */
 cip_status cip_sub_free(cip_sub *sub);
 
+/* ---- publishers (raw: the caller's slots) ------------------------------------------ */
+
+typedef struct cip_pub cip_pub;
+
+/* A subscriber, as the publisher knows it (its HELLO's claims and SO_PEERCRED's). */
+typedef struct cip_pub_subscriber {
+    uint32_t sub_id;
+    int32_t pid;     /* the kernel's, else its claim */
+    uint32_t uid;
+    int mode;        /* cip_mode */
+    uint32_t credit; /* granted */
+} cip_pub_subscriber;
+
+typedef struct cip_pub_options {
+    uint32_t num_slots;            /* the ring: 1..CIP_WIRE_MAX_SLOTS; no default */
+    uint32_t max_subscribers;      /* further ones are refused; default 64 */
+    uint32_t max_credit;           /* cap on a subscriber's credit; 0 (default): num_slots - 2,
+                                      at least 1 */
+    double lease_timeout_s;        /* a subscriber holding a frame longer is evicted; 0
+                                      (default): no limit */
+    double send_timeout_s;         /* a full "block" socket may stall a publish; default 5 */
+    double handshake_timeout_s;    /* from accept to HELLO; default 5 */
+    uint32_t max_pending_per_uid;  /* handshakes of one uid at once; default 8 */
+    const uint32_t *allowed_uids;  /* uids that may subscribe; NULL (default): own euid only,
+                                      the socket file 0600 (else 0666: the uid check decides) */
+    size_t n_allowed_uids;
+    /* Called in the caller's thread, within cip_pub_acquire / _publish_raw / _poll /
+     * _close, when a subscriber is adopted and when one leaves (why: BYE, hang-up,
+     * eviction...; joined 0: it went before it was adopted).  The publisher's close is
+     * not a subscriber's leaving.  NULL: not told. */
+    void (*on_join)(void *ctx, const cip_pub_subscriber *sub);
+    void (*on_leave)(void *ctx, const cip_pub_subscriber *sub, int joined, const char *why);
+    void *ctx;
+} cip_pub_options;
+
+/* Fill `opts` with the defaults (num_slots 0: the caller sets it). */
+void cip_pub_options_init(cip_pub_options *opts);
+
+/* Protocol layer: listen at `path` (a stale socket file there is replaced, a live one is
+ * CIP_ERR_TRANSPORT) and welcome subscribers on the library's accept thread with
+ * `payload` (len bytes, at most CIP_WIRE_MAX_WELCOME_PAYLOAD) and a copy of each of
+ * `fds` (nfds, at most 253): what a raw subscriber (cip_sub_open_raw, a Python
+ * SubscriberCore) maps the slots from.  Subscribers in mode "block" and "latest" are
+ * served; "ahead" is refused (it needs read flags).  The caller keeps its fds. */
+cip_status cip_pub_open_raw(const char *path, const cip_pub_options *opts, const void *payload,
+                            size_t len, const int *fds, size_t nfds, cip_pub **out);
+
+/* The next slot to write: the first with no lease, round-robin after the one last
+ * published, waiting up to timeout_ms (-1: without limit) for a subscriber to release
+ * one; CIP_ERR_TIMEOUT when none came. */
+cip_status cip_pub_acquire(cip_pub *pub, int timeout_ms, uint32_t *slot);
+
+/* Publish the frame written in `slot` with `payload` (len bytes, at most
+ * CIP_WIRE_MAX_FRAME_PAYLOAD): every "block" subscriber receives it (a full socket
+ * stalls up to send_timeout_s, then that subscriber is evicted), a "latest" one while
+ * it holds less than its credit.  *seq: its sequence number (NULL: not wanted). */
+cip_status cip_pub_publish_raw(cip_pub *pub, uint32_t slot, const void *payload, size_t len,
+                               uint64_t *seq);
+
+/* Read the subscribers' messages, waiting up to timeout_ms (-1: without limit) for a
+ * lease to end; *returned (NULL: not wanted): leases ended since the last poll. */
+cip_status cip_pub_poll(cip_pub *pub, int timeout_ms, uint64_t *returned);
+
+/* Subscribers adopted and not gone. */
+uint32_t cip_pub_subscribers(const cip_pub *pub);
+
+/* Stop accepting (the socket file removed while it is still ours), say BYE to every
+ * subscriber, wait up to linger_ms for them to hang up, close everything and free the
+ * handle.  CIP_ERR_TIMEOUT: some were still connected.  NULL is ignored (CIP_OK). */
+cip_status cip_pub_close(cip_pub *pub, int linger_ms);
+
 /* ---- the sync page (no GPU) ------------------------------------------------------ */
 
 /* For raw sessions that map the sync page themselves (docs/c.md, "The sync page"):

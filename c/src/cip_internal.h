@@ -46,6 +46,7 @@
  *   acceptor.c   the publisher's accept thread: the uid check, HELLO, WELCOME (no GPU)
  *   producer.c   the producer's calls: adoption, the next seq, the pick of a free slot and
  *                the wait for one, the leases ended since the last poll (no GPU)
+ *   publisher.c  the raw publisher of the API (cip_pub_*): the modules above at a path (no GPU)
  *   hangup.c     the verdict on what is still queued at a hang-up
  *   session.c    the channel's socket session: the end of a stream, the backlog, hang-ups,
  *                releases owed, judging messages, the next frame

@@ -1,0 +1,98 @@
+/*
+ * A raw C publisher through the public API (cip_pub_*), for tests/test_c_producer_cpu.py:
+ * 4 memfd slots of 4096 bytes; the WELCOME payload is the slot size (u64 little endian),
+ * its fds the memfds (what tests/_memfd_backend.MemfdConsumer maps).  Frame seq fills its
+ * slot with seq (u64) repeated.  Lines on stdout: "listening", "joined ID MODE CREDIT",
+ * "published SEQ SLOT", "left ID JOINED WHY", "closed STATUS".
+ *
+ *   cip_pub_probe PATH FRAMES SUBSCRIBERS LINGER_MS
+ */
+#define _GNU_SOURCE /* memfd_create */
+#include <cupy_ipcpool.h>
+
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#define SLOTS 4
+#define SLOT_SIZE 4096
+
+static long blocks; /* block subscribers joined: each releases every frame */
+
+static void
+on_join(void *ctx, const cip_pub_subscriber *sub)
+{
+    (void)ctx;
+    blocks += sub->mode == CIP_MODE_BLOCK;
+    printf("joined %u %s %u\n", sub->sub_id, sub->mode == CIP_MODE_LATEST ? "latest" : "block",
+           sub->credit);
+}
+
+static void
+on_leave(void *ctx, const cip_pub_subscriber *sub, int joined, const char *why)
+{
+    (void)ctx;
+    printf("left %u %d %s\n", sub->sub_id, joined, why);
+}
+
+int
+main(int argc, char **argv)
+{
+    if (argc != 5)
+        return 2;
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    long frames = atol(argv[2]), want = atol(argv[3]);
+    int fds[SLOTS];
+    uint64_t *maps[SLOTS];
+    for (int i = 0; i < SLOTS; i++) {
+        fds[i] = memfd_create("cip-pub-probe", MFD_CLOEXEC);
+        if (fds[i] < 0 || ftruncate(fds[i], SLOT_SIZE) != 0)
+            return 3;
+        maps[i] = mmap(NULL, SLOT_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fds[i], 0);
+        if (maps[i] == MAP_FAILED)
+            return 3;
+    }
+    uint64_t size = SLOT_SIZE; /* little endian hosts only, as the library */
+    cip_pub_options opts;
+    cip_pub_options_init(&opts);
+    opts.num_slots = SLOTS;
+    opts.on_join = on_join;
+    opts.on_leave = on_leave;
+    cip_pub *pub;
+    cip_status st = cip_pub_open_raw(argv[1], &opts, &size, sizeof size, fds, SLOTS, &pub);
+    for (int i = 0; i < SLOTS; i++)
+        close(fds[i]); /* the publisher keeps its own copies */
+    if (st != CIP_OK) {
+        printf("error %s %s\n", cip_status_name(st), cip_last_error());
+        return 1;
+    }
+    printf("listening\n");
+    while (cip_pub_subscribers(pub) < (uint32_t)want)
+        cip_pub_poll(pub, 10, NULL);
+    for (long n = 0; n < frames; n++) {
+        uint32_t slot;
+        if ((st = cip_pub_acquire(pub, 10000, &slot)) != CIP_OK)
+            break;
+        for (size_t k = 0; k < SLOT_SIZE / 8; k++)
+            maps[slot][k] = (uint64_t)n;
+        char payload[32];
+        int len = snprintf(payload, sizeof payload, "frame %ld", n);
+        uint64_t seq;
+        if ((st = cip_pub_publish_raw(pub, slot, payload, (size_t)len, &seq)) != CIP_OK)
+            break;
+        printf("published %llu %u\n", (unsigned long long)seq, slot);
+    }
+    if (st != CIP_OK)
+        printf("error %s %s\n", cip_status_name(st), cip_last_error());
+    /* the last releases: every frame's lease of each block subscriber, or its departure */
+    uint64_t returned = 0, total = 0;
+    while (st == CIP_OK && total < (uint64_t)(frames * blocks) &&
+           cip_pub_poll(pub, 5000, &returned) == CIP_OK && returned > 0)
+        total += returned;
+    printf("closed %s\n", cip_status_name(cip_pub_close(pub, atoi(argv[4]))));
+    return st == CIP_OK ? 0 : 1;
+}
