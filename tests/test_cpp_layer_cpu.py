@@ -4,7 +4,8 @@
 publisher (:class:`PublisherCore` over a ``SOCK_SEQPACKET`` socket) on the
 protocol layer, and this test watches the publisher's lease book: a release by
 hand, a release at a frame's end of scope, a frame moved, and the subscription's
-own end give each lease back exactly once.  The header is also compiled with every
+own end give each lease back exactly once; ``c/tests/cip_cpp_pub_probe.cpp`` publishes
+through it to a Python subscriber core.  The header is also compiled with every
 warning an error (its GPU calls compile here; they run on the device only).  Under
 ``CUPY_IPCPOOL_C_SANITIZE`` the program is built with the sanitizers, as the C
 probes are.
@@ -22,8 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _memfd_backend import MemfdConsumer
 from test_c_library import C_DIR, CFLAGS, Probe, compiler, library_objects
 
+from cupy_ipcpool import EndOfStream
 from cupy_ipcpool.channel._handshake import Welcome
 from cupy_ipcpool.channel._publisher_core import PublisherCore
 
@@ -83,9 +86,9 @@ class _Program(Probe):
     """The C++ program, which prints several lines per step: read unbuffered (Probe's
     ``select`` on a buffered pipe would miss lines already read into the buffer)."""
 
-    def __init__(self, exe: Path, address: str) -> None:
+    def __init__(self, exe: Path, address: str, *more: str) -> None:
         self.proc = subprocess.Popen(
-            [str(exe), address],
+            [str(exe), address, *more],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -151,6 +154,56 @@ def test_the_cpp_layer_gives_every_lease_back_once(
             "the kept frame or the subscription itself never ended",
         )
         assert book.ended == 3  # three leases, each given back once
+    finally:
+        program.close()
+    assert program.proc.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def pub_exe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cc, cxx = compiler(), _cxx()
+    if cc is None or cxx is None:
+        pytest.skip("no C and C++ compiler on this machine: the C++ layer is not built")
+    exe = tmp_path_factory.mktemp("cpppub") / "cip_cpp_pub_probe"
+    cmd = [
+        cxx,
+        *CXXFLAGS,
+        f"-I{C_DIR / 'include'}",
+        str(C_DIR / "tests" / "cip_cpp_pub_probe.cpp"),
+        *map(str, library_objects()),
+        "-o",
+        str(exe),
+        "-ldl",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr}"
+    return exe
+
+
+def test_a_cpp_publisher_streams_to_a_python_subscriber_and_closes_at_scope_end(
+    pub_exe: Path, tmp_path: Path
+) -> None:
+    """cupy_ipcpool::publisher: frames in order with their slots' bytes checked; acquire says
+    none is free (std::nullopt) while the subscriber holds every slot; the end of scope
+    closes the publisher: BYE after the frames queued."""
+    address = str(tmp_path / "p.sock")
+    frames = 12
+    program = _Program(pub_exe, address, str(frames))
+    try:
+        assert program.answer() == "listening"
+        with MemfdConsumer(address, credit=4) as sub:
+            for n in range(frames):
+                f = sub.recv(20.0)
+                assert (f.seq, f.payload) == (n, b"frame")
+                sub.release(f)
+                assert program.answer() == f"published {n}"
+            assert program.answer() == f"returned {frames}"
+            held = [sub.recv(20.0) for _ in range(SLOTS)]  # checked, kept
+            assert [f.seq for f in held] == list(range(frames, frames + SLOTS))
+            assert program.answer() == "none free"
+            assert program.answer() == "closed"
+            with pytest.raises(EndOfStream):
+                sub.recv(20.0)
     finally:
         program.close()
     assert program.proc.returncode == 0

@@ -10,6 +10,12 @@
  *       frame->release(stream);                                   // or at scope exit
  *   }
  *
+ *   auto pub = cip::publisher::open_raw(path, opts, payload, fds); // your slots (no GPU)
+ *   if (auto slot = pub.acquire(1000)) {                           // std::nullopt: all held
+ *       write_into(*slot);
+ *       pub.publish(*slot, metadata);                              // its seq
+ *   }                                                              // closed at scope exit
+ *
  * A failing call throws cupy_ipcpool::error (its cip_status and cip_last_error()); the
  * end of a stream is an error too (CIP_ERR_END_OF_STREAM, _PUBLISHER_GONE, _EVICTED).
  * A frame that goes out of scope unreleased is released there (a GPU frame on the
@@ -337,6 +343,96 @@ class pool {
   private:
     explicit pool(cip_pool *p) noexcept : pool_(p) {}
     cip_pool *pool_;
+};
+
+/* What a raw publisher serves (cip_pub_options; the callbacks stay the C handle's). */
+struct publisher_options {
+    uint32_t num_slots = 0;             /* the ring: 1..CIP_WIRE_MAX_SLOTS */
+    uint32_t max_subscribers = 64;
+    uint32_t max_credit = 0;            /* 0: num_slots - 2, at least 1 */
+    double lease_timeout_s = 0.0;       /* 0: no limit */
+    double send_timeout_s = 5.0;
+    double handshake_timeout_s = 5.0;
+    uint32_t max_pending_per_uid = 8;
+    std::vector<uint32_t> allowed_uids; /* empty: this process's euid */
+};
+
+/* A raw publisher (cip_pub_open_raw): your slots, welcomed with `payload` and a copy of each
+ * of `fds`; closed at its end of scope (cip_pub_close, no linger). */
+class publisher {
+  public:
+    static publisher open_raw(const std::string &path, const publisher_options &o,
+                              std::string_view payload, const std::vector<int> &fds)
+    {
+        cip_pub_options c;
+        cip_pub_options_init(&c);
+        c.num_slots = o.num_slots;
+        c.max_subscribers = o.max_subscribers;
+        c.max_credit = o.max_credit;
+        c.lease_timeout_s = o.lease_timeout_s;
+        c.send_timeout_s = o.send_timeout_s;
+        c.handshake_timeout_s = o.handshake_timeout_s;
+        c.max_pending_per_uid = o.max_pending_per_uid;
+        c.allowed_uids = o.allowed_uids.empty() ? nullptr : o.allowed_uids.data();
+        c.n_allowed_uids = o.allowed_uids.size();
+        cip_pub *pub = nullptr;
+        detail::check(cip_pub_open_raw(path.c_str(), &c, payload.data(), payload.size(),
+                                       fds.data(), fds.size(), &pub));
+        return publisher(pub);
+    }
+    publisher(publisher &&other) noexcept : pub_(std::exchange(other.pub_, nullptr)) {}
+    publisher &operator=(publisher &&other) noexcept
+    {
+        if (this != &other) {
+            (void)cip_pub_close(pub_, 0);
+            pub_ = std::exchange(other.pub_, nullptr);
+        }
+        return *this;
+    }
+    publisher(const publisher &) = delete;
+    publisher &operator=(const publisher &) = delete;
+    ~publisher() { (void)cip_pub_close(pub_, 0); }
+
+    /* The next slot to write within timeout_ms (-1: no limit); std::nullopt: none came. */
+    std::optional<uint32_t> acquire(int timeout_ms = -1)
+    {
+        uint32_t slot = 0;
+        cip_status status = cip_pub_acquire(pub_, timeout_ms, &slot);
+        if (status == CIP_ERR_TIMEOUT)
+            return std::nullopt;
+        detail::check(status);
+        return slot;
+    }
+    /* Publish the frame written in `slot`; its sequence number. */
+    uint64_t publish(uint32_t slot, std::string_view payload = {})
+    {
+        uint64_t seq = 0;
+        detail::check(cip_pub_publish_raw(pub_, slot, payload.data(), payload.size(), &seq));
+        return seq;
+    }
+    /* Leases ended since the last poll, waiting up to timeout_ms for one. */
+    uint64_t poll(int timeout_ms = 0)
+    {
+        uint64_t returned = 0;
+        detail::check(cip_pub_poll(pub_, timeout_ms, &returned));
+        return returned;
+    }
+    uint32_t subscribers() const noexcept { return cip_pub_subscribers(pub_); }
+    /* BYE to every subscriber, waiting up to linger_ms for them to hang up; true when all
+     * had.  The handle is gone afterwards. */
+    bool close(int linger_ms = 0)
+    {
+        cip_status status = cip_pub_close(std::exchange(pub_, nullptr), linger_ms);
+        if (status == CIP_ERR_TIMEOUT)
+            return false;
+        detail::check(status);
+        return true;
+    }
+    cip_pub *get() const noexcept { return pub_; }
+
+  private:
+    explicit publisher(cip_pub *pub) noexcept : pub_(pub) {}
+    cip_pub *pub_;
 };
 
 } // namespace cupy_ipcpool
