@@ -256,11 +256,13 @@ def test_a_c_publisher_of_the_api_streams_to_python_subscribers(
                 f = block.recv(BOUND)  # checks the slot's bytes
                 assert f.payload == f"frame {f.seq}".encode()
                 seqs.append(f.seq)
-                block.release(f)  # checks them again
+                # the latest one looks before the block one releases: once the last frame
+                # is back, the publisher closes (BYE) at once
                 with contextlib.suppress(TimeoutError):
                     g = latest.recv(0.0)
                     latest_seqs.append(g.seq)
                     latest.release(g)
+                block.release(f)  # checks them again
             assert seqs == list(range(frames))
             assert latest_seqs == sorted(set(latest_seqs)) and latest_seqs, latest_seqs
             with pytest.raises(EndOfStream):
