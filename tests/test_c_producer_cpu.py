@@ -232,6 +232,10 @@ def _lines_until(proc: subprocess.Popen[str], want: str) -> list[str]:
             return lines
 
 
+def _c_publisher(exe: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([exe, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
 def test_a_c_publisher_of_the_api_streams_to_python_subscribers(
     pub_exe: Path, tmp_path: Path
 ) -> None:
@@ -242,38 +246,40 @@ def test_a_c_publisher_of_the_api_streams_to_python_subscribers(
     on_leave is not told, as in Python)."""
     address = str(tmp_path / "p.sock")
     frames = 40
-    proc = subprocess.Popen(
-        [pub_exe, address, str(frames), "2", "2000"], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert _lines_until(proc, "listening") == ["listening"]
-        with (
-            MemfdConsumer(address, mode="block", credit=2) as block,
-            MemfdConsumer(address, mode="latest") as latest,
-        ):
-            seqs, latest_seqs = [], []
-            for _ in range(frames):
-                f = block.recv(BOUND)  # checks the slot's bytes
-                assert f.payload == f"frame {f.seq}".encode()
-                seqs.append(f.seq)
-                # the latest one looks before the block one releases: once the last frame
-                # is back, the publisher closes (BYE) at once
-                with contextlib.suppress(TimeoutError):
-                    g = latest.recv(0.0)
-                    latest_seqs.append(g.seq)
-                    latest.release(g)
-                block.release(f)  # checks them again
-            assert seqs == list(range(frames))
-            assert latest_seqs == sorted(set(latest_seqs)) and latest_seqs, latest_seqs
-            with pytest.raises(EndOfStream):
-                block.recv(BOUND)
-        out = proc.communicate(timeout=BOUND)[0].splitlines()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    with _c_publisher(pub_exe, address, str(frames), "2", "2000") as proc:
+        try:
+            assert _lines_until(proc, "listening") == ["listening"]
+            out = []
+            with (
+                MemfdConsumer(address, mode="block", credit=2) as block,
+                MemfdConsumer(address, mode="latest") as latest,
+            ):
+                seqs, latest_seqs = [], []
+                for _ in range(frames):
+                    f = block.recv(BOUND)  # checks the slot's bytes
+                    assert f.payload == f"frame {f.seq}".encode()
+                    seqs.append(f.seq)
+                    block.release(f)  # checks them again
+                    with contextlib.suppress(TimeoutError):
+                        g = latest.recv(0.0)
+                        latest_seqs.append(g.seq)
+                        latest.release(g)
+                assert seqs == list(range(frames))
+                assert latest_seqs == sorted(set(latest_seqs)) and latest_seqs, latest_seqs
+                out += _lines_until(proc, "published all")
+                assert proc.stdin is not None
+                proc.stdin.write("close\n")
+                proc.stdin.flush()
+                with pytest.raises(EndOfStream):
+                    block.recv(BOUND)
+                with pytest.raises(EndOfStream):
+                    while True:  # the frames queued before the BYE, then the end
+                        latest.release(latest.recv(BOUND))
+            out += proc.communicate(timeout=BOUND)[0].splitlines()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     assert proc.returncode == 0, out
-    assert [line.split()[0] for line in out].count("published") <= frames
     assert out[:2] == ["joined 1 block 2", "joined 2 latest 1"], out
     assert not [line for line in out if line.startswith(("left", "error"))], out
     assert out[-1] == "closed CIP_OK", out  # both hung up within the linger
@@ -283,27 +289,37 @@ def test_the_api_publisher_refuses_what_it_cannot_serve(pub_exe: Path, tmp_path:
     """An ahead subscriber is refused with the reason (no read flags); a live path is refused
     to a second publisher; the socket file goes with the publisher."""
     address = str(tmp_path / "p.sock")
-    proc = subprocess.Popen([pub_exe, address, "0", "1", "2000"], stdout=subprocess.PIPE, text=True)
-    try:
-        _lines_until(proc, "listening")
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        s.settimeout(BOUND)
-        s.connect(address)
-        s.send(proto.encode_hello(proto.MODE_CODES["ahead"], 1, os.getpid(), b""))
-        reply = proto.decode(s.recv(proto.MAX_WELCOME_SIZE))
-        s.close()
-        assert isinstance(reply, proto.Refuse) and "no read flags" in reply.reason
-        second = subprocess.run(
-            [pub_exe, address, "0", "1", "0"], capture_output=True, text=True, timeout=BOUND
-        )
-        assert second.returncode == 1
-        assert "CIP_ERR_TRANSPORT a publisher is already listening at" in second.stdout
-        with MemfdConsumer(address) as sub, pytest.raises(EndOfStream):  # the one it waits for
-            sub.recv(BOUND)
-        out = proc.communicate(timeout=BOUND)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    with _c_publisher(pub_exe, address, "0", "1", "2000") as proc:
+        try:
+            _lines_until(proc, "listening")
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                s.settimeout(BOUND)
+                s.connect(address)
+                s.send(proto.encode_hello(proto.MODE_CODES["ahead"], 1, os.getpid(), b""))
+                reply = proto.decode(s.recv(proto.MAX_WELCOME_SIZE))
+            finally:
+                s.close()
+            assert isinstance(reply, proto.Refuse) and "no read flags" in reply.reason
+            second = subprocess.run(
+                [pub_exe, address, "0", "1", "0"],
+                capture_output=True,
+                text=True,
+                timeout=BOUND,
+                stdin=subprocess.DEVNULL,
+            )
+            assert second.returncode == 1
+            assert "CIP_ERR_TRANSPORT a publisher is already listening at" in second.stdout
+            with MemfdConsumer(address) as sub:  # the one it waits for
+                _lines_until(proc, "published all")
+                assert proc.stdin is not None
+                proc.stdin.write("close\n")
+                proc.stdin.flush()
+                with pytest.raises(EndOfStream):
+                    sub.recv(BOUND)
+            out = proc.communicate(timeout=BOUND)[0]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     assert out.splitlines()[-1] == "closed CIP_OK"
     assert not os.path.exists(address)
