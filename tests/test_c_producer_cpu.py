@@ -323,3 +323,40 @@ def test_the_api_publisher_refuses_what_it_cannot_serve(pub_exe: Path, tmp_path:
                 proc.kill()
     assert out.splitlines()[-1] == "closed CIP_OK"
     assert not os.path.exists(address)
+
+
+def test_the_api_publisher_tells_on_leave_who_left_and_takes_its_leases_back(
+    pub_exe: Path, tmp_path: Path
+) -> None:
+    """A subscriber that leaves holding frames: on_leave hears who it was (as on_join did) and
+    why, its leases come back (the other subscriber's stream goes on to the end)."""
+    address = str(tmp_path / "p.sock")
+    frames = 6
+    with _c_publisher(pub_exe, address, str(frames), "2", "2000") as proc:
+        try:
+            _lines_until(proc, "listening")
+            with MemfdConsumer(address, mode="block", credit=4) as stays:
+                quitter = MemfdConsumer(address, mode="block", credit=4)
+                try:
+                    held = quitter.recv(BOUND)  # and never released
+                finally:
+                    quitter.close()  # says BYE holding it
+                for n in range(frames):
+                    f = stays.recv(BOUND)
+                    assert f.seq == n and held.seq == 0
+                    stays.release(f)
+                out = _lines_until(proc, "left")
+                assert out[-1] == "left 2 1 block 2 said BYE", out  # as on_join told it
+                out += _lines_until(proc, "published all")
+                assert proc.stdin is not None
+                proc.stdin.write("close\n")
+                proc.stdin.flush()
+                with pytest.raises(EndOfStream):
+                    stays.recv(BOUND)
+            out += proc.communicate(timeout=BOUND)[0].splitlines()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0 and out[-1] == "closed CIP_OK", out
+    published = [line.split()[1] for line in out if line.startswith("published ")]
+    assert published == [*map(str, range(frames)), "all"], out

@@ -3,7 +3,8 @@
  * 4 memfd slots of 4096 bytes; the WELCOME payload is the slot size (u64 little endian),
  * its fds the memfds (what tests/_memfd_backend.MemfdConsumer maps).  Frame seq fills its
  * slot with seq (u64) repeated.  Lines on stdout: "listening", "joined ID MODE CREDIT",
- * "published SEQ SLOT", "published all", "left ID JOINED WHY", "closed STATUS"; it closes
+ * "published SEQ SLOT", "published all", "left ID JOINED MODE CREDIT WHY", "closed STATUS"
+ * (the subscriber as on_join told it: the publisher keeps what it knows); it closes
  * once a line (or the end) comes on stdin.
  *
  *   cip_pub_probe PATH FRAMES SUBSCRIBERS LINGER_MS
@@ -35,7 +36,8 @@ static void
 on_leave(void *ctx, const cip_pub_subscriber *sub, int joined, const char *why)
 {
     (void)ctx;
-    printf("left %u %d %s\n", sub->sub_id, joined, why);
+    printf("left %u %d %s %u %s\n", sub->sub_id, joined,
+           sub->mode == CIP_MODE_LATEST ? "latest" : "block", sub->credit, why);
 }
 
 int
