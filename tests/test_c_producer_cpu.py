@@ -360,3 +360,32 @@ def test_the_api_publisher_tells_on_leave_who_left_and_takes_its_leases_back(
     assert proc.returncode == 0 and out[-1] == "closed CIP_OK", out
     published = [line.split()[1] for line in out if line.startswith("published ")]
     assert published == [*map(str, range(frames)), "all"], out
+
+
+def test_the_c_host_publisher_example_feeds_numpy_arrays_to_python(tmp_path: Path) -> None:
+    """``c/examples/host_publisher.c``: a C program's frames in host memory, read in Python as
+    NumPy arrays by ``HostChannelSubscriber`` (the payload layout it expects, written by hand
+    in C): every frame's image holds its number, its metadata says so, then the stream ends."""
+    import numpy as np
+
+    from cupy_ipcpool.remote import HostChannelSubscriber
+
+    exe = build_c_program(tmp_path, "host_publisher", [C_DIR / "examples" / "host_publisher.c"])
+    address = str(tmp_path / "host.sock")
+    frames = 5
+    with _c_publisher(exe, address, str(frames)) as proc:
+        try:
+            assert _lines_until(proc, "listening") == [f"listening at {address}"]
+            with HostChannelSubscriber(address) as sub:
+                for n in range(frames):
+                    with sub.recv(timeout=BOUND) as f:
+                        assert (f.seq, f.metadata) == (n, f"frame {n}".encode())
+                        assert f.array.dtype == np.float32 and f.array.shape == (480, 640)
+                        assert (f.array == n).all()
+                with pytest.raises(EndOfStream):
+                    sub.recv(timeout=BOUND)
+            out = proc.communicate(timeout=BOUND)[0]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0 and out.strip() == f"published {frames} frames; CIP_OK", out
