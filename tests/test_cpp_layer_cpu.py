@@ -43,20 +43,18 @@ def _cxx() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def probe_exe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _build_cpp(out: Path, name: str) -> Path:
+    """Compile ``c/tests/<name>.cpp`` with the header and the C library (compiled as C)."""
     cc, cxx = compiler(), _cxx()
     if cc is None or cxx is None:
         pytest.skip("no C and C++ compiler on this machine: the C++ layer is not built")
-    out = tmp_path_factory.mktemp("cpp")
-    objects = map(str, library_objects())  # the C library, compiled as C
-    exe = out / "cip_cpp_probe"
+    exe = out / name
     cmd = [
         cxx,
         *CXXFLAGS,
         f"-I{C_DIR / 'include'}",
-        str(C_DIR / "tests" / "cip_cpp_probe.cpp"),
-        *objects,
+        str(C_DIR / "tests" / f"{name}.cpp"),
+        *map(str, library_objects()),
         "-o",
         str(exe),
         "-ldl",
@@ -64,6 +62,11 @@ def probe_exe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr}"
     return exe
+
+
+@pytest.fixture(scope="module")
+def probe_exe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build_cpp(tmp_path_factory.mktemp("cpp"), "cip_cpp_probe")
 
 
 @pytest.fixture
@@ -161,23 +164,7 @@ def test_the_cpp_layer_gives_every_lease_back_once(
 
 @pytest.fixture(scope="module")
 def pub_exe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cc, cxx = compiler(), _cxx()
-    if cc is None or cxx is None:
-        pytest.skip("no C and C++ compiler on this machine: the C++ layer is not built")
-    exe = tmp_path_factory.mktemp("cpppub") / "cip_cpp_pub_probe"
-    cmd = [
-        cxx,
-        *CXXFLAGS,
-        f"-I{C_DIR / 'include'}",
-        str(C_DIR / "tests" / "cip_cpp_pub_probe.cpp"),
-        *map(str, library_objects()),
-        "-o",
-        str(exe),
-        "-ldl",
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr}"
-    return exe
+    return _build_cpp(tmp_path_factory.mktemp("cpppub"), "cip_cpp_pub_probe")
 
 
 def test_a_cpp_publisher_streams_to_a_python_subscriber_and_closes_at_scope_end(
