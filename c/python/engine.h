@@ -93,8 +93,8 @@ struct cipi_acceptor *cipy_acceptor_of(engine_state *es, PyObject *obj);
 struct cipi_welcomed;
 PyObject *cipy_welcomed_list(struct cipi_welcomed *w, size_t n);
 
-/* unix.c: the Unix-socket path functions (check_socket_path, bind_listen, remove_stale,
- * unlink_if_ours), added to the module */
+/* unix.c: the Unix-socket path functions (check_socket_path, bind_listen,
+ * publisher_listen, unlink_if_ours), added to the module */
 int cipy_unix_exec(PyObject *module);
 
 /* producer.c: the Producer type (the producer's calls over a session and an Acceptor) */

@@ -427,8 +427,10 @@ CIP_INTERNAL ssize_t cipi_recv_with_fds(int s, void *buf, size_t n, void *contro
 /* listen.c */
 CIP_INTERNAL cip_status cipi_bind_listen(int fd, const char *path, unsigned mode, int backlog,
                                          uint64_t *dev, uint64_t *ino, int *err);
-CIP_INTERNAL cip_status cipi_remove_stale(const char *path, int *err);
 CIP_INTERNAL int cipi_unlink_if_ours(const char *path, uint64_t dev, uint64_t ino);
+CIP_INTERNAL cip_status cipi_publisher_listen(const char *path, const uint32_t *uids, size_t nuids,
+                                              uint32_t max_subscribers, int *fd, uint64_t *dev,
+                                              uint64_t *ino, int *err);
 
 /* pool.c */
 CIP_INTERNAL cip_status cipi_attach_fds(const cip_descriptor *d, int *fds, size_t nfds, int device,

@@ -1,6 +1,7 @@
 /* listen.c -- a listening Unix socket at a path: bound so that the file never exists with a
- * wider mode than asked nor before the socket listens, a stale file replaced (a publisher's
- * rule), and the file removed at teardown only while it is still ours.  The Python library
+ * wider mode than asked nor before the socket listens, a stale file replaced, the publisher's
+ * socket (its mode by who may connect, its backlog), and the file removed at teardown only
+ * while it is still ours.  The Python library
  * calls these for the fd server and the publisher (cupy_ipcpool._transport._unix,
  * channel._handshake); errno of a failure goes to *err. */
 #include "cip_internal.h"
@@ -112,8 +113,10 @@ cipi_bind_listen(int fd, const char *path, unsigned mode, int backlog, uint64_t 
     return CIP_OK;
 }
 
-cip_status
-cipi_remove_stale(const char *path, int *err)
+/* Remove `path` if it is a socket nobody listens on; a live one, or a file that is not a
+ * socket, is refused. */
+static cip_status
+remove_stale(const char *path, int *err)
 {
     *err = 0;
     cip_status st = cipi_check_socket_path(path);
@@ -167,4 +170,33 @@ cipi_unlink_if_ours(const char *path, uint64_t dev, uint64_t ino)
     if (unlink(path) != 0 && errno != ENOENT)
         return errno;
     return 0;
+}
+
+cip_status
+cipi_publisher_listen(const char *path, const uint32_t *uids, size_t nuids,
+                      uint32_t max_subscribers, int *fd, uint64_t *dev, uint64_t *ino, int *err)
+{
+    cip_status st = remove_stale(path, err);
+    if (st != CIP_OK)
+        return st;
+    unsigned mode = 0600; /* others allowed: 0666, and the uid check alone decides */
+    uint32_t own = (uint32_t)geteuid();
+    for (size_t i = 0; i < nuids; i++)
+        if (uids[i] != own)
+            mode = 0666;
+    /* well above the subscriber limit: the accept thread drains the queue at once, so only a
+     * burst ever sits in it */
+    long backlog = 4L * max_subscribers < 256 ? 256 : 4L * max_subscribers;
+    if (backlog > SOMAXCONN)
+        backlog = SOMAXCONN;
+    int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (s < 0)
+        return FAIL(err, errno, "cannot make a socket for %s: %s", path, strerror(errno));
+    st = cipi_bind_listen(s, path, mode, (int)backlog, dev, ino, err);
+    if (st != CIP_OK) {
+        close(s);
+        return st;
+    }
+    *fd = s;
+    return CIP_OK;
 }

@@ -74,30 +74,6 @@ public_status(cip_status st)
     return (int)st >= 100 ? CIP_ERR_INVALID_ARGUMENT : st;
 }
 
-/* The listening socket at path: a stale file replaced, bound with `mode`. */
-static cip_status
-listen_at(cip_pub *p, const char *path, unsigned mode, uint32_t max_subscribers, int *fd)
-{
-    int err;
-    cip_status st = cipi_remove_stale(path, &err);
-    if (st != CIP_OK)
-        return st;
-    int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (s < 0)
-        return cipi_fail(CIP_ERR_TRANSPORT, "socket: %s", strerror(errno));
-    long backlog = 4L * max_subscribers < 256 ? 256 : 4L * max_subscribers;
-    if (backlog > SOMAXCONN)
-        backlog = SOMAXCONN;
-    st = cipi_bind_listen(s, path, mode, (int)backlog, &p->dev, &p->ino, &err);
-    if (st != CIP_OK) {
-        close(s);
-        return st;
-    }
-    strcpy(p->path, path); /* (checked: it fits) */
-    *fd = s;
-    return CIP_OK;
-}
-
 cip_status
 cip_pub_open_raw(const char *path, const cip_pub_options *opts, const void *payload, size_t len,
                  const int *fds, size_t nfds, cip_pub **out)
@@ -127,13 +103,11 @@ cip_pub_open_raw(const char *path, const cip_pub_options *opts, const void *payl
     uint32_t own = (uint32_t)geteuid();
     const uint32_t *uids = opts->allowed_uids ? opts->allowed_uids : &own;
     size_t nuids = opts->allowed_uids ? opts->n_allowed_uids : 1;
-    unsigned mode = 0600;
-    for (size_t i = 0; i < nuids; i++)
-        if (uids[i] != own)
-            mode = 0666; /* others may connect: the uid check alone decides */
-    int listener = -1;
-    st = listen_at(p, path, mode, opts->max_subscribers, &listener);
+    int listener = -1, err;
+    st = cipi_publisher_listen(path, uids, nuids, opts->max_subscribers, &listener, &p->dev,
+                               &p->ino, &err);
     if (st == CIP_OK) {
+        strcpy(p->path, path); /* (checked: it fits) */
         struct cipi_acceptor_config cfg = {
             .listener = listener,
             .num_slots = opts->num_slots,

@@ -102,10 +102,10 @@ main(void)
         } else if (!strcmp(cmd, "listen") && !made &&
                    sscanf(rest, "%107s %lld %lld %lld %lld", path, &a, &b, &c, &d) == 5) {
             int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-            struct sockaddr_un addr = {.sun_family = AF_UNIX};
-            memcpy(addr.sun_path, path, sizeof path);
-            if (s < 0 || bind(s, (struct sockaddr *)&addr, sizeof addr) != 0 || listen(s, 256)) {
-                printf("err -1 cannot listen at %s: %s\n", path, strerror(errno));
+            uint64_t dev, ino; /* bound and listening as a publisher's is (c/src/listen.c) */
+            int err = 0;
+            if (s < 0 || cipi_bind_listen(s, path, 0600, 256, &dev, &ino, &err) != CIP_OK) {
+                printf("err -1 cannot listen at %s: %s\n", path, strerror(s < 0 ? errno : err));
                 if (s >= 0)
                     close(s);
                 continue;

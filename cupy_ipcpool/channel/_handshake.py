@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 
 from .._transport import MAX_PENDING_PER_UID
 from .._transport._accept_loop import HANDSHAKE_TIMEOUT
-from . import _leases
 
 if TYPE_CHECKING:
     from .._engine import ReaderRows
@@ -99,13 +98,6 @@ class Welcome:
     rows: ReaderRows | None = None
     row_at: int = 0
     refuse: Mapping[str, str] = field(default_factory=dict)
-
-
-def _remove_stale(address: str) -> None:
-    """Unlink ``address`` if it is a socket nobody listens on; refuse a live one (the engine's
-    rule, ``c/src/listen.c``: TransportError ``EEXIST`` for a file that is not a socket,
-    ``EADDRINUSE`` for a live one, even with a full backlog)."""
-    _leases._engine().remove_stale(address)
 
 
 __all__ = ["HANDSHAKE_TIMEOUT", "MAX_PENDING_PER_UID", "SubscriberInfo", "Welcome"]

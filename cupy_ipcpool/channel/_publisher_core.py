@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -34,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from .._errors import PoolClosedError, SlotBusyError, UsageError
 from .._transport._closing import ClosedFlag
-from .._transport._unix import allowed_uid_set, bind_unix, check_socket_path, unlink_if_ours
+from .._transport._unix import allowed_uid_set, check_socket_path, unlink_if_ours
 from . import _leases, _sockets
 from . import _protocol as proto
 from ._handshake import (
@@ -42,7 +41,6 @@ from ._handshake import (
     MAX_PENDING_PER_UID,
     SubscriberInfo,
     Welcome,
-    _remove_stale,
 )
 from ._leases import LeaseBook
 from ._sockets import _spin_ns, _us, _warn
@@ -187,25 +185,16 @@ class PublisherCore(ClosedFlag):
         self._closed = False
         self.last_leave_reason = ""
 
-        _remove_stale(self.address)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            listener.setblocking(False)
-            # Well above the subscriber limit: the accept thread drains the queue at
-            # once, so only a burst ever sits in it.  The path appears listening.
-            ident = bind_unix(
-                listener,
-                self.address,
-                0o600 if allowed <= {euid} else 0o666,
-                backlog=min(max(4 * max_subscribers, 256), socket.SOMAXCONN),
-            )
-        except BaseException:
-            listener.close()
-            raise
+        # the publisher's socket (c/src/listen.c: a stale file replaced, the mode by who may
+        # connect, the backlog), listening before its file appears
+        listener, dev, ino = _leases._engine().publisher_listen(
+            self.address, sorted(allowed), max_subscribers
+        )
+        ident = (dev, ino)
         try:
             # the engine's accept thread (c/src/acceptor.c); it owns the listener from here on
             self._acc = _leases._engine().Acceptor(
-                listener.fileno(),
+                listener,
                 num_slots=self.num_slots,
                 payload=welcome.payload,
                 fds=welcome.fds,
@@ -219,9 +208,8 @@ class PublisherCore(ClosedFlag):
                 handshake_timeout=handshake_timeout,
                 max_pending_per_uid=max_pending_per_uid,
             )
-            listener.detach()
         except BaseException:
-            listener.close()
+            os.close(listener)
             os.unlink(self.address)
             raise
         self._ident = ident
