@@ -176,20 +176,27 @@ rows_assign(ReaderRows *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromUnsignedLong(index);
 }
 
+/* One subscriber's step (cipi_rows_adopt, cipi_rows_drop) under the rows' mutex. */
 static PyObject *
-rows_adopt(ReaderRows *self, PyObject *arg)
+by_id(ReaderRows *self, PyObject *arg, cip_status (*step)(struct cipi_rows *, uint32_t))
 {
     uint32_t id;
     if (usable(self) < 0 || as_u32(arg, &id) < 0)
         return NULL;
     rows_lock(self);
-    cip_status st = cipi_rows_adopt(&self->rows, id);
+    cip_status st = step(&self->rows, id);
     rows_unlock(self);
     if (st != CIP_OK) {
         PyErr_SetString(state(self)->usage_error, cip_last_error());
         return NULL;
     }
     Py_RETURN_NONE;
+}
+
+static PyObject *
+rows_adopt(ReaderRows *self, PyObject *arg)
+{
+    return by_id(self, arg, cipi_rows_adopt);
 }
 
 static PyObject *
@@ -209,17 +216,7 @@ rows_index(ReaderRows *self, PyObject *arg)
 static PyObject *
 rows_drop(ReaderRows *self, PyObject *arg)
 {
-    uint32_t id;
-    if (usable(self) < 0 || as_u32(arg, &id) < 0)
-        return NULL;
-    rows_lock(self);
-    cip_status st = cipi_rows_drop(&self->rows, id);
-    rows_unlock(self);
-    if (st != CIP_OK) {
-        PyErr_SetString(state(self)->usage_error, cip_last_error());
-        return NULL;
-    }
-    Py_RETURN_NONE;
+    return by_id(self, arg, cipi_rows_drop);
 }
 
 static PyObject *
