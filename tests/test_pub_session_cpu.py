@@ -582,22 +582,54 @@ def test_subscribers_can_be_read_while_the_producer_waits(tmp_path: object) -> N
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"send_timeout": -1.0}, "send_timeout must be 0..1e9 seconds"),
-        ({"send_timeout": float("inf")}, "send_timeout must be 0..1e9 seconds"),
-        ({"lease_timeout": 0.0}, "lease_timeout must be positive"),
+        ({"send_timeout": -1.0}, r"send_timeout must be 0\.\.1e9 seconds, not -1"),
+        ({"send_timeout": float("inf")}, r"send_timeout must be 0\.\.1e9 seconds, not inf"),
+        ({"send_timeout": float("nan")}, r"send_timeout must be 0\.\.1e9 seconds, not nan"),
+        ({"lease_timeout": 0.0}, r"lease_timeout must be positive seconds or None"),
+        ({"lease_timeout": -2}, r"lease_timeout must be positive seconds or None"),
+        ({"lease_timeout": 5e6}, r"lease_timeout must be below 4294967 seconds, not 5e\+06"),
+        ({"num_slots": 0}, r"num_slots must be in 1\.\.65536, not 0"),
+        ({"num_slots": 65537}, r"num_slots must be in 1\.\.65536, not 65537"),
+        ({"num_slots": -3}, r"num_slots must be a count, not -3"),
+        ({"max_subscribers": 0}, r"max_subscribers must be at least 1, not 0"),
+        ({"max_credit": 0}, r"max_credit must be at least 1 \(None: the default\), not 0"),
+        ({"max_credit": 65536}, r"max_credit must be at most 65535, not 65536"),
+        ({"handshake_timeout": 0}, r"handshake_timeout must be positive seconds up to 1e9"),
+        ({"max_pending_per_uid": 0}, r"max_pending_per_uid must be at least 1, not 0"),
     ],
 )
-def test_a_publisher_refuses_a_timeout_the_session_cannot_keep(
+def test_a_publisher_refuses_options_it_cannot_keep(
     tmp_path: object, kwargs: dict[str, float], match: str
 ) -> None:
-    """Refused when the publisher is made (not at the first stall), with nothing bound."""
+    """Refused when the publisher is made (not at the first stall), with nothing bound: the
+    C API's one rule of a publisher's options (cipi_pub_check_options), Python's None for
+    "the default" and "no limit" aside."""
     from cupy_ipcpool.channel._handshake import Welcome
     from cupy_ipcpool.channel._publisher_core import PublisherCore
 
     address = os.path.join(str(tmp_path), "p.sock")
+    options: dict[str, float] = {"num_slots": 4, **kwargs}
     with pytest.raises(UsageError, match=match):
-        PublisherCore(address, 4, welcome=Welcome(), **kwargs)  # type: ignore[arg-type]
+        PublisherCore(address, welcome=Welcome(), **options)  # type: ignore[arg-type]
     assert not os.path.exists(address)
+
+
+def test_a_publisher_takes_the_edges_of_its_options(tmp_path: object) -> None:
+    """The edges of each range are accepted: one slot, a credit of 65535, no send timeout (a
+    full socket drops its subscriber at once), the longest lease timeout."""
+    from cupy_ipcpool.channel._handshake import Welcome
+    from cupy_ipcpool.channel._publisher_core import PublisherCore
+
+    address = os.path.join(str(tmp_path), "p.sock")
+    for options in (
+        {"num_slots": 1, "max_credit": 65535, "send_timeout": 0.0},
+        {"num_slots": 65536, "lease_timeout": 4294966.5, "max_subscribers": 1},
+    ):
+        core = PublisherCore(address, welcome=Welcome(), **options)  # type: ignore[arg-type]
+        try:
+            assert os.path.exists(address)
+        finally:
+            core.close()
 
 
 def test_a_signal_during_closes_linger_raises_and_every_socket_is_closed(subs: Subs) -> None:
@@ -634,3 +666,55 @@ def test_a_long_reason_is_cut_whole_characters_in_the_notice_and_the_departure(
     assert why.startswith(kept) and 200 < len(kept.encode()) < 224
     notice = _decoded(subs.read_all(1))
     assert notice == [proto.Refuse(kept), b""]
+
+
+def test_on_leave_tells_a_subscriber_as_it_joined_from_the_engines_record(
+    tmp_path: object,
+) -> None:
+    """Who joined is known until it leaves: ``subscribers`` lists it (its HELLO payload, its
+    granted credit, the kernel's pid), a busy ``acquire`` names its pid and mode, and its
+    ``on_leave`` gets the same record as its ``on_join`` (c/src/producer.c keeps it; no
+    Python copy)."""
+    from cupy_ipcpool._errors import SlotBusyError
+    from cupy_ipcpool.channel._handshake import Welcome
+    from cupy_ipcpool.channel._publisher_core import PublisherCore
+
+    address = os.path.join(str(tmp_path), "p.sock")
+    joined: list[object] = []
+    left: list[object] = []
+    with PublisherCore(
+        address, 4, welcome=Welcome(), on_join=joined.append, on_leave=left.append
+    ) as core:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.settimeout(10.0)
+        s.connect(address)
+        s.send(proto.encode_hello(proto.MODE_CODES["block"], 3, os.getpid(), b"who am I"))
+        welcome = proto.decode(s.recv(proto.MAX_WELCOME_SIZE + 1))
+        assert isinstance(welcome, proto.Welcome)
+        deadline = time.monotonic() + 10.0
+        while not joined:
+            core.poll(0.01)
+            assert time.monotonic() < deadline
+        (info,) = joined
+        assert core.subscribers == [info]
+        assert (info.sub_id, info.pid, info.uid, info.mode) == (
+            welcome.sub_id,
+            os.getpid(),
+            os.geteuid(),
+            "block",
+        )
+        # granted: the 3 asked for, capped at max_credit (num_slots - 2)
+        assert (info.credit, info.hello, info.peer_pid) == (2, b"who am I", os.getpid())
+        for _ in range(4):  # a "block" subscriber takes every frame: it holds all 4 slots
+            slot, _readers = core.acquire(timeout=1.0)
+            core.publish(slot)
+        with pytest.raises(
+            SlotBusyError, match=rf"\(pid {os.getpid()}, block\) holds slots \[0, 1, 2, 3\]"
+        ):
+            core.acquire(timeout=0.05)
+        s.close()
+        while not left:
+            core.poll(0.01)
+            assert time.monotonic() < deadline
+        assert left == [info]
+        assert core.subscribers == []

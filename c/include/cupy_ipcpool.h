@@ -397,12 +397,14 @@ typedef struct cip_pub_subscriber {
 typedef struct cip_pub_options {
     uint32_t num_slots;            /* the ring: 1..CIP_WIRE_MAX_SLOTS; no default */
     uint32_t max_subscribers;      /* further ones are refused; default 64 */
-    uint32_t max_credit;           /* cap on a subscriber's credit; 0 (default): num_slots - 2,
-                                      at least 1 */
-    double lease_timeout_s;        /* a subscriber holding a frame longer is evicted; 0
-                                      (default): no limit */
-    double send_timeout_s;         /* a full "block" socket may stall a publish; default 5 */
-    double handshake_timeout_s;    /* from accept to HELLO; default 5 */
+    uint32_t max_credit;           /* cap on a subscriber's credit, at most
+                                      CIP_WIRE_MAX_CREDIT; 0 (default): num_slots - 2, at
+                                      least 1 */
+    double lease_timeout_s;        /* a subscriber holding a frame longer is evicted; below
+                                      4294967; 0 (default): no limit */
+    double send_timeout_s;         /* a full "block" socket may stall a publish (0..1e9; 0:
+                                      dropped at once); default 5 */
+    double handshake_timeout_s;    /* from accept to HELLO (above 0, up to 1e9); default 5 */
     uint32_t max_pending_per_uid;  /* handshakes of one uid at once; default 8 */
     const uint32_t *allowed_uids;  /* uids that may subscribe; NULL (default): own euid only,
                                       the socket file 0600 (else 0666: the uid check decides) */

@@ -196,16 +196,22 @@ acceptor_start(Acceptor *self, PyObject *Py_UNUSED(arg))
 /* [(sub_id, fd, pid, uid, mode, credit, hello, peer_pid, row)] of `n` welcomed (their fds
  * the caller's once this returns; on failure every fd is closed). */
 PyObject *
+cipy_welcomed_tuple(const struct cipi_welcomed *w)
+{
+    PyObject *row = w->row < 0 ? Py_NewRef(Py_None) : PyLong_FromLong(w->row);
+    if (row == NULL)
+        return NULL;
+    return Py_BuildValue("(IiiIsIy#iN)", w->sub_id, w->fd, w->pid, w->uid, MODE_NAMES[w->mode],
+                         w->credit, (const char *)w->hello, (Py_ssize_t)w->hello_len,
+                         w->peer_pid, row);
+}
+
+PyObject *
 cipy_welcomed_list(struct cipi_welcomed *w, size_t n)
 {
     PyObject *out = PyList_New((Py_ssize_t)n);
     for (size_t i = 0; out != NULL && i < n; i++) {
-        PyObject *row = w[i].row < 0 ? Py_NewRef(Py_None) : PyLong_FromLong(w[i].row);
-        PyObject *t = row == NULL ? NULL
-                                  : Py_BuildValue("(IiiIsIy#iN)", w[i].sub_id, w[i].fd, w[i].pid,
-                                                  w[i].uid, MODE_NAMES[w[i].mode], w[i].credit,
-                                                  (const char *)w[i].hello,
-                                                  (Py_ssize_t)w[i].hello_len, w[i].peer_pid, row);
+        PyObject *t = cipy_welcomed_tuple(&w[i]);
         if (t == NULL) {
             Py_CLEAR(out);
             break;

@@ -92,6 +92,8 @@ struct cipi_acceptor *cipy_acceptor_of(engine_state *es, PyObject *obj);
  * their fds the caller's; the list is freed (on failure too, every fd closed) */
 struct cipi_welcomed;
 PyObject *cipy_welcomed_list(struct cipi_welcomed *w, size_t n);
+/* acceptor.c: one welcomed's (sub_id, fd, pid, uid, mode, credit, hello, peer_pid, row) */
+PyObject *cipy_welcomed_tuple(const struct cipi_welcomed *w);
 
 /* unix.c: the Unix-socket path functions (check_socket_path, bind_listen,
  * publisher_listen, unlink_if_ours), added to the module */

@@ -145,8 +145,36 @@ producer_publish(Producer *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromUnsignedLongLong(seq);
 }
 
+/* [(record, why)] of the session's departures, each record the producer's of it as it joined
+ * (None: never told as joined), taken; NULL on failure (kept for the next answer). */
+static PyObject *
+leavers(Producer *self)
+{
+    struct cipi_pubsession *s = self->prod.s;
+    PyObject *out = PyList_New(s->nleft);
+    for (uint32_t i = 0; out != NULL && i < s->nleft; i++) {
+        const struct cipi_welcomed *rec = cipi_producer_known(&self->prod, s->left[i].sub_id);
+        PyObject *taken = rec != NULL ? cipy_welcomed_tuple(rec) : Py_NewRef(Py_None);
+        PyObject *item = taken == NULL ? NULL : Py_BuildValue("(Ns)", taken, s->left[i].why);
+        if (item == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+    if (out == NULL)
+        return NULL;
+    for (uint32_t i = 0; i < s->nleft; i++) { /* told: their records go */
+        struct cipi_welcomed rec;
+        if (cipi_producer_leaver(&self->prod, i, &rec))
+            free(rec.hello);
+    }
+    s->nleft = 0;
+    return out;
+}
+
 /* (joined, gone, left), taken; NULL on failure (what was not made into a list is lost:
- * only out of memory fails, and their fds are closed). */
+ * only out of memory fails, and their fds are closed; those that left are kept). */
 static PyObject *
 news(Producer *self)
 {
@@ -155,21 +183,11 @@ news(Producer *self)
     cipi_producer_take_news(&self->prod, &joined, &njoined, &gone, &ngone);
     PyObject *gone_list = cipy_welcomed_list(gone, ngone);
     PyObject *joined_list = cipy_welcomed_list(joined, njoined);
-    PyObject *left = cipy_departures(self->prod.s);
-    if (gone_list == NULL || joined_list == NULL || left == NULL) {
+    PyObject *left = gone_list && joined_list ? leavers(self) : NULL;
+    if (left == NULL) {
         Py_XDECREF(gone_list);
         Py_XDECREF(joined_list);
-        Py_XDECREF(left);
         return NULL;
-    }
-    if (left == Py_None) {
-        Py_DECREF(left);
-        left = PyList_New(0);
-        if (left == NULL) {
-            Py_DECREF(gone_list);
-            Py_DECREF(joined_list);
-            return NULL;
-        }
     }
     return Py_BuildValue("(NNN)", joined_list, gone_list, left);
 }
@@ -195,6 +213,44 @@ producer_stop(Producer *self, PyObject *Py_UNUSED(arg))
     Py_END_ALLOW_THREADS
     *self->busy = 0;
     return news(self);
+}
+
+static PyObject *
+producer_subscribers(Producer *self, PyObject *Py_UNUSED(arg))
+{
+    if (!self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "Producer is not initialised");
+        return NULL;
+    }
+    const struct cipi_pubwire *w = &self->prod.s->wire;
+    PyObject *out = PyList_New(0);
+    for (uint32_t i = 0; out != NULL && i < w->n; i++) {
+        const struct cipi_welcomed *rec = cipi_producer_known(&self->prod, w->ids[i]);
+        if (rec == NULL) /* added at close, never told as joined */
+            continue;
+        PyObject *t = cipy_welcomed_tuple(rec);
+        if (t == NULL || PyList_Append(out, t) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(t);
+    }
+    return out;
+}
+
+static PyObject *
+producer_subscriber(Producer *self, PyObject *arg)
+{
+    if (!self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "Producer is not initialised");
+        return NULL;
+    }
+    unsigned long sub_id = PyLong_AsUnsignedLong(arg);
+    if (sub_id == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    const struct cipi_welcomed *rec =
+        sub_id > UINT32_MAX ? NULL : cipi_producer_known(&self->prod, (uint32_t)sub_id);
+    if (rec == NULL)
+        Py_RETURN_NONE;
+    return cipy_welcomed_tuple(rec);
 }
 
 static PyObject *
@@ -232,10 +288,17 @@ static PyMethodDef producer_methods[] = {
     {"news", (PyCFunction)producer_news, METH_NOARGS,
      "news() -> (joined, gone, left) | None: the subscribers adopted and those gone before "
      "adoption since the last news() (each (sub_id, fd, pid, uid, mode, credit, hello, "
-     "peer_pid, row)), and those that left, [(sub_id, why)]; None: nothing."},
+     "peer_pid, row)), and those that left, [(record, why)], each record as it joined (None: "
+     "never told as joined); None: nothing."},
     {"stop", (PyCFunction)producer_stop, METH_NOARGS,
      "stop() -> (joined, gone, left): stop the accept thread; the welcomed not yet adopted "
      "join the session for its BYE, without being told as joined; then news()."},
+    {"subscribers", (PyCFunction)producer_subscribers, METH_NOARGS,
+     "subscribers() -> list: the record of each subscriber on the wire told as joined, in the "
+     "order added (as news() gives them, fd -1)."},
+    {"subscriber", (PyCFunction)producer_subscriber, METH_O,
+     "subscriber(sub_id) -> tuple | None: the record of an adopted subscriber not yet told as "
+     "left."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -265,8 +328,108 @@ static PyType_Spec producer_spec = {
     producer_slots,
 };
 
+/* UsageError(message); -1. */
+static int
+usage(PyObject *module, const char *message)
+{
+    engine_state *es = (engine_state *)PyModule_GetState(module);
+    PyErr_SetString(es->usage_error, message);
+    return -1;
+}
+
+/* A count argument as uint32 (its range checked by the rule, not here); 0 or -1. */
+static int
+count_arg(PyObject *module, PyObject *obj, const char *name, uint32_t *out)
+{
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an int, not %.80s", name,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    long long v = PyLong_AsLongLong(obj);
+    if (v == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        v = -1; /* out of range either way */
+    }
+    if (v < 0 || v > (long long)UINT32_MAX) {
+        char message[160];
+        snprintf(message, sizeof message, "%s must be a count, not %lld", name, v);
+        return usage(module, message);
+    }
+    *out = (uint32_t)v;
+    return 0;
+}
+
+/* Seconds as a double (NaN and infinities refused by the rule); 0 or -1. */
+static int
+seconds_arg(PyObject *obj, double *out)
+{
+    double v = PyFloat_AsDouble(obj);
+    if (v == -1.0 && PyErr_Occurred())
+        return -1;
+    *out = v;
+    return 0;
+}
+
+static PyObject *
+check_publisher_options(PyObject *module, PyObject *args, PyObject *kwds)
+{
+    static char *names[] = {"num_slots",    "max_subscribers",   "max_credit",
+                            "lease_timeout", "send_timeout",     "handshake_timeout",
+                            "max_pending_per_uid", NULL};
+    PyObject *num_slots, *max_subscribers, *max_credit, *lease_timeout, *send_timeout,
+        *handshake_timeout, *per_uid;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "$OOOOOOO:check_publisher_options", names,
+                                     &num_slots, &max_subscribers, &max_credit, &lease_timeout,
+                                     &send_timeout, &handshake_timeout, &per_uid))
+        return NULL;
+    cip_pub_options o;
+    cip_pub_options_init(&o);
+    if (count_arg(module, num_slots, "num_slots", &o.num_slots) < 0 ||
+        count_arg(module, max_subscribers, "max_subscribers", &o.max_subscribers) < 0 ||
+        count_arg(module, per_uid, "max_pending_per_uid", &o.max_pending_per_uid) < 0 ||
+        seconds_arg(send_timeout, &o.send_timeout_s) < 0 ||
+        seconds_arg(handshake_timeout, &o.handshake_timeout_s) < 0)
+        return NULL;
+    /* Python says "no limit" and "the default" with None, where C says 0 */
+    if (max_credit != Py_None) {
+        if (count_arg(module, max_credit, "max_credit", &o.max_credit) < 0)
+            return NULL;
+        if (o.max_credit == 0 && usage(module, "max_credit must be at least 1 (None: the "
+                                               "default), not 0") < 0)
+            return NULL;
+    }
+    if (lease_timeout != Py_None) {
+        if (seconds_arg(lease_timeout, &o.lease_timeout_s) < 0)
+            return NULL;
+        if (!(o.lease_timeout_s > 0.0)) { /* (too long: the rule's) */
+            PyErr_Format(((engine_state *)PyModule_GetState(module))->usage_error,
+                         "lease_timeout must be positive seconds or None (no limit), not %R",
+                         lease_timeout);
+            return NULL;
+        }
+    }
+    if (cipi_pub_check_options(&o) != CIP_OK) {
+        usage(module, cip_last_error());
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef producer_functions[] = {
+    {"check_publisher_options", (PyCFunction)(void (*)(void))check_publisher_options,
+     METH_VARARGS | METH_KEYWORDS,
+     "check_publisher_options(*, num_slots, max_subscribers, max_credit, lease_timeout, "
+     "send_timeout, handshake_timeout, max_pending_per_uid): UsageError unless a publisher "
+     "can be made with these (the C API's rule, cipi_pub_check_options; None: the default "
+     "max_credit, no lease timeout)."},
+    {NULL, NULL, 0, NULL},
+};
+
 int
 cipy_producer_exec(PyObject *module)
 {
+    if (PyModule_AddFunctions(module, producer_functions) < 0)
+        return -1;
     return cipy_add_type(module, &producer_spec, "Producer");
 }

@@ -358,6 +358,8 @@ struct cipi_producer {
     uint64_t departed;         /* the session's departures told to the acceptor */
     struct cipi_welcomed *joined, *gone; /* adopted, and gone before adoption: not yet taken */
     size_t njoined, ngone;
+    struct cipi_welcomed *known; /* the adopted until they leave (fd -1, HELLO kept) */
+    size_t nknown, known_cap;
 };
 CIP_INTERNAL void cipi_producer_init(struct cipi_producer *p, struct cipi_pubsession *s,
                                      struct cipi_acceptor *acc);
@@ -378,5 +380,16 @@ CIP_INTERNAL void cipi_producer_take_news(struct cipi_producer *p, struct cipi_w
                                           size_t *njoined, struct cipi_welcomed **gone,
                                           size_t *ngone);
 CIP_INTERNAL void cipi_producer_stop(struct cipi_producer *p);
+/* publisher.c: a publisher's options (cip_pub_options; the callbacks are not looked at),
+ * the one check of them: CIP_OK, or CIP_ERR_INVALID_ARGUMENT saying which and why. */
+CIP_INTERNAL cip_status cipi_pub_check_options(const cip_pub_options *o);
+/* The record of an adopted subscriber still on the wire (or left, not yet told); NULL. */
+CIP_INTERNAL const struct cipi_welcomed *cipi_producer_known(const struct cipi_producer *p,
+                                                            uint32_t sub_id);
+/* The record of the session's departure i (i < s->nleft), moved out to *out (the caller
+ * frees its HELLO): 1; 0: not adopted with a record (one joined at close), only its sub_id
+ * set.  The caller empties s->left when it has taken every one. */
+CIP_INTERNAL int cipi_producer_leaver(struct cipi_producer *p, uint32_t i,
+                                      struct cipi_welcomed *out);
 
 #endif /* CIP_PUBLISHER_H */

@@ -7,7 +7,9 @@
  * No GPU, no thread of its own, no lock: the producer's one thread calls it, and a wait lets
  * others run only through the caller's cipi_waiting.  Who joined (adopted) and who went
  * before adoption are kept until the caller takes them (cipi_producer_take_news), with the
- * session's departures: the caller tells its user in its own thread. */
+ * session's departures: the caller tells its user in its own thread.  Each adopted
+ * subscriber's record (as it was welcomed, its HELLO kept) stays until it leaves: who
+ * is on the wire, and who left (cipi_producer_leaver), are told from it. */
 #include "cip_internal.h"
 
 void
@@ -24,8 +26,67 @@ cipi_producer_free(struct cipi_producer *p)
 {
     cipi_acceptor_free_list(p->joined, p->njoined);
     cipi_acceptor_free_list(p->gone, p->ngone);
-    p->joined = p->gone = NULL;
-    p->njoined = p->ngone = 0;
+    cipi_acceptor_free_list(p->known, p->nknown);
+    p->joined = p->gone = p->known = NULL;
+    p->njoined = p->ngone = p->nknown = p->known_cap = 0;
+}
+
+const struct cipi_welcomed *
+cipi_producer_known(const struct cipi_producer *p, uint32_t sub_id)
+{
+    for (size_t k = 0; k < p->nknown; k++)
+        if (p->known[k].sub_id == sub_id)
+            return &p->known[k];
+    return NULL;
+}
+
+int
+cipi_producer_leaver(struct cipi_producer *p, uint32_t i, struct cipi_welcomed *out)
+{
+    uint32_t sub_id = p->s->left[i].sub_id;
+    for (size_t k = 0; k < p->nknown; k++)
+        if (p->known[k].sub_id == sub_id) {
+            *out = p->known[k];
+            p->known[k] = p->known[--p->nknown];
+            return 1;
+        }
+    memset(out, 0, sizeof *out);
+    out->sub_id = sub_id;
+    out->fd = -1;
+    out->row = -1;
+    return 0;
+}
+
+/* Room in the record for n more; 0, or -1 (out of memory). */
+static int
+reserve_known(struct cipi_producer *p, size_t n)
+{
+    if (p->nknown + n <= p->known_cap)
+        return 0;
+    size_t cap = p->known_cap ? p->known_cap : 8;
+    while (cap < p->nknown + n)
+        cap *= 2;
+    struct cipi_welcomed *grown = realloc(p->known, cap * sizeof *grown);
+    if (grown == NULL)
+        return -1;
+    p->known = grown;
+    p->known_cap = cap;
+    return 0;
+}
+
+/* w's record, its HELLO copied, appended (room reserved); 0, or -1 (out of memory). */
+static int
+keep_record(struct cipi_producer *p, const struct cipi_welcomed *w)
+{
+    struct cipi_welcomed rec = *w;
+    rec.fd = -1;
+    if (w->hello_len) {
+        if ((rec.hello = malloc(w->hello_len)) == NULL)
+            return -1;
+        memcpy(rec.hello, w->hello, w->hello_len);
+    }
+    p->known[p->nknown++] = rec;
+    return 0;
 }
 
 /* The session's departures since the last look, each one fewer for max_subscribers. */
@@ -52,10 +113,11 @@ append(struct cipi_welcomed **list, size_t *len, const struct cipi_welcomed *w, 
 }
 
 /* Take what the accept thread has: the welcomed join the session (`join`: told as joined,
- * else only added, for the BYE at close), those gone before adoption are told as gone.  A
- * subscriber the session cannot add (out of memory) is gone too: its socket closed, its
- * row given back.  Out of memory keeping the news: CIP_ERR_NO_MEMORY, nothing lost but
- * the news (every welcomed is in the session, or closed). */
+ * their records kept, else only added, for the BYE at close), those gone before adoption are
+ * told as gone.  A subscriber the session cannot add or keep a record of (out of memory) is
+ * gone too: its socket closed, its row given back.  Out of memory keeping the news:
+ * CIP_ERR_NO_MEMORY, nothing lost but the news (every welcomed is in the session with its
+ * record, or closed). */
 static cip_status
 adopt(struct cipi_producer *p, int join)
 {
@@ -64,10 +126,18 @@ adopt(struct cipi_producer *p, int join)
     cipi_acceptor_take(p->acc, &pending, &npending, &gone, &ngone);
     cip_status st = CIP_OK;
     size_t kept = 0; /* pending[0..kept): added and to be told as joined */
+    int room = !join || reserve_known(p, npending) == 0;
     for (size_t i = 0; i < npending; i++) {
         struct cipi_welcomed w = pending[i];
-        cip_status added = cipi_pubsession_add(p->s, w.sub_id, (int)w.mode, w.credit, w.fd);
-        w.fd = -1; /* the session's now, or closed by it */
+        cip_status added = CIP_ERR_NO_MEMORY;
+        if (room && (!join || keep_record(p, &w) == 0)) {
+            added = cipi_pubsession_add(p->s, w.sub_id, (int)w.mode, w.credit, w.fd);
+            if (added != CIP_OK && join) /* its record goes with it (the last kept) */
+                free(p->known[--p->nknown].hello);
+        } else {
+            close(w.fd);
+        }
+        w.fd = -1; /* the session's now, or closed */
         if (added != CIP_OK) {
             if (p->acc->hooks.drop != NULL)
                 p->acc->hooks.drop(p->acc->hooks.ctx, w.sub_id);

@@ -15,8 +15,6 @@ struct cip_pub {
     void (*on_join)(void *ctx, const cip_pub_subscriber *sub);
     void (*on_leave)(void *ctx, const cip_pub_subscriber *sub, int joined, const char *why);
     void *ctx;
-    struct cipi_welcomed *known; /* the adopted, for on_leave; nknown of cap */
-    size_t nknown, known_cap;
 };
 
 void
@@ -31,27 +29,31 @@ cip_pub_options_init(cip_pub_options *opts)
     opts->max_pending_per_uid = 8;
 }
 
-static cip_status
-check_options(const cip_pub_options *o)
+cip_status
+cipi_pub_check_options(const cip_pub_options *o)
 {
     if (o->num_slots < 1 || o->num_slots > CIP_WIRE_MAX_SLOTS)
         return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "num_slots must be in 1..%u, not %u",
                          CIP_WIRE_MAX_SLOTS, o->num_slots);
     if (o->max_subscribers < 1)
-        return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "max_subscribers must be at least 1");
+        return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "max_subscribers must be at least 1, not %u",
+                         o->max_subscribers);
+    if (o->max_credit > CIP_WIRE_MAX_CREDIT)
+        return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "max_credit must be at most %u, not %u",
+                         CIP_WIRE_MAX_CREDIT, o->max_credit);
     if (!(o->lease_timeout_s >= 0.0 && o->lease_timeout_s < 4294967.0))
         return cipi_fail(CIP_ERR_INVALID_ARGUMENT,
-                         "lease_timeout_s must be 0 (no limit) or positive seconds below "
-                         "4294967, not %g",
-                         o->lease_timeout_s);
-    if (!(o->send_timeout_s > 0.0 && o->send_timeout_s <= 1e9))
-        return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "send_timeout_s must be positive, not %g",
+                         "lease_timeout must be below 4294967 seconds, not %g", o->lease_timeout_s);
+    if (!(o->send_timeout_s >= 0.0 && o->send_timeout_s <= 1e9))
+        return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "send_timeout must be 0..1e9 seconds, not %g",
                          o->send_timeout_s);
     if (!(o->handshake_timeout_s > 0.0 && o->handshake_timeout_s <= 1e9))
         return cipi_fail(CIP_ERR_INVALID_ARGUMENT,
-                         "handshake_timeout_s must be positive, not %g", o->handshake_timeout_s);
+                         "handshake_timeout must be positive seconds up to 1e9, not %g",
+                         o->handshake_timeout_s);
     if (o->max_pending_per_uid < 1)
-        return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "max_pending_per_uid must be at least 1");
+        return cipi_fail(CIP_ERR_INVALID_ARGUMENT,
+                         "max_pending_per_uid must be at least 1, not %u", o->max_pending_per_uid);
     if (o->n_allowed_uids && o->allowed_uids == NULL)
         return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "allowed_uids is NULL, n_allowed_uids %zu",
                          o->n_allowed_uids);
@@ -82,7 +84,7 @@ cip_pub_open_raw(const char *path, const cip_pub_options *opts, const void *payl
         (nfds && fds == NULL))
         return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "cip_pub_open_raw: a NULL argument");
     *out = NULL;
-    cip_status st = check_options(opts);
+    cip_status st = cipi_pub_check_options(opts);
     if (st != CIP_OK)
         return st;
     cip_pub *p = calloc(1, sizeof *p);
@@ -155,7 +157,7 @@ info_of(const struct cipi_welcomed *w)
 }
 
 /* Tell the caller's callbacks what happened since the last call: who joined, who went before
- * adoption, who left.  A joined one is kept (its HELLO freed) for its on_leave. */
+ * adoption, who left (as it joined: the producer's record of it). */
 static void
 tell(cip_pub *p)
 {
@@ -166,19 +168,6 @@ tell(cip_pub *p)
     cipi_producer_take_news(&p->prod, &joined, &njoined, &gone, &ngone);
     for (size_t i = 0; i < njoined; i++) {
         cip_pub_subscriber sub = info_of(&joined[i]);
-        if (p->nknown == p->known_cap) {
-            size_t cap = p->known_cap ? 2 * p->known_cap : 8;
-            struct cipi_welcomed *grown = realloc(p->known, cap * sizeof *grown);
-            if (grown != NULL) {
-                p->known = grown;
-                p->known_cap = cap;
-            }
-        }
-        if (p->nknown < p->known_cap) {
-            p->known[p->nknown] = joined[i];
-            p->known[p->nknown].hello = NULL;
-            p->known[p->nknown++].hello_len = 0;
-        }
         if (p->on_join != NULL)
             p->on_join(p->ctx, &sub);
     }
@@ -189,16 +178,13 @@ tell(cip_pub *p)
     }
     struct cipi_pubsession *s = &p->session;
     for (uint32_t i = 0; i < s->nleft; i++) {
-        size_t k = 0;
-        while (k < p->nknown && p->known[k].sub_id != s->left[i].sub_id)
-            k++;
-        cip_pub_subscriber sub = {s->left[i].sub_id, 0, 0, 0, 0};
-        if (k < p->nknown) {
-            sub = info_of(&p->known[k]);
-            p->known[k] = p->known[--p->nknown];
+        struct cipi_welcomed rec;
+        if (cipi_producer_leaver(&p->prod, i, &rec)) { /* else never told as joined */
+            cip_pub_subscriber sub = info_of(&rec);
+            if (p->on_leave != NULL)
+                p->on_leave(p->ctx, &sub, 1, s->left[i].why);
+            free(rec.hello);
         }
-        if (p->on_leave != NULL)
-            p->on_leave(p->ctx, &sub, 1, s->left[i].why);
     }
     s->nleft = 0;
     cipi_acceptor_free_list(joined, njoined);
@@ -270,7 +256,6 @@ cip_pub_close(cip_pub *pub, int linger_ms)
     cipi_acceptor_free(pub->acc);
     cipi_pubsession_free(&pub->session);
     cipi_leases_free(&pub->book);
-    free(pub->known);
     free(pub);
     return all_gone ? CIP_OK
                     : cipi_fail(CIP_ERR_TIMEOUT, "some subscribers were still connected after "

@@ -31,11 +31,10 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from .._errors import PoolClosedError, SlotBusyError, UsageError
+from .._errors import PoolClosedError, SlotBusyError
 from .._transport._closing import ClosedFlag
 from .._transport._unix import allowed_uid_set, check_socket_path, unlink_if_ours
 from . import _leases, _sockets
-from . import _protocol as proto
 from ._handshake import (
     HANDSHAKE_TIMEOUT,
     MAX_PENDING_PER_UID,
@@ -159,17 +158,18 @@ class PublisherCore(ClosedFlag):
         _sockets._load_frameio()
         self._spin_ns = _spin_ns(spin_us)
         self.address = check_socket_path(address)  # refused here, before a stale file is probed
+        engine = _leases._engine()
+        # the one rule of a publisher's options (c/src/publisher.c: cipi_pub_check_options)
+        engine.check_publisher_options(
+            num_slots=num_slots,
+            max_subscribers=max_subscribers,
+            max_credit=max_credit,
+            lease_timeout=lease_timeout,
+            send_timeout=send_timeout,
+            handshake_timeout=handshake_timeout,
+            max_pending_per_uid=max_pending_per_uid,
+        )
         self.num_slots = int(num_slots)
-        if not 1 <= self.num_slots <= proto.MAX_SLOTS:
-            raise UsageError(f"num_slots must be in 1..{proto.MAX_SLOTS}, not {num_slots}")
-        if max_credit is not None and not 1 <= max_credit <= proto.MAX_CREDIT:
-            raise UsageError(f"max_credit must be in 1..{proto.MAX_CREDIT}, not {max_credit}")
-        if lease_timeout is not None and not 0 < lease_timeout < (1 << 32) / 1000:
-            raise UsageError(f"lease_timeout must be positive seconds or None, not {lease_timeout}")
-        if not handshake_timeout > 0:
-            raise UsageError(f"handshake_timeout must be positive, not {handshake_timeout}")
-        if max_subscribers < 1:
-            raise UsageError(f"max_subscribers must be at least 1, not {max_subscribers}")
         self._book = LeaseBook(self.num_slots, max_credit=max_credit)
         self.max_credit = self._book.max_credit
         self.lease_timeout = lease_timeout
@@ -178,8 +178,6 @@ class PublisherCore(ClosedFlag):
         self.allowed_uids = allowed
         self._on_join = on_join
         self._on_leave = on_leave
-        #: the adopted subscribers, until they are gone (their sockets closed, leases back)
-        self._infos: dict[int, SubscriberInfo] = {}
         #: the adopted subscribers' sockets: frames out, messages in, eviction (the engine's)
         self._session = self._book.session(lease_timeout, send_timeout)
         self._closed = False
@@ -187,13 +185,11 @@ class PublisherCore(ClosedFlag):
 
         # the publisher's socket (c/src/listen.c: a stale file replaced, the mode by who may
         # connect, the backlog), listening before its file appears
-        listener, dev, ino = _leases._engine().publisher_listen(
-            self.address, sorted(allowed), max_subscribers
-        )
+        listener, dev, ino = engine.publisher_listen(self.address, sorted(allowed), max_subscribers)
         ident = (dev, ino)
         try:
             # the engine's accept thread (c/src/acceptor.c); it owns the listener from here on
-            self._acc = _leases._engine().Acceptor(
+            self._acc = engine.Acceptor(
                 listener,
                 num_slots=self.num_slots,
                 payload=welcome.payload,
@@ -215,7 +211,7 @@ class PublisherCore(ClosedFlag):
         self._ident = ident
         #: the producer's calls: adoption, the next seq, the pick of a free slot, the count
         #: of leases ended (c/src/producer.c)
-        self._producer = _leases._engine().Producer(self._session, self._acc)
+        self._producer = engine.Producer(self._session, self._acc)
         self._finalizer = weakref.finalize(
             self, _close_publisher, self._producer, self._session, self.address, ident
         )
@@ -265,7 +261,6 @@ class PublisherCore(ClosedFlag):
         except Exception as exc:
             _warn(f"closing the subscribers' sockets failed: {exc!r}")
             all_gone = False
-        self._infos.clear()
         self._finalizer()
         return all_gone
 
@@ -278,8 +273,7 @@ class PublisherCore(ClosedFlag):
     @property
     def subscribers(self) -> list[SubscriberInfo]:
         """The adopted subscribers (an evicted one is not, even while its notice waits)."""
-        infos = self._infos  # (close adopts the pending ones into the session, not here)
-        return [infos[sub_id] for sub_id in self._session.ids() if sub_id in infos]
+        return [_info(taken) for taken in self._producer.subscribers()]
 
     @property
     def lease_book(self) -> LeaseBook:
@@ -461,23 +455,24 @@ class PublisherCore(ClosedFlag):
 
     # -- internals --
 
-    def _tell(self, news: tuple[list[_Taken], list[_Taken], list[tuple[int, str]]] | None) -> None:
+    def _tell(
+        self,
+        news: tuple[list[_Taken], list[_Taken], list[tuple[_Taken | None, str]]] | None,
+    ) -> None:
         """Tell ``on_join`` who was adopted, ``on_leave`` who went before adoption and who left
-        (their sockets closed, leases back), in that order."""
+        (their sockets closed, leases back; each as it joined, the engine's record), in that
+        order."""
         if news is None:
             return
         joined, gone, left = news
         for taken in joined:
-            info = _info(taken)
-            self._infos[info.sub_id] = info
-            self._callback(self._on_join, info, "on_join")
+            self._callback(self._on_join, _info(taken), "on_join")
         for taken in gone:
             self._callback(self._on_leave, _info(taken), "on_leave")
-        for sub_id, why in left:
+        for record, why in left:
             self.last_leave_reason = why
-            left_info = self._infos.pop(sub_id, None)
-            if left_info is not None:
-                self._callback(self._on_leave, left_info, "on_leave")
+            if record is not None:  # (None: added at close, never told as joined)
+                self._callback(self._on_leave, _info(record), "on_leave")
 
     @staticmethod
     def _callback(
@@ -498,8 +493,8 @@ class PublisherCore(ClosedFlag):
                 by_sub.setdefault(sub_id, []).append(slot)
         parts = []
         for sub_id, slots in sorted(by_sub.items()):
-            info = self._infos.get(sub_id)
-            who = f"pid {info.pid}, {info.mode}" if info else "gone"
+            record = self._producer.subscriber(sub_id)
+            who = f"pid {record[2]}, {record[4]}" if record is not None else "gone"
             parts.append(f"subscriber {sub_id} ({who}) holds slots {slots}")
         local = [s for s in range(self.num_slots) if book.holds(s)]
         if local:
