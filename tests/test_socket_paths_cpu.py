@@ -8,10 +8,18 @@ goes through one check, ``check_socket_path``: the channel's publisher core
 subscribers and the relay refuse a longer path with a ``UsageError`` that gives
 the limit, the path's length and the fix, before anything is bound, linked or
 connected.  A path of exactly 107 bytes works end to end.
+
+How a socket is put at its path (``c/src/listen.c``, through
+``c/tests/cip_listen_probe.c``, whose own ``link()`` can fail as on a file
+system without hard links): it listens, with its mode, before the path appears,
+by a hard link or else by a rename; a file already there is never replaced
+(only a publisher's stale socket is, before binding), and nothing is left
+beside it.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import pathlib
 import shutil
@@ -102,24 +110,169 @@ def test_bind_and_connect_refuse_a_path_too_long_and_leave_nothing(short_dir: st
         assert_says_limit_length_and_fix(raised.value, MAX_SOCKET_PATH + 1)
 
 
+CIP_ERR_TRANSPORT = 8  # c/include/cupy_ipcpool.h
+
+
+@pytest.fixture(scope="module")
+def listen_probe(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """``c/tests/cip_listen_probe.c``, built once: it binds with ``cipi_bind_listen`` (or
+    ``cipi_publisher_listen``) and has its own ``link()``, which says what it sees and, under
+    ``CIP_PROBE_LINK_ERRNO``, fails as on a file system without hard links."""
+    from test_c_library import C_DIR, build_c_program
+
+    return build_c_program(
+        tmp_path_factory.mktemp("listen-probe"),
+        "cip_listen_probe",
+        [C_DIR / "tests" / "cip_listen_probe.c"],
+    )
+
+
+def errno_id(value: int | None) -> str:
+    """A test id: the errno's name, or "link" where link() works."""
+    return "link" if value is None else errno.errorcode[value]
+
+
+def run_listen_probe(
+    probe: pathlib.Path, address: str, mode: str, *args: str, link_errno: int | None = None
+) -> list[str]:
+    """The probe's lines; with ``link_errno``, its ``link()`` fails with that errno."""
+    env = dict(os.environ)
+    env.pop("CIP_PROBE_LINK_ERRNO", None)
+    if link_errno is not None:
+        env["CIP_PROBE_LINK_ERRNO"] = str(link_errno)
+    out = subprocess.run(
+        [probe, address, mode, *args], capture_output=True, text=True, timeout=30, env=env
+    )
+    lines = out.stdout.splitlines()
+    assert out.returncode == (0 if lines[-1:] == ["ok"] else 1), out
+    assert "Sanitizer" not in out.stderr, out.stderr
+    return lines
+
+
 def test_a_bound_path_appears_only_once_its_socket_listens(
-    short_dir: str, tmp_path: pathlib.Path
+    short_dir: str, listen_probe: pathlib.Path
 ) -> None:
     """A client that waits for the path to appear (a relay's reader, a follower) finds it
     accepting connections: the socket listens, with its mode, before it is linked into place.
     ``c/tests/cip_listen_probe.c`` has its own ``link()``, which looks at that moment."""
-    from test_c_library import C_DIR, build_c_program
-
-    exe = build_c_program(
-        tmp_path,
-        "cip_listen_probe",
-        [C_DIR / "tests" / "cip_listen_probe.c"],
-    )
     address = os.path.join(short_dir, "s")
-    out = subprocess.run([exe, address, "600"], capture_output=True, text=True, timeout=30)
-    assert out.stdout.splitlines() == ["at link: listening=1 mode=600", "ok"], out
+    lines = run_listen_probe(listen_probe, address, "600")
+    assert lines == ["at link: listening=1 mode=600", "ok"]
     assert stat.S_IMODE(os.lstat(address).st_mode) == 0o600
     assert os.listdir(short_dir) == ["s"]  # its temporary directory is gone
+
+
+@pytest.mark.parametrize(
+    ("link_errno", "mode"),
+    [(errno.EPERM, "600"), (errno.EXDEV, "666"), (errno.EOPNOTSUPP, "600"), (errno.EMLINK, "666")],
+    ids=["EPERM-600", "EXDEV-666", "EOPNOTSUPP-600", "EMLINK-666"],
+)
+def test_without_hard_links_the_listening_socket_is_moved_into_place(
+    short_dir: str, listen_probe: pathlib.Path, link_errno: int, mode: str
+) -> None:
+    """On a file system without hard links (link() fails with EPERM, EXDEV, EOPNOTSUPP or
+    EMLINK) the socket, already listening with its mode, is renamed into place: a client
+    connects at the path, the file is a socket of that mode, and neither the temporary
+    directory nor its file is left behind."""
+    address = os.path.join(short_dir, "s")
+    lines = run_listen_probe(listen_probe, address, mode, link_errno=link_errno)
+    assert lines == [f"at link: listening=1 mode={mode}", "ok"]
+    there = os.lstat(address)
+    assert stat.S_ISSOCK(there.st_mode)
+    assert stat.S_IMODE(there.st_mode) == int(mode, 8)
+    assert os.listdir(short_dir) == ["s"]
+
+
+@pytest.mark.parametrize("link_errno", [None, errno.EPERM, errno.EXDEV], ids=errno_id)
+@pytest.mark.parametrize("kind", ["file", "socket"])
+def test_a_file_created_at_the_path_while_binding_is_not_replaced(
+    short_dir: str, listen_probe: pathlib.Path, link_errno: int | None, kind: str
+) -> None:
+    """``cipi_bind_listen`` itself never replaces what is at the path (only
+    ``cipi_publisher_listen`` removes a stale socket, before binding): a file that appeared
+    there meanwhile is refused with EADDRINUSE whether the socket is linked or, without hard
+    links, would be renamed (a rename would silently replace it).  It stays as it was and
+    nothing else is left behind."""
+    address = os.path.join(short_dir, "s")
+    if kind == "file":
+        pathlib.Path(address).write_bytes(b"someone else's")
+    else:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as other:
+            other.bind(address)
+    before = os.lstat(address)
+    lines = run_listen_probe(listen_probe, address, "600", link_errno=link_errno)
+    assert lines == [
+        "at link: listening=1 mode=600",
+        f"err {CIP_ERR_TRANSPORT} {errno.EADDRINUSE} "
+        f"{address} was created by someone else while binding",
+    ]
+    after = os.lstat(address)
+    assert (after.st_dev, after.st_ino, after.st_mode) == (
+        before.st_dev,
+        before.st_ino,
+        before.st_mode,
+    )
+    if kind == "file":
+        assert pathlib.Path(address).read_bytes() == b"someone else's"
+    assert os.listdir(short_dir) == ["s"]
+
+
+@pytest.mark.parametrize("link_errno", [errno.EIO, errno.EACCES], ids=errno_id)
+def test_another_link_failure_is_an_error_and_leaves_nothing(
+    short_dir: str, listen_probe: pathlib.Path, link_errno: int
+) -> None:
+    """Only the errors that mean "no hard links here" fall back to a rename; any other
+    failure of link() is said with its errno, and the directory is left as it was."""
+    address = os.path.join(short_dir, "s")
+    lines = run_listen_probe(listen_probe, address, "600", link_errno=link_errno)
+    assert lines == [
+        "at link: listening=1 mode=600",
+        f"err {CIP_ERR_TRANSPORT} {link_errno} cannot create {address}: {os.strerror(link_errno)}",
+    ]
+    assert os.listdir(short_dir) == []
+
+
+@pytest.mark.parametrize("link_errno", [None, errno.EPERM], ids=errno_id)
+@pytest.mark.parametrize("mode", ["600", "666"])
+def test_a_publisher_replaces_a_stale_socket_with_or_without_hard_links(
+    short_dir: str, listen_probe: pathlib.Path, link_errno: int | None, mode: str
+) -> None:
+    """``cipi_publisher_listen`` (its mode 0600, or 0666 once another uid may connect): a
+    socket file nobody listens on is replaced by the new listening socket, moved into place
+    by a rename where link() fails as by a link."""
+    address = os.path.join(short_dir, "s")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as stale:
+        stale.bind(address)
+    stale_ino = os.lstat(address).st_ino
+    lines = run_listen_probe(listen_probe, address, mode, "publisher", link_errno=link_errno)
+    assert lines == [f"at link: listening=1 mode={mode}", "ok"]
+    there = os.lstat(address)
+    assert stat.S_ISSOCK(there.st_mode) and there.st_ino != stale_ino
+    assert stat.S_IMODE(there.st_mode) == int(mode, 8)
+    assert os.listdir(short_dir) == ["s"]
+
+
+@pytest.mark.parametrize("link_errno", [None, errno.EPERM], ids=errno_id)
+def test_a_publisher_refuses_a_live_socket_with_or_without_hard_links(
+    short_dir: str, listen_probe: pathlib.Path, link_errno: int | None
+) -> None:
+    """A socket someone listens on is refused before anything is bound: it stays in place,
+    still reachable, and nothing is left beside it."""
+    address = os.path.join(short_dir, "s")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as live:
+        live.bind(address)
+        live.listen(8)
+        before = os.lstat(address)
+        lines = run_listen_probe(listen_probe, address, "600", "publisher", link_errno=link_errno)
+        assert lines == [
+            f"err {CIP_ERR_TRANSPORT} {errno.EADDRINUSE} a publisher is already listening at "
+            f"{address}; close it or choose another address"
+        ]
+        after = os.lstat(address)
+        assert (after.st_dev, after.st_ino) == (before.st_dev, before.st_ino)
+        assert os.listdir(short_dir) == ["s"]
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as client:
+            client.connect(address)
 
 
 def test_the_fd_server_refuses_a_path_too_long(
