@@ -66,9 +66,24 @@ def _info(taken: _Taken) -> SubscriberInfo:
 
 
 def _close_publisher(
-    producer: Producer, session: PublisherSession, address: str, ident: tuple[int, int]
+    producer: Producer,
+    session: PublisherSession,
+    address: str,
+    ident: tuple[int, int],
+    pid: int,
 ) -> None:
-    """Tear a publisher down (also its finalizer); warns instead of raising."""
+    """Tear a publisher down (also its finalizer); warns instead of raising.
+
+    As the finalizer of a publisher made in process ``pid``, in a child forked from it
+    (collected there, or at its exit) it does nothing: the subscribers and the socket
+    file are the parent's, and a BYE, the drain of their sockets (their RELEASEs) or
+    the unlink would end the parent's channel.  The engine's objects, freed with the
+    publisher, close only this process's copies of the fds, without a word
+    (``cipi_pubsession_free``; ``cipi_acceptor_free`` joins no thread in a forked
+    child, ``c/src/acceptor.c``).
+    """
+    if os.getpid() != pid:
+        return
     try:
         producer.stop()
     except Exception as exc:
@@ -213,7 +228,7 @@ class PublisherCore(ClosedFlag):
         #: of leases ended (c/src/producer.c)
         self._producer = engine.Producer(self._session, self._acc)
         self._finalizer = weakref.finalize(
-            self, _close_publisher, self._producer, self._session, self.address, ident
+            self, _close_publisher, self._producer, self._session, self.address, ident, os.getpid()
         )
         self._acc.start()
 
