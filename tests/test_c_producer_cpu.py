@@ -364,8 +364,9 @@ def test_the_api_publisher_tells_on_leave_who_left_and_takes_its_leases_back(
 
 def test_the_c_host_publisher_example_feeds_numpy_arrays_to_python(tmp_path: Path) -> None:
     """``c/examples/host_publisher.c``: a C program's frames in host memory, read in Python as
-    NumPy arrays by ``HostChannelSubscriber`` (the payload layout it expects, written by hand
-    in C): every frame's image holds its number, its metadata says so, then the stream ends."""
+    NumPy arrays by ``HostChannelSubscriber`` (the payload written by ``cip_host_frame_encode``,
+    the arrays placed by ``cip_array_layout``): every frame's image holds its number, so does
+    its second array, its metadata says so, then the stream ends."""
     import numpy as np
 
     from cupy_ipcpool.remote import HostChannelSubscriber
@@ -380,8 +381,10 @@ def test_the_c_host_publisher_example_feeds_numpy_arrays_to_python(tmp_path: Pat
                 for n in range(frames):
                     with sub.recv(timeout=BOUND) as f:
                         assert (f.seq, f.metadata) == (n, f"frame {n}".encode())
-                        assert f.array.dtype == np.float32 and f.array.shape == (480, 640)
-                        assert (f.array == n).all()
+                        image, number = f.arrays
+                        assert image.dtype == np.float32 and image.shape == (480, 640)
+                        assert (image == n).all()
+                        assert number.dtype == np.uint64 and number.tolist() == [n]
                 with pytest.raises(EndOfStream):
                     sub.recv(timeout=BOUND)
             out = proc.communicate(timeout=BOUND)[0]

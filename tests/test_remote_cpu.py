@@ -131,6 +131,91 @@ def test_layout_aligns_and_checks_fit() -> None:
         wire.layout(specs, 256 + 31)
 
 
+def test_a_host_frame_payload_is_the_documented_bytes() -> None:
+    """The engine's host frame payload (``cip_host_frame_encode``) against bytes packed here
+    by hand from the documented layout: u16 count, u32 metadata length, per array a u8
+    typestr length, the typestr, a u8 ndim and ndim u64 dimensions, then the metadata."""
+    from cupy_ipcpool.remote import _host
+
+    specs = (wire.ArraySpec("<f4", (480, 640)), wire.ArraySpec("<u8", (1,)))
+    payload = _host.encode_payload(specs, b"meta")
+    assert payload == (
+        struct.pack("<HI", 2, 4)
+        + b"\x03<f4\x02"
+        + struct.pack("<2Q", 480, 640)
+        + b"\x03<u8\x01"
+        + struct.pack("<Q", 1)
+        + b"meta"
+    )
+    # read back, placed in a slot: the second array at the first multiple of 256 after 1228800
+    assert _host.decode_payload(payload, 480 * 640 * 4 + 264) == (specs, [0, 1228800], b"meta")
+    assert _host.encode_payload((), b"") == struct.pack("<HI", 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("specs", "metadata", "error", "match"),
+    [
+        ((wire.ArraySpec("|u1", (1,)),) * 65, b"", "UsageError", "at most 64 arrays"),
+        ((), b"x" * 16385, "UsageError", "16384 metadata bytes"),
+        ((wire.ArraySpec("|O8", (1,)),), b"", "ProtocolError", "plain numeric"),
+        ((wire.ArraySpec("<f4", (-1,)),), b"", "ProtocolError", "out of range"),
+        ((wire.ArraySpec("<f4", (1,) * 33),), b"", "ProtocolError", "33 dimensions"),
+        ((wire.ArraySpec("<f4" + "4" * 20, (1,)),), b"", "ProtocolError", "bad dtype"),
+    ],
+)
+def test_a_host_frame_that_cannot_be_sent_is_refused(
+    specs: tuple[wire.ArraySpec, ...], metadata: bytes, error: str, match: str
+) -> None:
+    import cupy_ipcpool
+    from cupy_ipcpool.remote import _host
+
+    with pytest.raises(getattr(cupy_ipcpool, error), match=match):
+        _host.encode_payload(specs, metadata)
+
+
+@pytest.mark.parametrize(
+    ("payload", "match"),
+    [
+        (b"\x01\x00\x00\x00\x00", "too short"),
+        (struct.pack("<HI", 65, 0), "65 arrays"),
+        (struct.pack("<HI", 0, 16385), "16385 metadata bytes"),
+        (struct.pack("<HI", 1, 0) + b"\x03<f4", "truncated"),
+        (struct.pack("<HI", 1, 2) + b"\x03<f4\x01" + struct.pack("<Q", 4) + b"m", "metadata"),
+        (struct.pack("<HI", 0, 1) + b"mm", "metadata length does not match"),
+        (struct.pack("<HI", 1, 0) + b"\x03<f8\x01" + struct.pack("<Q", 9), "need 72 bytes"),
+    ],
+)
+def test_a_bad_host_frame_payload_is_a_protocol_error(payload: bytes, match: str) -> None:
+    from cupy_ipcpool.remote import _host
+
+    with pytest.raises(ProtocolError, match=match):
+        _host.decode_payload(payload, 64)
+
+
+def test_array_specs_survive_their_wire_form() -> None:
+    """Every plain numeric spec comes back from its wire form as it was (the engine both
+    ways), with the bytes used; hand-packed bytes above pin the form itself."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    typestrs = st.builds(
+        lambda order, kind, size: f"{order}{kind}{size}",
+        st.sampled_from("<>|"),
+        st.sampled_from("biufc"),
+        st.integers(1, 64),
+    )
+    shapes = st.lists(st.integers(0, (1 << 62) - 1), max_size=32).map(tuple)
+    specs_st = st.lists(st.builds(wire.ArraySpec, typestrs, shapes), max_size=8)
+
+    @settings(max_examples=200, deadline=None)
+    @given(specs_st, st.binary(max_size=8))
+    def roundtrip(specs: list[wire.ArraySpec], tail: bytes) -> None:
+        data = wire.encode_specs(specs)
+        assert wire.decode_specs(data + tail, len(specs)) == (tuple(specs), len(data))
+
+    roundtrip()
+
+
 def test_tags_and_addresses() -> None:
     assert wire.data_tag(0xABCD, 5, 2) == 0xABCD << 32 | 5 << 8 | 2
     assert wire.data_tag(1, 1 << 24, 0) == 1 << 32  # seq wraps in 24 bits

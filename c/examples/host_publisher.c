@@ -7,13 +7,12 @@
  *   while True:
  *       with sub.recv(timeout=10) as f: print(f.seq, f.metadata, f.array.mean())'
  *
- * What a HostChannelSubscriber expects (cupy_ipcpool/remote/_host.py): the slots are
- * memfds sent with the WELCOME, whose payload is their size (u64, little endian); each
- * frame's payload lists its arrays -- u16 count, u32 metadata length, then per array a u8
- * length and the NumPy typestr ("<f4"), a u8 ndim and ndim u64 dimensions, then the
- * metadata -- and the arrays sit in the slot one after the other, each at a multiple of 256
- * bytes.  Frame n here is one 480 x 640 float32 image filled with n, metadata "frame n".
- * It waits for a first subscriber, publishes the frames, waits for their releases, closes.
+ * What a HostChannelSubscriber expects: the slots are memfds sent with the WELCOME, whose
+ * payload is their size (u64, little endian); each frame's payload lists its arrays and
+ * carries the metadata (cip_host_frame_encode writes it), and the arrays sit in the slot
+ * where cip_array_layout says.  Frame n here is a 480 x 640 float32 image filled with n and
+ * the frame's number as a uint64 array of one element, metadata "frame n".  It waits for a
+ * first subscriber, publishes the frames, waits for their releases, closes.
  *
  * Build: cc host_publisher.c $(pkg-config --cflags --libs cupy_ipcpool_c) -o host_publisher
  * (or CMake's cip_host_publisher target). */
@@ -28,25 +27,8 @@
 #include <unistd.h>
 
 enum { SLOTS = 4, H = 480, W = 640 };
-static const uint64_t SLOT_NBYTES = (uint64_t)H * W * sizeof(float);
-
-/* The frame payload of one H x W "<f4" array and `metadata`; its length. */
-static size_t
-frame_payload(uint8_t *out, const char *metadata)
-{
-    uint16_t count = 1;
-    uint32_t meta_len = (uint32_t)strlen(metadata);
-    uint64_t shape[2] = {H, W};
-    size_t n = 0;
-    memcpy(out + n, &count, 2), n += 2; /* little-endian hosts: x86-64, aarch64 */
-    memcpy(out + n, &meta_len, 4), n += 4;
-    out[n++] = 3;
-    memcpy(out + n, "<f4", 3), n += 3;
-    out[n++] = 2;
-    memcpy(out + n, shape, sizeof shape), n += sizeof shape;
-    memcpy(out + n, metadata, meta_len), n += meta_len;
-    return n;
-}
+/* Slots big enough for the image, the number at the next multiple of 256 bytes, and room. */
+static const uint64_t SLOT_NBYTES = (uint64_t)H * W * sizeof(float) + 4096;
 
 static void
 fail(const char *what, cip_status st)
@@ -63,8 +45,14 @@ main(int argc, char **argv)
         return 2;
     }
     long frames = atol(argv[2]);
+    /* the frame's arrays: where they sit in a slot is the library's rule */
+    cip_array_spec specs[2] = {{"<f4", 2, {H, W}}, {"<u8", 1, {1}}};
+    uint64_t offsets[2];
+    cip_status st = cip_array_layout(specs, 2, SLOT_NBYTES, offsets);
+    if (st != CIP_OK)
+        fail("cip_array_layout", st);
     int fds[SLOTS];
-    float *slots[SLOTS];
+    uint8_t *slots[SLOTS];
     for (int i = 0; i < SLOTS; i++) {
         fds[i] = memfd_create("host-slot", MFD_CLOEXEC);
         if (fds[i] < 0 || ftruncate(fds[i], (off_t)SLOT_NBYTES) != 0) {
@@ -81,8 +69,7 @@ main(int argc, char **argv)
     cip_pub_options_init(&opts);
     opts.num_slots = SLOTS;
     cip_pub *pub;
-    cip_status st = cip_pub_open_raw(argv[1], &opts, &SLOT_NBYTES, sizeof SLOT_NBYTES, fds,
-                                     SLOTS, &pub);
+    st = cip_pub_open_raw(argv[1], &opts, &SLOT_NBYTES, sizeof SLOT_NBYTES, fds, SLOTS, &pub);
     for (int i = 0; i < SLOTS; i++)
         close(fds[i]); /* the publisher sends its own copies */
     if (st != CIP_OK)
@@ -97,13 +84,19 @@ main(int argc, char **argv)
         uint32_t slot;
         if ((st = cip_pub_acquire(pub, 10000, &slot)) != CIP_OK)
             fail("cip_pub_acquire", st); /* no slot came back in 10 s */
+        float *image = (float *)(slots[slot] + offsets[0]);
         for (size_t k = 0; k < (size_t)H * W; k++)
-            slots[slot][k] = (float)n;
+            image[k] = (float)n;
+        uint64_t number = (uint64_t)n;
+        memcpy(slots[slot] + offsets[1], &number, sizeof number);
         char metadata[32];
-        uint8_t payload[64];
+        uint8_t payload[1024];
+        size_t len;
         snprintf(metadata, sizeof metadata, "frame %ld", n);
-        if ((st = cip_pub_publish_raw(pub, slot, payload, frame_payload(payload, metadata),
-                                      NULL)) != CIP_OK)
+        if ((st = cip_host_frame_encode(specs, 2, metadata, strlen(metadata), payload,
+                                        sizeof payload, &len)) != CIP_OK)
+            fail("cip_host_frame_encode", st);
+        if ((st = cip_pub_publish_raw(pub, slot, payload, len, NULL)) != CIP_OK)
             fail("cip_pub_publish_raw", st);
         leased += cip_pub_subscribers(pub);
     }

@@ -49,6 +49,8 @@ extern "C" {
 #define CIP_MAX_NDIM 16     /* dimensions of one array */
 #define CIP_MAX_ARRAYS 64   /* arrays in one frame */
 #define CIP_MAX_METADATA 16384 /* metadata bytes in one frame */
+#define CIP_SPEC_MAX_TYPESTR 16 /* a host array spec's NumPy typestr */
+#define CIP_SPEC_MAX_NDIM 32    /* a host array spec's dimensions */
 
 /* ---- status codes ---------------------------------------------------------- */
 
@@ -453,6 +455,50 @@ uint32_t cip_pub_subscribers(const cip_pub *pub);
  * subscriber, wait up to linger_ms for them to hang up, close everything and free the
  * handle.  CIP_ERR_TIMEOUT: some were still connected.  NULL is ignored (CIP_OK). */
 cip_status cip_pub_close(cip_pub *pub, int linger_ms);
+
+/* ---- frames in host memory (no GPU) ---------------------------------------------- */
+
+/* One array of a frame in host memory: a NumPy typestr (byte order "<", ">" or "|", kind
+ * one of "biufc", item size 1..64: "<f4", "|u1") and a
+ * shape (C order, dense). */
+typedef struct cip_array_spec {
+    char typestr[CIP_SPEC_MAX_TYPESTR + 1];
+    uint32_t ndim; /* at most CIP_SPEC_MAX_NDIM */
+    uint64_t shape[CIP_SPEC_MAX_NDIM];
+} cip_array_spec;
+
+/* CIP_OK, or CIP_ERR_PROTOCOL saying what is wrong with `spec`. */
+cip_status cip_array_spec_check(const cip_array_spec *spec);
+/* The array's bytes (item size times the shape's product; UINT64_MAX if that overflows),
+ * for a spec cip_array_spec_check accepts. */
+uint64_t cip_array_spec_nbytes(const cip_array_spec *spec);
+/* Where each of n arrays sits in a slot of slot_nbytes bytes: one after the other, each at
+ * a multiple of 256 bytes (CIP_WIRE_SPEC_ALIGN).  CIP_ERR_PROTOCOL when they do not fit (or a
+ * spec is bad). */
+cip_status cip_array_layout(const cip_array_spec *specs, size_t n, uint64_t slot_nbytes,
+                            uint64_t *offsets);
+/* The specs' wire form (per array: u8 typestr length, the typestr, u8 ndim, ndim u64
+ * dimensions), into out[0..cap), its length in *len: what the remote tier's FRAME and a host
+ * frame's payload carry.  CIP_ERR_PROTOCOL for a bad spec, CIP_ERR_INVALID_ARGUMENT when
+ * they do not fit in cap. */
+cip_status cip_array_specs_encode(const cip_array_spec *specs, size_t n, void *out, size_t cap,
+                                  size_t *len);
+/* `count` specs from data[0..len), checked, into specs[0..count); *used: the bytes read. */
+cip_status cip_array_specs_decode(const void *data, size_t len, size_t count,
+                                  cip_array_spec *specs, size_t *used);
+/* The FRAME payload of a host-memory channel (what cupy_ipcpool.remote.HostChannelSubscriber
+ * reads, whose slots are memfds sent with the WELCOME, its payload their size as a u64):
+ * u16 count, u32 metadata length, the specs' wire form, the metadata.  At most
+ * 64 arrays and 16384 bytes of metadata
+ * (CIP_ERR_INVALID_ARGUMENT: CIP_MAX_ARRAYS, CIP_MAX_METADATA); the arrays sit in the slot as cip_array_layout says. */
+cip_status cip_host_frame_encode(const cip_array_spec *specs, size_t n, const void *metadata,
+                                 size_t meta_len, void *out, size_t cap, size_t *len);
+/* Read and check a host frame's payload against a slot of slot_nbytes bytes: up to cap
+ * specs and their offsets in the slot (CIP_MAX_ARRAYS always suffice), their
+ * count in *n, the metadata (pointing into payload).  CIP_ERR_PROTOCOL says what is wrong. */
+cip_status cip_host_frame_decode(const void *payload, size_t len, uint64_t slot_nbytes,
+                                 cip_array_spec *specs, uint64_t *offsets, size_t cap,
+                                 size_t *n, const void **metadata, size_t *meta_len);
 
 /* ---- the sync page (no GPU) ------------------------------------------------------ */
 

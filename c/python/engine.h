@@ -101,6 +101,8 @@ int cipy_unix_exec(PyObject *module);
 
 /* producer.c: the Producer type (the producer's calls over a session and an Acceptor) */
 int cipy_producer_exec(PyObject *module);
+/* host_frame.c: the host-frame functions (encode_array_specs ... decode_host_frame) */
+int cipy_host_frame_exec(PyObject *module);
 
 /* owed.c: the OwedReleases type (the RELEASEs the Python subscriber owes) */
 int cipy_owed_exec(PyObject *module);

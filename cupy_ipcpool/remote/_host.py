@@ -12,7 +12,9 @@ The remote layer uses it as the GPU-free source and sink of a
 Conventions: the WELCOME payload is the slot size (``u64``), its fds the
 memfds; a FRAME payload is ``count u16, metadata length u32``, the array specs
 of :mod:`cupy_ipcpool.remote._wire`, then the metadata.  Arrays are packed in
-the slot as :func:`cupy_ipcpool.remote._wire.layout` says.
+the slot as :func:`cupy_ipcpool.remote._wire.layout` says.  The payload is written
+and read by the engine (``c/src/host_frame.c``), as C publishers write it
+(``cip_host_frame_encode``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from . import _wire as wire
 from ._memory import HostSlots
 
 _WELCOME = struct.Struct("<Q")
+#: A host FRAME payload's head: array count, metadata length (the layout's one source:
+#: c/gen_wire.py puts it in cupy_ipcpool_wire.h for c/src/host_frame.c).
 _HEAD = struct.Struct("<HI")
 
 
@@ -46,27 +50,17 @@ def spec_of(array: Any) -> wire.ArraySpec:
 
 
 def encode_payload(specs: tuple[wire.ArraySpec, ...], metadata: bytes) -> bytes:
-    """A host FRAME payload."""
-    if len(specs) > wire.MAX_ARRAYS or len(metadata) > wire.MAX_METADATA:
-        raise UsageError(
-            f"at most {wire.MAX_ARRAYS} arrays and {wire.MAX_METADATA} metadata bytes per frame"
-        )
-    return _HEAD.pack(len(specs), len(metadata)) + wire.encode_specs(specs) + bytes(metadata)
+    """A host FRAME payload (the engine's, ``c/src/host_frame.c``: ``cip_host_frame_encode``)."""
+    return wire._engine().encode_host_frame(wire.pairs(specs), metadata)
 
 
-def decode_payload(payload: bytes, slot_nbytes: int) -> tuple[tuple[wire.ArraySpec, ...], bytes]:
-    """Decode and check a host FRAME payload against the slot size (ProtocolError if bad)."""
-    if len(payload) < _HEAD.size:
-        raise ProtocolError("host frame payload too short")
-    count, meta_len = _HEAD.unpack_from(payload)
-    if count > wire.MAX_ARRAYS or meta_len > wire.MAX_METADATA:
-        raise ProtocolError(f"host frame with {count} arrays and {meta_len} metadata bytes")
-    view = memoryview(payload)[_HEAD.size :]
-    specs, used = wire.decode_specs(view, count)
-    if len(view) - used != meta_len:
-        raise ProtocolError("host frame metadata length does not match")
-    wire.layout(specs, slot_nbytes)
-    return specs, bytes(view[used:])
+def decode_payload(
+    payload: bytes, slot_nbytes: int
+) -> tuple[tuple[wire.ArraySpec, ...], list[int], bytes]:
+    """Decode and check a host FRAME payload against the slot size (ProtocolError if bad):
+    the arrays' specs, where each sits in the slot, the metadata."""
+    raw, offsets, metadata = wire._engine().decode_host_frame(payload, slot_nbytes)
+    return tuple(wire.ArraySpec(ts, shape) for ts, shape in raw), offsets, metadata
 
 
 class HostChannelPublisher(ClosesOnExit):
@@ -329,11 +323,10 @@ class HostChannelSubscriber(ClosesOnExit):
             (timeout,) = moved_to_keywords(HostChannelSubscriber.recv, args, timeout=timeout)
         msg = self.core.recv(timeout)
         try:
-            specs, metadata = decode_payload(msg.payload, self.slot_nbytes)
+            specs, offsets, metadata = decode_payload(msg.payload, self.slot_nbytes)
         except ProtocolError:
             self.close()
             raise
-        offsets = wire.layout(specs, self.slot_nbytes)
         base = self._bases[msg.slot]
         arrays = tuple(
             base[o : o + s.nbytes].view(numpy.dtype(s.typestr)).reshape(s.shape)

@@ -31,7 +31,9 @@ BYE=8          either       (empty)
 
 An array spec is ``typestr len u8, typestr (ASCII), ndim u8, shape u64 x ndim``;
 the bytes travel C-contiguous.  :func:`decode_body` and :func:`decode_specs`
-check every field and raise only :class:`~cupy_ipcpool.ProtocolError`.
+check every field and raise only :class:`~cupy_ipcpool.ProtocolError`.  The specs'
+rules (their check, wire form and layout in a slot) are the engine's
+(``c/src/host_frame.c``), which C programs call too; this module holds their limits.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from .._compiled import loader
 from .._errors import ProtocolError, UsageError, UsageTypeError
 
 MAGIC = 0x4952
@@ -67,6 +70,8 @@ MAX_REFUSE_REASON = 1024
 MAX_ARRAYS = 64
 MAX_NDIM = 32
 MAX_TYPESTR = 16
+#: Largest item size of an array spec's dtype, in bytes.
+MAX_ITEMSIZE = 64
 MAX_METADATA = 16384
 MAX_RING_SLOTS = 1024
 #: Alignment of each array inside a receive slot.
@@ -95,6 +100,16 @@ MAX_BODY = {
 MAX_MESSAGE = HEADER.size + max(MAX_BODY.values())
 
 _SIMPLE_KINDS = frozenset("biufc")
+
+#: The engine, loaded at the first spec, built for these limits.
+_engine = loader(
+    "cupy_ipcpool._engine",
+    SPEC_MAX_TYPESTR=MAX_TYPESTR,
+    SPEC_MAX_NDIM=MAX_NDIM,
+    SPEC_MAX_ITEMSIZE=MAX_ITEMSIZE,
+    SPEC_ALIGN=ALIGN,
+    SPEC_KINDS="".join(sorted(_SIMPLE_KINDS)),
+)
 
 
 # -- messages --------------------------------------------------------------------
@@ -249,15 +264,16 @@ def encode_refuse(reason: str) -> bytes:
     return _msg(REFUSE, raw)
 
 
+def pairs(
+    specs: tuple[ArraySpec, ...] | list[ArraySpec],
+) -> list[tuple[str, tuple[int, ...]]]:
+    """``specs`` as the engine takes them: ``(typestr, shape)`` pairs."""
+    return [(spec.typestr, spec.shape) for spec in specs]
+
+
 def encode_specs(specs: tuple[ArraySpec, ...] | list[ArraySpec]) -> bytes:
-    """Encode array specs (checked like the receiver checks them)."""
-    parts = []
-    for spec in specs:
-        check_spec(spec)
-        ts = spec.typestr.encode("ascii")
-        parts.append(bytes((len(ts),)) + ts + bytes((len(spec.shape),)))
-        parts.append(b"".join(_U64.pack(d) for d in spec.shape))
-    return b"".join(parts)
+    """Encode array specs (checked like the receiver checks them: ProtocolError)."""
+    return _engine().encode_array_specs(pairs(specs))
 
 
 def encode_frame(seq: int, slot: int, specs: tuple[ArraySpec, ...], metadata: bytes = b"") -> bytes:
@@ -319,46 +335,13 @@ def decode_header(data: bytes | bytearray | memoryview) -> tuple[int, int]:
 
 def check_spec(spec: ArraySpec) -> None:
     """Raise ProtocolError unless ``spec`` is a plain numeric dtype and a sane shape."""
-    ts = spec.typestr
-    if not 3 <= len(ts) <= MAX_TYPESTR or not ts.isascii():
-        raise ProtocolError(f"bad dtype string {ts!r}")
-    if ts[0] not in "<>|" or ts[1] not in _SIMPLE_KINDS or not ts[2:].isdigit():
-        raise ProtocolError(f"dtype {ts!r} is not a plain numeric type")
-    if ts[2:].startswith("0") or int(ts[2:]) > 64:
-        raise ProtocolError(f"dtype {ts!r} has an item size out of range")
-    if len(spec.shape) > MAX_NDIM:
-        raise ProtocolError(f"{len(spec.shape)} dimensions (at most {MAX_NDIM})")
-    if any(d < 0 or d >= 1 << 62 for d in spec.shape):
-        raise ProtocolError(f"shape {spec.shape} out of range")
+    _engine().encode_array_specs(pairs((spec,)))
 
 
 def decode_specs(data: bytes | memoryview, count: int) -> tuple[tuple[ArraySpec, ...], int]:
     """Decode ``count`` array specs from the start of ``data``; return ``(specs, bytes used)``."""
-    specs = []
-    pos = 0
-    n = len(data)
-    for _ in range(count):
-        if pos >= n:
-            raise ProtocolError("truncated array spec")
-        tlen = data[pos]
-        pos += 1
-        if tlen > MAX_TYPESTR or pos + tlen + 1 > n:
-            raise ProtocolError("truncated or oversized dtype string")
-        try:
-            typestr = bytes(data[pos : pos + tlen]).decode("ascii")
-        except UnicodeDecodeError:
-            raise ProtocolError("dtype string is not ASCII") from None
-        pos += tlen
-        ndim = data[pos]
-        pos += 1
-        if ndim > MAX_NDIM or pos + 8 * ndim > n:
-            raise ProtocolError(f"truncated shape or {ndim} dimensions (at most {MAX_NDIM})")
-        shape = struct.unpack_from(f"<{ndim}Q", data, pos)
-        pos += 8 * ndim
-        spec = ArraySpec(typestr, tuple(shape))
-        check_spec(spec)
-        specs.append(spec)
-    return tuple(specs), pos
+    raw, used = _engine().decode_array_specs(data, count)
+    return tuple(ArraySpec(typestr, shape) for typestr, shape in raw), used
 
 
 def decode_body(kind: int, body: bytes | bytearray | memoryview) -> Message:
@@ -450,19 +433,9 @@ def layout(specs: tuple[ArraySpec, ...], slot_nbytes: int) -> list[int]:
     Raises
     ------
     ProtocolError
-        The arrays do not fit in ``slot_nbytes``.
+        The arrays do not fit in ``slot_nbytes`` (or a spec is bad).
     """
-    offsets = []
-    pos = 0
-    for spec in specs:
-        pos = -(-pos // ALIGN) * ALIGN
-        offsets.append(pos)
-        pos += spec.nbytes
-    if pos > slot_nbytes:
-        raise ProtocolError(
-            f"the frame's arrays need {pos} bytes; a receive slot has {slot_nbytes}"
-        )
-    return offsets
+    return _engine().array_layout(pairs(specs), slot_nbytes)
 
 
 def data_tag(key: int, seq: int, index: int) -> int:
