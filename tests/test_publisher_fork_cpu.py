@@ -3,9 +3,10 @@
 A process that holds a live :class:`PublisherCore` and forks (``os.fork``,
 multiprocessing's ``fork`` start method) gives the child a copy of the
 publisher, with copies of the subscribers' sockets.  When the child drops its
-copy (garbage collection) or exits (``weakref.finalize`` runs at exit), the
-publisher's finalizer must not say BYE to the parent's subscribers, read their
-messages, or remove the parent's socket file: the subscriber goes on receiving
+copy (garbage collection), exits (``weakref.finalize`` runs at exit) or calls
+its ``close()`` (as the GPU layer's finalizers do there), the publisher must not
+say BYE to the parent's subscribers, read their messages, or remove the
+parent's socket file: the subscriber goes on receiving
 the parent's frames, its RELEASEs reach the parent, and the parent's own
 ``close()`` still says BYE and removes the file.
 
@@ -17,6 +18,7 @@ the script's stdin and stdout, each read with a bound.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import multiprocessing
@@ -31,12 +33,12 @@ from typing import Any
 import pytest
 from _memfd_backend import MemfdConsumer, MemfdProducer
 
-from cupy_ipcpool._errors import EndOfStream
+from cupy_ipcpool._errors import EndOfStream, PoolClosedError
 from cupy_ipcpool.channel._protocol import Frame
 
 #: Seconds any one step may take (a bound, not a pause: every wait ends at its event).
 BOUND = 20.0
-MODES = ["drop", "exit", "mp-drop"]
+MODES = ["drop", "exit", "mp-drop", "close"]
 
 
 class _Lines:
@@ -76,6 +78,38 @@ def _child_drops(prod: MemfdProducer) -> None:
         raise AssertionError("the publisher was not collected in the child")
 
 
+def _slot_fds() -> int:
+    """How many of this process's fds are memfds of the slots."""
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own fd, closed by now
+            count += os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:ipcpool-slot")
+    return count
+
+
+def _child_closes(prod: MemfdProducer) -> None:
+    """In the forked child: ``close()`` the inherited publisher (as the GPU layer's
+    finalizers do there); it is closed here (later calls raise :class:`PoolClosedError`)
+    and answers False (the subscribers are the parent's, connected)."""
+    core = prod.core
+    slot_fds = _slot_fds()  # prod.slots (its fds, its mmaps' dups) and the accept side's
+    if core.close() is not False:
+        raise AssertionError("close() in the child did not answer False")
+    if _slot_fds() != slot_fds - core.num_slots:  # the accept side's copies closed at once
+        raise AssertionError(f"slot fds open: {slot_fds} before close(), {_slot_fds()} after")
+    if not core.closed:
+        raise AssertionError("the publisher is not closed in the child")
+    for call in (lambda: core.poll(0.0), lambda: core.acquire(0.0)):
+        try:
+            call()
+        except PoolClosedError:
+            pass
+        else:
+            raise AssertionError("a call after close() did not raise PoolClosedError")
+    if core.close() is not True:  # idempotent, as in the process that made it
+        raise AssertionError("a second close() did not answer True")
+
+
 def _mp_target(prod: MemfdProducer) -> None:
     _child_drops(prod)
 
@@ -113,9 +147,9 @@ def _fork_and_let_go(prod: MemfdProducer, mode: str) -> int:
         return proc.exitcode
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
-        if mode == "drop":
+        if mode in ("drop", "close"):
             try:
-                _child_drops(prod)
+                (_child_drops if mode == "drop" else _child_closes)(prod)
             except BaseException as exc:
                 print(f"child: {exc!r}", file=sys.stderr, flush=True)
                 os._exit(1)
@@ -190,7 +224,8 @@ def test_a_forked_child_letting_go_of_the_publisher_leaves_the_parent_serving(
 ) -> None:
     """``drop``: the child deletes its copy and collects it (then ``os._exit``);
     ``exit``: the child leaves by ``sys.exit`` with the copy held (its finalizer runs at
-    exit); ``mp-drop``: a multiprocessing ``fork`` worker drops it.  Afterwards the
+    exit); ``mp-drop``: a multiprocessing ``fork`` worker drops it; ``close``: the child
+    calls ``close()`` (closed there, answering False).  Afterwards the
     subscriber got no BYE and receives the parent's next frame, the RELEASE it had sent
     before the fork reached the parent (not read by the child), the socket file is there
     and takes a new subscriber; and the parent's ``close()`` says BYE and removes it."""

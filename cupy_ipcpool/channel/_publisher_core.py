@@ -80,7 +80,7 @@ def _close_publisher(
     the unlink would end the parent's channel.  The engine's objects, freed with the
     publisher, close only this process's copies of the fds, without a word
     (``cipi_pubsession_free``; ``cipi_acceptor_free`` joins no thread in a forked
-    child, ``c/src/acceptor.c``).
+    child, ``c/src/acceptor.c``).  :meth:`PublisherCore.close` keeps the same rule.
     """
     if os.getpid() != pid:
         return
@@ -227,8 +227,11 @@ class PublisherCore(ClosedFlag):
         #: the producer's calls: adoption, the next seq, the pick of a free slot, the count
         #: of leases ended (c/src/producer.c)
         self._producer = engine.Producer(self._session, self._acc)
+        #: the process that made it: in another (a forked child) closing touches nothing
+        #: of the parent's channel (close, _close_publisher)
+        self._pid = os.getpid()
         self._finalizer = weakref.finalize(
-            self, _close_publisher, self._producer, self._session, self.address, ident, os.getpid()
+            self, _close_publisher, self._producer, self._session, self.address, ident, self._pid
         )
         self._acc.start()
 
@@ -251,18 +254,37 @@ class PublisherCore(ClosedFlag):
             welcomed and not yet adopted) to disconnect before the sockets are
             closed.
 
+        In a process other than the one that made the publisher (a child forked
+        from it, such as the GPU layer's finalizers run there) the channel is the
+        parent's: nothing is stopped, sent, read, shut down or unlinked (no BYE, the
+        subscribers' RELEASEs left for the parent, the socket file kept), no
+        callback is called and ``linger`` is ignored.  The publisher is closed here
+        all the same (its calls raise :class:`PoolClosedError`), and this process's
+        copies of the fds are closed without a word: the accept side's (listener,
+        the WELCOME's fds) at once, the subscribers' sockets when the publisher is
+        collected (the engine's ``cipi_pubsession_free``: it closes, never says BYE).
+
         Returns
         -------
         bool
             True when every subscriber had disconnected (always True with
             ``linger=0`` and no subscribers; False when some were still
-            connected when the sockets were closed).
+            connected when the sockets were closed).  In a forked child False:
+            the subscribers are the parent's, still connected.  A second call
+            returns True.
 
         Idempotent; never raises (problems become :class:`TeardownWarning`).
         """
         if self._closed:
             return True
         self._closed = True
+        if os.getpid() != self._pid:  # a forked child: our copies only (see above)
+            self._finalizer.detach()  # (it would do nothing here either)
+            try:  # the forked child's stop: joins nothing, takes no lock, closes our copies
+                self._acc.stop()
+            except Exception as exc:
+                _warn(f"closing the accept thread's copies failed: {exc!r}")
+            return False
         session = self._session
         try:  # welcomed, not adopted: told BYE and lingered for alike
             self._tell(self._producer.stop())

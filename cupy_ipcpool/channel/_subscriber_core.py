@@ -61,14 +61,27 @@ _engine = loader("cupy_ipcpool._engine", PROTOCOL=proto.ENGINE_PROTOCOL)
 _MAX_WATCHED = 15
 
 
-def _close_subscriber(sock: socket.socket, fds: list[int], owed: OwedReleases) -> None:
-    """Tear a subscriber down (also its finalizer); warns instead of raising.
+def _close_subscriber(sock: socket.socket, fds: list[int], owed: OwedReleases, pid: int) -> None:
+    """Tear a subscriber made in process ``pid`` down (also its finalizer); warns instead
+    of raising.
 
     The RELEASEs still ``owed`` go first, as far as the socket takes them now
     (the hang-up returns every lease anyway), then the BYE.
+
+    In another process (a child forked from ``pid``: it dropped its copy of the
+    subscriber, exited holding it, or called ``close()``) the connection is the
+    parent's: no RELEASE, no BYE, nothing read from the socket and its flags
+    (shared with the parent) left as they are; only this process's copies of the
+    socket and of the slot fds are closed, which the parent does not notice.
     """
+    if os.getpid() != pid:  # a forked child: our copies only
+        owed.clear()  # this process's memory: the parent's queue is its own
+        try:
+            sock.close()  # close(2) of our copy: no shutdown, the parent's stays open
+        except OSError as exc:
+            _warn(f"closing the subscriber socket failed: {exc!r}")
     try:
-        if sock.fileno() >= 0:
+        if sock.fileno() >= 0:  # (-1 once closed: in a forked child, on to the slot fds)
             with contextlib.suppress(OSError):
                 owed.flush(sock.fileno())
             owed.clear()
@@ -202,8 +215,11 @@ class SubscriberCore(ClosedFlag):
             for fd in self._fds:
                 os.close(fd)
             raise
+        #: the process that made it: in another (a forked child) closing touches nothing
+        #: of the parent's connection (_close_subscriber)
+        self._pid = os.getpid()
         self._finalizer = weakref.finalize(
-            self, _close_subscriber, self._sock, self._fds, self._owed
+            self, _close_subscriber, self._sock, self._fds, self._owed, self._pid
         )
         if lease_timeout_ms:
             self.lease_timeout = lease_timeout_ms / 1000.0
@@ -252,7 +268,15 @@ class SubscriberCore(ClosedFlag):
     # -- context manager / teardown --
 
     def close(self) -> None:
-        """Say BYE, close the socket and every fd not taken. Idempotent; never raises."""
+        """Say BYE, close the socket and every fd not taken. Idempotent; never raises.
+
+        In a process other than the one that made the subscriber (a child forked
+        from it) the connection is the parent's: nothing is sent or read (no
+        RELEASE owed, no BYE, the parent's frames left queued for it) and the
+        socket's flags are left alone; only this process's copies of the socket
+        and of the fds not taken are closed.  Either way the subscriber is closed
+        here from then on (its calls raise :class:`PoolClosedError`); returns None.
+        """
         if self._closed:
             return
         self._closed = True
@@ -419,7 +443,7 @@ class SubscriberCore(ClosedFlag):
         if isinstance(exc, str):
             exc = ProtocolError(exc)
         self._eos = f"the connection was closed after a protocol error: {exc}"
-        _close_subscriber(self._sock, [], self._owed)
+        _close_subscriber(self._sock, [], self._owed, self._pid)
         raise exc
 
     def _accept(self, data: bytes | memoryview) -> Frame:
@@ -716,7 +740,7 @@ class SubscriberCore(ClosedFlag):
     def _owed_too_long(self, exc: TransportError) -> NoReturn:
         """The engine refused to keep another RELEASE (``exc``): close, and raise it."""
         self._eos = exc.strerror
-        _close_subscriber(self._sock, [], self._owed)
+        _close_subscriber(self._sock, [], self._owed, self._pid)
         raise exc
 
     def _wait_owed(self, timeout: float | None) -> float | None:
