@@ -261,6 +261,8 @@ def generate() -> str:
         define("FDSERVER_STATUS_BAD_REQUEST", t.STATUS_BAD_REQUEST),
         define("FDSERVER_STATUS_BUSY", t.STATUS_BUSY),
         define("FDSERVER_STATUS_TOO_SLOW", t.STATUS_TOO_SLOW),
+        define("FDSERVER_MAX_PENDING_PER_UID", t.MAX_PENDING_PER_UID),
+        define("FDSERVER_REQUEST_TIMEOUT_MS", millis(t.REQUEST_TIMEOUT_S)),
         define("SYS_PIDFD_GETFD_X86_64", t._SYS_PIDFD_GETFD["x86_64"]),
         define("SYS_PIDFD_GETFD_AARCH64", t._SYS_PIDFD_GETFD["aarch64"]),
         "",

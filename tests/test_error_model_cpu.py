@@ -277,11 +277,38 @@ def test_transport_timeouts_are_transport_errors_and_timeouts() -> None:
     assert exc.errno == errno.ETIMEDOUT and str(exc) == "[ETIMEDOUT] late"
 
 
-def test_every_etimedout_of_the_fd_fetch_is_a_transport_timeout() -> None:
-    # Status 5: the fd server gave up on this connection after its deadline.
-    exc = _fetch._refusal(_fetch.STATUS_TOO_SLOW, "/x.sock")
-    assert isinstance(exc, TransportTimeoutError) and exc.errno == errno.ETIMEDOUT
-    assert isinstance(exc, TimeoutError)
+def test_every_etimedout_of_the_fd_fetch_is_a_transport_timeout(tmp_path: pathlib.Path) -> None:
+    """Status 5 (the fd server gave up on this connection after its deadline) and a server
+    that never answers are both a TransportTimeoutError (ETIMEDOUT), also a TimeoutError."""
+    from cupy_ipcpool._transport import STATUS_TOO_SLOW
+
+    path = str(tmp_path / "slow.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(path)
+        listener.listen(2)
+
+        def serve(answer: bytes) -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(64)  # the request
+                if answer:
+                    conn.sendall(answer)
+                else:
+                    conn.recv(1)  # until the client gives up
+
+        for answer, timeout, match in (
+            (bytes([STATUS_TOO_SLOW]), 10.0, "gave up on this connection after 5 s"),
+            (b"", 0.2, "did not answer within 0.2 s"),
+        ):
+            server = threading.Thread(target=serve, args=(answer,))
+            server.start()
+            try:
+                with pytest.raises(TransportTimeoutError, match=match) as caught:
+                    _fetch.fetch_fds_over_socket(path, b"t", 1, timeout=timeout)
+            finally:
+                server.join(10)
+            assert caught.value.errno == errno.ETIMEDOUT
+            assert isinstance(caught.value, TimeoutError)
 
 
 def test_argument_errors_of_the_transport_are_usage_errors() -> None:

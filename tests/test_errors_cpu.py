@@ -503,7 +503,19 @@ def _c_attribute_violations(
 
 #: What of the engine the layers below it may use: the transport-level rules it holds
 #: (``_engine`` itself imports nothing above ``_errors``).
-ENGINE_BELOW = frozenset({"AdmissionBook", "check_socket_path", "bind_listen", "unlink_if_ours"})
+ENGINE_BELOW = frozenset(
+    {
+        "AdmissionBook",
+        "check_socket_path",
+        "bind_listen",
+        "unlink_if_ours",
+        "fetch_fds",
+        "process_start_time",
+        "TRANSPORT_AUTO",
+        "TRANSPORT_PIDFD",
+        "TRANSPORT_SOCKET",
+    }
+)
 
 
 def _engine_uses(path: pathlib.Path) -> set[str]:

@@ -18,7 +18,6 @@ from cupy_ipcpool._errors import PeerRefusedError, TransportError
 from cupy_ipcpool._handles import own_pid_namespace
 from cupy_ipcpool._transport import (
     FdServer,
-    _pidfd,
     check_peer,
     fetch_fds,
     fetch_fds_over_socket,
@@ -548,38 +547,23 @@ def test_fetch_fds_pidfd_partial_failure_closes(memfds: list[int]) -> None:
     assert not _fds() - before
 
 
-def test_fetch_fds_pidfd_opens_one_pidfd(memfds: list[int], monkeypatch: Any) -> None:
-    """One pidfd_open and one start-time check serve every fd of the list."""
-    calls = {"pidfd_open": 0, "process_start_time": 0}
-    real_open, real_start = os.pidfd_open, _pidfd.process_start_time
-
-    def counting_open(pid: int, flags: int = 0) -> int:
-        calls["pidfd_open"] += 1
-        return real_open(pid, flags)
-
-    def counting_start(pid: int) -> int:
-        calls["process_start_time"] += 1
-        return real_start(pid)
-
+def test_fetch_fds_pidfd_fetches_a_list_leaving_only_its_fds(memfds: list[int]) -> None:
+    """A list of fds (repeats included) comes back in order; only they are new (the pidfd is
+    closed); an empty list fetches nothing."""
     pid = os.getpid()
-    start = real_start(pid)
+    start = process_start_time(pid)
     gc.collect()  # no earlier test's fd closes (and frees its number) during the look below
-    monkeypatch.setattr(os, "pidfd_open", counting_open)
-    monkeypatch.setattr(_pidfd, "process_start_time", counting_start)
     before = _fds()
     got = fetch_fds(
         pid=pid, start_time=start, fds=memfds * 4, socket_path=None, token=TOKEN, method="pidfd"
     )
     try:
-        assert calls == {"pidfd_open": 1, "process_start_time": 1}
         assert _read_all(got) == [_content(i) for i in range(3)] * 4
         new = {int(entry.split("=", 1)[0]) for entry in _fds() - before}
         assert new == set(got)  # the pidfd itself is closed
     finally:
         _close(got)
-    # nothing to fetch: no pidfd at all, as before
     assert fetch_fds(pid=pid, start_time=start, fds=[], socket_path=None, token=TOKEN) == []
-    assert calls == {"pidfd_open": 1, "process_start_time": 1}
     # a wrong start time is still refused, and nothing is left open
     with pytest.raises(TransportError) as ei:
         fetch_fds(
@@ -587,14 +571,6 @@ def test_fetch_fds_pidfd_opens_one_pidfd(memfds: list[int], monkeypatch: Any) ->
         )
     assert ei.value.errno == errno.ESRCH and "reused" in str(ei.value)
     assert not _fds() - before
-
-
-def test_pidfd_syscall_function_made_once(memfds: list[int]) -> None:
-    first = _pidfd._getfd_syscall()
-    assert _pidfd._getfd_syscall() is first
-    fd = pidfd_getfd(os.getpid(), memfds[0])
-    os.close(fd)
-    assert _pidfd._getfd_syscall() is first
 
 
 # -- leaks ---------------------------------------------------------------------

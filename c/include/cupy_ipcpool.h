@@ -157,7 +157,11 @@ typedef enum cip_transport {
 
 /* Fetch the slot fds the descriptor names into this process (close-on-exec,
  * owned by the caller), in slot order.  `cap` must be at least num_slots.  On
- * failure nothing is left open.  timeout_ms bounds the fd server exchange. */
+ * failure nothing is left open; the message says why and what to do:
+ * CIP_ERR_REFUSED (the fd server refused, or is not the exporter's: nothing was
+ * sent to it), CIP_ERR_TIMEOUT (the fd server did not answer within timeout_ms,
+ * which bounds its exchange), CIP_ERR_TRANSPORT (the rest).  Python's fetch runs
+ * the same code. */
 cip_status cip_fetch_fds(const void *desc_bytes, size_t len, int transport, int timeout_ms,
                          int *fds, size_t cap, size_t *count);
 

@@ -594,7 +594,8 @@ engine_exec(PyObject *module)
         cipy_leasebook_exec(module) < 0 || cipy_pubsession_exec(module) < 0 ||
         cipy_rows_exec(module) < 0 || cipy_admission_exec(module) < 0 ||
         cipy_acceptor_exec(module) < 0 || cipy_producer_exec(module) < 0 ||
-        cipy_unix_exec(module) < 0 || cipy_host_frame_exec(module) < 0)
+        cipy_unix_exec(module) < 0 || cipy_host_frame_exec(module) < 0 ||
+        cipy_fetch_exec(module) < 0)
         return -1;
     return cipy_handshake_exec(module);
 }

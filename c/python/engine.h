@@ -103,6 +103,8 @@ int cipy_unix_exec(PyObject *module);
 int cipy_producer_exec(PyObject *module);
 /* host_frame.c: the host-frame functions (encode_array_specs ... decode_host_frame) */
 int cipy_host_frame_exec(PyObject *module);
+/* fetch.c: fetch_fds, process_start_time, TRANSPORT_* */
+int cipy_fetch_exec(PyObject *module);
 
 /* owed.c: the OwedReleases type (the RELEASEs the Python subscriber owes) */
 int cipy_owed_exec(PyObject *module);

@@ -21,7 +21,9 @@
  *   sockets.c    Unix sockets: the socket path check, connecting, receiving fds
  *   listen.c     a listening Unix socket at a path: bound and set listening before the file
  *                appears, a stale file replaced, removed at teardown only while ours
- *   fetch.c      fetching a pool's fds: pidfd_getfd, the fd server
+ *   pidfd.c      what names an exporter (pid, start time, PID namespace) and pidfd_getfd
+ *   fetch.c      fetching an exporter's fds: the fd server's client, the choice of transport
+ *   host_frame.c frames in host memory: array specs, their place in a slot, the payload
  *   pool.c       pools: attach (import, reserve, map, access), slots, handles, close (no
  *                unmap under queued GPU work)
  *   syncpage.c   the sync page: layout, flag states, forcing (no GPU)
@@ -353,6 +355,35 @@ CIP_INTERNAL void cipi_sleep_us(long us);
 CIP_INTERNAL void cipi_close_fds(int *fds, size_t n);
 CIP_INTERNAL void *cipi_ring_regrow(void *old, size_t size, size_t *head, size_t len, size_t *alloc,
                                     size_t new_alloc);
+
+/* pidfd.c, fetch.c: an exporter's fds, by pidfd_getfd or from its fd server */
+enum cipi_where { CIPI_WHERE_SAME, CIPI_WHERE_OTHER, CIPI_WHERE_UNKNOWN }; /* its pid namespace */
+struct cipi_fetch {
+    int pid;                    /* the exporter's (0: unknown, the socket only) */
+    long long start_time;       /* its start time (-1: not checked) */
+    const uint32_t *fds;        /* its fd numbers, n of them (pidfd) */
+    long long n;                /* how many fds (also what the fd server must send) */
+    const char *socket_path;    /* its fd server (NULL: none) */
+    const uint8_t *token;       /* the fd server's token, token_len bytes */
+    size_t token_len;
+    int method;                 /* CIP_TRANSPORT_* */
+    long long exporter_uid;     /* the fd server must run as it (-1: unknown) */
+    enum cipi_where where;      /* the exporter's pid namespace, as cipi_where_of says */
+    int timeout_ms;             /* the fd server's exchange (negative: no limit) */
+};
+CIP_INTERNAL extern const char cipi_shared_socket_fix[];
+CIP_INTERNAL const char *cipi_errname(int err); /* "EPERM"; NULL when not named here */
+CIP_INTERNAL enum cipi_where cipi_where_of(unsigned long long pid_namespace);
+CIP_INTERNAL cip_status cipi_process_start_time(int pid, long long *out, int *err);
+CIP_INTERNAL cip_status cipi_pidfd_fail(int err, int pid, int fd, const char *call,
+                                        enum cipi_where where);
+CIP_INTERNAL cip_status cipi_getfd_all(int pid, const uint32_t *targets, size_t n,
+                                       long long start_time, enum cipi_where where, int *out,
+                                       int *err);
+/* f->n fds into out (close-on-exec, the caller's; nothing left open on failure); the
+ * status, *err the errno that says why (CIP_ERR_REFUSED: the server refused, or is not the
+ * exporter; CIP_ERR_TIMEOUT: the fd server did not answer in time). */
+CIP_INTERNAL cip_status cipi_fetch(const struct cipi_fetch *f, int *out, int *err);
 
 /* driver.c */
 CIP_INTERNAL extern struct cipi_driver cipi_drv;
