@@ -21,9 +21,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import multiprocessing
 import os
-import select
 import subprocess
 import sys
 import weakref
@@ -31,41 +29,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from _fork import BOUND, MODES, Lines, ends_clean, fork_and_let_go, say, script_processes, tell
 from _memfd_backend import MemfdConsumer, MemfdProducer
 
 from cupy_ipcpool._errors import EndOfStream, PoolClosedError
 from cupy_ipcpool.channel._protocol import Frame
 
-#: Seconds any one step may take (a bound, not a pause: every wait ends at its event).
-BOUND = 20.0
-MODES = ["drop", "exit", "mp-drop", "close"]
-
-
-class _Lines:
-    """Lines read from ``fd``, each within a bound (``select``, then ``os.read``)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.buf = b""
-
-    def next(self, timeout: float = BOUND) -> str:
-        while b"\n" not in self.buf:
-            ready, _, _ = select.select([self.fd], [], [], timeout)
-            if not ready:
-                raise TimeoutError(f"no line within {timeout} s (so far {self.buf!r})")
-            data = os.read(self.fd, 65536)
-            if not data:
-                raise EOFError(f"the other end closed (so far {self.buf!r})")
-            self.buf += data
-        line, self.buf = self.buf.split(b"\n", 1)
-        return line.decode()
-
-
 # -- the publisher's process (this file run as a script) ------------------------------------
-
-
-def _say(*words: object) -> None:
-    print(*words, flush=True)
 
 
 def _child_drops(prod: MemfdProducer) -> None:
@@ -110,76 +80,25 @@ def _child_closes(prod: MemfdProducer) -> None:
         raise AssertionError("a second close() did not answer True")
 
 
-def _mp_target(prod: MemfdProducer) -> None:
-    _child_drops(prod)
-
-
-def _wait_child(pid: int) -> int:
-    """The exit code of child ``pid``, waited for within a bound."""
-    pidfd = os.pidfd_open(pid)
-    try:
-        ready, _, _ = select.select([pidfd], [], [], BOUND)
-    finally:
-        os.close(pidfd)
-    if not ready:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        raise TimeoutError(f"the forked child {pid} did not end within {BOUND} s")
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
-
-
-def _fork_and_let_go(prod: MemfdProducer, mode: str) -> int:
-    """Fork a child that lets go of the publisher as ``mode`` says; its exit code.
-
-    Called with no ``with``/``finally`` around it: a child that leaves by
-    ``sys.exit`` runs nothing of the parent's on its way out but the exit's own
-    finalizers.
-    """
-    if mode == "mp-drop":
-        proc = multiprocessing.get_context("fork").Process(target=_mp_target, args=(prod,))
-        proc.start()
-        proc.join(BOUND)
-        if proc.exitcode is None:
-            proc.kill()
-            proc.join()
-            raise TimeoutError(f"the forked child did not end within {BOUND} s")
-        return proc.exitcode
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        if mode in ("drop", "close"):
-            try:
-                (_child_drops if mode == "drop" else _child_closes)(prod)
-            except BaseException as exc:
-                print(f"child: {exc!r}", file=sys.stderr, flush=True)
-                os._exit(1)
-            os._exit(0)
-        # "exit": the interpreter's own exit, the publisher still held: its finalizer runs
-        # there (weakref.finalize's atexit)
-        assert prod.core._finalizer.atexit and prod.core._finalizer.alive
-        sys.exit(0)
-    return _wait_child(pid)
-
-
 def _publisher_main(mode: str, address: str) -> None:
-    commands = _Lines(sys.stdin.fileno())
+    commands = Lines(sys.stdin.fileno())
     prod = MemfdProducer(address, 4)
-    _say("listening")
+    say("listening")
     prod.wait_subscribers(1, timeout=BOUND)
     prod.publish_next(timeout=BOUND)
-    _say("published")
+    say("published")
     assert commands.next() == "released"  # its RELEASE waits, unread, in our socket
-    code = _fork_and_let_go(prod, mode)
+    code = fork_and_let_go(prod, mode, _child_drops, _child_closes)
     core = prod.core
     report: dict[str, Any] = {"child_exit": code, "file_after_child": os.path.exists(address)}
     report["returned"] = core.poll(0.0)  # frame 0's RELEASE, read here
     report["subscribers"] = len(core.subscribers)
     report["seq"] = prod.publish_next(timeout=BOUND)
-    _say(json.dumps(report))
+    say(json.dumps(report))
     assert commands.next() == "close"
     del core
     prod.close()
-    _say(json.dumps({"file_after_close": os.path.exists(address)}))
+    say(json.dumps({"file_after_close": os.path.exists(address)}))
 
 
 # -- the test: the subscriber's side ---------------------------------------------------------
@@ -188,33 +107,13 @@ def _publisher_main(mode: str, address: str) -> None:
 @pytest.fixture
 def publisher_process(tmp_path: Any) -> Iterator[Any]:
     """Start the publisher's process for a mode; killed at the end if still running."""
-    procs: list[subprocess.Popen[bytes]] = []
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with script_processes(__file__) as start_script:
 
-    def start(mode: str) -> tuple[subprocess.Popen[bytes], str]:
-        address = str(tmp_path / "pub.sock")
-        proc = subprocess.Popen(
-            [sys.executable, "-W", "error", os.path.abspath(__file__), mode, address],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=dict(os.environ, PYTHONPATH=repo),
-            cwd=repo,
-        )
-        procs.append(proc)
-        return proc, address
+        def start(mode: str) -> tuple[subprocess.Popen[bytes], str]:
+            address = str(tmp_path / "pub.sock")
+            return start_script(mode, address), address
 
-    yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate(timeout=BOUND)
-
-
-def _tell(proc: subprocess.Popen[bytes], line: str) -> None:
-    assert proc.stdin is not None
-    proc.stdin.write(line.encode() + b"\n")
-    proc.stdin.flush()
+        yield start
 
 
 @pytest.mark.timeout(120)
@@ -231,8 +130,8 @@ def test_a_forked_child_letting_go_of_the_publisher_leaves_the_parent_serving(
     and takes a new subscriber; and the parent's ``close()`` says BYE and removes it."""
     proc, address = publisher_process(mode)
     assert proc.stdout is not None
-    out = _Lines(proc.stdout.fileno())
-    try:
+    out = Lines(proc.stdout.fileno())
+    with ends_clean(proc):
         assert out.next() == "listening"
         sub = MemfdConsumer(address, timeout=BOUND)
         try:
@@ -240,7 +139,7 @@ def test_a_forked_child_letting_go_of_the_publisher_leaves_the_parent_serving(
             first = sub.recv(BOUND)
             assert first.seq == 0
             sub.release(first)
-            _tell(proc, "released")
+            tell(proc, "released")
 
             report = json.loads(out.next())
             assert report["child_exit"] == 0
@@ -254,22 +153,13 @@ def test_a_forked_child_letting_go_of_the_publisher_leaves_the_parent_serving(
             late = MemfdConsumer(address, timeout=BOUND)  # the listener is the parent's still
             late.core.close()
 
-            _tell(proc, "close")
+            tell(proc, "close")
             assert json.loads(out.next()) == {"file_after_close": False}
             with pytest.raises(EndOfStream, match="BYE"):
                 sub.core.recv(BOUND)
             assert not os.path.exists(address)
         finally:
             sub.core.close()
-        _, err = proc.communicate(timeout=BOUND)
-    except BaseException:
-        if proc.poll() is None:
-            proc.kill()
-        _, err = proc.communicate(timeout=BOUND)
-        print(err.decode(errors="replace"), file=sys.stderr)
-        raise
-    assert proc.returncode == 0, err.decode(errors="replace")
-    assert err == b"", err.decode(errors="replace")
 
 
 def test_the_finalizer_still_tears_down_in_the_process_that_made_the_publisher(

@@ -12,7 +12,7 @@ which the parent shares: it only closes its own copies of the fds.
 The subscriber runs in a process of its own (this file run as a script, below),
 the publisher here: the child inherits the subscriber and nothing else.  The
 two talk over the script's stdin and stdout, each read with a bound
-(:class:`test_publisher_fork_cpu._Lines`).
+(``tests/_fork.py``).
 """
 
 from __future__ import annotations
@@ -20,23 +20,18 @@ from __future__ import annotations
 import fcntl
 import gc
 import json
-import multiprocessing
 import os
-import subprocess
 import sys
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from _fork import BOUND, MODES, Lines, ends_clean, fork_and_let_go, say, script_processes, tell
 from _memfd_backend import MemfdConsumer, MemfdProducer
-from test_publisher_fork_cpu import BOUND, _Lines, _say, _tell, _wait_child
 
 from cupy_ipcpool._errors import EndOfStream, PoolClosedError
 from cupy_ipcpool.channel._handshake import SubscriberInfo
-
-MODES = ["drop", "exit", "mp-drop", "close"]
-
 
 # -- the subscriber's process (this file run as a script) -----------------------------------
 
@@ -70,56 +65,25 @@ def _child_closes(sub: MemfdConsumer) -> None:
     core.close()  # idempotent
 
 
-def _mp_target(sub: MemfdConsumer) -> None:
-    _child_drops(sub)
-
-
-def _fork_and_let_go(sub: MemfdConsumer, mode: str) -> int:
-    """Fork a child that lets go of the subscriber as ``mode`` says; its exit code."""
-    if mode == "mp-drop":
-        proc = multiprocessing.get_context("fork").Process(target=_mp_target, args=(sub,))
-        proc.start()
-        proc.join(BOUND)
-        if proc.exitcode is None:
-            proc.kill()
-            proc.join()
-            raise TimeoutError(f"the forked child did not end within {BOUND} s")
-        return proc.exitcode
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        if mode in ("drop", "close"):
-            try:
-                (_child_drops if mode == "drop" else _child_closes)(sub)
-            except BaseException as exc:
-                print(f"child: {exc!r}", file=sys.stderr, flush=True)
-                os._exit(1)
-            os._exit(0)
-        # "exit": the interpreter's own exit, the subscriber still held: its finalizer runs
-        # there (weakref.finalize's atexit)
-        assert sub.core._finalizer.atexit and sub.core._finalizer.alive
-        sys.exit(0)
-    return _wait_child(pid)
-
-
 def _subscriber_main(mode: str, address: str) -> None:
-    commands = _Lines(sys.stdin.fileno())
+    commands = Lines(sys.stdin.fileno())
     sub = MemfdConsumer(address, timeout=BOUND)
-    _say("subscribed")
+    say("subscribed")
     assert commands.next() == "published"  # frame 0 waits, unread, in our socket
     fd = sub.core.fileno()
-    code = _fork_and_let_go(sub, mode)
+    code = fork_and_let_go(sub, mode, _child_drops, _child_closes)
     nonblocking = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_NONBLOCK)
-    _say(json.dumps({"child_exit": code, "nonblocking": nonblocking}))
+    say(json.dumps({"child_exit": code, "nonblocking": nonblocking}))
     for _ in range(2):
         assert commands.next() == "recv"
         frame = sub.recv(BOUND)  # frame 0: queued before the fork, not read by the child
         sub.release(frame)
-        _say(json.dumps({"seq": frame.seq}))
+        say(json.dumps({"seq": frame.seq}))
     assert commands.next() == "closed"
     try:
         sub.core.recv(BOUND)
     except EndOfStream as exc:
-        _say(json.dumps({"end": str(exc), "clean": exc.clean}))
+        say(json.dumps({"end": str(exc), "clean": exc.clean}))
     sub.close()
 
 
@@ -129,26 +93,8 @@ def _subscriber_main(mode: str, address: str) -> None:
 @pytest.fixture
 def subscriber_process(tmp_path: Any) -> Iterator[Any]:
     """Start the subscriber's process for a mode; killed at the end if still running."""
-    procs: list[subprocess.Popen[bytes]] = []
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-    def start(mode: str, address: str) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen(
-            [sys.executable, "-W", "error", os.path.abspath(__file__), mode, address],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=dict(os.environ, PYTHONPATH=repo),
-            cwd=repo,
-        )
-        procs.append(proc)
-        return proc
-
-    yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate(timeout=BOUND)
+    with script_processes(__file__) as start:
+        yield start
 
 
 @pytest.mark.timeout(120)
@@ -169,12 +115,12 @@ def test_a_forked_child_letting_go_of_the_subscriber_leaves_the_parent_subscribe
     try:
         proc = subscriber_process(mode, address)
         assert proc.stdout is not None
-        out = _Lines(proc.stdout.fileno())
-        try:
+        out = Lines(proc.stdout.fileno())
+        with ends_clean(proc):
             assert out.next() == "subscribed"
             prod.wait_subscribers(1, timeout=BOUND)
             assert prod.publish_next(timeout=BOUND) == 0
-            _tell(proc, "published")
+            tell(proc, "published")
 
             report = json.loads(out.next())
             assert report == {"child_exit": 0, "nonblocking": False}
@@ -183,27 +129,18 @@ def test_a_forked_child_letting_go_of_the_subscriber_leaves_the_parent_subscribe
             assert left == [], prod.core.last_leave_reason
             assert len(prod.core.subscribers) == 1
 
-            _tell(proc, "recv")
+            tell(proc, "recv")
             assert json.loads(out.next()) == {"seq": 0}  # the frame queued before the fork
             assert prod.core.poll(BOUND) == 1  # its RELEASE
             assert prod.publish_next(timeout=BOUND) == 1
-            _tell(proc, "recv")
+            tell(proc, "recv")
             assert json.loads(out.next()) == {"seq": 1}
             assert prod.core.poll(BOUND) == 1
             assert left == []
 
             prod.core.close()
-            _tell(proc, "closed")
+            tell(proc, "closed")
             assert json.loads(out.next()) == {"end": "the publisher said BYE", "clean": True}
-            _, err = proc.communicate(timeout=BOUND)
-        except BaseException:
-            if proc.poll() is None:
-                proc.kill()
-            _, err = proc.communicate(timeout=BOUND)
-            print(err.decode(errors="replace"), file=sys.stderr)
-            raise
-        assert proc.returncode == 0, err.decode(errors="replace")
-        assert err == b"", err.decode(errors="replace")
     finally:
         prod.close()
 

@@ -133,18 +133,20 @@ specs_cap(size_t n)
     return n * (2 + CIP_SPEC_MAX_TYPESTR + 8 * CIP_SPEC_MAX_NDIM);
 }
 
+/* The wire form of n specs (host: as a host frame's payload, with meta_len bytes of
+ * metadata); the specs are freed.  NULL on failure. */
 static PyObject *
-encode_array_specs(PyObject *module, PyObject *arg)
+encoded(PyObject *module, cip_array_spec *specs, size_t n, const void *meta, size_t meta_len,
+        int host)
 {
-    size_t n;
-    cip_array_spec *specs = specs_of(module, arg, &n);
-    if (specs == NULL)
-        return NULL;
-    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)specs_cap(n));
+    size_t cap = (host ? CIP_WIRE_HOST_HEAD_SIZE : 0) + specs_cap(n) + meta_len;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)cap);
     size_t len = 0;
-    cip_status st = out == NULL ? CIP_OK
-                                : cip_array_specs_encode(specs, n, PyBytes_AS_STRING(out),
-                                                         specs_cap(n), &len);
+    cip_status st = CIP_OK;
+    if (out != NULL)
+        st = host ? cip_host_frame_encode(specs, n, meta, meta_len, PyBytes_AS_STRING(out), cap,
+                                          &len)
+                  : cip_array_specs_encode(specs, n, PyBytes_AS_STRING(out), cap, &len);
     PyMem_Free(specs);
     if (out == NULL)
         return NULL;
@@ -154,6 +156,14 @@ encode_array_specs(PyObject *module, PyObject *arg)
     }
     _PyBytes_Resize(&out, (Py_ssize_t)len);
     return out;
+}
+
+static PyObject *
+encode_array_specs(PyObject *module, PyObject *arg)
+{
+    size_t n;
+    cip_array_spec *specs = specs_of(module, arg, &n);
+    return specs == NULL ? NULL : encoded(module, specs, n, NULL, 0, 0);
 }
 
 static PyObject *
@@ -214,25 +224,8 @@ encode_host_frame(PyObject *module, PyObject *args)
         return NULL;
     size_t n;
     cip_array_spec *specs = specs_of(module, obj, &n);
-    if (specs == NULL) {
-        PyBuffer_Release(&meta);
-        return NULL;
-    }
-    size_t cap = CIP_WIRE_HOST_HEAD_SIZE + specs_cap(n) + (size_t)meta.len;
-    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)cap);
-    size_t len = 0;
-    cip_status st = out == NULL ? CIP_OK
-                                : cip_host_frame_encode(specs, n, meta.buf, (size_t)meta.len,
-                                                        PyBytes_AS_STRING(out), cap, &len);
+    PyObject *out = specs == NULL ? NULL : encoded(module, specs, n, meta.buf, (size_t)meta.len, 1);
     PyBuffer_Release(&meta);
-    PyMem_Free(specs);
-    if (out == NULL)
-        return NULL;
-    if (st != CIP_OK) {
-        Py_DECREF(out);
-        return failed(module, st);
-    }
-    _PyBytes_Resize(&out, (Py_ssize_t)len);
     return out;
 }
 
