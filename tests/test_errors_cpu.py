@@ -514,6 +514,7 @@ ENGINE_BELOW = frozenset(
         "TRANSPORT_AUTO",
         "TRANSPORT_PIDFD",
         "TRANSPORT_SOCKET",
+        "FdServer",
     }
 )
 

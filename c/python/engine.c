@@ -595,7 +595,7 @@ engine_exec(PyObject *module)
         cipy_rows_exec(module) < 0 || cipy_admission_exec(module) < 0 ||
         cipy_acceptor_exec(module) < 0 || cipy_producer_exec(module) < 0 ||
         cipy_unix_exec(module) < 0 || cipy_host_frame_exec(module) < 0 ||
-        cipy_fetch_exec(module) < 0)
+        cipy_fetch_exec(module) < 0 || cipy_fdserver_exec(module) < 0)
         return -1;
     return cipy_handshake_exec(module);
 }

@@ -105,6 +105,8 @@ int cipy_producer_exec(PyObject *module);
 int cipy_host_frame_exec(PyObject *module);
 /* fetch.c: fetch_fds, process_start_time, TRANSPORT_* */
 int cipy_fetch_exec(PyObject *module);
+/* fdserver.c: FdServer, the fd server's thread */
+int cipy_fdserver_exec(PyObject *module);
 
 /* owed.c: the OwedReleases type (the RELEASEs the Python subscriber owes) */
 int cipy_owed_exec(PyObject *module);

@@ -23,6 +23,7 @@
  *                appears, a stale file replaced, removed at teardown only while ours
  *   pidfd.c      what names an exporter (pid, start time, PID namespace) and pidfd_getfd
  *   fetch.c      fetching an exporter's fds: the fd server's client, the choice of transport
+ *   fdserver.c   the fd server: serving an exporter's fds over a Unix socket (its thread)
  *   host_frame.c frames in host memory: array specs, their place in a slot, the payload
  *   pool.c       pools: attach (import, reserve, map, access), slots, handles, close (no
  *                unmap under queued GPU work)
@@ -384,6 +385,20 @@ CIP_INTERNAL cip_status cipi_getfd_all(int pid, const uint32_t *targets, size_t 
  * status, *err the errno that says why (CIP_ERR_REFUSED: the server refused, or is not the
  * exporter; CIP_ERR_TIMEOUT: the fd server did not answer in time). */
 CIP_INTERNAL cip_status cipi_fetch(const struct cipi_fetch *f, int *out, int *err);
+
+/* fdserver.c: serve fds[0..nfds) (the caller's, kept open while it serves) to clients of
+ * the listening socket `listener` (taken once made: closed by stop) that present `token` and run as
+ * one of `uids`; its own thread from start to stop.  `live`: connections being served. */
+struct cipi_fdserver;
+CIP_INTERNAL cip_status cipi_fdserver_new(int listener, const int *fds, size_t nfds,
+                                          const uint8_t *token, size_t token_len,
+                                          const uint32_t *uids, size_t nuids,
+                                          struct cipi_fdserver **out);
+CIP_INTERNAL cip_status cipi_fdserver_start(struct cipi_fdserver *s);
+CIP_INTERNAL int cipi_fdserver_live(const struct cipi_fdserver *s);
+CIP_INTERNAL const char *cipi_fdserver_failure(const struct cipi_fdserver *s);
+CIP_INTERNAL void cipi_fdserver_stop(struct cipi_fdserver *s);
+CIP_INTERNAL void cipi_fdserver_free(struct cipi_fdserver *s);
 
 /* driver.c */
 CIP_INTERNAL extern struct cipi_driver cipi_drv;

@@ -1,10 +1,10 @@
 """One accept loop: a listening socket and the connections it accepted, on one thread.
 
-The fd server (:class:`~._fdserver.FdServer`), the channel's publisher
-(``cupy_ipcpool.channel._handshake._Acceptor``) and the remote server
-(``cupy_ipcpool.remote._accept.Acceptor``) each serve a listening socket and
-the connections they accepted from one daemon thread that never blocks on a
-connection.  :class:`AcceptLoop` is that thread; what a connection does once
+The remote server (``cupy_ipcpool.remote._accept.Acceptor``) serves a listening
+socket and the connections it accepted from one daemon thread that never blocks
+on a connection (the fd server's and the channel publisher's threads of this kind
+are the engine's: ``c/src/fdserver.c``, ``c/src/acceptor.c``).  :class:`AcceptLoop`
+is that thread; what a connection does once
 accepted (a request, a handshake, a wait for a hang-up) is its user's, in
 callbacks.  The loop owns:
 

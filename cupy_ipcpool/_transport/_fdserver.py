@@ -14,42 +14,33 @@ Socket protocol (all integers big-endian)::
 
 The client checks who serves the socket (``SO_PEERCRED``) before it sends the
 token; the server checks the client's uid as soon as it accepts, before it
-reads anything.  One thread (the transport's accept loop, :mod:`._accept_loop`)
-serves every connection without blocking, each with one overall deadline, at
-most :data:`MAX_PENDING_PER_UID` per uid.
+reads anything.  One thread serves every connection without blocking, each with
+one overall deadline, at most :data:`MAX_PENDING_PER_UID` per uid: the engine's
+(``c/src/fdserver.c``, bound as ``_engine.FdServer``), as the client is
+(``c/src/fetch.c``).  This module makes and binds the socket and removes its
+files.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import hmac
 import os
-import select
 import shutil
 import socket
 import struct
 import tempfile
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from cupy_ipcpool._errors import TeardownWarning, TransportError, UsageError, UsageTypeError
 
-from ._accept_loop import AcceptLoop
-from ._admission import MAX_PENDING_PER_UID, Admission
+from .._compiled import loader
+from ._admission import MAX_PENDING_PER_UID
 from ._closing import ClosesOnExit
-from ._unix import (
-    _close_all,
-    accept_peer,
-    allowed_uid_set,
-    bind_unix,
-    check_socket_path,
-    recv_fds,
-    unlink_if_ours,
-)
+from ._unix import allowed_uid_set, bind_unix, check_socket_path, unlink_if_ours
 
 __all__ = [
     "FDS_PER_MESSAGE",
@@ -87,10 +78,6 @@ STATUS_BAD_REQUEST = 3
 STATUS_BUSY = 4
 STATUS_TOO_SLOW = 5
 
-#: What :meth:`_FdConn.read_request` returns when the client hung up before its
-#: request was complete (never sent: not a status of the protocol).
-_HUNG_UP = -1
-
 #: Deadline of one connection to the server, from accept to the last fd sent.
 REQUEST_TIMEOUT_S = 5.0
 
@@ -98,6 +85,8 @@ REQUEST_TIMEOUT_S = 5.0
 LISTEN_BACKLOG = 512
 
 _COUNT = struct.Struct("!I")
+
+_engine = loader("cupy_ipcpool._engine")
 
 
 def _check_token(token: bytes) -> bytes:
@@ -108,8 +97,17 @@ def _check_token(token: bytes) -> bytes:
     return bytes(token)
 
 
-def _remove_files(path: str | None, ino: tuple[int, int] | None, directory: str | None) -> None:
-    """Unlink the server's socket (if it is still ours) and remove its directory."""
+def _stop_and_remove(
+    server: Any, owner: int, path: str | None, ino: tuple[int, int] | None, directory: str | None
+) -> None:
+    """Stop the engine's server (its thread joined, every connection closed), then unlink the
+    socket (if it is still ours) and remove its directory.  In a process forked from the
+    one that made it (``owner``), only this process's copies of the fds are closed: the
+    files and the connections are the parent's."""
+    if server is not None:
+        server.stop()
+    if os.getpid() != owner:
+        return
     if path is not None and ino is not None:
         try:
             unlink_if_ours(path, ino)
@@ -126,74 +124,10 @@ def _remove_files(path: str | None, ino: tuple[int, int] | None, directory: str 
             )
 
 
-class _FdConn:
-    """One client connection of an :class:`FdServer` (owned by its serving thread)."""
-
-    __slots__ = ("buf", "fd", "out", "sock", "uid")
-
-    def __init__(self, sock: socket.socket, uid: int) -> None:
-        self.sock = sock
-        self.fd = sock.fileno()
-        self.uid = uid
-        self.buf = b""
-        self.out: list[tuple[bytes, list[int]]] = []
-
-    def read_request(self, token: bytes) -> int | None:
-        """Read what has arrived; return a status once the request is complete (None: wait).
-
-        :data:`_HUNG_UP` when the client hung up before its request was complete.
-        """
-        head = len(MAGIC) + 1
-        while True:
-            if len(self.buf) < head:
-                want = head - len(self.buf)
-            else:
-                want = head + self.buf[head - 1] - len(self.buf)
-            if want <= 0:
-                break
-            try:
-                chunk, fds = recv_fds(self.sock, want, 0)
-            except BlockingIOError:
-                return None
-            if fds:  # unreachable with maxfds=0 (MSG_CTRUNC), kept for safety
-                _close_all(fds)
-                return STATUS_BAD_REQUEST
-            if not chunk:
-                return _HUNG_UP
-            self.buf += chunk
-            if len(self.buf) >= head and (
-                self.buf[: len(MAGIC)] != MAGIC or self.buf[head - 1] > MAX_TOKEN_LEN
-            ):
-                return STATUS_BAD_REQUEST
-        if not hmac.compare_digest(self.buf[head:], token):
-            return STATUS_BAD_TOKEN
-        return STATUS_OK
-
-
-def _refuse_now(sock: socket.socket, status: int) -> None:
-    """Tell a client ``status`` and close, without waiting for it.
-
-    What the client sent so far is read first (without waiting): closing a
-    Unix socket with unread data would reset the connection and the client
-    would see ``ECONNRESET`` instead of the status.
-    """
-    with contextlib.suppress(OSError):
-        sock.setblocking(False)
-        while sock.recv(4096):
-            pass
-    with contextlib.suppress(OSError):
-        sock.send(bytes([status]))
-    sock.close()
-
-
-def _refuse_uid(sock: socket.socket, _uid: int) -> None:
-    _refuse_now(sock, STATUS_UID_REFUSED)
-
-
 class FdServer(ClosesOnExit):
     """Serve a fixed list of fds over a Unix socket with ``SCM_RIGHTS``.
 
-    The exporter side of the socket transport.  One daemon thread serves every
+    The exporter side of the socket transport.  One thread (the engine's) serves every
     connection without blocking on any: the client's uid is checked as soon as
     it is accepted (a refused uid is told so and closed, nothing is read from
     it), each connection has one overall deadline of
@@ -225,9 +159,9 @@ class FdServer(ClosesOnExit):
 
     Notes
     -----
-    Call :meth:`close` (or use ``with``): the accept thread keeps the server
-    alive until then.  If it is forgotten, the socket file and directory are
-    still removed at interpreter exit.
+    Call :meth:`close` (or use ``with``).  If it is forgotten, the server stops and
+    the socket file and directory are removed when it is collected, or at
+    interpreter exit.
 
     Permissions.  When only our own euid is allowed, the directory made by the
     server is mode 0700 and the socket 0600: the file system already refuses
@@ -258,13 +192,11 @@ class FdServer(ClosesOnExit):
         shared = self.allowed_uids != {euid}
         self._closed = False
         self._lock = threading.Lock()
-        self._admission = Admission(MAX_PENDING_PER_UID, REQUEST_TIMEOUT_S)
-        self._conns: dict[int, _FdConn] = {}  # owned by the serving thread
         self._dir: str | None = None
         self._sock: socket.socket | None = None
         self._ino: tuple[int, int] | None = None
         self._finalizer: weakref.finalize[..., FdServer] | None = None
-        self._loop: AcceptLoop[_FdConn] | None = None
+        self._server: Any = None  # the engine's FdServer, which serves
         try:
             if path is None:
                 self._dir = tempfile.mkdtemp(prefix="cupy_ipcpool-")  # mode 0700
@@ -273,23 +205,23 @@ class FdServer(ClosesOnExit):
                 self.path = os.fspath(path)
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._bind(shared)
-            # the serving thread keeps this object alive, so the finalizer is
-            # what removes the files at interpreter exit if close() is forgotten
-            self._finalizer = weakref.finalize(self, _remove_files, self.path, self._ino, self._dir)
+            self._finalizer = weakref.finalize(
+                self, _stop_and_remove, None, os.getpid(), self.path, self._ino, self._dir
+            )
             if self._dir is not None and shared:
                 os.chmod(self._dir, 0o711)
             self._sock.listen(LISTEN_BACKLOG)  # the private directory's (bind_unix listens itself)
             self._sock.setblocking(False)
-            self._loop = AcceptLoop(
-                self._sock,
-                name=f"cupy_ipcpool-FdServer({self.path})",
-                on_accept=self._accepted,
-                on_event=self._step,
-                deadlines=self._admission,
-                on_expired=self._expired,
-                on_exit=self._finish_all,
+            self._server = _engine().FdServer(
+                self._sock.fileno(), self._fds, self._token, sorted(self.allowed_uids)
             )
-            self._loop.start()
+            self._sock.detach()  # the engine's from here: closed by its stop()
+            self._sock = None
+            self._finalizer.detach()  # the one below stops the server too
+            self._finalizer = weakref.finalize(
+                self, _stop_and_remove, self._server, os.getpid(), self.path, self._ino, self._dir
+            )
+            self._server.start()
         except BaseException:
             self._teardown()
             raise
@@ -312,82 +244,10 @@ class FdServer(ClosesOnExit):
         else:
             self._ino = bind_unix(self._sock, self.path, mode, backlog=LISTEN_BACKLOG)
 
-    # -- serving: what a connection does once the accept loop accepted it ------
-
-    def _accepted(self, sock: socket.socket, _address: object) -> None:
-        # a refused uid costs nothing: nothing is read or kept
-        peer = accept_peer(sock, self.allowed_uids, _refuse_uid)
-        if peer is None:
-            return
-        _pid, uid = peer
-        conn = _FdConn(sock, uid)
-        for fd in self._admission.admit(conn.fd, uid, time.monotonic()):
-            old = self._conns.get(fd)
-            if old is not None:
-                self._finish(old, STATUS_BUSY)
-        self._conns[conn.fd] = conn
-        assert self._loop is not None
-        self._loop.watch(conn.fd, conn, select.POLLIN)
-        self._step(conn, select.POLLIN)
-
-    def _expired(self, fd: int) -> None:
-        conn = self._conns.get(fd)
-        if conn is not None:
-            self._finish(conn, STATUS_TOO_SLOW)
-
-    def _finish_all(self) -> None:
-        for conn in list(self._conns.values()):
-            self._finish(conn, None)
-
-    def _step(self, conn: _FdConn, events: int) -> None:
-        """Advance one connection: read its request, or send more of its reply."""
-        try:
-            if conn.out:
-                self._send_more(conn)
-                return
-            if events & select.POLLIN or events & (select.POLLHUP | select.POLLERR):
-                status = conn.read_request(self._token)
-                if status is None:
-                    return  # wait for more bytes
-                if status == _HUNG_UP:
-                    self._finish(conn, None)  # nobody to tell
-                    return
-                if status != STATUS_OK:
-                    self._finish(conn, status)
-                    return
-                conn.out = [(bytes([STATUS_OK]) + _COUNT.pack(len(self._fds)), [])]
-                for i in range(0, len(self._fds), FDS_PER_MESSAGE):
-                    conn.out.append((b"F", list(self._fds[i : i + FDS_PER_MESSAGE])))
-                self._send_more(conn)
-        except OSError:
-            self._finish(conn, None)
-
-    def _send_more(self, conn: _FdConn) -> None:
-        while conn.out:
-            data, fds = conn.out[0]
-            try:
-                sent = socket.send_fds(conn.sock, [data], fds) if fds else conn.sock.send(data)
-            except BlockingIOError:
-                assert self._loop is not None
-                self._loop.modify(conn.fd, conn, select.POLLOUT)
-                return
-            if sent < len(data):
-                conn.out[0] = (data[sent:], [])  # the fds went with the first byte
-            else:
-                conn.out.pop(0)
-        self._finish(conn, None)
-
-    def _finish(self, conn: _FdConn, status: int | None) -> None:
-        """Forget a connection, tell it ``status`` (if any) and close it."""
-        self._admission.remove(conn.fd)
-        if self._conns.get(conn.fd) is conn:
-            del self._conns[conn.fd]
-        if self._loop is not None:
-            self._loop.forget(conn.fd, conn)
-        if status is None:
-            conn.sock.close()
-        else:
-            _refuse_now(conn.sock, status)
+    @property
+    def connections(self) -> int:
+        """Connections being served now (accepted, not yet answered and closed)."""
+        return 0 if self._server is None else int(self._server.connections)
 
     # -- teardown --------------------------------------------------------------
 
@@ -405,15 +265,13 @@ class FdServer(ClosesOnExit):
 
     def _teardown(self) -> None:
         self._closed = True
-        if self._loop is not None:
-            self._loop.stop()  # joins the serving thread, closes the socket
-        elif self._sock is not None:
+        if self._sock is not None:  # (not handed to the engine yet)
             self._sock.close()
         self._sock = None
         if self._finalizer is not None:
-            self._finalizer()  # runs _remove_files once
+            self._finalizer()  # stops the server, removes the files, once
         else:
-            _remove_files(None, None, self._dir)
+            _stop_and_remove(None, os.getpid(), None, None, self._dir)
         self._dir = None
 
     def __repr__(self) -> str:

@@ -1,9 +1,8 @@
 """The remote server's TCP listener: every handshake on one thread, non-blocking, bounded.
 
 One thread (the transport's
-:class:`~cupy_ipcpool._transport._accept_loop.AcceptLoop`, shared with the
-local channel and the fd server) accepts connections and drives every
-handshake in progress (HELLO, CHALLENGE, PROOF) from one ``poll(2)`` set: no
+:class:`~cupy_ipcpool._transport._accept_loop.AcceptLoop`) accepts connections and
+drives every handshake in progress (HELLO, CHALLENGE, PROOF) from one ``poll(2)`` set: no
 thread per peer, no blocking read or write.  :class:`~._admission.HandshakeBook` decides who
 waits: at most ``per_address`` handshakes of one source address per stage,
 the oldest of that address and stage going when one more arrives, and one
