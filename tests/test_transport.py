@@ -577,6 +577,41 @@ def test_fetch_fds_pidfd_fetches_a_list_leaving_only_its_fds(memfds: list[int]) 
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["drop", "close"])
+def test_a_forked_child_letting_go_of_the_fd_server_leaves_the_parent_serving(
+    memfds: list[int], how: str
+) -> None:
+    """A child forked while the server runs (its thread is not copied) that drops its copy
+    (collected) or closes it closes only its own copies: the parent's socket file stays and
+    the parent goes on serving; the parent's close then removes the file."""
+    server = FdServer(memfds, token=TOKEN)
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 0
+            try:
+                if how == "close":
+                    server.close()
+                else:
+                    del server
+                    gc.collect()
+            except BaseException:
+                code = 1
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert os.path.exists(server.path)
+        got = fetch_fds_over_socket(server.path, TOKEN, len(memfds), timeout=5.0)
+        try:
+            assert _read_all(got) == [_content(i) for i in range(len(memfds))]
+        finally:
+            _close(got)
+    finally:
+        server.close()
+    assert not os.path.exists(server.path)
+
+
+@pytest.mark.timeout(60)
 def test_no_fd_leak_over_500_transfers(memfds: list[int]) -> None:
     pid = os.getpid()
     start = process_start_time(pid)
