@@ -60,8 +60,18 @@ def test_created_page_is_zeroed_and_sealed() -> None:
         # the publisher itself cannot shrink it under its subscribers
         with pytest.raises(PermissionError):
             os.ftruncate(page.fd, 0)
+        assert not os.get_inheritable(page.fd)  # close-on-exec
+        assert os.readlink(f"/proc/self/fd/{page.fd}").startswith("/memfd:cupy_ipcpool-sync")
+        # what the page's creator makes, its readers accept (one rule each side, the engine's)
+        SharedFlags.open(page.fd, page.nbytes).close()
     finally:
         page.close()
+
+
+@pytest.mark.parametrize("nbytes", [0, -1, 1 << 41])
+def test_a_page_of_no_size_or_too_large_is_refused(nbytes: int) -> None:
+    with pytest.raises(UsageError, match="cip_sync_create"):
+        SharedFlags.create(nbytes)
 
 
 def test_reached_compares_cyclically_like_the_gpu() -> None:

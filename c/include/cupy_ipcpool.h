@@ -513,6 +513,10 @@ cip_status cip_host_frame_decode(const void *payload, size_t len, uint64_t slot_
  * num_slots + s), the size rounded up to whole host pages. */
 cip_status cip_sync_layout(uint32_t num_slots, uint32_t max_subscribers, size_t *reads_offset,
                            size_t *nbytes);
+/* A publisher's sync page: a zeroed memfd of `nbytes` (cip_sync_layout's), sealed against
+ * shrinking, growing and further seals, as subscribers require before they map it
+ * (close-on-exec, the caller's: send it last among the WELCOME's fds). */
+cip_status cip_sync_create(size_t nbytes, int *fd);
 /* What frame flag value `word` says about the frame of `generation` (low 32 bits):
  * with d = word - generation (mod 2**32): -1 for d >= 2**31 (not set yet), 1 for
  * d < CIP_WIRE_SYNC_SET_WINDOW (the producer's stream set it), 0 for d below

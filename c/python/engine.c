@@ -329,6 +329,27 @@ engine_check_sync_fd(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 /* ---- the sync page ----------------------------------------------------------------- */
 
+static PyObject *
+engine_sync_create(PyObject *module, PyObject *arg)
+{
+    Py_ssize_t nbytes = PyLong_AsSsize_t(arg);
+    if (nbytes == -1 && PyErr_Occurred())
+        return NULL;
+    int fd = -1;
+    cip_status st = cip_sync_create(nbytes < 0 ? 0 : (size_t)nbytes, &fd);
+    if (st == CIP_ERR_INVALID_ARGUMENT) {
+        PyErr_SetString(state_of(module)->usage_error, cip_last_error());
+        return NULL;
+    }
+    if (st == CIP_ERR_NO_MEMORY)
+        return PyErr_NoMemory();
+    if (st != CIP_OK) {
+        PyErr_SetString(PyExc_OSError, cip_last_error());
+        return NULL;
+    }
+    return PyLong_FromLong(fd);
+}
+
 PyDoc_STRVAR(
     sync_layout_doc,
     "sync_layout(num_slots, max_subscribers, /) -> (reads_offset, nbytes)\n"
@@ -518,6 +539,9 @@ static PyMethodDef engine_methods[] = {
     {"encode_bye", (PyCFunction)engine_encode_bye, METH_NOARGS, encode_bye_doc},
     {"check_welcome", (PyCFunction)(void (*)(void))engine_check_welcome, METH_FASTCALL,
      check_welcome_doc},
+    {"sync_create", engine_sync_create, METH_O,
+     "sync_create(nbytes) -> fd: a publisher's sync page, a zeroed memfd sealed against "
+     "shrinking, growing and further seals (cip_sync_create), the caller's."},
     {"check_sync_fd", (PyCFunction)(void (*)(void))engine_check_sync_fd, METH_FASTCALL,
      check_sync_fd_doc},
     {"sync_layout", (PyCFunction)(void (*)(void))engine_sync_layout, METH_FASTCALL,

@@ -29,6 +29,28 @@ cip_sync_layout(uint32_t num_slots, uint32_t max_subscribers, size_t *reads_offs
     return CIP_OK;
 }
 
+cip_status
+cip_sync_create(size_t nbytes, int *fd)
+{
+    if (fd == NULL || nbytes == 0 || nbytes > ((size_t)1 << 40))
+        return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "cip_sync_create: %zu bytes%s", nbytes,
+                         fd == NULL ? ", NULL fd" : "");
+    *fd = -1;
+    int f = memfd_create("cupy_ipcpool-sync", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (f < 0)
+        return cipi_fail(CIP_ERR_TRANSPORT, "memfd_create for the sync page: %s",
+                         strerror(errno));
+    if (ftruncate(f, (off_t)nbytes) != 0 ||
+        fcntl(f, F_ADD_SEALS, CIP_WIRE_SYNC_SEALS | F_SEAL_SEAL) != 0) {
+        int e = errno;
+        close(f);
+        return cipi_fail(e == ENOMEM || e == ENOSPC ? CIP_ERR_NO_MEMORY : CIP_ERR_TRANSPORT,
+                         "making the sync page (%zu bytes): %s", nbytes, strerror(e));
+    }
+    *fd = f;
+    return CIP_OK;
+}
+
 int
 cip_flag_state(uint32_t word, uint32_t generation)
 {

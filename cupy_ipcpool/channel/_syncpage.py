@@ -173,11 +173,10 @@ class SharedFlags:
 
     @classmethod
     def create(cls, nbytes: int) -> SharedFlags:
-        """A zeroed page of ``nbytes`` in a new memfd, sealed against shrinking and growing."""
-        fd = os.memfd_create("cupy_ipcpool-sync", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        """A zeroed page of ``nbytes`` in a new memfd, sealed against shrinking and growing
+        (the engine's, ``cip_sync_create``, as :meth:`open` checks it)."""
+        fd = _engine().sync_create(nbytes)
         try:
-            os.ftruncate(fd, nbytes)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS | fcntl.F_SEAL_SEAL)
             return cls(fd, nbytes)
         except BaseException:
             os.close(fd)
