@@ -34,6 +34,7 @@ HEADER = HERE / "include" / "cupy_ipcpool_wire.h"
 sys.path.insert(0, str(HERE.parent))
 
 from cupy_ipcpool import _handles, _transport, _vmm  # noqa: E402
+from cupy_ipcpool._transport import _accept_loop  # noqa: E402
 from cupy_ipcpool.channel import _payload, _protocol, _settle, _sockets, _syncpage  # noqa: E402
 from cupy_ipcpool.remote import _host  # noqa: E402
 from cupy_ipcpool.remote import _wire as _remote_wire  # noqa: E402
@@ -262,6 +263,12 @@ def generate() -> str:
         define("FDSERVER_STATUS_BUSY", t.STATUS_BUSY),
         define("FDSERVER_STATUS_TOO_SLOW", t.STATUS_TOO_SLOW),
         define("FDSERVER_MAX_PENDING_PER_UID", t.MAX_PENDING_PER_UID),
+        define("ACCEPT_BATCH", _accept_loop.ACCEPT_BATCH, "connections accepted a turn"),
+        define(
+            "ACCEPT_BACKOFF_MS",
+            millis(_accept_loop.ACCEPT_BACKOFF_S),
+            "the listener left alone after EMFILE and the like",
+        ),
         define("FDSERVER_REQUEST_TIMEOUT_MS", millis(t.REQUEST_TIMEOUT_S)),
         define("SYS_PIDFD_GETFD_X86_64", t._SYS_PIDFD_GETFD["x86_64"]),
         define("SYS_PIDFD_GETFD_AARCH64", t._SYS_PIDFD_GETFD["aarch64"]),

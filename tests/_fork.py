@@ -20,9 +20,9 @@ from typing import Any
 
 #: Seconds any one step may take (a bound, not a pause: every wait ends at its event).
 BOUND = 20.0
-#: How a forked child lets go of its copy: deletes and collects it (then ``os._exit``),
-#: leaves by ``sys.exit`` holding it (its finalizer runs at exit), the same as a
-#: multiprocessing ``fork`` worker, or calls its ``close()``.
+#: How a forked child lets go of its copy (closed at the fork already): deletes and
+#: collects it (then ``os._exit``), leaves by ``sys.exit`` holding it, the same as a
+#: multiprocessing ``fork`` worker, or calls its ``close()`` again.
 MODES = ["drop", "exit", "mp-drop", "close"]
 
 
@@ -103,7 +103,7 @@ def fork_and_let_go(
             os._exit(0)
         # "exit": the interpreter's own exit, the core still held: its finalizer runs
         # there (weakref.finalize's atexit)
-        assert holder.core._finalizer.atexit and holder.core._finalizer.alive
+        assert holder.core.closed  # closed at the fork (_transport._closing)
         sys.exit(0)
     return wait_child(pid)
 

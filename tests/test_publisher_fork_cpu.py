@@ -57,27 +57,31 @@ def _slot_fds() -> int:
     return count
 
 
+#: The slot memfds open in the publisher's process when it forked.
+_SLOT_FDS_AT_FORK = [0]
+
+
 def _child_closes(prod: MemfdProducer) -> None:
-    """In the forked child: ``close()`` the inherited publisher (as the GPU layer's
-    finalizers do there); it is closed here (later calls raise :class:`PoolClosedError`)
-    and answers False (the subscribers are the parent's, connected)."""
+    """In the forked child: the inherited publisher was closed at the fork, its copies of the
+    accept side's fds (the WELCOME's slot memfds among them) too; its calls raise
+    :class:`PoolClosedError` saying why; ``close()`` again (as the GPU layer's finalizers
+    do there) answers True, closed already."""
     core = prod.core
-    slot_fds = _slot_fds()  # prod.slots (its fds, its mmaps' dups) and the accept side's
-    if core.close() is not False:
-        raise AssertionError("close() in the child did not answer False")
-    if _slot_fds() != slot_fds - core.num_slots:  # the accept side's copies closed at once
-        raise AssertionError(f"slot fds open: {slot_fds} before close(), {_slot_fds()} after")
     if not core.closed:
-        raise AssertionError("the publisher is not closed in the child")
+        raise AssertionError("the publisher was not closed at the fork")
+    before = _SLOT_FDS_AT_FORK[0]  # prod.slots' (its fds, its mmaps' dups), the accept side's
+    if _slot_fds() != before - core.num_slots:
+        raise AssertionError(f"slot fds open: {before} before the fork, {_slot_fds()} after")
     for call in (lambda: core.poll(0.0), lambda: core.acquire(0.0)):
         try:
             call()
-        except PoolClosedError:
-            pass
+        except PoolClosedError as exc:
+            if "fork" not in str(exc):
+                raise AssertionError(f"the error does not say why: {exc}") from None
         else:
-            raise AssertionError("a call after close() did not raise PoolClosedError")
-    if core.close() is not True:  # idempotent, as in the process that made it
-        raise AssertionError("a second close() did not answer True")
+            raise AssertionError("a call after the fork did not raise PoolClosedError")
+    if core.close() is not True:  # closed already
+        raise AssertionError("close() did not answer True")
 
 
 def _publisher_main(mode: str, address: str) -> None:
@@ -88,6 +92,7 @@ def _publisher_main(mode: str, address: str) -> None:
     prod.publish_next(timeout=BOUND)
     say("published")
     assert commands.next() == "released"  # its RELEASE waits, unread, in our socket
+    _SLOT_FDS_AT_FORK[0] = _slot_fds()
     code = fork_and_let_go(prod, mode, _child_drops, _child_closes)
     core = prod.core
     report: dict[str, Any] = {"child_exit": code, "file_after_child": os.path.exists(address)}

@@ -421,6 +421,17 @@ session_close(PublisherSession *self, PyObject *arg)
 }
 
 static PyObject *
+session_forget(PublisherSession *self, PyObject *Py_UNUSED(arg))
+{
+    if (self->busy) { /* (a forked child has no waiting thread: only a misuse gets here) */
+        PyErr_SetString(PyExc_RuntimeError, "the PublisherSession is waiting on another thread");
+        return NULL;
+    }
+    cipi_pubsession_forget(&self->session);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
 session_flags(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (usable(self) < 0 || check_nargs(nargs, 3, "flags(page, reads_offset, rows)") < 0)
@@ -575,6 +586,9 @@ static PyMethodDef session_methods[] = {
     {"expire", (PyCFunction)session_expire, METH_NOARGS,
      "expire() -> list | None: once a lease may be overdue, evict every subscriber that holds "
      "a frame longer than lease_timeout."},
+    {"forget", (PyCFunction)session_forget, METH_NOARGS,
+     "forget(): close every socket without a word (no BYE, no shutdown): this process's "
+     "copies, in a child forked from the publisher's process."},
     {"close", (PyCFunction)session_close, METH_O,
      "close(linger) -> bool: BYE to every subscriber, wait up to linger seconds (the GIL "
      "released) for all to hang up, close every socket; True when all had."},

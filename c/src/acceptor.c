@@ -20,8 +20,6 @@
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 
-#define ACCEPT_BATCH 64                /* connections accepted a turn */
-#define ACCEPT_BACKOFF_NS 50000000LL   /* the listener left alone after EMFILE and the like */
 #define HELLO_BUF (CIP_WIRE_HELLO_SIZE + CIP_WIRE_MAX_HELLO_PAYLOAD + 1)
 
 static void
@@ -467,17 +465,11 @@ run(void *arg)
                 uint64_t v;
                 (void)!read(a->wake, &v, sizeof v);
             } else if (own[k].kind == OWN_LISTENER) {
-                for (int j = 0; j < ACCEPT_BATCH; j++) {
-                    int c = accept4(a->listener, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-                    if (c >= 0) {
-                        accepted(a, c, buf);
-                        continue;
-                    }
-                    if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
-                        a->backoff_until = cipi_now_ns() + ACCEPT_BACKOFF_NS;
-                    if (errno != ECONNABORTED && errno != EINTR)
-                        break;
-                }
+                int got[CIP_WIRE_ACCEPT_BATCH];
+                int ngot = cipi_accept_batch(a->listener, &a->backoff_until, got,
+                                             (int)CIP_WIRE_ACCEPT_BATCH);
+                for (int j = 0; j < ngot; j++)
+                    accepted(a, got[j], buf);
             } else if (own[k].kind == OWN_HANDSHAKE) {
                 long i = handshake_at(a, own[k].id); /* still in progress: the same fd */
                 if (i >= 0)
@@ -707,8 +699,18 @@ cipi_acceptor_stop(struct cipi_acceptor *a)
 {
     if (a->started && getpid() != a->owner) {
         /* a child forked while the thread ran: the thread is not here, and the locks it
-         * takes (ours, the rows') may have been held at the fork: touch neither */
+         * takes (ours, the rows') may have been held at the fork: touch neither.  Our
+         * copies of the connections close at once: kept, a handshake the parent ends, or a
+         * welcomed subscriber whose publisher dies, would not see its peer go */
         a->forked = 1;
+        for (size_t i = 0; i < a->nhs; i++)
+            close(a->hs[i].fd);
+        a->nhs = 0;
+        for (size_t i = 0; i < a->npending; i++)
+            if (a->pending[i].fd >= 0)
+                close(a->pending[i].fd);
+        for (size_t i = 0; i < a->npending; i++)
+            a->pending[i].fd = -1;
     } else if (a->lock_made && !a->forked) { /* (a half-made one has no lock, no thread) */
         pthread_mutex_lock(&a->lock);
         a->stopping = 1;

@@ -474,6 +474,12 @@ CIP_INTERNAL ssize_t cipi_recv_with_fds(int s, void *buf, size_t n, void *contro
 CIP_INTERNAL cip_status cipi_bind_listen(int fd, const char *path, unsigned mode, int backlog,
                                          uint64_t *dev, uint64_t *ino, int *err);
 CIP_INTERNAL int cipi_unlink_if_ours(const char *path, uint64_t dev, uint64_t ino);
+/* Accept what is queued on the non-blocking `listener`, up to CIP_WIRE_ACCEPT_BATCH and cap,
+ * into out (non-blocking, close-on-exec); how many.  Out of fds or memory (EMFILE, ENFILE,
+ * ENOBUFS, ENOMEM): *backoff_until is set CIP_WIRE_ACCEPT_BACKOFF_MS ahead, for the
+ * caller's poll to leave the listener alone (the connection stays queued).  The accept
+ * threads' one accept step (acceptor.c, fdserver.c). */
+CIP_INTERNAL int cipi_accept_batch(int listener, long long *backoff_until, int *out, int cap);
 CIP_INTERNAL cip_status cipi_publisher_listen(const char *path, const uint32_t *uids, size_t nuids,
                                               uint32_t max_subscribers, int *fd, uint64_t *dev,
                                               uint64_t *ino, int *err);

@@ -164,6 +164,9 @@ struct cipi_pubsession {
 };
 CIP_INTERNAL cip_status cipi_pubsession_init(struct cipi_pubsession *s, struct cipi_leasebook *b,
                                              double lease_timeout, double send_timeout);
+/* Close every socket without a word (no BYE, no shutdown: copies in a forked child, whose
+ * subscribers are the parent's); the session then has none. */
+CIP_INTERNAL void cipi_pubsession_forget(struct cipi_pubsession *s);
 CIP_INTERNAL void cipi_pubsession_free(struct cipi_pubsession *s);
 CIP_INTERNAL cip_status cipi_pubsession_add(struct cipi_pubsession *s, uint32_t sub_id, int mode,
                                             long long credit, int fd);

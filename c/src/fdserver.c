@@ -18,8 +18,6 @@
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 
-#define ACCEPT_BATCH 64
-#define ACCEPT_BACKOFF_NS 50000000LL
 #define REQUEST_HEAD 5 /* magic, token length */
 
 struct fdconn {
@@ -302,17 +300,11 @@ run(void *arg)
                 uint64_t v;
                 (void)!read(s->wake, &v, sizeof v);
             } else if (own[k] == OWN_LISTENER) {
-                for (int j = 0; j < ACCEPT_BATCH; j++) {
-                    int c = accept4(s->listener, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-                    if (c >= 0) {
-                        accepted(s, c);
-                        continue;
-                    }
-                    if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
-                        s->backoff_until = cipi_now_ns() + ACCEPT_BACKOFF_NS;
-                    if (errno != ECONNABORTED && errno != EINTR)
-                        break;
-                }
+                int got[CIP_WIRE_ACCEPT_BATCH];
+                int ngot = cipi_accept_batch(s->listener, &s->backoff_until, got,
+                                             (int)CIP_WIRE_ACCEPT_BATCH);
+                for (int j = 0; j < ngot; j++)
+                    accepted(s, got[j]);
             } else {
                 long i = conn_at(s, own[k] - OWN_CONN); /* still served: the same fd */
                 if (i >= 0)

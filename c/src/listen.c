@@ -200,3 +200,21 @@ cipi_publisher_listen(const char *path, const uint32_t *uids, size_t nuids,
     *fd = s;
     return CIP_OK;
 }
+
+int
+cipi_accept_batch(int listener, long long *backoff_until, int *out, int cap)
+{
+    int n = 0;
+    while (n < cap && n < (int)CIP_WIRE_ACCEPT_BATCH) {
+        int c = accept4(listener, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (c >= 0) {
+            out[n++] = c;
+            continue;
+        }
+        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
+            *backoff_until = cipi_now_ns() + (long long)CIP_WIRE_ACCEPT_BACKOFF_MS * 1000000LL;
+        if (errno != ECONNABORTED && errno != EINTR)
+            break;
+    }
+    return n;
+}

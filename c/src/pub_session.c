@@ -62,6 +62,17 @@ cipi_pubsession_free(struct cipi_pubsession *s)
     memset(s, 0, sizeof *s);
 }
 
+void
+cipi_pubsession_forget(struct cipi_pubsession *s)
+{
+    for (uint32_t i = 0; i < s->wire.n; i++)
+        close(s->wire.set[i].fd);
+    for (uint32_t i = 0; i < s->nnotices; i++)
+        close(s->notices[i].fd);
+    s->wire.n = 0;
+    s->nnotices = 0;
+}
+
 /* Room for every subscriber to leave, or be evicted, at once: reserved when one is added,
  * so that a departure never needs memory. */
 static cip_status

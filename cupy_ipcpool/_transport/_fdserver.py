@@ -39,7 +39,7 @@ from cupy_ipcpool._errors import TeardownWarning, TransportError, UsageError, Us
 
 from .._compiled import loader
 from ._admission import MAX_PENDING_PER_UID
-from ._closing import ClosesOnExit
+from ._closing import ClosesOnExit, close_in_forked_children
 from ._unix import allowed_uid_set, bind_unix, check_socket_path, unlink_if_ours
 
 __all__ = [
@@ -192,6 +192,7 @@ class FdServer(ClosesOnExit):
         shared = self.allowed_uids != {euid}
         self._closed = False
         self._lock = threading.Lock()
+        self._owner = os.getpid()
         self._dir: str | None = None
         self._sock: socket.socket | None = None
         self._ino: tuple[int, int] | None = None
@@ -222,6 +223,7 @@ class FdServer(ClosesOnExit):
                 self, _stop_and_remove, self._server, os.getpid(), self.path, self._ino, self._dir
             )
             self._server.start()
+            close_in_forked_children(self)  # a child's copy would keep the socket live
         except BaseException:
             self._teardown()
             raise
@@ -257,6 +259,10 @@ class FdServer(ClosesOnExit):
         Idempotent; never raises (failures warn with :class:`TeardownWarning`).
         The served fds are not closed.
         """
+        if os.getpid() != self._owner:  # a forked child (at the fork): our copies only,
+            self._closed = True  # and no lock, which another thread may have held then
+            self._teardown()
+            return
         with self._lock:
             if self._closed:
                 return

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from .._errors import PoolClosedError, SlotBusyError
-from .._transport._closing import ClosedFlag
+from .._transport._closing import ClosedFlag, close_in_forked_children
 from .._transport._unix import allowed_uid_set, check_socket_path, unlink_if_ours
 from . import _leases, _sockets
 from ._handshake import (
@@ -234,6 +234,7 @@ class PublisherCore(ClosedFlag):
             self, _close_publisher, self._producer, self._session, self.address, ident, self._pid
         )
         self._acc.start()
+        close_in_forked_children(self)  # a child's copies would hide this process's death
 
     # -- context manager / teardown --
 
@@ -260,9 +261,10 @@ class PublisherCore(ClosedFlag):
         subscribers' RELEASEs left for the parent, the socket file kept), no
         callback is called and ``linger`` is ignored.  The publisher is closed here
         all the same (its calls raise :class:`PoolClosedError`), and this process's
-        copies of the fds are closed without a word: the accept side's (listener,
-        the WELCOME's fds) at once, the subscribers' sockets when the publisher is
-        collected (the engine's ``cipi_pubsession_free``: it closes, never says BYE).
+        copies of the fds are closed at once without a word: the accept side's
+        (listener, handshakes, the WELCOME's fds) and the subscribers' sockets.  A
+        child forked while the publisher is open does this at the fork
+        (:func:`~cupy_ipcpool._transport._closing.close_in_forked_children`).
 
         Returns
         -------
@@ -284,6 +286,10 @@ class PublisherCore(ClosedFlag):
                 self._acc.stop()
             except Exception as exc:
                 _warn(f"closing the accept thread's copies failed: {exc!r}")
+            try:  # the subscribers' sockets: our copies, closed without a word
+                self._session.forget()
+            except Exception as exc:
+                _warn(f"closing the subscribers' sockets' copies failed: {exc!r}")
             return False
         session = self._session
         try:  # welcomed, not adopted: told BYE and lingered for alike
@@ -303,6 +309,13 @@ class PublisherCore(ClosedFlag):
 
     def _check_open(self) -> None:
         if self._closed:
+            if os.getpid() != self._pid:
+                raise PoolClosedError(
+                    f"the publisher at {self.address} was made in process {self._pid}; a "
+                    "child created by fork closes its copy at once (a channel end belongs to "
+                    "the process that made it: publish from the child with a publisher of "
+                    "its own, or start it with spawn)"
+                )
             raise PoolClosedError(f"publisher at {self.address} is closed")
 
     # -- state --

@@ -35,7 +35,7 @@ from .._errors import (
     UsageError,
 )
 from .._transport import allowed_uid_set, check_socket_path
-from .._transport._closing import ClosedFlag
+from .._transport._closing import ClosedFlag, close_in_forked_children
 from . import _protocol as proto
 from . import _sockets
 from ._protocol import Frame
@@ -221,6 +221,7 @@ class SubscriberCore(ClosedFlag):
         self._finalizer = weakref.finalize(
             self, _close_subscriber, self._sock, self._fds, self._owed, self._pid
         )
+        close_in_forked_children(self)  # a child's copy would hide this process's death
         if lease_timeout_ms:
             self.lease_timeout = lease_timeout_ms / 1000.0
         self._buf = bytearray(proto.MAX_FRAME_SIZE + 1)
@@ -271,16 +272,26 @@ class SubscriberCore(ClosedFlag):
         """Say BYE, close the socket and every fd not taken. Idempotent; never raises.
 
         In a process other than the one that made the subscriber (a child forked
-        from it) the connection is the parent's: nothing is sent or read (no
-        RELEASE owed, no BYE, the parent's frames left queued for it) and the
-        socket's flags are left alone; only this process's copies of the socket
-        and of the fds not taken are closed.  Either way the subscriber is closed
-        here from then on (its calls raise :class:`PoolClosedError`); returns None.
+        from it, which does this at the fork) the connection is the parent's:
+        nothing is sent or read (no RELEASE owed, no BYE, the parent's frames left
+        queued for it) and the socket's flags are left alone; only this process's
+        copies of the socket and of the fds not taken are closed.  Either way the
+        subscriber is closed here from then on (its calls raise
+        :class:`PoolClosedError`); returns None.
         """
         if self._closed:
             return
         self._closed = True
         self._finalizer()
+
+    def _closed_error(self) -> PoolClosedError:
+        if os.getpid() != self._pid:
+            return PoolClosedError(
+                f"this subscriber was made in process {self._pid}; a child created by fork "
+                "closes its copy at once (a channel end belongs to the process that made it: "
+                "subscribe in the child, or start it with spawn)"
+            )
+        return PoolClosedError("the subscriber is closed")
 
     def fileno(self) -> int:
         """The socket's fd, readable when a frame (or the end) is waiting."""
@@ -350,7 +361,7 @@ class SubscriberCore(ClosedFlag):
         costs no exception.  Raises as :meth:`recv` otherwise.
         """
         if self._closed:
-            raise PoolClosedError("the subscriber is closed")
+            raise self._closed_error()
         if self._eos is not None:
             self._raise_end()
         if self._backlog:
@@ -634,7 +645,7 @@ class SubscriberCore(ClosedFlag):
             This subscriber is closed.
         """
         if self._closed:
-            raise PoolClosedError("the subscriber is closed")
+            raise self._closed_error()
         self._ledger.release_ahead(seq, slot)
         if self._eos is not None:
             if self._evicted:
@@ -706,7 +717,7 @@ class SubscriberCore(ClosedFlag):
     def _release_held(self, seq: int, slot: int) -> None:
         """Forget frame ``seq`` in ``slot``; raise unless this open subscriber holds it."""
         if self._closed:
-            raise PoolClosedError("the subscriber is closed")
+            raise self._closed_error()
         self._ledger.release(seq, slot)
 
     def _release_not_sent(self, exc: OSError) -> None:
