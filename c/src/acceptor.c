@@ -448,12 +448,7 @@ run(void *arg)
         long long until = cipi_admission_next_deadline(a->adm, &first) ? (long long)(first * 1e9)
                                                                         : -1;
         pthread_mutex_unlock(&a->lock);
-        if (now < a->backoff_until && (until < 0 || a->backoff_until < until))
-            until = a->backoff_until;
-        int timeout_ms = -1;
-        if (until >= 0)
-            timeout_ms = until <= now ? 0 : (int)((until - now + 999999) / 1000000);
-        int ready = poll(fds, n, timeout_ms);
+        int ready = poll(fds, n, cipi_accept_wait_ms(now, until, a->backoff_until));
         if (ready < 0 && errno != EINTR) {
             snprintf(a->failure, sizeof a->failure, "poll failed: %s", strerror(errno));
             break;

@@ -480,6 +480,10 @@ CIP_INTERNAL int cipi_unlink_if_ours(const char *path, uint64_t dev, uint64_t in
  * caller's poll to leave the listener alone (the connection stays queued).  The accept
  * threads' one accept step (acceptor.c, fdserver.c). */
 CIP_INTERNAL int cipi_accept_batch(int listener, long long *backoff_until, int *out, int cap);
+/* How long an accept thread's poll may sleep (ms; -1: no limit) at `now`: until the first
+ * deadline (deadline_ns, -1: none) or the end of a back-off, whichever comes first. */
+CIP_INTERNAL int cipi_accept_wait_ms(long long now, long long deadline_ns,
+                                     long long backoff_until);
 CIP_INTERNAL cip_status cipi_publisher_listen(const char *path, const uint32_t *uids, size_t nuids,
                                               uint32_t max_subscribers, int *fd, uint64_t *dev,
                                               uint64_t *ino, int *err);

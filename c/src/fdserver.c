@@ -283,12 +283,7 @@ run(void *arg)
         double first;
         long long until = cipi_admission_next_deadline(s->adm, &first) ? (long long)(first * 1e9)
                                                                         : -1;
-        if (now < s->backoff_until && (until < 0 || s->backoff_until < until))
-            until = s->backoff_until;
-        int timeout_ms = -1;
-        if (until >= 0)
-            timeout_ms = until <= now ? 0 : (int)((until - now + 999999) / 1000000);
-        int ready = poll(pfds, n, timeout_ms);
+        int ready = poll(pfds, n, cipi_accept_wait_ms(now, until, s->backoff_until));
         if (ready < 0 && errno != EINTR) {
             snprintf(s->failure, sizeof s->failure, "poll failed: %s", strerror(errno));
             break;

@@ -218,3 +218,14 @@ cipi_accept_batch(int listener, long long *backoff_until, int *out, int cap)
     }
     return n;
 }
+
+int
+cipi_accept_wait_ms(long long now, long long deadline_ns, long long backoff_until)
+{
+    long long until = deadline_ns;
+    if (now < backoff_until && (until < 0 || backoff_until < until))
+        until = backoff_until;
+    if (until < 0)
+        return -1;
+    return until <= now ? 0 : (int)((until - now + 999999) / 1000000);
+}

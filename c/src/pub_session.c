@@ -46,22 +46,6 @@ cipi_pubsession_init(struct cipi_pubsession *s, struct cipi_leasebook *b, double
     return CIP_OK;
 }
 
-/* Close every socket still open (no BYE: cipi_pubsession_close says it) and free. */
-void
-cipi_pubsession_free(struct cipi_pubsession *s)
-{
-    for (uint32_t i = 0; i < s->wire.n; i++)
-        close(s->wire.set[i].fd);
-    for (uint32_t i = 0; i < s->nnotices; i++)
-        close(s->notices[i].fd);
-    cipi_pubwire_free(&s->wire);
-    free(s->notices);
-    free(s->left);
-    free(s->freed);
-    free(s->published);
-    memset(s, 0, sizeof *s);
-}
-
 void
 cipi_pubsession_forget(struct cipi_pubsession *s)
 {
@@ -71,6 +55,19 @@ cipi_pubsession_forget(struct cipi_pubsession *s)
         close(s->notices[i].fd);
     s->wire.n = 0;
     s->nnotices = 0;
+}
+
+/* Close every socket still open (no BYE: cipi_pubsession_close says it) and free. */
+void
+cipi_pubsession_free(struct cipi_pubsession *s)
+{
+    cipi_pubsession_forget(s);
+    cipi_pubwire_free(&s->wire);
+    free(s->notices);
+    free(s->left);
+    free(s->freed);
+    free(s->published);
+    memset(s, 0, sizeof *s);
 }
 
 /* Room for every subscriber to leave, or be evicted, at once: reserved when one is added,
