@@ -30,12 +30,13 @@ from _memfd_backend import MemfdConsumer, MemfdProducer
 
 
 def _fork_a_lingering_child() -> None:
-    """Fork a child that only sleeps (until killed) and say its pid."""
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
+    """Fork a child that says its pid, then only sleeps (until killed).  It speaks, not the
+    parent: ``os.fork`` returns in the child once the at-fork handlers ran there, so the
+    line means that its copies are closed (the parent could be killed before that)."""
+    if os.fork() == 0:  # pragma: no cover - the child
+        say(f"child {os.getpid()}")
         time.sleep(3 * BOUND)
         os._exit(0)
-    say(f"child {pid}")
 
 
 def _main(role: str, address: str) -> None:
