@@ -328,6 +328,11 @@ def test_argument_errors_of_the_transport_are_usage_errors() -> None:
             _unix.send_fds(a, b"x", [0] * (_unix.SCM_MAX_FD + 1))
     with pytest.raises(UsageError):
         _fetch.fetch_fds_over_socket("/nonexistent", b"t", -1)
+    # a path no socket fits: the engine's message, whole (it once came out empty)
+    with pytest.raises(UsageError, match=r"is 160 bytes long; a Unix socket path holds"):
+        _fetch.fetch_fds_over_socket("/x" * 80, b"t", 1)
+    with pytest.raises(UsageError, match="the socket path is empty"):
+        _fetch.fetch_fds_over_socket("", b"t", 1)
     with pytest.raises(UsageError):
         _fetch.fetch_fds(
             pid=os.getpid(),

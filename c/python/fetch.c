@@ -16,7 +16,7 @@ static PyObject *
 failed(PyObject *module, cip_status st, int err)
 {
     engine_state *es = (engine_state *)PyModule_GetState(module);
-    if (st == CIP_ERR_INVALID_ARGUMENT && err == EINVAL) {
+    if (st == CIP_ERR_INVALID_ARGUMENT) { /* a count, a token or a path out of range */
         PyErr_SetString(es->usage_error, cip_last_error());
         return NULL;
     }

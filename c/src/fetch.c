@@ -60,8 +60,10 @@ connect_failed(cip_status st, int e, const char *path, int *err)
 {
     if (st == CIP_ERR_TIMEOUT)
         return FAIL(ETIMEDOUT, CIP_ERR_TIMEOUT, "connecting to fd server %s timed out", path);
-    if (st == CIP_ERR_INVALID_ARGUMENT)
-        return FAIL(e, st, "%s", cip_last_error()); /* a path no socket fits */
+    if (st == CIP_ERR_INVALID_ARGUMENT) { /* a path no socket fits: its message stands */
+        *err = e;
+        return st;
+    }
     if (e == ECONNREFUSED || e == ENOENT)
         return FAIL(e, CIP_ERR_TRANSPORT,
                     "no fd server at %s: the exporter has exited or closed its fd server", path);

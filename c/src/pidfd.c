@@ -191,12 +191,8 @@ cipi_getfd_all(int pid, const uint32_t *targets, size_t n, long long start_time,
         cip_status st = cipi_process_start_time(pid, &now, &serr);
         if (st != CIP_OK || now != start_time) {
             close(pidfd);
-            *err = ESRCH;
-            if (st != CIP_OK && serr != ESRCH) {
-                *err = serr;
-                return st;
-            }
-            return reused_pid(pid, where);
+            *err = st != CIP_OK ? serr : ESRCH; /* (gone since the pidfd_open: it says so) */
+            return st != CIP_OK ? st : reused_pid(pid, where);
         }
     }
     for (size_t i = 0; i < n; i++) {
