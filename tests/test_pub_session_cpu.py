@@ -614,6 +614,25 @@ def test_a_publisher_refuses_options_it_cannot_keep(
     assert not os.path.exists(address)
 
 
+def test_a_publisher_takes_integers_of_any_kind_and_refuses_floats(tmp_path: object) -> None:
+    """Counts may be any integer (``__index__``: NumPy's too); a float is a UsageTypeError."""
+    import numpy as np
+
+    from cupy_ipcpool._errors import UsageTypeError
+    from cupy_ipcpool.channel._handshake import Welcome
+    from cupy_ipcpool.channel._publisher_core import PublisherCore
+
+    address = os.path.join(str(tmp_path), "p.sock")
+    core = PublisherCore(address, np.int64(4), welcome=Welcome(), max_credit=np.int32(2))
+    try:
+        assert (core.num_slots, core.max_credit) == (4, 2)
+    finally:
+        core.close()
+    with pytest.raises(UsageTypeError, match="num_slots must be an int, not float"):
+        PublisherCore(address, 4.0, welcome=Welcome())  # type: ignore[arg-type]
+    assert not os.path.exists(address)
+
+
 def test_a_publisher_takes_the_edges_of_its_options(tmp_path: object) -> None:
     """The edges of each range are accepted: one slot, a credit of 65535, no send timeout (a
     full socket drops its subscriber at once), the longest lease timeout."""

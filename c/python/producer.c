@@ -341,12 +341,18 @@ usage(PyObject *module, const char *message)
 static int
 count_arg(PyObject *module, PyObject *obj, const char *name, uint32_t *out)
 {
-    if (!PyLong_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "%s must be an int, not %.80s", name,
-                     Py_TYPE(obj)->tp_name);
+    PyObject *index = PyNumber_Index(obj); /* an int, or what says it is one (numpy's) */
+    if (index == NULL) {
+        engine_state *es = (engine_state *)PyModule_GetState(module);
+        PyObject *cls = PyObject_GetAttrString(es->errors, "UsageTypeError");
+        if (cls != NULL) {
+            PyErr_Format(cls, "%s must be an int, not %.80s", name, Py_TYPE(obj)->tp_name);
+            Py_DECREF(cls);
+        }
         return -1;
     }
-    long long v = PyLong_AsLongLong(obj);
+    long long v = PyLong_AsLongLong(index);
+    Py_DECREF(index);
     if (v == -1 && PyErr_Occurred()) {
         PyErr_Clear();
         v = -1; /* out of range either way */
