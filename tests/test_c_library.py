@@ -695,6 +695,28 @@ def test_handshake_frames_and_release(
     assert probe.fds() == base
 
 
+def test_a_forked_child_closing_a_c_subscription_leaves_the_parent_subscribed(
+    probe: Probe, producer: Callable[..., Producer], address: str
+) -> None:
+    """A child forked from the C subscriber's process may not use its subscription
+    (cip_sub_recv_raw refused) and its cip_sub_free closes only its copies: no BYE, nothing
+    read, so the publisher keeps the subscriber and the parent receives the next frame (the
+    Python subscriber's rule, test_subscriber_fork_cpu)."""
+    pub = producer(num_slots=4)
+    subscribe(probe, pub, address)
+    assert probe("map") == "ok 4"
+    assert probe("forkclose") == "ok CIP_OK CIP_ERR_INVALID_ARGUMENT 0"
+    (seq,) = pub("publish", 1, b"after")
+    got_seq, slot, body, match = frame_of(probe("recv 5000"))
+    assert (got_seq, body, match) == (seq, b"after", "1")
+    assert probe(f"release {got_seq} {slot}") == "ok"
+    pub("poll_for", 0.2)
+    evictions, subscribers, why = pub("state")
+    assert (evictions, subscribers, why) == (0, 1, ""), why  # no BYE, no hang-up
+    assert pub("leases") == 0
+    assert probe("close") == "ok"
+
+
 def test_block_mode_waits_for_the_subscriber(
     probe: Probe, producer: Callable[..., Producer], address: str
 ) -> None:

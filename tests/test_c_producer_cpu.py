@@ -232,8 +232,14 @@ def _lines_until(proc: subprocess.Popen[str], want: str) -> list[str]:
             return lines
 
 
-def _c_publisher(exe: Path, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([exe, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+def _c_publisher(exe: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [exe, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=None if env is None else {**os.environ, **env},
+    )
 
 
 def test_a_c_publisher_of_the_api_streams_to_python_subscribers(
@@ -283,6 +289,42 @@ def test_a_c_publisher_of_the_api_streams_to_python_subscribers(
     assert out[:2] == ["joined 1 block 2", "joined 2 latest 1"], out
     assert not [line for line in out if line.startswith(("left", "error"))], out
     assert out[-1] == "closed CIP_OK", out  # both hung up within the linger
+
+
+def test_a_forked_child_closing_a_c_publisher_leaves_the_parent_serving(
+    pub_exe: Path, tmp_path: Path
+) -> None:
+    """A child forked from the C publisher's process may not use it (cip_pub_poll refused)
+    and its cip_pub_close closes only its copies (CIP_ERR_TIMEOUT: the subscribers are the
+    parent's, connected): the subscriber hears no BYE, the socket file stays, and the
+    parent's close ends the stream (the Python publisher's rule, test_publisher_fork_cpu)."""
+    address = str(tmp_path / "p.sock")
+    with _c_publisher(pub_exe, address, "3", "1", "2000", env={"CIP_PROBE_FORK": "1"}) as proc:
+        try:
+            assert _lines_until(proc, "listening") == ["listening"]
+            with MemfdConsumer(address, mode="block") as sub:
+                for seq in range(3):
+                    f = sub.recv(BOUND)
+                    assert f.seq == seq
+                    sub.release(f)
+                out = _lines_until(proc, "published all")
+                assert "child CIP_ERR_INVALID_ARGUMENT CIP_ERR_TIMEOUT 0" in out, (
+                    out
+                )  # refused to poll; closed its copies only
+                assert os.path.exists(address)
+                with pytest.raises(TimeoutError):
+                    sub.recv(0.2)  # no BYE: the child said nothing
+                assert proc.stdin is not None
+                proc.stdin.write("close\n")
+                proc.stdin.flush()
+                with pytest.raises(EndOfStream):
+                    sub.recv(BOUND)
+            out += proc.communicate(timeout=BOUND)[0].splitlines()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0 and out[-1] == "closed CIP_OK", out
+    assert not os.path.exists(address)
 
 
 def test_the_api_publisher_refuses_what_it_cannot_serve(pub_exe: Path, tmp_path: Path) -> None:

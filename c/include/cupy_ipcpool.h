@@ -381,7 +381,10 @@ const char *cip_sub_error(const cip_sub *sub);
  * cip_sub_get_info and cip_sub_error answer as at the close (the frame flags are
  * kept, forced first if the producer is dead); other calls return
  * CIP_ERR_INVALID_ARGUMENT; a second close returns CIP_OK.  The device pointers of
- * held frames are invalid afterwards.  NULL is ignored (CIP_OK). */
+ * held frames are invalid afterwards.  NULL is ignored (CIP_OK).  In a child forked from
+ * the process that opened it (which may not use it otherwise: CIP_ERR_INVALID_ARGUMENT)
+ * only the child's copies of its fds and mappings go: no BYE, nothing read, no driver
+ * call, the parent's subscription left as it is. */
 cip_status cip_sub_close(cip_sub *sub);
 /* Close (as cip_sub_close, whose status it returns, if not closed yet) and free the
  * handle.  NULL is ignored (CIP_OK). */
@@ -457,7 +460,10 @@ uint32_t cip_pub_subscribers(const cip_pub *pub);
 
 /* Stop accepting (the socket file removed while it is still ours), say BYE to every
  * subscriber, wait up to linger_ms for them to hang up, close everything and free the
- * handle.  CIP_ERR_TIMEOUT: some were still connected.  NULL is ignored (CIP_OK). */
+ * handle.  CIP_ERR_TIMEOUT: some were still connected.  NULL is ignored (CIP_OK).  In a
+ * child forked from the process that opened it (where the other cip_pub_* calls return
+ * CIP_ERR_INVALID_ARGUMENT) only the child's copies close: no BYE, no unlink, no callback,
+ * CIP_ERR_TIMEOUT (the subscribers are the parent's, still connected). */
 cip_status cip_pub_close(cip_pub *pub, int linger_ms);
 
 /* ---- frames in host memory (no GPU) ---------------------------------------------- */

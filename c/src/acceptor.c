@@ -694,18 +694,10 @@ cipi_acceptor_stop(struct cipi_acceptor *a)
 {
     if (a->started && getpid() != a->owner) {
         /* a child forked while the thread ran: the thread is not here, and the locks it
-         * takes (ours, the rows') may have been held at the fork: touch neither.  Our
-         * copies of the connections close at once: kept, a handshake the parent ends, or a
-         * welcomed subscriber whose publisher dies, would not see its peer go */
+         * takes (ours, the rows') may have been held at the fork: touch neither, nor the
+         * lists the thread changes under them (the handshakes, the welcomed: the fork may
+         * have caught one half changed), whose copies stay open until this process ends */
         a->forked = 1;
-        for (size_t i = 0; i < a->nhs; i++)
-            close(a->hs[i].fd);
-        a->nhs = 0;
-        for (size_t i = 0; i < a->npending; i++)
-            if (a->pending[i].fd >= 0)
-                close(a->pending[i].fd);
-        for (size_t i = 0; i < a->npending; i++)
-            a->pending[i].fd = -1;
     } else if (a->lock_made && !a->forked) { /* (a half-made one has no lock, no thread) */
         pthread_mutex_lock(&a->lock);
         a->stopping = 1;

@@ -306,6 +306,7 @@ struct cipi_owed {
 struct cip_sub {
     int sock;
     int pidfd; /* the producer's, -1 where it cannot be opened */
+    pid_t owner; /* the process that opened it: a child forked from it may not use it */
     int gpu;
     char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
     cip_sub_info info;
@@ -337,6 +338,11 @@ struct cip_sub {
 };
 
 /* ---- shared between modules, by the module that defines it ------------------------------ */
+
+/* sub_close.c: CIP_OK while `sub` may be used here: open, in the process that opened it */
+CIP_INTERNAL cip_status cipi_sub_usable(const cip_sub *sub);
+/* pool.c: free a pool's memory without a driver call (a forked child's copy) */
+CIP_INTERNAL void cipi_pool_forget(cip_pool *pool);
 
 /* errors.c */
 CIP_INTERNAL cip_status cipi_fail(cip_status status, const char *fmt, ...)

@@ -166,8 +166,9 @@ check_held(cip_sub *sub, const cip_frame *frame)
         return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "NULL argument");
     if (!sub->gpu)
         return cipi_fail(CIP_ERR_RAW_SESSION, "a raw session has no sync page");
-    if (sub->closed)
-        return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "the subscription is closed");
+    cip_status usable = cipi_sub_usable(sub);
+    if (usable != CIP_OK)
+        return usable;
     if (!cipi_ledger_holds(&sub->ledger, frame->seq, frame->slot))
         return cipi_fail(CIP_ERR_NOT_HELD, "frame %llu in slot %u is not held",
                     (unsigned long long)frame->seq, frame->slot);

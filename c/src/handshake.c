@@ -277,6 +277,7 @@ cipi_sub_open_raw(const char *path, const cip_sub_options *opts, cip_sub **out)
     if (sub == NULL)
         return cipi_fail(CIP_ERR_NO_MEMORY, "out of memory");
     sub->sock = sub->pidfd = -1;
+    sub->owner = getpid();
     sub->info.mode = o.mode;
     sub->info.credit = o.credit ? o.credit
                                 : (o.mode == CIP_MODE_LATEST ? 1 : CIP_WIRE_DEFAULT_BLOCK_CREDIT);

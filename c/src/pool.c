@@ -23,6 +23,13 @@ free_pool(cip_pool *pool)
     free(pool);
 }
 
+void
+cipi_pool_forget(cip_pool *pool)
+{
+    if (pool != NULL)
+        free_pool(pool);
+}
+
 /* Import, reserve, map and set access for every slot; the fds are closed in every case. */
 cip_status
 cipi_attach_fds(const cip_descriptor *d, int *fds, size_t nfds, int device, cip_pool **out)

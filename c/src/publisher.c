@@ -15,6 +15,7 @@ struct cip_pub {
     void (*on_join)(void *ctx, const cip_pub_subscriber *sub);
     void (*on_leave)(void *ctx, const cip_pub_subscriber *sub, int joined, const char *why);
     void *ctx;
+    pid_t owner; /* the process that opened it: a child forked from it may not use it */
 };
 
 void
@@ -143,6 +144,7 @@ cip_pub_open_raw(const char *path, const cip_pub_options *opts, const void *payl
         return st;
     }
     cipi_producer_init(&p->prod, &p->session, p->acc);
+    p->owner = getpid();
     p->on_join = opts->on_join;
     p->on_leave = opts->on_leave;
     p->ctx = opts->ctx;
@@ -191,6 +193,18 @@ tell(cip_pub *p)
     cipi_acceptor_free_list(gone, ngone);
 }
 
+/* CIP_OK while `pub` may be used here: in the process that opened it. */
+static cip_status
+usable(const cip_pub *pub)
+{
+    if (getpid() == pub->owner)
+        return CIP_OK;
+    return cipi_fail(CIP_ERR_INVALID_ARGUMENT,
+                     "this publisher was opened by process %d; a child created by fork may not "
+                     "use it (open one in the child)",
+                     (int)pub->owner);
+}
+
 static long long
 ns_of(int timeout_ms)
 {
@@ -202,6 +216,8 @@ cip_pub_acquire(cip_pub *pub, int timeout_ms, uint32_t *slot)
 {
     if (pub == NULL || slot == NULL)
         return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "cip_pub_acquire: a NULL argument");
+    if (usable(pub) != CIP_OK)
+        return CIP_ERR_INVALID_ARGUMENT;
     cip_status st = cipi_producer_acquire(&pub->prod, ns_of(timeout_ms), NULL, slot);
     tell(pub);
     return public_status(st);
@@ -212,7 +228,9 @@ cip_pub_publish_raw(cip_pub *pub, uint32_t slot, const void *payload, size_t len
 {
     if (pub == NULL || (len && payload == NULL))
         return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "cip_pub_publish_raw: a NULL argument");
-    cip_status st = cipi_leases_check_slot(&pub->book, slot);
+    cip_status st = usable(pub);
+    if (st == CIP_OK)
+        st = cipi_leases_check_slot(&pub->book, slot);
     if (st != CIP_OK)
         return public_status(st);
     uint64_t got = 0;
@@ -228,6 +246,8 @@ cip_pub_poll(cip_pub *pub, int timeout_ms, uint64_t *returned)
 {
     if (pub == NULL)
         return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "cip_pub_poll: a NULL argument");
+    if (usable(pub) != CIP_OK)
+        return CIP_ERR_INVALID_ARGUMENT;
     uint64_t n = 0;
     cip_status st = cipi_producer_poll(&pub->prod, ns_of(timeout_ms), 0, 0, NULL, &n);
     tell(pub);
@@ -247,17 +267,30 @@ cip_pub_close(cip_pub *pub, int linger_ms)
 {
     if (pub == NULL)
         return CIP_OK;
-    cipi_producer_stop(&pub->prod); /* the listener closed: nobody is welcomed from here */
-    cipi_unlink_if_ours(pub->path, pub->dev, pub->ino);
-    tell(pub);
-    int all_gone = cipi_pubsession_close(&pub->session, linger_ms < 0 ? 0 : ns_of(linger_ms),
+    int all_gone = 0, child = getpid() != pub->owner;
+    if (child) {
+        /* a child forked from the process that opened it: the subscribers, the socket file
+         * and the accept thread are the parent's; this process's copies close without a
+         * word (no BYE, no unlink, no callback: the Python publisher's rule) */
+        cipi_acceptor_stop(pub->acc);
+        cipi_pubsession_forget(&pub->session);
+    } else {
+        cipi_producer_stop(&pub->prod); /* the listener closed: nobody is welcomed from here */
+        cipi_unlink_if_ours(pub->path, pub->dev, pub->ino);
+        tell(pub);
+        all_gone = cipi_pubsession_close(&pub->session, linger_ms < 0 ? 0 : ns_of(linger_ms),
                                          NULL);
+    }
     cipi_producer_free(&pub->prod);
     cipi_acceptor_free(pub->acc);
     cipi_pubsession_free(&pub->session);
     cipi_leases_free(&pub->book);
     free(pub);
-    return all_gone ? CIP_OK
-                    : cipi_fail(CIP_ERR_TIMEOUT, "some subscribers were still connected after "
-                                                 "the linger");
+    if (all_gone)
+        return CIP_OK;
+    return cipi_fail(CIP_ERR_TIMEOUT, "%s",
+                     child ? "closed in a child forked from the process that opened it: only "
+                             "this process's copies were closed; the subscribers are that "
+                             "process's, still connected"
+                           : "some subscribers were still connected after the linger");
 }

@@ -82,8 +82,9 @@ cip_sub_release_raw(cip_sub *sub, uint64_t seq, uint32_t slot)
         return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "cip_sub_release_raw: NULL argument");
     if (sub->gpu)
         return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "a GPU subscription releases with cip_sub_release");
-    if (sub->closed)
-        return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "the subscription is closed");
+    cip_status usable = cipi_sub_usable(sub);
+    if (usable != CIP_OK)
+        return usable;
     cip_status st = cipi_ledger_check_release(&sub->ledger, seq, slot);
     if (st != CIP_OK)
         return st;

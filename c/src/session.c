@@ -292,8 +292,9 @@ cip_status
 cipi_next_frame(cip_sub *sub, int timeout_ms, uint64_t *seq, uint32_t *slot, const uint8_t **payload,
            uint32_t *plen)
 {
-    if (sub->closed)
-        return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "the subscription is closed");
+    cip_status usable = cipi_sub_usable(sub);
+    if (usable != CIP_OK)
+        return usable;
     if (sub->ended != CIP_OK)
         return cipi_fail(sub->ended, "%s", sub->error);
     long long deadline = cipi_deadline_of(timeout_ms);

@@ -53,6 +53,19 @@ freeze_answers(cip_sub *sub)
 }
 
 cip_status
+cipi_sub_usable(const cip_sub *sub)
+{
+    if (sub->closed)
+        return cipi_fail(CIP_ERR_INVALID_ARGUMENT, "the subscription is closed");
+    if (getpid() != sub->owner)
+        return cipi_fail(CIP_ERR_INVALID_ARGUMENT,
+                         "this subscription was opened by process %d; a child created by fork "
+                         "may not use it (subscribe in the child)",
+                         (int)sub->owner);
+    return CIP_OK;
+}
+
+cip_status
 cip_sub_close(cip_sub *sub)
 {
     if (sub == NULL || sub->closed)
@@ -61,7 +74,11 @@ cip_sub_close(cip_sub *sub)
     memcpy(saved, cipi_tls_error, sizeof saved);
     cip_status result = CIP_OK;
     int keep = 0;
-    if (sub->gpu && sub->page != NULL && cipi_drv.status == CIP_OK) {
+    /* a child forked from the process that opened it: the connection, the mappings and the
+     * GPU work are the parent's; only this process's copies of the fds close, no BYE, no
+     * driver call (the Python subscriber's rule) */
+    int child = getpid() != sub->owner;
+    if (!child && sub->gpu && sub->page != NULL && cipi_drv.status == CIP_OK) {
         int device = sub->pool ? sub->pool->device : -1;
         int pushed = device >= 0 && cipi_ctx_push(device) == CIP_OK;
         keep = !gpu_quiesce(sub);
@@ -93,21 +110,24 @@ cip_sub_close(cip_sub *sub)
         if (!keep)
             munmap((void *)sub->page, sub->page_nbytes);
     } else if (sub->page != NULL) {
-        (void)freeze_answers(sub);
+        if (!child) /* (a child leaves the parent's page as it is: nothing forced) */
+            (void)freeze_answers(sub);
         munmap((void *)sub->page, sub->page_nbytes);
     }
     sub->page = NULL;
     /* BYE only once our flag operations are done (or abandoned): the publisher may give
      * this row to a newcomer once we are gone, and a late read-flag write of ours would
      * land in its row (the Python subscriber's order) */
-    if (sub->buf != NULL)
+    if (sub->buf != NULL && !child)
         cipi_say_bye_and_close(sub);
     else if (sub->sock >= 0)
         close(sub->sock);
     sub->sock = -1;
     /* a stream that may still wait on the page may still read the slots: keep both;
      * else the pool's close waits for this process's queued work on them */
-    if (!keep) {
+    if (child) {
+        cipi_pool_forget(sub->pool);
+    } else if (!keep) {
         cip_status st = cip_pool_close(sub->pool);
         if (st != CIP_OK) {
             result = st;

@@ -137,6 +137,7 @@ open_sub(uint32_t n)
     if (sub == NULL)
         return "calloc";
     sub->sock = pair[0];
+    sub->owner = getpid(); /* (as cip_sub_open_raw sets it) */
     sub->pidfd = (int)syscall(CIP_SYS_PIDFD_OPEN, producer, 0);
     if (sub->pidfd < 0)
         return "pidfd_open";

@@ -26,6 +26,10 @@
  *   word SLOT                -> ok WORD (frame flag SLOT of the mapped page)
  *   force SLOT AWAITED       cip_flag_force on it -> ok STORED WORD
  *   close                    close the subscription -> ok, or the error cip_sub_close reported
+ *   forkclose                fork a child that closes and frees its copy of the subscription
+ *                            and then tries to receive -> ok CLOSE_STATUS RECV_STATUS EXIT
+ *                            (the child's: cip_sub_free's, cip_sub_recv_raw's on a second
+ *                            copy it kept open, its exit code); the parent's stays open
  *   quit
  */
 #define _GNU_SOURCE
@@ -40,6 +44,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 static cip_sub *sub;
@@ -329,6 +334,31 @@ main(void)
                 err(st);
             else
                 printf("ok\n");
+        } else if (!strcmp(cmd, "forkclose")) {
+            int pipefd[2];
+            if (pipe(pipefd) != 0) {
+                printf("err CIP_ERR_TRANSPORT pipe\n");
+                continue;
+            }
+            fflush(stdout);
+            pid_t pid = fork();
+            if (pid == 0) { /* the child: its answers go back through the pipe */
+                cip_raw_frame f;
+                cip_status rs = cip_sub_recv_raw(sub, 0, &f); /* refused: not its own */
+                cip_status cs = cip_sub_free(sub);
+                char out[128];
+                int n = snprintf(out, sizeof out, "%s %s", cip_status_name(cs),
+                                 cip_status_name(rs));
+                (void)!write(pipefd[1], out, (size_t)n);
+                _exit(0);
+            }
+            close(pipefd[1]);
+            char got[128] = "";
+            ssize_t n = read(pipefd[0], got, sizeof got - 1);
+            close(pipefd[0]);
+            int status = 0;
+            waitpid(pid, &status, 0);
+            printf("ok %s %d\n", n > 0 ? got : "? ?", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
         } else if (!strcmp(cmd, "quit")) {
             break;
         } else {

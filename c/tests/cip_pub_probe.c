@@ -5,7 +5,9 @@
  * slot with seq (u64) repeated.  Lines on stdout: "listening", "joined ID MODE CREDIT",
  * "published SEQ SLOT", "published all", "left ID JOINED MODE CREDIT WHY", "closed STATUS"
  * (the subscriber as on_join told it: the publisher keeps what it knows); it closes
- * once a line (or the end) comes on stdin.
+ * once a line (or the end) comes on stdin.  With CIP_PROBE_FORK set, once it has published
+ * all it forks a child that polls and closes its copy of the publisher: "child POLL CLOSE
+ * EXIT" (the child's cip_pub_poll and cip_pub_close statuses, its exit code).
  *
  *   cip_pub_probe PATH FRAMES SUBSCRIBERS LINGER_MS
  */
@@ -19,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #define SLOTS 4
@@ -89,6 +92,29 @@ main(int argc, char **argv)
     }
     if (st != CIP_OK)
         printf("error %s %s\n", cip_status_name(st), cip_last_error());
+    if (getenv("CIP_PROBE_FORK") != NULL) {
+        int pipefd[2];
+        if (pipe(pipefd) != 0)
+            return 4;
+        fflush(stdout);
+        pid_t pid = fork();
+        if (pid == 0) { /* the child: its answers go back through the pipe */
+            cip_status ps = cip_pub_poll(pub, 0, NULL); /* refused: not its own */
+            cip_status cs = cip_pub_close(pub, 0);      /* its copies only */
+            char out[128];
+            int n = snprintf(out, sizeof out, "%s %s", cip_status_name(ps),
+                             cip_status_name(cs));
+            (void)!write(pipefd[1], out, (size_t)n);
+            _exit(0);
+        }
+        close(pipefd[1]);
+        char got[128] = "";
+        ssize_t n = read(pipefd[0], got, sizeof got - 1);
+        close(pipefd[0]);
+        int status = 0;
+        waitpid(pid, &status, 0);
+        printf("child %s %d\n", n > 0 ? got : "? ?", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+    }
     /* until told to close (a line on stdin), the subscribers' releases are read */
     printf("published all\n");
     struct pollfd in = {.fd = 0, .events = POLLIN, .revents = 0};

@@ -262,7 +262,7 @@ class PublisherCore(ClosedFlag):
         callback is called and ``linger`` is ignored.  The publisher is closed here
         all the same (its calls raise :class:`PoolClosedError`), and this process's
         copies of the fds are closed at once without a word: the accept side's
-        (listener, handshakes, the WELCOME's fds) and the subscribers' sockets.  A
+        (listener, the WELCOME's fds) and the subscribers' sockets.  A
         child forked while the publisher is open does this at the fork
         (:func:`~cupy_ipcpool._transport._closing.close_in_forked_children`).
 
