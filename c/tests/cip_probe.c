@@ -44,7 +44,6 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 static cip_sub *sub;
@@ -121,6 +120,17 @@ fnv_array(const uint8_t *base, const cip_array *a)
         }
     }
     return h;
+}
+
+/* forkclose's child: receive (refused: not its own), then free its copy. */
+static void
+child_closes(void *ctx, char *out, size_t cap)
+{
+    cip_sub *sub = ctx;
+    cip_raw_frame f;
+    cip_status rs = cip_sub_recv_raw(sub, 0, &f);
+    cip_status cs = cip_sub_free(sub);
+    snprintf(out, cap, "%s %s", cip_status_name(cs), cip_status_name(rs));
 }
 
 int
@@ -335,30 +345,9 @@ main(void)
             else
                 printf("ok\n");
         } else if (!strcmp(cmd, "forkclose")) {
-            int pipefd[2];
-            if (pipe(pipefd) != 0) {
-                printf("err CIP_ERR_TRANSPORT pipe\n");
-                continue;
-            }
-            fflush(stdout);
-            pid_t pid = fork();
-            if (pid == 0) { /* the child: its answers go back through the pipe */
-                cip_raw_frame f;
-                cip_status rs = cip_sub_recv_raw(sub, 0, &f); /* refused: not its own */
-                cip_status cs = cip_sub_free(sub);
-                char out[128];
-                int n = snprintf(out, sizeof out, "%s %s", cip_status_name(cs),
-                                 cip_status_name(rs));
-                (void)!write(pipefd[1], out, (size_t)n);
-                _exit(0);
-            }
-            close(pipefd[1]);
-            char got[128] = "";
-            ssize_t n = read(pipefd[0], got, sizeof got - 1);
-            close(pipefd[0]);
-            int status = 0;
-            waitpid(pid, &status, 0);
-            printf("ok %s %d\n", n > 0 ? got : "? ?", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+            char got[256];
+            int code = fork_and_report(child_closes, sub, got, sizeof got);
+            printf("ok %s %d\n", got, code);
         } else if (!strcmp(cmd, "quit")) {
             break;
         } else {

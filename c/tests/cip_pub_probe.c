@@ -14,6 +14,8 @@
 #define _GNU_SOURCE /* memfd_create */
 #include <cupy_ipcpool.h>
 
+#include "probe_util.h"
+
 #include <errno.h>
 #include <poll.h>
 #include <stdint.h>
@@ -21,7 +23,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #define SLOTS 4
@@ -41,6 +42,16 @@ on_leave(void *ctx, const cip_pub_subscriber *sub, int joined, const char *why)
     (void)ctx;
     printf("left %u %d %s %u %s\n", sub->sub_id, joined,
            sub->mode == CIP_MODE_LATEST ? "latest" : "block", sub->credit, why);
+}
+
+/* CIP_PROBE_FORK's child: poll (refused: not its own), then close its copy. */
+static void
+child_closes(void *ctx, char *out, size_t cap)
+{
+    cip_pub *pub = ctx;
+    cip_status ps = cip_pub_poll(pub, 0, NULL);
+    cip_status cs = cip_pub_close(pub, 0);
+    snprintf(out, cap, "%s %s", cip_status_name(ps), cip_status_name(cs));
 }
 
 int
@@ -93,27 +104,9 @@ main(int argc, char **argv)
     if (st != CIP_OK)
         printf("error %s %s\n", cip_status_name(st), cip_last_error());
     if (getenv("CIP_PROBE_FORK") != NULL) {
-        int pipefd[2];
-        if (pipe(pipefd) != 0)
-            return 4;
-        fflush(stdout);
-        pid_t pid = fork();
-        if (pid == 0) { /* the child: its answers go back through the pipe */
-            cip_status ps = cip_pub_poll(pub, 0, NULL); /* refused: not its own */
-            cip_status cs = cip_pub_close(pub, 0);      /* its copies only */
-            char out[128];
-            int n = snprintf(out, sizeof out, "%s %s", cip_status_name(ps),
-                             cip_status_name(cs));
-            (void)!write(pipefd[1], out, (size_t)n);
-            _exit(0);
-        }
-        close(pipefd[1]);
-        char got[128] = "";
-        ssize_t n = read(pipefd[0], got, sizeof got - 1);
-        close(pipefd[0]);
-        int status = 0;
-        waitpid(pid, &status, 0);
-        printf("child %s %d\n", n > 0 ? got : "? ?", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+        char got[256];
+        int code = fork_and_report(child_closes, pub, got, sizeof got);
+        printf("child %s %d\n", got, code);
     }
     /* until told to close (a line on stdin), the subscribers' releases are read */
     printf("published all\n");

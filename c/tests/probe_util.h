@@ -1,7 +1,7 @@
 /*
- * What the C test programs (cip_probe.c, gpu_consumer.c) both need: hex arguments
- * back to bytes, and the count of this process's open fds.  Each program includes
- * this header once; it is no part of the library.
+ * What the C test programs (cip_probe.c, gpu_consumer.c, cip_pub_probe.c) share: hex
+ * arguments back to bytes, the count of this process's open fds, a forked child's report.
+ * Each program includes this header once; it is no part of the library.
  */
 #ifndef CIP_PROBE_UTIL_H
 #define CIP_PROBE_UTIL_H
@@ -10,6 +10,8 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 /* The bytes of the hex string `s` into `out` (at most `cap`); their number returned. */
 static __attribute__((unused)) size_t
@@ -38,6 +40,38 @@ count_fds(void)
             n++;
     closedir(d);
     return n - 1; /* the directory's own fd */
+}
+
+/* Fork a child that runs child(ctx, out, cap), writes what it put in `out` back through a
+ * pipe and exits 0; the parent waits for it.  What the child wrote goes to got (cap bytes,
+ * "? ?" if nothing came), its exit code is returned (-1: no exit, -2: no pipe or fork). */
+static __attribute__((unused)) int
+fork_and_report(void (*child)(void *ctx, char *out, size_t cap), void *ctx, char *got,
+                size_t cap)
+{
+    int pipefd[2];
+    if (pipe(pipefd) != 0)
+        return -2;
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid < 0) {
+        close(pipefd[0]);
+        close(pipefd[1]);
+        return -2;
+    }
+    if (pid == 0) {
+        char out[256] = "";
+        child(ctx, out, sizeof out);
+        (void)!write(pipefd[1], out, strlen(out));
+        _exit(0);
+    }
+    close(pipefd[1]);
+    ssize_t n = read(pipefd[0], got, cap - 1);
+    close(pipefd[0]);
+    snprintf(got + (n > 0 ? n : 0), cap - (size_t)(n > 0 ? n : 0), "%s", n > 0 ? "" : "? ?");
+    int status = 0;
+    waitpid(pid, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
 #endif /* CIP_PROBE_UTIL_H */
