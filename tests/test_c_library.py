@@ -717,6 +717,34 @@ def test_a_forked_child_closing_a_c_subscription_leaves_the_parent_subscribed(
     assert probe("close") == "ok"
 
 
+def test_a_killed_c_subscriber_gives_its_frames_back_while_its_forked_child_lives(
+    probe: Probe, producer: Callable[..., Producer], address: str
+) -> None:
+    """The C subscriber's process holds a frame, forks a child that lives on, and is killed:
+    its socket hangs up all the same (the child closed its copy at the fork: the library's
+    pthread_atfork handler), so the publisher takes the lease back and drops it (the Python
+    subscriber's rule, test_fork_children_cpu)."""
+    pub = producer(num_slots=4)
+    subscribe(probe, pub, address)
+    pub("publish", 1, b"held")
+    assert frame_of(probe("recv 5000"))[2] == b"held"
+    answer = probe("forkchild")
+    assert answer.startswith("ok "), answer
+    child = int(answer.split()[1])
+    try:
+        assert pub("leases") == 1
+        probe.proc.kill()
+        probe.proc.wait(10)
+        deadline = time.monotonic() + 10.0
+        while pub("leases") != 0:
+            assert time.monotonic() < deadline, "the killed subscriber's lease never came back"
+            pub("poll_for", 0.05)
+        assert pub("state")[1] == 0  # it left
+        assert os.path.exists(f"/proc/{child}")  # the child lives on: it held nothing
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
 def test_block_mode_waits_for_the_subscriber(
     probe: Probe, producer: Callable[..., Producer], address: str
 ) -> None:

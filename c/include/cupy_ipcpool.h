@@ -384,7 +384,8 @@ const char *cip_sub_error(const cip_sub *sub);
  * held frames are invalid afterwards.  NULL is ignored (CIP_OK).  In a child forked from
  * the process that opened it (which may not use it otherwise: CIP_ERR_INVALID_ARGUMENT)
  * only the child's copies of its fds and mappings go: no BYE, nothing read, no driver
- * call, the parent's subscription left as it is. */
+ * call, the parent's subscription left as it is.  (The child's copy of the socket is closed
+ * at the fork already, so that it never hides the parent's death from the publisher.) */
 cip_status cip_sub_close(cip_sub *sub);
 /* Close (as cip_sub_close, whose status it returns, if not closed yet) and free the
  * handle.  NULL is ignored (CIP_OK). */

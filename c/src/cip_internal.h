@@ -341,6 +341,9 @@ struct cip_sub {
 
 /* sub_close.c: CIP_OK while `sub` may be used here: open, in the process that opened it */
 CIP_INTERNAL cip_status cipi_sub_usable(const cip_sub *sub);
+/* sub_close.c: a child forked while `sub` is open closes its copy of the socket at the fork
+ * (cip_sub_close forgets it) */
+CIP_INTERNAL void cipi_sub_watch_fork(cip_sub *sub);
 /* pool.c: free a pool's memory without a driver call (a forked child's copy) */
 CIP_INTERNAL void cipi_pool_forget(cip_pool *pool);
 

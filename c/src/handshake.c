@@ -288,6 +288,7 @@ cipi_sub_open_raw(const char *path, const cip_sub_options *opts, cip_sub **out)
         cip_sub_free(sub);
         return st;
     }
+    cipi_sub_watch_fork(sub);
     *out = sub;
     return CIP_OK;
 }

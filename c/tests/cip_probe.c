@@ -26,6 +26,8 @@
  *   word SLOT                -> ok WORD (frame flag SLOT of the mapped page)
  *   force SLOT AWAITED       cip_flag_force on it -> ok STORED WORD
  *   close                    close the subscription -> ok, or the error cip_sub_close reported
+ *   forkchild                fork a child that lives on (until killed) -> ok PID, once the
+ *                            child's at-fork handlers ran
  *   forkclose                fork a child that closes and frees its copy of the subscription
  *                            and then tries to receive -> ok CLOSE_STATUS RECV_STATUS EXIT
  *                            (the child's: cip_sub_free's, cip_sub_recv_raw's on a second
@@ -344,6 +346,25 @@ main(void)
                 err(st);
             else
                 printf("ok\n");
+        } else if (!strcmp(cmd, "forkchild")) {
+            int ready[2];
+            if (pipe(ready) != 0) {
+                printf("err CIP_ERR_TRANSPORT pipe\n");
+                continue;
+            }
+            fflush(stdout);
+            pid_t pid = fork();
+            if (pid == 0) { /* fork returns here after the at-fork handlers */
+                char one = 1;
+                (void)!write(ready[1], &one, 1);
+                for (;;)
+                    pause();
+            }
+            close(ready[1]);
+            char one = 0;
+            (void)!read(ready[0], &one, 1);
+            close(ready[0]);
+            printf("ok %d\n", (int)pid);
         } else if (!strcmp(cmd, "forkclose")) {
             char got[256];
             int code = fork_and_report(child_closes, sub, got, sizeof got);
