@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -325,6 +326,37 @@ def test_a_forked_child_closing_a_c_publisher_leaves_the_parent_serving(
                 proc.kill()
     assert proc.returncode == 0 and out[-1] == "closed CIP_OK", out
     assert not os.path.exists(address)
+
+
+def test_a_c_publisher_restarts_at_the_path_of_a_killed_one_whose_forked_child_lives(
+    pub_exe: Path, tmp_path: Path
+) -> None:
+    """The C publisher's process forks a child that lives on, and is killed: its socket file
+    is stale (the child closed its copy of the listener at the fork: the library's
+    pthread_atfork handler), so a new publisher takes the path (the Python publisher's
+    rule, test_fork_children_cpu)."""
+    from _memfd_backend import MemfdProducer
+
+    address = str(tmp_path / "p.sock")
+    env = {"CIP_PROBE_LINGER_CHILD": "1"}
+    child = 0
+    with _c_publisher(pub_exe, address, "0", "0", "0", env=env) as proc:
+        try:
+            lines = _lines_until(proc, "child")
+            assert lines[0] == "listening", lines
+            child = int(lines[-1].split()[1])
+            proc.kill()
+            proc.wait(BOUND)
+            with MemfdProducer(address, 4) as prod, MemfdConsumer(address) as sub:
+                prod.wait_subscribers(1, timeout=BOUND)
+                assert prod.publish_next(timeout=BOUND) == 0
+                sub.release(sub.recv(BOUND))
+            assert os.path.exists(f"/proc/{child}")  # it lives on: it held nothing
+        finally:
+            if child:
+                os.kill(child, signal.SIGKILL)
+            if proc.poll() is None:
+                proc.kill()
 
 
 def test_the_api_publisher_refuses_what_it_cannot_serve(pub_exe: Path, tmp_path: Path) -> None:

@@ -464,7 +464,8 @@ uint32_t cip_pub_subscribers(const cip_pub *pub);
  * handle.  CIP_ERR_TIMEOUT: some were still connected.  NULL is ignored (CIP_OK).  In a
  * child forked from the process that opened it (where the other cip_pub_* calls return
  * CIP_ERR_INVALID_ARGUMENT) only the child's copies close: no BYE, no unlink, no callback,
- * CIP_ERR_TIMEOUT (the subscribers are the parent's, still connected). */
+ * CIP_ERR_TIMEOUT (the subscribers are the parent's, still connected).  The child's copy of
+ * the listening socket is closed at the fork already (it would keep the path live). */
 cip_status cip_pub_close(cip_pub *pub, int linger_ms);
 
 /* ---- frames in host memory (no GPU) ---------------------------------------------- */

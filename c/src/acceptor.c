@@ -720,6 +720,14 @@ cipi_acceptor_stop(struct cipi_acceptor *a)
 }
 
 void
+cipi_acceptor_close_listener(struct cipi_acceptor *a)
+{
+    if (a->listener >= 0)
+        close(a->listener);
+    a->listener = -1;
+}
+
+void
 cipi_acceptor_free_list(struct cipi_welcomed *list, size_t n)
 {
     for (size_t i = 0; i < n; i++)

@@ -349,6 +349,9 @@ CIP_INTERNAL void cipi_acceptor_set_next_seq(struct cipi_acceptor *a, uint64_t s
 CIP_INTERNAL uint64_t cipi_acceptor_welcomed(struct cipi_acceptor *a);
 CIP_INTERNAL const char *cipi_acceptor_failure(struct cipi_acceptor *a);
 CIP_INTERNAL void cipi_acceptor_stop(struct cipi_acceptor *a);
+/* In a child just forked (its at-fork handler): close this process's copy of the listening
+ * socket, so that it never keeps the parent's path live. */
+CIP_INTERNAL void cipi_acceptor_close_listener(struct cipi_acceptor *a);
 CIP_INTERNAL void cipi_acceptor_free_list(struct cipi_welcomed *list, size_t n);
 CIP_INTERNAL void cipi_acceptor_free(struct cipi_acceptor *a);
 

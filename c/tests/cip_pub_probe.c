@@ -7,7 +7,9 @@
  * (the subscriber as on_join told it: the publisher keeps what it knows); it closes
  * once a line (or the end) comes on stdin.  With CIP_PROBE_FORK set, once it has published
  * all it forks a child that polls and closes its copy of the publisher: "child POLL CLOSE
- * EXIT" (the child's cip_pub_poll and cip_pub_close statuses, its exit code).
+ * EXIT" (the child's cip_pub_poll and cip_pub_close statuses, its exit code).  With
+ * CIP_PROBE_LINGER_CHILD set, once listening it forks a child that lives on (until killed)
+ * and says "child PID" itself (once its at-fork handlers ran).
  *
  *   cip_pub_probe PATH FRAMES SUBSCRIBERS LINGER_MS
  */
@@ -86,6 +88,15 @@ main(int argc, char **argv)
         return 1;
     }
     printf("listening\n");
+    if (getenv("CIP_PROBE_LINGER_CHILD") != NULL) {
+        fflush(stdout);
+        if (fork() == 0) { /* fork returns here after the at-fork handlers */
+            printf("child %d\n", (int)getpid());
+            fflush(stdout);
+            for (;;)
+                pause();
+        }
+    }
     while (cip_pub_subscribers(pub) < (uint32_t)want)
         cip_pub_poll(pub, 10, NULL);
     for (long n = 0; n < frames; n++) {
