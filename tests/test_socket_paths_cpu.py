@@ -35,7 +35,7 @@ import pytest
 
 import cupy_ipcpool as cip
 from cupy_ipcpool._handles import MAX_SOCKET_PATH
-from cupy_ipcpool._transport import FdServer, bind_unix, check_socket_path, connect_unix
+from cupy_ipcpool._transport import FdServer, bind_unix, check_socket_path, fetch_fds_over_socket
 from cupy_ipcpool.remote import HostChannelPublisher, HostChannelSubscriber, relay
 
 TOKEN = b"socket-paths-test-token!"
@@ -105,9 +105,10 @@ def test_bind_and_connect_refuse_a_path_too_long_and_leave_nothing(short_dir: st
         assert_says_limit_length_and_fix(raised.value, MAX_SOCKET_PATH + 1)
         # nothing bound next to it, nothing linked at it (a socket no one could reach)
         assert os.listdir(short_dir) == []
-        with pytest.raises(cip.UsageError) as raised:
-            connect_unix(s, long, time.monotonic() + 1.0)
-        assert_says_limit_length_and_fix(raised.value, MAX_SOCKET_PATH + 1)
+    # the fd fetch's connect (the engine's): the same refusal, before any socket is made
+    with pytest.raises(cip.UsageError) as raised:
+        fetch_fds_over_socket(long, b"t", 1, timeout=1.0)
+    assert_says_limit_length_and_fix(raised.value, MAX_SOCKET_PATH + 1)
 
 
 CIP_ERR_TRANSPORT = 8  # c/include/cupy_ipcpool.h

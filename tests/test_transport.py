@@ -18,14 +18,10 @@ from cupy_ipcpool._errors import PeerRefusedError, TransportError
 from cupy_ipcpool._handles import own_pid_namespace
 from cupy_ipcpool._transport import (
     FdServer,
-    check_peer,
     fetch_fds,
     fetch_fds_over_socket,
-    peer_credentials,
     pidfd_getfd,
     process_start_time,
-    recv_fds,
-    send_fds,
 )
 from tests import _pipe_child
 from tests._fds import open_fds
@@ -182,42 +178,6 @@ def test_process_start_time() -> None:
     with pytest.raises(TransportError) as ei:
         process_start_time(2**22 + 12345)  # above pid_max's ceiling
     assert ei.value.errno == errno.ESRCH
-
-
-def test_peer_credentials_socketpair() -> None:
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    with a, b:
-        assert peer_credentials(a) == (os.getpid(), os.getuid(), os.getgid())
-        assert check_peer(a, frozenset({os.getuid()}))[1] == os.getuid()
-        with pytest.raises(PeerRefusedError) as ei:
-            check_peer(a, frozenset({12345}))
-        assert str(os.getpid()) in str(ei.value) and "12345" in str(ei.value)
-
-
-def test_send_recv_fds_roundtrip(memfds: list[int]) -> None:
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    with a, b:
-        send_fds(a, b"x", memfds)
-        data, got = recv_fds(b, 16, 3)
-        try:
-            assert data == b"x" and len(got) == 3
-            assert not any(os.get_inheritable(fd) for fd in got)
-            assert _read_all(got) == [_content(i) for i in range(3)]
-        finally:
-            _close(got)
-        with pytest.raises(ValueError):
-            send_fds(a, b"", memfds)
-
-
-def test_recv_fds_ctrunc_closes_fds(memfds: list[int]) -> None:
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    with a, b:
-        before = _fds()
-        send_fds(a, b"x", memfds)
-        with pytest.raises(TransportError) as ei:
-            recv_fds(b, 16, 1)
-        assert ei.value.errno == errno.EMSGSIZE
-        assert not _fds() - before
 
 
 def test_errors_pickle() -> None:

@@ -143,15 +143,6 @@ now_s(void)
     return (double)cipi_now_ns() / 1e9;
 }
 
-static int
-uid_allowed(const struct cipi_acceptor *a, uint32_t uid)
-{
-    for (size_t i = 0; i < a->nuids; i++)
-        if (a->uids[i] == uid)
-            return 1;
-    return 0;
-}
-
 /* ---- the welcome --------------------------------------------------------------------- */
 
 static void
@@ -332,7 +323,7 @@ accepted(struct cipi_acceptor *a, int fd, uint8_t *buf)
         close(fd);
         return;
     }
-    if (!uid_allowed(a, cred.uid)) {
+    if (!cipi_uid_in(a->uids, a->nuids, cred.uid)) {
         char why[96];
         snprintf(why, sizeof why, "uid %u is not allowed to subscribe", (unsigned)cred.uid);
         refuse_and_close(fd, why);

@@ -493,6 +493,8 @@ CIP_INTERNAL int cipi_accept_batch(int listener, long long *backoff_until, int *
  * deadline (deadline_ns, -1: none) or the end of a back-off, whichever comes first. */
 CIP_INTERNAL int cipi_accept_wait_ms(long long now, long long deadline_ns,
                                      long long backoff_until);
+/* Whether `uid` is one of uids[0..n): the accept threads' one uid check. */
+CIP_INTERNAL int cipi_uid_in(const uint32_t *uids, size_t n, uint32_t uid);
 CIP_INTERNAL cip_status cipi_publisher_listen(const char *path, const uint32_t *uids, size_t nuids,
                                               uint32_t max_subscribers, int *fd, uint64_t *dev,
                                               uint64_t *ino, int *err);

@@ -190,15 +190,6 @@ step(struct cipi_fdserver *s, size_t i)
         finish(s, i, -1); /* all out (or the client went): nothing more to tell */
 }
 
-static int
-uid_allowed(const struct cipi_fdserver *s, uint32_t uid)
-{
-    for (size_t i = 0; i < s->nuids; i++)
-        if (s->uids[i] == uid)
-            return 1;
-    return 0;
-}
-
 static void
 accepted(struct cipi_fdserver *s, int fd)
 {
@@ -208,7 +199,7 @@ accepted(struct cipi_fdserver *s, int fd)
         close(fd);
         return;
     }
-    if (!uid_allowed(s, cred.uid)) { /* nothing is read or kept */
+    if (!cipi_uid_in(s->uids, s->nuids, cred.uid)) { /* nothing is read or kept */
         refuse_now(fd, CIP_WIRE_FDSERVER_STATUS_UID_REFUSED);
         return;
     }

@@ -229,3 +229,12 @@ cipi_accept_wait_ms(long long now, long long deadline_ns, long long backoff_unti
         return -1;
     return until <= now ? 0 : (int)((until - now + 999999) / 1000000);
 }
+
+int
+cipi_uid_in(const uint32_t *uids, size_t n, uint32_t uid)
+{
+    for (size_t i = 0; i < n; i++)
+        if (uids[i] == uid)
+            return 1;
+    return 0;
+}

@@ -13,9 +13,10 @@ to a peer:
     with ``SCM_RIGHTS``.  Works wherever both processes see the socket file,
     in any PID namespace.
 
-:func:`fetch_fds` picks one.  :mod:`._unix` holds the Unix-socket helpers
-(``SCM_RIGHTS``, ``SO_PEERCRED``, binding, connecting) the channel uses too,
-and :mod:`._admission` the per-uid admission of waiting connections.
+:func:`fetch_fds` picks one.  Both, and the fd server's thread, are the engine's
+(``c/src/pidfd.c``, ``c/src/fetch.c``, ``c/src/fdserver.c``).  :mod:`._unix` holds the
+socket path helpers (check, bind, the allowed uids) the channel uses too, and
+:mod:`._admission` the per-uid admission of waiting connections.
 """
 
 from __future__ import annotations
@@ -41,15 +42,9 @@ from ._pidfd import _SYS_PIDFD_GETFD as _SYS_PIDFD_GETFD
 from ._pidfd import pidfd_getfd, process_start_time
 from ._unix import (
     SCM_MAX_FD,
-    accept_peer,
     allowed_uid_set,
     bind_unix,
-    check_peer,
     check_socket_path,
-    connect_unix,
-    peer_credentials,
-    recv_fds,
-    send_fds,
 )
 
 __all__ = [
@@ -69,17 +64,11 @@ __all__ = [
     "STATUS_UID_REFUSED",
     "Admission",
     "FdServer",
-    "accept_peer",
     "allowed_uid_set",
     "bind_unix",
-    "check_peer",
     "check_socket_path",
-    "connect_unix",
     "fetch_fds",
     "fetch_fds_over_socket",
-    "peer_credentials",
     "pidfd_getfd",
     "process_start_time",
-    "recv_fds",
-    "send_fds",
 ]

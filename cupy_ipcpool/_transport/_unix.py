@@ -1,25 +1,20 @@
-"""Unix-socket helpers: ``SCM_RIGHTS``, peer credentials, binding and connecting.
+"""Unix-socket helpers: the socket path check, binding, the allowed uids, removal at teardown.
 
-Shared by the fd server and its client (:mod:`._fdserver`, :mod:`._fetch`) and
-by the channel's sockets.  Every fd received is close-on-exec and closed on
-every error path.
+Shared by the fd server (:mod:`._fdserver`) and the channel's publisher.  The rules are the
+engine's (``c/src/sockets.c``, ``c/src/listen.c``); passing fds, reading a peer's
+credentials and connecting are too (``c/src/fetch.c``, ``c/src/fdserver.c``, the
+channel's handshake), with no Python copy.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import socket
-import struct
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 
 from cupy_ipcpool._compiled import loader
 from cupy_ipcpool._errors import (
-    PeerRefusedError,
-    TransportError,
-    TransportTimeoutError,
     UsageError,
     UsageTypeError,
 )
@@ -29,164 +24,20 @@ _engine = loader("cupy_ipcpool._engine")
 
 __all__ = [
     "SCM_MAX_FD",
-    "accept_peer",
     "allowed_uid_set",
     "bind_unix",
-    "check_peer",
     "check_socket_path",
-    "connect_unix",
-    "peer_credentials",
-    "recv_fds",
-    "send_fds",
     "unlink_if_ours",
 ]
 
 #: Kernel limit on fds in one SCM_RIGHTS message.
 SCM_MAX_FD = 253
 
-_CRED = struct.Struct("3i")
-_INT = struct.Struct("i")
-
-
-def _errname(err: int) -> str:
-    return errno.errorcode.get(err, str(err))
-
 
 def _close_all(fds: Iterable[int]) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)
-
-
-def send_fds(sock: socket.socket, data: bytes, fds: Sequence[int]) -> None:
-    """Send ``data`` with ``fds`` attached in one ``SCM_RIGHTS`` message.
-
-    Parameters
-    ----------
-    sock:
-        A connected ``AF_UNIX`` socket.
-    data:
-        At least one byte when ``fds`` is not empty (a stream socket carries
-        ancillary data only with data).
-    fds:
-        At most 253 (``SCM_MAX_FD``) fds; the caller keeps ownership.
-
-    Raises
-    ------
-    UsageError
-        Too many fds, or fds without data (also a ``ValueError``).
-    OSError
-        From the socket.
-    """
-    fds = [int(fd) for fd in fds]
-    if len(fds) > SCM_MAX_FD:
-        raise UsageError(f"at most {SCM_MAX_FD} fds fit in one SCM_RIGHTS message, got {len(fds)}")
-    if fds and not data:
-        raise UsageError("fds need at least one byte of data to travel with")
-    if not fds:
-        sock.sendall(data)
-        return
-    sent = socket.send_fds(sock, [data], fds)
-    if sent < len(data):
-        sock.sendall(data[sent:])
-
-
-def recv_fds(sock: socket.socket, maxlen: int, maxfds: int) -> tuple[bytes, list[int]]:
-    """Receive up to ``maxlen`` bytes and up to ``maxfds`` fds.
-
-    Received fds are close-on-exec and owned by the caller.  On every error
-    path the fds that arrived are closed.
-
-    Parameters
-    ----------
-    sock:
-        A connected ``AF_UNIX`` socket.
-    maxlen:
-        Most bytes to read.
-    maxfds:
-        Most fds expected.
-
-    Returns
-    -------
-    tuple[bytes, list[int]]
-        The data (empty at end of stream) and the fds.
-
-    Raises
-    ------
-    TransportError
-        ``EMSGSIZE`` when more fds were sent than ``maxfds`` (the control data
-        was truncated).
-    OSError
-        From the socket.
-    """
-    # socket.recv_fds ignores its flags argument before Python 3.12, so call
-    # recvmsg directly to pass MSG_CMSG_CLOEXEC.  CMSG_LEN (not CMSG_SPACE)
-    # makes the kernel install at most ``maxfds`` fds and flag MSG_CTRUNC beyond.
-    data, ancdata, flags, _ = sock.recvmsg(
-        maxlen, socket.CMSG_LEN(maxfds * _INT.size), socket.MSG_CMSG_CLOEXEC
-    )
-    fds: list[int] = []
-    for level, kind, payload in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            whole = len(payload) - len(payload) % _INT.size
-            fds.extend(struct.unpack(f"{whole // _INT.size}i", payload[:whole]))
-    if flags & socket.MSG_CTRUNC or len(fds) > maxfds:
-        _close_all(fds)
-        raise TransportError(
-            errno.EMSGSIZE,
-            f"received more fds than the {maxfds} expected (control data truncated); "
-            "the peer does not speak this protocol",
-        )
-    return data, fds
-
-
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """Return ``(pid, uid, gid)`` of the peer of a connected Unix socket (``SO_PEERCRED``)."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
-    pid, uid, gid = _CRED.unpack(raw)
-    return pid, uid, gid
-
-
-def accept_peer(
-    sock: socket.socket,
-    allowed_uids: frozenset[int],
-    refuse: Callable[[socket.socket, int], None],
-) -> tuple[int, int] | None:
-    """The ``(pid, uid)`` of a connection just accepted, if its uid is allowed; else None.
-
-    The one uid check of the serving threads (the fd server, the channel's
-    publisher), made before anything the peer sent is read.  When its
-    credentials cannot be read the socket is closed; when its uid is not in
-    ``allowed_uids``, ``refuse(sock, uid)`` tells it so in the caller's
-    protocol and closes it.  Never raises ``OSError``.
-    """
-    try:
-        pid, uid, _gid = peer_credentials(sock)
-    except OSError:
-        sock.close()
-        return None
-    if uid not in allowed_uids:
-        refuse(sock, uid)
-        return None
-    return pid, uid
-
-
-def check_peer(sock: socket.socket, allowed_uids: frozenset[int]) -> tuple[int, int, int]:
-    """Return the peer's ``(pid, uid, gid)`` if its uid is in ``allowed_uids``.
-
-    Raises
-    ------
-    PeerRefusedError
-        The peer's uid is not allowed; the message names its pid and uid and
-        the allowed uids.
-    """
-    pid, uid, gid = peer_credentials(sock)
-    if uid not in allowed_uids:
-        raise PeerRefusedError(
-            f"peer process {pid} runs as uid {uid}, which is not allowed "
-            f"(allowed uids: {sorted(allowed_uids)})"
-        )
-    return pid, uid, gid
 
 
 def allowed_uid_set(allowed_uids: object, default: int) -> frozenset[int]:
@@ -282,44 +133,6 @@ def bind_unix(sock: socket.socket, address: str, mode: int, *, backlog: int) -> 
     address = check_socket_path(address)
     dev, ino = _engine().bind_listen(sock.fileno(), address, mode, backlog)  # c/src/listen.c
     return dev, ino
-
-
-def connect_unix(sock: socket.socket, path: str, deadline: float) -> None:
-    """Connect ``sock`` to ``path``, retrying while the listen backlog is full (``EAGAIN``).
-
-    The first attempt is made even when ``deadline`` has passed: a timeout of
-    0 means "do not wait", so a missing or refusing peer still answers with
-    its own error (``ENOENT``, ``ECONNREFUSED``), not a timeout.
-
-    Raises
-    ------
-    UsageError
-        A path no socket can be reached at (:func:`check_socket_path`).
-    TransportTimeoutError
-        The backlog stayed full until ``deadline`` (``ETIMEDOUT``; also a
-        ``TimeoutError``).
-    OSError
-        Any other failure of ``connect``.
-    """
-    path = check_socket_path(path)
-    delay = 0.001
-    tried = False  # one attempt even when the deadline has passed already (timeout=0)
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 and tried:
-            raise TransportTimeoutError(errno.ETIMEDOUT, "the listen backlog stayed full")
-        tried = True
-        sock.settimeout(max(remaining, 0.0))
-        try:
-            sock.connect(path)
-            return
-        except BlockingIOError:
-            pass  # EAGAIN: the backlog is full; try again
-        except OSError as exc:
-            if exc.errno != errno.EAGAIN:
-                raise
-        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-        delay = min(delay * 2, 0.05)
 
 
 def unlink_if_ours(path: str, ident: tuple[int, int]) -> None:
