@@ -233,6 +233,13 @@ def _lines_until(proc: subprocess.Popen[str], want: str) -> list[str]:
             return lines
 
 
+def _tell_close(proc: subprocess.Popen[str]) -> None:
+    """Tell the C publisher (cip_pub_probe) to close: a line on its stdin."""
+    assert proc.stdin is not None
+    proc.stdin.write("close\n")
+    proc.stdin.flush()
+
+
 def _c_publisher(exe: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [exe, *args],
@@ -274,9 +281,7 @@ def test_a_c_publisher_of_the_api_streams_to_python_subscribers(
                 assert seqs == list(range(frames))
                 assert latest_seqs == sorted(set(latest_seqs)) and latest_seqs, latest_seqs
                 out += _lines_until(proc, "published all")
-                assert proc.stdin is not None
-                proc.stdin.write("close\n")
-                proc.stdin.flush()
+                _tell_close(proc)
                 with pytest.raises(EndOfStream):
                     block.recv(BOUND)
                 with pytest.raises(EndOfStream):
@@ -315,9 +320,7 @@ def test_a_forked_child_closing_a_c_publisher_leaves_the_parent_serving(
                 assert os.path.exists(address)
                 with pytest.raises(TimeoutError):
                     sub.recv(0.2)  # no BYE: the child said nothing
-                assert proc.stdin is not None
-                proc.stdin.write("close\n")
-                proc.stdin.flush()
+                _tell_close(proc)
                 with pytest.raises(EndOfStream):
                     sub.recv(BOUND)
             out += proc.communicate(timeout=BOUND)[0].splitlines()
@@ -386,9 +389,7 @@ def test_the_api_publisher_refuses_what_it_cannot_serve(pub_exe: Path, tmp_path:
             assert "CIP_ERR_TRANSPORT a publisher is already listening at" in second.stdout
             with MemfdConsumer(address) as sub:  # the one it waits for
                 _lines_until(proc, "published all")
-                assert proc.stdin is not None
-                proc.stdin.write("close\n")
-                proc.stdin.flush()
+                _tell_close(proc)
                 with pytest.raises(EndOfStream):
                     sub.recv(BOUND)
             out = proc.communicate(timeout=BOUND)[0]
@@ -422,9 +423,7 @@ def test_the_api_publisher_tells_on_leave_who_left_and_takes_its_leases_back(
                 out = _lines_until(proc, "left")
                 assert out[-1] == "left 2 1 block 2 said BYE", out  # as on_join told it
                 out += _lines_until(proc, "published all")
-                assert proc.stdin is not None
-                proc.stdin.write("close\n")
-                proc.stdin.flush()
+                _tell_close(proc)
                 with pytest.raises(EndOfStream):
                     stays.recv(BOUND)
             out += proc.communicate(timeout=BOUND)[0].splitlines()

@@ -422,6 +422,39 @@ def test_socket_many_fds_chunked(memfds: list[int]) -> None:
         _close(fds)
 
 
+def test_the_fd_server_speaks_the_documented_protocol_to_a_hand_built_client(
+    memfds: list[int],
+) -> None:
+    """An independent peer of the engine's server (its client is the engine's too): the
+    request ``FDS1 | u8 len | token`` by hand, the reply read as _fdserver's docstring
+    says: status 0, the count (u32, big-endian), one ``F`` per 250 fds with them attached,
+    then the end; a wrong token: status 2, then the end."""
+    import struct
+
+    with FdServer(memfds, token=TOKEN) as server:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+            c.settimeout(5)
+            c.connect(server.path)
+            c.sendall(b"FDS1" + bytes([len(TOKEN)]) + TOKEN)
+            head = b""
+            while len(head) < 5:
+                head += c.recv(5 - len(head))
+            assert head == b"\x00" + struct.pack("!I", len(memfds))
+            data, fds, _flags, _addr = socket.recv_fds(c, 16, 253)
+            try:
+                assert data == b"F" and len(fds) == len(memfds)
+                assert _read_all(fds) == [_content(i) for i in range(len(memfds))]
+            finally:
+                _close(fds)
+            assert c.recv(16) == b""  # all sent: closed
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+            c.settimeout(5)
+            c.connect(server.path)
+            c.sendall(b"FDS1" + bytes([len(TOKEN)]) + bytes(len(TOKEN)))
+            assert c.recv(16) == b"\x02"  # bad token
+            assert c.recv(16) == b""
+
+
 def test_socket_malformed_clients_do_not_stop_server(memfds: list[int]) -> None:
     with FdServer(memfds, token=TOKEN) as server:
         silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -327,6 +327,38 @@ engine_check_sync_fd(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* ---- a failed call's exception -------------------------------------------------------- */
+
+PyObject *
+cipy_raise(engine_state *es, cip_status st, int err)
+{
+    const char *why = cip_last_error();
+    if (st == CIP_ERR_NO_MEMORY)
+        return PyErr_NoMemory();
+    if (st == CIP_ERR_INVALID_ARGUMENT || st == CIP_ERR_PROTOCOL) {
+        PyErr_SetString(st == CIP_ERR_PROTOCOL ? es->protocol_error : es->usage_error, why);
+        return NULL;
+    }
+    const char *name = st == CIP_ERR_REFUSED   ? "PeerRefusedError"
+                       : st == CIP_ERR_TIMEOUT ? "TransportTimeoutError"
+                                               : "TransportError";
+    PyObject *cls = PyObject_GetAttrString(es->errors, name);
+    if (cls == NULL)
+        return NULL;
+    PyObject *exc = st == CIP_ERR_REFUSED
+                        ? PyObject_CallFunction(cls, "si", why, err ? err : EACCES)
+                        : PyObject_CallFunction(cls, "is",
+                                                err ? err : st == CIP_ERR_TIMEOUT ? ETIMEDOUT
+                                                                                  : EIO,
+                                                why);
+    if (exc != NULL) {
+        PyErr_SetObject(cls, exc);
+        Py_DECREF(exc);
+    }
+    Py_DECREF(cls);
+    return NULL;
+}
+
 /* ---- the sync page ----------------------------------------------------------------- */
 
 static PyObject *
@@ -337,16 +369,8 @@ engine_sync_create(PyObject *module, PyObject *arg)
         return NULL;
     int fd = -1;
     cip_status st = cip_sync_create(nbytes < 0 ? 0 : (size_t)nbytes, &fd);
-    if (st == CIP_ERR_INVALID_ARGUMENT) {
-        PyErr_SetString(state_of(module)->usage_error, cip_last_error());
-        return NULL;
-    }
-    if (st == CIP_ERR_NO_MEMORY)
-        return PyErr_NoMemory();
-    if (st != CIP_OK) {
-        PyErr_SetString(PyExc_OSError, cip_last_error());
-        return NULL;
-    }
+    if (st != CIP_OK)
+        return cipy_raise(state_of(module), st, 0);
     return PyLong_FromLong(fd);
 }
 

@@ -18,6 +18,10 @@ typedef struct {
 
 /* engine.c: add the type of `spec`, bound to `module` (its state), as `name`; 0 or -1 */
 int cipy_add_type(PyObject *module, PyType_Spec *spec, const char *name);
+/* engine.c: the exception of a failed call, its message cip_last_error(); NULL.  UsageError
+ * (CIP_ERR_INVALID_ARGUMENT), ProtocolError, MemoryError, PeerRefusedError(why, err),
+ * TransportTimeoutError(err, why), else TransportError(err, why) (err 0: a default). */
+PyObject *cipy_raise(engine_state *es, cip_status st, int err);
 
 /* frameio.c: the channel's per-frame socket calls, and PROTOCOL, added to the module */
 int cipy_frameio_exec(PyObject *module);
@@ -57,6 +61,10 @@ PyObject *cipy_publisher_fail(engine_state *es, int status);
 /* pubsession.c: a wait's timeout_us (-1: without limit) as ns into *wait_ns (-1 too); -1 with
  * ValueError, naming `call`, for one below -1 */
 int cipy_wait_arg(PyObject *obj, const char *call, long long *wait_ns);
+/* pubsession.c: poll's arguments (timeout_us, spin_ns, settle), checked, for
+ * PublisherSession.poll and Producer.poll; 0, or -1 with an exception */
+int cipy_poll_args(PyObject *const *args, Py_ssize_t nargs, long long *wait_ns, long long *spin_ns,
+                   int *settle);
 /* pubsession.c: a frame's (slot, payload, on_schedule, generation) from args[0..4), the slot
  * checked against book; 0, or -1 with an exception.  The payload is the bytes' own. */
 struct cipy_frame {

@@ -66,9 +66,7 @@ fdserver_init(FdServer *self, PyObject *args, PyObject *kwds)
     cip_status st = cipi_fdserver_new(listener, self->fds, (size_t)nfds, token.buf,
                                       (size_t)token.len, uids, (size_t)nuids, &self->server);
     if (st != CIP_OK) {
-        PyErr_SetString(st == CIP_ERR_INVALID_ARGUMENT ? state(self)->usage_error
-                                                       : state(self)->transport_error,
-                        cip_last_error());
+        cipy_raise(state(self), st, 0);
         goto done;
     }
     rc = 0;
@@ -108,10 +106,9 @@ fdserver_start(FdServer *self, PyObject *Py_UNUSED(arg))
 {
     if (ready(self) < 0)
         return NULL;
-    if (cipi_fdserver_start(self->server) != CIP_OK) {
-        PyErr_SetString(state(self)->transport_error, cip_last_error());
-        return NULL;
-    }
+    cip_status st = cipi_fdserver_start(self->server);
+    if (st != CIP_OK)
+        return cipy_raise(state(self), st, 0);
     Py_RETURN_NONE;
 }
 

@@ -15,28 +15,7 @@
 static PyObject *
 failed(PyObject *module, cip_status st, int err)
 {
-    engine_state *es = (engine_state *)PyModule_GetState(module);
-    if (st == CIP_ERR_INVALID_ARGUMENT) { /* a count, a token or a path out of range */
-        PyErr_SetString(es->usage_error, cip_last_error());
-        return NULL;
-    }
-    if (st == CIP_ERR_NO_MEMORY)
-        return PyErr_NoMemory();
-    const char *name = st == CIP_ERR_REFUSED   ? "PeerRefusedError"
-                       : st == CIP_ERR_TIMEOUT ? "TransportTimeoutError"
-                                               : "TransportError";
-    PyObject *cls = PyObject_GetAttrString(es->errors, name);
-    if (cls == NULL)
-        return NULL;
-    PyObject *exc = st == CIP_ERR_REFUSED
-                        ? PyObject_CallFunction(cls, "si", cip_last_error(), err ? err : EACCES)
-                        : PyObject_CallFunction(cls, "is", err ? err : EIO, cip_last_error());
-    if (exc != NULL) {
-        PyErr_SetObject(cls, exc);
-        Py_DECREF(exc);
-    }
-    Py_DECREF(cls);
-    return NULL;
+    return cipy_raise((engine_state *)PyModule_GetState(module), st, err);
 }
 
 /* -1 for None, else the int (at least 0); 0 or -1 with an exception. */

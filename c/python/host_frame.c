@@ -14,10 +14,7 @@
 static PyObject *
 failed(PyObject *module, cip_status st)
 {
-    engine_state *es = (engine_state *)PyModule_GetState(module);
-    PyErr_SetString(st == CIP_ERR_PROTOCOL ? es->protocol_error : es->usage_error,
-                    cip_last_error());
-    return NULL;
+    return cipy_raise((engine_state *)PyModule_GetState(module), st, 0);
 }
 
 /* obj, a (typestr, shape) pair, into *out (their checks are cip_array_spec_check's); 0 or

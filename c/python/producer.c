@@ -69,14 +69,23 @@ producer_dealloc(Producer *self)
     Py_DECREF(type);
 }
 
+/* 0 once initialised, else -1 with an exception: what the records need (they may be read
+ * at any time). */
+static int
+initialised(Producer *self)
+{
+    if (self->ready)
+        return 0;
+    PyErr_SetString(PyExc_RuntimeError, "Producer is not initialised");
+    return -1;
+}
+
 /* 0 when the producer may be used now, else -1 with an exception. */
 static int
 usable(Producer *self)
 {
-    if (!self->ready) {
-        PyErr_SetString(PyExc_RuntimeError, "Producer is not initialised");
+    if (initialised(self) < 0)
         return -1;
-    }
     if (*self->busy) {
         PyErr_SetString(PyExc_RuntimeError,
                         "the PublisherSession is waiting on another thread (one owner calls it)");
@@ -88,19 +97,13 @@ usable(Producer *self)
 static PyObject *
 producer_poll(Producer *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    long long wait_ns;
-    if (usable(self) < 0 || check_nargs(nargs, 3, "poll(timeout_us, spin_ns, settle)") < 0 ||
-        cipy_wait_arg(args[0], "poll", &wait_ns) < 0)
-        return NULL;
-    long long spin_ns = PyLong_AsLongLong(args[1]);
-    if (spin_ns == -1 && PyErr_Occurred())
-        return NULL;
-    int settle = PyObject_IsTrue(args[2]);
-    if (settle < 0)
+    long long wait_ns, spin_ns;
+    int settle;
+    if (usable(self) < 0 || cipy_poll_args(args, nargs, &wait_ns, &spin_ns, &settle) < 0)
         return NULL;
     uint64_t returned;
     *self->busy = 1;
-    cip_status st = cipi_producer_poll(&self->prod, wait_ns, spin_ns < 0 ? 0 : spin_ns, settle,
+    cip_status st = cipi_producer_poll(&self->prod, wait_ns, spin_ns, settle,
                                        &cipy_gil, &returned);
     *self->busy = 0;
     if (st != CIP_OK)
@@ -218,10 +221,8 @@ producer_stop(Producer *self, PyObject *Py_UNUSED(arg))
 static PyObject *
 producer_subscribers(Producer *self, PyObject *Py_UNUSED(arg))
 {
-    if (!self->ready) {
-        PyErr_SetString(PyExc_RuntimeError, "Producer is not initialised");
+    if (initialised(self) < 0)
         return NULL;
-    }
     const struct cipi_pubwire *w = &self->prod.s->wire;
     PyObject *out = PyList_New(0);
     for (uint32_t i = 0; out != NULL && i < w->n; i++) {
@@ -239,10 +240,8 @@ producer_subscribers(Producer *self, PyObject *Py_UNUSED(arg))
 static PyObject *
 producer_subscriber(Producer *self, PyObject *arg)
 {
-    if (!self->ready) {
-        PyErr_SetString(PyExc_RuntimeError, "Producer is not initialised");
+    if (initialised(self) < 0)
         return NULL;
-    }
     unsigned long sub_id = PyLong_AsUnsignedLong(arg);
     if (sub_id == (unsigned long)-1 && PyErr_Occurred())
         return NULL;

@@ -346,23 +346,31 @@ session_take(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
     return answer(self, st);
 }
 
+int
+cipy_poll_args(PyObject *const *args, Py_ssize_t nargs, long long *wait_ns, long long *spin_ns,
+               int *settle)
+{
+    if (check_nargs(nargs, 3, "poll(timeout_us, spin_ns, settle)") < 0 ||
+        cipy_wait_arg(args[0], "poll", wait_ns) < 0)
+        return -1;
+    *spin_ns = PyLong_AsLongLong(args[1]);
+    if (*spin_ns == -1 && PyErr_Occurred())
+        return -1;
+    if (*spin_ns < 0) {
+        PyErr_Format(PyExc_ValueError, "poll: spin_ns %lld (0 or more)", *spin_ns);
+        return -1;
+    }
+    *settle = PyObject_IsTrue(args[2]);
+    return *settle < 0 ? -1 : 0;
+}
+
 static PyObject *
 session_poll(PublisherSession *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    long long wait_ns;
-    if (usable(self) < 0 || check_nargs(nargs, 3, "poll(timeout_us, spin_ns, settle)") < 0 ||
-        cipy_wait_arg(args[0], "poll", &wait_ns) < 0)
+    long long wait_ns, spin_ns;
+    int settle;
+    if (usable(self) < 0 || cipy_poll_args(args, nargs, &wait_ns, &spin_ns, &settle) < 0)
         return NULL;
-    long long spin_ns = PyLong_AsLongLong(args[1]);
-    if (spin_ns == -1 && PyErr_Occurred())
-        return NULL;
-    int settle = PyObject_IsTrue(args[2]);
-    if (settle < 0)
-        return NULL;
-    if (spin_ns < 0) {
-        PyErr_Format(PyExc_ValueError, "poll: spin_ns %lld (0 or more)", spin_ns);
-        return NULL;
-    }
     self->busy = 1;
     cip_status st = cipi_pubsession_poll(&self->session, wait_ns, spin_ns, settle, &cipy_gil);
     self->busy = 0;

@@ -17,18 +17,7 @@
 static PyObject *
 failed(PyObject *module, cip_status st, int err)
 {
-    engine_state *es = (engine_state *)PyModule_GetState(module);
-    if (st == CIP_ERR_INVALID_ARGUMENT) {
-        PyErr_SetString(es->usage_error, cip_last_error());
-        return NULL;
-    }
-    PyObject *exc = PyObject_CallFunction(es->transport_error, "is", err ? err : EIO,
-                                          cip_last_error());
-    if (exc != NULL) {
-        PyErr_SetObject(es->transport_error, exc);
-        Py_DECREF(exc);
-    }
-    return NULL;
+    return cipy_raise((engine_state *)PyModule_GetState(module), st, err);
 }
 
 static PyObject *

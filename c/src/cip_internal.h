@@ -24,6 +24,7 @@
  *   pidfd.c      what names an exporter (pid, start time, PID namespace) and pidfd_getfd
  *   fetch.c      fetching an exporter's fds: the fd server's client, the choice of transport
  *   fdserver.c   the fd server: serving an exporter's fds over a Unix socket (its thread)
+ *   forked.c     what a child forked while ends are open closes at the fork
  *   host_frame.c frames in host memory: array specs, their place in a slot, the payload
  *   pool.c       pools: attach (import, reserve, map, access), slots, handles, close (no
  *                unmap under queued GPU work)
@@ -339,6 +340,10 @@ struct cip_sub {
 
 /* ---- shared between modules, by the module that defines it ------------------------------ */
 
+/* forked.c: run in_child(end) in every child forked while `end` is watched (it closes the
+ * child's copies of what would hide this process's death); unwatch before `end` goes. */
+CIP_INTERNAL void cipi_fork_watch(void *end, void (*in_child)(void *end));
+CIP_INTERNAL void cipi_fork_unwatch(void *end);
 /* sub_close.c: CIP_OK while `sub` may be used here: open, in the process that opened it */
 CIP_INTERNAL cip_status cipi_sub_usable(const cip_sub *sub);
 /* sub_close.c: a child forked while `sub` is open closes its copy of the socket at the fork

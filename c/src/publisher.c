@@ -18,71 +18,12 @@ struct cip_pub {
     pid_t owner; /* the process that opened it: a child forked from it may not use it */
 };
 
-/* ---- the publishers whose listening sockets a forked child closes at the fork ----------
- * A copy kept open by a long-lived child would keep the socket live after this process
- * died: a connect would be taken by nobody, and a publisher restarted at the path refused.
- * The listener is an int set at open; the list is under `watched_lock`, which the fork's
- * prepare handler holds across the fork.  (The subscribers' sockets, in lists the threads
- * change without that lock, stay open in a child until it closes them or exits.) */
-static pthread_mutex_t watched_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_once_t watched_once = PTHREAD_ONCE_INIT;
-static cip_pub **watched;
-static size_t nwatched, watched_cap;
-
+/* In a child just forked (forked.c): close its copy of the listening socket, which would
+ * keep the path live after this process died (a publisher restarted there refused). */
 static void
-before_fork(void)
+close_listener_in_child(void *pub)
 {
-    pthread_mutex_lock(&watched_lock);
-}
-
-static void
-after_fork_in_parent(void)
-{
-    pthread_mutex_unlock(&watched_lock);
-}
-
-static void
-after_fork_in_child(void)
-{
-    for (size_t i = 0; i < nwatched; i++)
-        cipi_acceptor_close_listener(watched[i]->acc); /* our copy */
-    pthread_mutex_unlock(&watched_lock);
-}
-
-static void
-install_fork_handlers(void)
-{
-    (void)pthread_atfork(before_fork, after_fork_in_parent, after_fork_in_child);
-}
-
-static void
-watch_fork(cip_pub *pub)
-{
-    pthread_once(&watched_once, install_fork_handlers);
-    pthread_mutex_lock(&watched_lock);
-    if (nwatched == watched_cap) {
-        size_t cap = watched_cap ? 2 * watched_cap : 8;
-        cip_pub **grown = realloc(watched, cap * sizeof *grown);
-        if (grown != NULL) {
-            watched = grown;
-            watched_cap = cap;
-        }
-    }
-    if (nwatched < watched_cap) /* (out of memory: a child's copy stays open until it exits) */
-        watched[nwatched++] = pub;
-    pthread_mutex_unlock(&watched_lock);
-}
-
-static void
-unwatch_fork(cip_pub *pub)
-{
-    pthread_mutex_lock(&watched_lock);
-    for (size_t i = 0; i < nwatched; i++)
-        if (watched[i] == pub) {
-            watched[i] = watched[--nwatched];
-            break;
-        }
-    pthread_mutex_unlock(&watched_lock);
+    cipi_acceptor_close_listener(((cip_pub *)pub)->acc);
 }
 
 void
@@ -215,7 +156,7 @@ cip_pub_open_raw(const char *path, const cip_pub_options *opts, const void *payl
     p->on_join = opts->on_join;
     p->on_leave = opts->on_leave;
     p->ctx = opts->ctx;
-    watch_fork(p);
+    cipi_fork_watch(p, close_listener_in_child);
     *out = p;
     return CIP_OK;
 }
@@ -335,7 +276,7 @@ cip_pub_close(cip_pub *pub, int linger_ms)
 {
     if (pub == NULL)
         return CIP_OK;
-    unwatch_fork(pub);
+    cipi_fork_unwatch(pub);
     int all_gone = 0, child = getpid() != pub->owner;
     if (child) {
         /* a child forked from the process that opened it: the subscribers, the socket file

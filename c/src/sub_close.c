@@ -52,73 +52,21 @@ freeze_answers(cip_sub *sub)
     return 0;
 }
 
-/* ---- the subscriptions whose sockets a forked child closes at the fork ------------------
- * A copy kept open by a long-lived child would hide this process's death from the
- * publisher (no hang-up: the frames held stay leased).  The socket is an int set at open and
- * cleared at close, under `watched_lock`, which the fork's prepare handler holds across the
- * fork: the child sees a whole list. */
-static pthread_mutex_t watched_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_once_t watched_once = PTHREAD_ONCE_INIT;
-static cip_sub **watched;
-static size_t nwatched, watched_cap;
-
+/* In a child just forked (forked.c): close its copy of the socket, which would hide this
+ * process's death from the publisher (no hang-up: the frames held stay leased). */
 static void
-before_fork(void)
+close_socket_in_child(void *end)
 {
-    pthread_mutex_lock(&watched_lock);
-}
-
-static void
-after_fork_in_parent(void)
-{
-    pthread_mutex_unlock(&watched_lock);
-}
-
-static void
-after_fork_in_child(void)
-{
-    for (size_t i = 0; i < nwatched; i++)
-        if (watched[i]->sock >= 0) {
-            close(watched[i]->sock); /* our copy: the parent's stays as it is */
-            watched[i]->sock = -1;
-        }
-    pthread_mutex_unlock(&watched_lock);
-}
-
-static void
-install_fork_handlers(void)
-{
-    (void)pthread_atfork(before_fork, after_fork_in_parent, after_fork_in_child);
+    cip_sub *sub = end;
+    if (sub->sock >= 0)
+        close(sub->sock); /* our copy: the parent's stays as it is */
+    sub->sock = -1;
 }
 
 void
 cipi_sub_watch_fork(cip_sub *sub)
 {
-    pthread_once(&watched_once, install_fork_handlers);
-    pthread_mutex_lock(&watched_lock);
-    if (nwatched == watched_cap) {
-        size_t cap = watched_cap ? 2 * watched_cap : 8;
-        cip_sub **grown = realloc(watched, cap * sizeof *grown);
-        if (grown != NULL) {
-            watched = grown;
-            watched_cap = cap;
-        }
-    }
-    if (nwatched < watched_cap) /* (out of memory: a child's copy stays open until it exits) */
-        watched[nwatched++] = sub;
-    pthread_mutex_unlock(&watched_lock);
-}
-
-static void
-unwatch_fork(cip_sub *sub)
-{
-    pthread_mutex_lock(&watched_lock);
-    for (size_t i = 0; i < nwatched; i++)
-        if (watched[i] == sub) {
-            watched[i] = watched[--nwatched];
-            break;
-        }
-    pthread_mutex_unlock(&watched_lock);
+    cipi_fork_watch(sub, close_socket_in_child);
 }
 
 cip_status
@@ -139,7 +87,7 @@ cip_sub_close(cip_sub *sub)
 {
     if (sub == NULL || sub->closed)
         return CIP_OK;
-    unwatch_fork(sub);
+    cipi_fork_unwatch(sub);
     char saved[sizeof cipi_tls_error], why[sizeof cipi_tls_error] = "";
     memcpy(saved, cipi_tls_error, sizeof saved);
     cip_status result = CIP_OK;
